@@ -1,0 +1,420 @@
+"""The asynchronous stage: weight stashing, backward-before-forward scheduling, per-stage updates.
+
+No sockets here.  A ``StageWorker`` owns one stage's weights and optimizer and runs in the node's
+single compute thread.  The event loop hands it arrivals with ``deliver``; it hands back what must
+be sent through an ``emit`` callback.  Stage 0 reads the data and holds the credits that bound the
+micro-batches in flight (``max_inflight``), which bounds both stashed memory and staleness.
+
+Weight stashing (PipeDream): a forward runs on a snapshot of the weights of the current version,
+taken once per version and shared by every micro-batch that used it, so the gradient of micro-batch
+m is the gradient at exactly the weights its forward saw, however many updates happen in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ravq.model import StageSpec
+
+log = logging.getLogger(__name__)
+
+MicroBatch = tuple[int, int]
+
+
+@dataclass(slots=True)
+class Outbound:
+    """A message the stage wants sent: ``kind`` "fwd" or "bwd" to stage ``dest``."""
+
+    kind: str
+    dest: int
+    micro_batch: MicroBatch
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(kw_only=True, slots=True)
+class StageStats:
+    forwards: int = 0
+    backwards: int = 0
+    updates: int = 0
+    samples: int = 0
+    busy_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    loss_last: float | None = None
+    loss_first: float | None = None
+    loss_sum: float = 0.0
+    losses: int = 0
+    started_at: float | None = None
+    inflight: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.started_at if self.started_at else 0.0
+        return {
+            "forwards": self.forwards, "backwards": self.backwards, "updates": self.updates,
+            "samples": self.samples, "busy_s": self.busy_s, "wall_s": wall,
+            "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
+            "staleness_mean": self.staleness_sum / self.backwards if self.backwards else 0.0,
+            "staleness_max": self.staleness_max, "loss": self.loss_last, "loss_first": self.loss_first,
+            "inflight": self.inflight,
+        }
+
+
+@dataclass(kw_only=True, slots=True)
+class StageOptions:
+    steps: int
+    """Micro-batches this cluster trains on."""
+    max_inflight: int
+    update_every: int = 1
+    micro_batch: int = 1
+
+
+@dataclass(slots=True)
+class _Stash:
+    version: int
+    params: dict[str, torch.Tensor]
+    inputs: list[torch.Tensor]
+    outputs: tuple[torch.Tensor, ...]
+
+
+class StageWorker:
+    """One stage's torch state and schedule.  All methods but ``deliver``/``stop`` run in the
+    compute thread."""
+
+    def __init__(self, spec: StageSpec, num_stages: int, optimizer_factory: Callable[..., torch.optim.Optimizer],
+                 loss_fn: Callable[[Any, Any], torch.Tensor], options: StageOptions,
+                 device: torch.device | str = "cpu", batches: Iterator[Any] | None = None,
+                 cluster: int = 0, metrics: Any = None,
+                 model_input_needs: dict[int, list[int]] | None = None) -> None:
+        self.spec, self.num_stages, self.options = spec, num_stages, options
+        self.device = torch.device(device)
+        self.module = spec.module.to(self.device)
+        self.params: dict[str, nn.Parameter] = dict(self.module.named_parameters())
+        self.buffers: dict[str, torch.Tensor] = dict(self.module.named_buffers())
+        self.optimizer = optimizer_factory(self.params.values())
+        self.loss_fn, self.batches, self.cluster, self.metrics = loss_fn, batches, cluster, metrics
+        self.is_first, self.is_last = spec.index == 0, spec.index == num_stages - 1
+        self.model_input_needs = model_input_needs or {}
+        assert not self.is_first or batches is not None, "stage 0 reads the data"
+        self.version = 0
+        self.data_position = 0  # micro-batches stage 0 has taken from its iterator
+        self.stats = StageStats()
+        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._stash: dict[MicroBatch, _Stash] = {}
+        self._pending_staleness: list[int] = []
+        self._accumulated = 0
+        self._forward_parts: OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor]]] = OrderedDict()
+        self._backward_parts: OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor]]] = OrderedDict()
+        self._control: list[Callable[[StageWorker], None]] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._next_seq = 0
+        self.on_update: Callable[[StageWorker], None] | None = None
+        self._fwd_sources = self._forward_sources()
+
+    # ----------------------------------------------------------------- called from the event loop
+    def deliver(self, kind: str, micro_batch: MicroBatch, source: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """Hand over an arrived message; False if it was not expected (dropped by the caller)."""
+        parts = self._forward_parts if kind == "fwd" else self._backward_parts
+        expected = self._fwd_sources if kind == "fwd" else self.spec.consumer_stages
+        with self._cond:
+            if source not in expected or source in parts.get(micro_batch, {}):
+                return False
+            if kind == "bwd" and micro_batch not in self._stash:
+                return False
+            parts.setdefault(micro_batch, {})[source] = tensors
+            self._cond.notify()
+        return True
+
+    def submit(self, fn: Callable[[StageWorker], None]) -> None:
+        """Run ``fn(self)`` in the compute thread before any further forward or backward."""
+        with self._cond:
+            self._control.append(fn)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Stop taking new micro-batches; run() returns once in-flight work is done or on ``abort``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def queue_depths(self) -> dict[str, int]:
+        with self._cond:
+            return {"forward": len(self._forward_parts), "backward": len(self._backward_parts)}
+
+    # ----------------------------------------------------------------- the compute thread
+    @property
+    def done(self) -> bool:
+        return self.stats.backwards >= self.options.steps
+
+    def run(self, emit: Callable[[Outbound], None], should_abort: Callable[[], bool] = lambda: False) -> None:
+        """Work until this stage has finished ``steps`` micro-batches (or was stopped and drained)."""
+        while True:
+            work = self._take(should_abort)
+            if work is None:
+                break
+            t0 = time.monotonic()
+            if self.stats.started_at is None:
+                self.stats.started_at = t0
+            work(emit)
+        self._flush_update()
+
+    def _take(self, should_abort: Callable[[], bool]) -> Callable[[Callable[[Outbound], None]], None] | None:
+        with self._cond:
+            while True:
+                if self._control:
+                    fn = self._control.pop(0)
+                    return lambda emit: fn(self)
+                if should_abort():
+                    return None
+                mb = self._ready(self._backward_parts, self.spec.consumer_stages)
+                if mb is not None:
+                    parts = self._backward_parts.pop(mb)
+                    return lambda emit: self._run_backward(mb, parts, emit)
+                mb = self._ready(self._forward_parts, self._fwd_sources)
+                if mb is not None and not self.is_first:
+                    parts = self._forward_parts.pop(mb)
+                    return lambda emit: self._run_forward(mb, parts, emit)
+                if self.is_first and self._may_start():
+                    return self._run_first_forward
+                if self.done or (self._stopping and not self._stash):
+                    return None
+                self._cond.wait(timeout=0.5)
+
+    def _ready(self, parts: OrderedDict[MicroBatch, dict[int, Any]], sources: list[int]) -> MicroBatch | None:
+        for mb, got in parts.items():
+            if len(got) == len(sources):
+                return mb
+        return None
+
+    def _may_start(self) -> bool:
+        started = self.stats.forwards
+        return (not self._stopping and started < self.options.steps
+                and len(self._stash) < self.options.max_inflight)
+
+    def _forward_sources(self) -> list[int]:
+        sources = set(self.spec.producer_stages)
+        if not self.is_first and (self.spec.model_inputs or self.is_last):
+            sources.add(0)
+        return sorted(sources)
+
+    # ----------------------------------------------------------------- forward / backward
+    def _weights(self) -> dict[str, torch.Tensor]:
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            with torch.no_grad():
+                copies = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+            self._snapshot = (self.version, copies)
+        return self._snapshot[1]
+
+    def _forward(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        weights = self._weights()
+        leaves = [x.detach().to(self.device).requires_grad_(x.is_floating_point() and ref.stage >= 0)
+                  for x, ref in zip(inputs, self.spec.inputs)]
+        with torch.enable_grad():
+            out = functional_call(self.module, {**weights, **self.buffers}, tuple(leaves))
+        outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        self._stash[mb] = _Stash(self.version, weights, leaves, outputs)
+        self.stats.forwards += 1
+        self.stats.inflight = len(self._stash)
+        return outputs
+
+    def _gather_inputs(self, parts: dict[int, dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        args = []
+        for ref in self.spec.inputs:
+            if ref.stage < 0:
+                args.append(parts[0][f"x{ref.index}"])
+            else:
+                args.append(parts[ref.stage][f"o{ref.index}"])
+        return args
+
+    def _run_first_forward(self, emit: Callable[[Outbound], None]) -> None:
+        assert self.batches is not None
+        inputs, targets = next(self.batches)
+        self.data_position += 1
+        inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        mb = (self.cluster, self._next_seq)
+        self._next_seq += 1
+        parts = {0: {f"x{i}": x for i, x in enumerate(inputs)}}
+        if self.is_last:
+            self._run_last(mb, self._gather_inputs(parts), targets, emit)
+            return
+        t0 = time.monotonic()
+        outputs = self._forward(mb, self._gather_inputs(parts))
+        self._account("forward", t0)
+        for dest in self._first_destinations():
+            tensors = {f"o{i}": outputs[i].detach() for i, users in self.spec.consumers.items() if dest in users}
+            tensors.update(self._data_for(dest, inputs, targets))
+            emit(Outbound("fwd", dest, mb, self.version, tensors))
+
+    def _first_destinations(self) -> list[int]:
+        """Stages stage 0 sends to: consumers of its outputs, of model inputs, and the last stage."""
+        return sorted(set(self.spec.consumer_stages) | self._data_readers)
+
+    @property
+    def _data_readers(self) -> set[int]:
+        return {self.num_stages - 1} | set(self.model_input_needs)
+
+    def _data_for(self, dest: int, inputs: tuple[Any, ...], targets: Any) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}
+        for k in self.model_input_needs.get(dest, ()):
+            tensors[f"x{k}"] = inputs[k]
+        if dest == self.num_stages - 1:
+            tgt = targets if isinstance(targets, (tuple, list)) else (targets,)
+            tensors.update({f"t{i}": t for i, t in enumerate(tgt)})
+            if not isinstance(targets, (tuple, list)):
+                tensors["t"] = tensors.pop("t0")
+        return tensors
+
+    def _run_forward(self, mb: MicroBatch, parts: dict[int, dict[str, torch.Tensor]],
+                     emit: Callable[[Outbound], None]) -> None:
+        if self.is_last:
+            self._run_last(mb, self._gather_inputs(parts), _targets(parts[0]), emit)
+            return
+        t0 = time.monotonic()
+        outputs = self._forward(mb, self._gather_inputs(parts))
+        self._account("forward", t0)
+        for dest in self.spec.consumer_stages:
+            tensors = {f"o{i}": outputs[i].detach() for i, users in self.spec.consumers.items() if dest in users}
+            emit(Outbound("fwd", dest, mb, self.version, tensors))
+
+    def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any,
+                  emit: Callable[[Outbound], None]) -> None:
+        t0 = time.monotonic()
+        outputs = self._forward(mb, inputs)
+        stash = self._stash[mb]
+        out = outputs if self.spec.returns_tuple else outputs[0]
+        targets = _to_device(targets, self.device)
+        with torch.enable_grad():
+            loss = self.loss_fn(out, targets)
+        self._account("forward", t0)
+        loss_value = float(loss.detach())
+        self._record_loss(loss_value)
+        t1 = time.monotonic()
+        self._backward_from(mb, stash, [loss], [None], emit)
+        self._account("backward", t1)
+
+    def _run_backward(self, mb: MicroBatch, parts: dict[int, dict[str, torch.Tensor]],
+                      emit: Callable[[Outbound], None]) -> None:
+        t0 = time.monotonic()
+        stash = self._stash[mb]
+        grads: list[torch.Tensor | None] = [None] * len(stash.outputs)
+        for tensors in parts.values():
+            for name, g in tensors.items():
+                i = int(name[1:])
+                g = g.to(self.device)
+                grads[i] = g if grads[i] is None else grads[i] + g
+        pairs = [(o, g) for o, g in zip(stash.outputs, grads) if g is not None and o.requires_grad]
+        self._backward_from(mb, stash, [o for o, _ in pairs], [g for _, g in pairs], emit)
+        self._account("backward", t0)
+
+    def _backward_from(self, mb: MicroBatch, stash: _Stash, roots: list[torch.Tensor],
+                       root_grads: list[torch.Tensor | None], emit: Callable[[Outbound], None]) -> None:
+        weights = [w for w in stash.params.values() if w.requires_grad]
+        grad_inputs = [x for x in stash.inputs if x.requires_grad]
+        if roots:
+            grads = torch.autograd.grad(roots, weights + grad_inputs, root_grads, allow_unused=True)
+        else:
+            grads = (None,) * (len(weights) + len(grad_inputs))
+        del self._stash[mb]
+        self.stats.inflight = len(self._stash)
+        scale = 1.0 / self.options.update_every
+        live = [p for p in self.params.values() if p.requires_grad]
+        for p, g in zip(live, grads[: len(weights)]):
+            if g is None:
+                continue
+            g = g * scale if scale != 1.0 else g
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        self._send_input_grads(mb, stash, dict(zip(map(id, grad_inputs), grads[len(weights):])), emit)
+        self.stats.backwards += 1
+        self.stats.samples += self.options.micro_batch
+        self._pending_staleness.append(stash.version)
+        self._accumulated += 1
+        if self._accumulated >= self.options.update_every:
+            self._step()
+
+    def _send_input_grads(self, mb: MicroBatch, stash: _Stash, grad_of: dict[int, torch.Tensor | None],
+                          emit: Callable[[Outbound], None]) -> None:
+        per_producer: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.spec.producer_stages}
+        for x, ref in zip(stash.inputs, self.spec.inputs):
+            if ref.stage < 0:
+                continue
+            g = grad_of.get(id(x))
+            if g is not None:
+                name = f"g{ref.index}"
+                prev = per_producer[ref.stage].get(name)
+                per_producer[ref.stage][name] = g if prev is None else prev + g
+        for producer, tensors in per_producer.items():
+            emit(Outbound("bwd", producer, mb, self.version, tensors))
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        self.stats.updates += 1
+        for used in self._pending_staleness:
+            staleness = self.version - 1 - used
+            self.stats.staleness_sum += staleness
+            self.stats.staleness_max = max(self.stats.staleness_max, staleness)
+            if self.metrics is not None:
+                self.metrics.staleness.observe(staleness)
+        self._pending_staleness.clear()
+        self._accumulated = 0
+        if self.metrics is not None:
+            self.metrics.version.set(self.version)
+        if self.on_update is not None:
+            self.on_update(self)
+
+    def _flush_update(self) -> None:
+        if self._accumulated:
+            self._step()
+
+    def _record_loss(self, value: float) -> None:
+        s = self.stats
+        s.loss_last = value
+        s.loss_first = value if s.loss_first is None else s.loss_first
+        s.loss_sum += value
+        s.losses += 1
+        if self.metrics is not None:
+            self.metrics.loss.set(value)
+            self.metrics.losses.inc(value)
+
+    def _account(self, phase: str, t0: float) -> None:
+        dt = time.monotonic() - t0
+        self.stats.busy_s += dt
+        if phase == "forward":
+            self.stats.forward_s += dt
+        else:
+            self.stats.backward_s += dt
+        if self.metrics is not None:
+            self.metrics.compute_seconds.labels(phase).observe(dt)
+            self.metrics.busy_seconds.inc(dt)
+            self.metrics.inflight.set(len(self._stash))
+
+
+def _targets(tensors: dict[str, torch.Tensor]) -> Any:
+    if "t" in tensors:
+        return tensors["t"]
+    return tuple(tensors[f"t{i}"] for i in range(sum(1 for k in tensors if k.startswith("t"))))
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return type(value)(v.to(device) for v in value)
+
+
+def model_input_needs(specs: list[StageSpec]) -> dict[int, list[int]]:
+    """Stage index -> the model inputs it reads directly (sent to it by stage 0)."""
+    return {s.index: s.model_inputs for s in specs if s.index > 0 and s.model_inputs}

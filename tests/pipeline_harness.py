@@ -1,0 +1,79 @@
+"""Runs one cluster's StageWorkers in threads, joined by in-memory delivery instead of sockets."""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ravq.model import build_task_model, candidate_cuts, even_cuts, split_model
+from ravq.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
+
+
+def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int, micro_batch: int = 4,
+                 seed: int = 0, update_every: int = 1, cluster: int = 0,
+                 num_clusters: int = 1) -> list[StageWorker]:
+    model = build_task_model(task, seed)
+    cuts = even_cuts(candidate_cuts(model, task), stages)
+    specs = split_model(model, task.example_inputs(micro_batch), cuts)
+    needs = model_input_needs(specs)
+    opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch)
+    batches = task.train_batches(micro_batch, cluster, num_clusters, seed)
+    return [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
+                        batches=batches if spec.index == 0 else None, cluster=cluster,
+                        model_input_needs=needs) for spec in specs]
+
+
+def run_workers(workers: list[StageWorker], timeout_s: float = 60.0) -> None:
+    def emit_from(src: int):
+        def emit(out: Outbound) -> None:
+            # clone: like the wire, the receiver gets its own copy
+            tensors = {k: v.detach().clone() for k, v in out.tensors.items()}
+            assert workers[out.dest].deliver(out.kind, out.micro_batch, src, tensors)
+        return emit
+
+    errors: list[BaseException] = []
+
+    def body(w: StageWorker) -> None:
+        try:
+            w.run(emit_from(w.spec.index))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(err)
+            for other in workers:
+                other.stop()
+
+    threads = [threading.Thread(target=body, args=(w,), daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "pipeline did not finish"
+
+
+def merged_state(workers: list[StageWorker]) -> dict[str, torch.Tensor]:
+    state: dict[str, Any] = {}
+    for w in workers:
+        state.update(w.module.state_dict())
+    return state
+
+
+def train_one_process(task: ModuleType, *, steps: int, micro_batch: int = 4, seed: int = 0,
+                      shards: int = 1) -> dict[str, torch.Tensor]:
+    """Reference: the unsplit model; with shards > 1 each step uses one micro-batch per shard and the
+    mean of their losses (what synchronous data parallelism computes)."""
+    model = build_task_model(task, seed)
+    opt = task.make_optimizer(model.parameters())
+    streams = [task.train_batches(micro_batch, s, shards, seed) for s in range(shards)]
+    for _ in range(steps):
+        opt.zero_grad()
+        losses = []
+        for stream in streams:
+            inputs, targets = next(stream)
+            losses.append(task.loss_fn(model(*inputs), targets))
+        torch.stack(losses).mean().backward()
+        opt.step()
+    return model.state_dict()
