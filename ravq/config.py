@@ -6,10 +6,11 @@ unknown fields so a typo (``micro_bach``) is an error instead of a silently igno
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,9 +21,19 @@ Port = int
 class ConfigError(ValueError):
     """A topology the user got wrong; ``str()`` is one line naming the field and the problem."""
 
+    def __init__(self, message: str) -> None:
+        # One line, whatever a library's message looked like: CLIs print it as-is on stderr.
+        super().__init__(" ".join(str(message).split()))
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class _UserConfig(_Strict):
+    # What a user types gets strict types: `steps: true` or `pipeline_port: "5555"` is a mistake,
+    # not something to coerce to 1 or 5555.  (ints are still accepted where floats are expected.)
+    model_config = ConfigDict(strict=True)
 
 
 def _check_port(value: int) -> int:
@@ -31,7 +42,7 @@ def _check_port(value: int) -> int:
     return value
 
 
-class TrainingConfig(_Strict):
+class TrainingConfig(_UserConfig):
     micro_batch: int = Field(16, ge=1)
     """Samples per micro-batch."""
     steps: int = Field(200, ge=1)
@@ -54,7 +65,7 @@ class TrainingConfig(_Strict):
     """Resume every stage from the newest checkpoint in checkpoint_dir."""
 
 
-class TimeoutConfig(_Strict):
+class TimeoutConfig(_UserConfig):
     connect_s: float = Field(60.0, gt=0)
     """How long a node waits for the broker's plan and its cluster's peers at start."""
     request_s: float = Field(5.0, gt=0)
@@ -69,7 +80,7 @@ class TimeoutConfig(_Strict):
     """Interval of node heartbeats (with live statistics) to the broker."""
 
 
-class LimitConfig(_Strict):
+class LimitConfig(_UserConfig):
     max_message_bytes: int = Field(1 << 30, ge=1024)
     """ZMQ_MAXMSGSIZE: the largest single frame a socket accepts."""
     max_header_bytes: int = Field(64 << 10, ge=256)
@@ -78,8 +89,8 @@ class LimitConfig(_Strict):
     """Most frames accepted in one message."""
 
 
-class BrokerConfig(_Strict):
-    host: str = "127.0.0.1"
+class BrokerConfig(_UserConfig):
+    host: str = Field("127.0.0.1", min_length=1)
     """Address the broker binds and nodes connect to."""
     pub_port: Port
     """PUB socket: plan and membership updates."""
@@ -93,14 +104,15 @@ class BrokerConfig(_Strict):
     _ports = field_validator("pub_port", "router_port", "metrics_port")(
         lambda v: v if v is None else _check_port(v)
     )
+    _key = field_validator("public_key")(lambda v: _check_key(v))
 
 
-class NodeConfig(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    """Unique node name."""
-    host: str = "127.0.0.1"
+class NodeConfig(_UserConfig):
+    name: str
+    """Unique node name: 1-64 letters, digits, '_', '.' or '-' (it names files and systemd units)."""
+    host: str = Field("127.0.0.1", min_length=1)
     """Address other nodes use to reach this node."""
-    bind_host: str | None = None
+    bind_host: str | None = Field(None, min_length=1)
     """Address to bind (default: host)."""
     pipeline_port: Port
     """ROUTER for activations, gradients and targets."""
@@ -127,6 +139,13 @@ class NodeConfig(_Strict):
         lambda v: v if v is None else _check_port(v)
     )
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
+            raise ValueError(f"name must be 1-64 letters, digits, '_', '.' or '-', got {v!r}")
+        return v
+
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
@@ -134,26 +153,29 @@ class NodeConfig(_Strict):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {v!r}")
         return v
 
-    @field_validator("public_key")
-    @classmethod
-    def _key(cls, v: str | None) -> str | None:
-        if v is not None and not _is_z85_key(v):
-            raise ValueError("public_key must be a 40-character Z85 CURVE key from `ravq keygen`")
-        return v
+    _key = field_validator("public_key")(lambda v: _check_key(v))
+
+
+def _check_key(v: str | None) -> str | None:
+    if v is not None and not _is_z85_key(v):
+        # Never echo the value: a secret key pasted here by mistake must not end up in logs.
+        got = f"{len(v)} characters" if len(v) != 40 else "characters outside the Z85 alphabet"
+        raise ValueError(f"must be a 40-character Z85 CURVE public key from `ravq keygen` (got {got})")
+    return v
 
 
 def _is_z85_key(v: str) -> bool:
     return len(v) == 40 and re.fullmatch(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}", v) is not None
 
 
-class SecurityConfig(_Strict):
+class SecurityConfig(_UserConfig):
     curve: bool = False
     """Encrypt and authenticate every socket with CURVE; requires public_key on broker and nodes."""
     key_dir: str | None = None
     """Directory holding NAME.key_secret files (from `ravq keygen`)."""
 
 
-class Topology(_Strict):
+class Topology(_UserConfig):
     task: str
     """Importable module (or module:attribute) offering the task interface."""
     seed: int = 0
@@ -182,9 +204,7 @@ class Topology(_Strict):
                 port = getattr(node, field)
                 if port is not None:
                     _claim(endpoints, (node.host, port), f"nodes[{i}].{field}")
-        clustered = [n.cluster is not None for n in self.nodes]
-        if any(clustered) and not all(clustered):
-            raise ValueError("nodes: set 'cluster' on every node or on none (then the planner chooses)")
+        _check_clusters(self.nodes)
         if self.security.curve:
             if self.broker.public_key is None:
                 raise ValueError("broker.public_key: required when security.curve is true")
@@ -201,33 +221,74 @@ class Topology(_Strict):
                           f"{', '.join(n.name for n in self.nodes)})")
 
 
+def _check_clusters(nodes: list[NodeConfig]) -> None:
+    with_cluster = [i for i, n in enumerate(nodes) if n.cluster is not None]
+    if with_cluster and len(with_cluster) < len(nodes):
+        i = next(i for i, n in enumerate(nodes) if n.cluster is None)
+        raise ValueError(f"nodes[{i}].cluster: missing, but nodes[{with_cluster[0]}] sets one; "
+                         "set 'cluster' on every node or on none (then the planner chooses)")
+    positions: dict[tuple[int, int], int] = {}
+    for i, node in enumerate(nodes):
+        if node.cluster is None or node.stage is None:
+            continue
+        key = (node.cluster, node.stage)
+        if key in positions:
+            raise ValueError(f"nodes[{i}].stage: stage {node.stage} of cluster {node.cluster} "
+                             f"is already taken by nodes[{positions[key]}]")
+        positions[key] = i
+
+
 def _claim(seen: dict[tuple[str, int], str], endpoint: tuple[str, int], field: str) -> None:
     if endpoint in seen:
         raise ValueError(f"{field}: port {endpoint[1]} on {endpoint[0]} is already used by {seen[endpoint]}")
     seen[endpoint] = field
 
 
-def _format_error(err: ValidationError) -> str:
-    first = err.errors()[0]
+def _format_error(err: ValidationError, root: type[BaseModel]) -> str:
+    errors = err.errors()
+    # A misspelt field is also reported missing under its real name: name the misspelling first.
+    first = min(errors, key=lambda e: e["type"] != "extra_forbidden")
     loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in first["loc"]).replace(".[", "[")
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        msg = "unknown field (typo?)"
+        msg = "unknown field" + _did_you_mean(root, first["loc"])
     elif first["type"] == "missing":
         msg = "required field is missing"
     elif "input" in first and first["type"] not in ("value_error",):
-        msg = f"{msg} (got {first['input']!r})"
+        msg = f"{msg} (got {_short_repr(first['input'])})"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more problem(s))"
     return f"{loc}: {msg}" if loc else msg
+
+
+def _did_you_mean(root: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    model: type[BaseModel] | None = root
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue  # a list index: the list's item model was taken at the field before it
+        field = model.model_fields.get(part)
+        candidates = (field.annotation, *get_args(field.annotation)) if field is not None else ()
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1) if model else []
+    return f" (did you mean {close[0]!r}?)" if close else " (typo?)"
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_topology(data: Any, source: str = "topology") -> Topology:
     """Validate already-parsed YAML/JSON data; raise ConfigError with one line on failure."""
+    if data is None:
+        raise ConfigError(f"{source}: empty document; expected a mapping with task, broker and nodes")
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping at top level, got {type(data).__name__}")
+        raise ConfigError(f"{source}: expected a mapping (task, broker, nodes, ...) at top level, "
+                          f"got {type(data).__name__}")
     try:
         topo = Topology.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"{source}: {_format_error(err)}") from None
+        raise ConfigError(f"{source}: {_format_error(err, Topology)}") from None
     try:
         resolve_task_module(topo.task)
     except ConfigError as err:
@@ -238,28 +299,67 @@ def parse_topology(data: Any, source: str = "topology") -> Topology:
 def load_topology(path: str | Path) -> Topology:
     """Read and validate a topology YAML file."""
     path = Path(path)
+    return parse_topology(_read_yaml(path), str(path))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping; plain YAML silently keeps the last."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str | int | float | bool):
+                continue  # unhashable keys are left to SafeLoader's own error
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> Any:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: cannot read: {err}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a file") from None
+    except UnicodeDecodeError as err:
+        line = err.object[: err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 text: byte {err.object[err.start]:#04x} at line {line}") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', err)}") from None
-    return parse_topology(data, str(path))
+        raise ConfigError(f"{path}: {_yaml_problem(err)}") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err)
+    context = getattr(err, "context", None)
+    if context and problem.startswith("but "):  # "expected a single document ..., but found another"
+        problem = f"{context}, {problem}"
+    return f"not valid YAML{where}: {problem}"
 
 
 def resolve_task_module(spec: str) -> Any:
     """Import ``module`` or ``module:attr`` and check it offers the task interface."""
-    module_name, _, attr = spec.partition(":")
+    module_name, colon, attr = spec.partition(":")
+    if not module_name or module_name.startswith(".") or (colon and not attr):
+        raise ConfigError(f"{spec!r} is not an absolute module name or module:attribute")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(f"cannot import task module {module_name!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - user code: any failure at import is the user's to fix
+        raise ConfigError(f"task module {module_name!r} failed to import: "
+                          f"{type(err).__name__}: {err}") from None
     if attr:
         try:
             obj = getattr(obj, attr)
@@ -308,15 +408,10 @@ class Plan(_Strict):
 
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"{path}: cannot read plan: {err}") from None
+    data = _read_yaml(path)
     if isinstance(data, dict) and "plan" in data:
         data = data["plan"]
     try:
         return Plan.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"{path}: {_format_error(err)}") from None
+        raise ConfigError(f"{path}: {_format_error(err, Plan)}") from None

@@ -136,3 +136,21 @@ def build_task_model(task: Any, seed: int) -> nn.Module:
     """The task's model with the weights every cluster starts from."""
     torch.manual_seed(seed)
     return task.build_model()
+
+
+TensorSpec = tuple[torch.Size, torch.dtype]
+
+
+def stage_input_specs(specs: list[StageSpec], example_args: tuple[Any, ...]) -> list[list[TensorSpec]]:
+    """Shape and dtype of every stage input, from one no-grad pass over the example inputs.
+
+    Nodes use these to reject a well-formed message whose tensors do not fit before torch sees it."""
+    outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+    result = []
+    with torch.no_grad():
+        for spec in specs:
+            args = [example_args[r.index] if r.stage < 0 else outputs[r.stage][r.index] for r in spec.inputs]
+            result.append([(a.shape, a.dtype) for a in args])
+            out = spec.module(*args)
+            outputs[spec.index] = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return result

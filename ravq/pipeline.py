@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,12 @@ from ravq.model import StageSpec
 log = logging.getLogger(__name__)
 
 MicroBatch = tuple[int, int]
+LOSS_WINDOW = 10
+
+
+def _mean(values: Any) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
 
 
 @dataclass(slots=True)
@@ -59,6 +65,9 @@ class StageStats:
     losses: int = 0
     started_at: float | None = None
     inflight: int = 0
+    loss_head: list[float] = field(default_factory=list)
+    """The first LOSS_WINDOW losses (for a steadier initial loss than one micro-batch)."""
+    loss_tail: deque[float] = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
 
     def snapshot(self) -> dict[str, Any]:
         wall = time.monotonic() - self.started_at if self.started_at else 0.0
@@ -68,6 +77,7 @@ class StageStats:
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
             "staleness_mean": self.staleness_sum / self.backwards if self.backwards else 0.0,
             "staleness_max": self.staleness_max, "loss": self.loss_last, "loss_first": self.loss_first,
+            "loss_initial": _mean(self.loss_head), "loss_recent": _mean(self.loss_tail),
             "inflight": self.inflight,
         }
 
@@ -97,7 +107,9 @@ class StageWorker:
                  loss_fn: Callable[[Any, Any], torch.Tensor], options: StageOptions,
                  device: torch.device | str = "cpu", batches: Iterator[Any] | None = None,
                  cluster: int = 0, metrics: Any = None,
-                 model_input_needs: dict[int, list[int]] | None = None) -> None:
+                 model_input_needs: dict[int, list[int]] | None = None,
+                 input_specs: list[tuple[torch.Size, torch.dtype]] | None = None,
+                 target_example: Any = None) -> None:
         self.spec, self.num_stages, self.options = spec, num_stages, options
         self.device = torch.device(device)
         self.module = spec.module.to(self.device)
@@ -123,20 +135,53 @@ class StageWorker:
         self._next_seq = 0
         self.on_update: Callable[[StageWorker], None] | None = None
         self._fwd_sources = self._forward_sources()
+        self._expected_fwd = self._expected_forward(input_specs, target_example)
 
     # ----------------------------------------------------------------- called from the event loop
-    def deliver(self, kind: str, micro_batch: MicroBatch, source: int, tensors: dict[str, torch.Tensor]) -> bool:
-        """Hand over an arrived message; False if it was not expected (dropped by the caller)."""
-        parts = self._forward_parts if kind == "fwd" else self._backward_parts
-        expected = self._fwd_sources if kind == "fwd" else self.spec.consumer_stages
+    def deliver(self, kind: str, micro_batch: MicroBatch, source: int,
+                tensors: dict[str, torch.Tensor]) -> str | None:
+        """Hand over an arrived message.  Returns None if accepted, else why it was refused (the
+        caller counts and drops it): nothing unexpected ever reaches torch."""
+        forward = kind == "fwd"
+        parts = self._forward_parts if forward else self._backward_parts
+        sources = self._fwd_sources if forward else self.spec.consumer_stages
         with self._cond:
-            if source not in expected or source in parts.get(micro_batch, {}):
-                return False
-            if kind == "bwd" and micro_batch not in self._stash:
-                return False
+            if source not in sources:
+                return "unexpected_source"
+            if source in parts.get(micro_batch, {}):
+                return "duplicate"
+            if forward:
+                if micro_batch in self._stash or micro_batch[0] != self.cluster:
+                    return "unexpected_micro_batch"
+                reason = _check_tensors(tensors, self._expected_fwd.get(source, {}), exact=True)
+            else:
+                stash = self._stash.get(micro_batch)
+                if stash is None:
+                    return "unexpected_micro_batch"
+                allowed = {f"g{i}": (stash.outputs[i].shape, stash.outputs[i].dtype)
+                           for i, users in self.spec.consumers.items() if source in users}
+                reason = _check_tensors(tensors, allowed, exact=False)
+            if reason is not None:
+                return reason
+            if len(parts) >= 4 * self.options.max_inflight + 4:
+                return "queue_full"
             parts.setdefault(micro_batch, {})[source] = tensors
             self._cond.notify()
-        return True
+        return None
+
+    def _expected_forward(self, input_specs: list[tuple[torch.Size, torch.dtype]] | None,
+                          target_example: Any) -> dict[int, dict[str, tuple[torch.Size, torch.dtype]]]:
+        expected: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {s: {} for s in self._fwd_sources}
+        if input_specs is None:
+            return {}
+        for ref, spec in zip(self.spec.inputs, input_specs):
+            name = f"x{ref.index}" if ref.stage < 0 else f"o{ref.index}"
+            expected.setdefault(max(ref.stage, 0), {})[name] = spec
+        if self.is_last and not self.is_first and target_example is not None:
+            targets = target_example if isinstance(target_example, (tuple, list)) else (target_example,)
+            names = ["t"] if not isinstance(target_example, (tuple, list)) else [f"t{i}" for i in range(len(targets))]
+            expected[0].update({n: (t.shape, t.dtype) for n, t in zip(names, targets)})
+        return expected
 
     def submit(self, fn: Callable[[StageWorker], None]) -> None:
         """Run ``fn(self)`` in the compute thread before any further forward or backward."""
@@ -386,6 +431,9 @@ class StageWorker:
         s.loss_first = value if s.loss_first is None else s.loss_first
         s.loss_sum += value
         s.losses += 1
+        if len(s.loss_head) < LOSS_WINDOW:
+            s.loss_head.append(value)
+        s.loss_tail.append(value)
         if self.metrics is not None:
             self.metrics.loss.set(value)
             self.metrics.losses.inc(value)
@@ -401,6 +449,19 @@ class StageWorker:
             self.metrics.compute_seconds.labels(phase).observe(dt)
             self.metrics.busy_seconds.inc(dt)
             self.metrics.inflight.set(len(self._stash))
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[torch.Size, torch.dtype]],
+                   exact: bool) -> str | None:
+    if exact and set(tensors) != set(expected):
+        return "unexpected_tensors"
+    for name, t in tensors.items():
+        want = expected.get(name)
+        if want is None:
+            return "unexpected_tensors"
+        if t.shape != want[0] or t.dtype != want[1]:
+            return "bad_tensor_shape"
+    return None
 
 
 def _targets(tensors: dict[str, torch.Tensor]) -> Any:

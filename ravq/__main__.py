@@ -1,0 +1,5 @@
+import sys
+
+from ravq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,203 @@
+"""The ``ravq`` command: parse, build, run, clean up.  User errors are one line and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ravq.config import ClusterPlan, ConfigError, Plan, Topology, load_plan, load_topology
+
+log = logging.getLogger("ravq")
+
+EXIT_USAGE = 2
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def plan_for(topology: Topology, plan_path: str | None) -> Plan:
+    """The plan to run: a planner's file when given, else the topology's clusters split evenly."""
+    if plan_path:
+        plan = load_plan(plan_path)
+        names = {n.name for n in topology.nodes}
+        for cluster in plan.clusters:
+            for node in cluster.nodes:
+                if node not in names:
+                    raise ConfigError(f"{plan_path}: plan names node {node!r} that the topology lacks")
+        return plan
+    if any(n.cluster is None for n in topology.nodes):
+        raise ConfigError("nodes: no node sets 'cluster'; set clusters in the topology or run "
+                          "`ravq plan` and pass --plan")
+    from ravq.config import resolve_task_module
+    from ravq.model import build_task_model, candidate_cuts, even_cuts
+
+    task = resolve_task_module(topology.task)
+    if callable(getattr(task, "split_points", None)):
+        candidates = list(task.split_points())
+    else:
+        candidates = candidate_cuts(build_task_model(task, topology.seed), task)
+    clusters: dict[int, list[tuple[int, int, str]]] = {}
+    for i, n in enumerate(topology.nodes):
+        assert n.cluster is not None
+        clusters.setdefault(n.cluster, []).append((n.stage if n.stage is not None else i, i, n.name))
+    ordered = [[name for _, _, name in sorted(members)] for _, members in sorted(clusters.items())]
+    for nodes in ordered:
+        try:
+            even_cuts(candidates, len(nodes))
+        except ValueError as err:
+            raise ConfigError(f"nodes: a cluster of {len(nodes)} nodes: {err}") from None
+    return Plan(clusters=[ClusterPlan(nodes=nodes, cuts=even_cuts(candidates, len(nodes))) for nodes in ordered])
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from brokers.topology import run_broker
+    from ravq.metrics import Metrics
+    from ravq.transport import SocketOptions
+    from ravq.transport import install_uvloop
+
+    topology = load_topology(args.topology)
+    plan = plan_for(topology, args.plan)
+    metrics = Metrics("broker")
+    if topology.broker.metrics_port is not None:
+        metrics.serve(topology.broker.metrics_port, topology.broker.host)
+    install_uvloop()
+    run_broker(topology, plan, metrics, SocketOptions(max_message_bytes=topology.limits.max_message_bytes))
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from ravq.node import NodeOptions, run_node
+    from ravq.transport import install_uvloop
+
+    topology = load_topology(args.topology)
+    topology.node(args.name)
+    install_uvloop()
+    options = NodeOptions(summary_path=args.summary, threads=args.threads, key_dir=args.key_dir)
+    asyncio.run(run_node(topology, args.name, options))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ravq.checkpoint import export_cluster
+
+    try:
+        info = export_cluster(args.checkpoint_dir, args.out, args.cluster)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    print(f"wrote {args.out}: cluster {info['cluster']}, {info['stages']} stages, {info['tensors']} tensors, "
+          f"stage versions {info['versions']}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ravq.status import fetch_status, format_status
+
+    topology = load_topology(args.topology)
+    status = asyncio.run(fetch_status(topology, args.timeout, args.key_dir))
+    print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from ravq.security import keygen_main
+
+    return keygen_main(args.name, args.key_dir)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ravq.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ravq.profile import profile_main
+
+    return profile_main(args.topology, args.name, args.out, args.peers_wait)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ravq.profile import plan_main
+
+    return plan_main(args.topology, args.profiles, args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ravq", description="Train one model on many unequal PCs.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="a local swarm training a built-in task (no file needed)")
+    from ravq.demo import add_demo_arguments
+    add_demo_arguments(d)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("broker", help="run the topology broker")
+    b.add_argument("--topology", required=True)
+    b.add_argument("--plan", help="plan YAML from `ravq plan` (default: the topology's clusters, even split)")
+    b.add_argument("--key-dir", help="directory with broker.key_secret (CURVE)")
+    b.set_defaults(func=cmd_broker)
+
+    n = sub.add_parser("node", help="run one node")
+    n.add_argument("--topology", required=True)
+    n.add_argument("--name", required=True)
+    n.add_argument("--summary", help="write this node's JSON summary here at exit")
+    n.add_argument("--threads", type=int, help="torch threads for the compute thread")
+    n.add_argument("--key-dir", help="directory with NAME.key_secret (CURVE)")
+    n.set_defaults(func=cmd_node)
+
+    e = sub.add_parser("export", help="merge a cluster's stage checkpoints into one model file")
+    e.add_argument("--checkpoint-dir", required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--cluster", type=int, default=0)
+    e.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("status", help="ask the broker for membership and live statistics")
+    s.add_argument("--topology", required=True)
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--key-dir")
+    s.set_defaults(func=cmd_status)
+
+    k = sub.add_parser("keygen", help="make a CURVE key pair for a node or the broker")
+    k.add_argument("name")
+    k.add_argument("--key-dir", default=".")
+    k.set_defaults(func=cmd_keygen)
+
+    pr = sub.add_parser("profile", help="measure this node and its links")
+    pr.add_argument("--topology", required=True)
+    pr.add_argument("--name", required=True)
+    pr.add_argument("--out", default=".", help="directory for profile-NAME.json")
+    pr.add_argument("--peers-wait", type=float, default=60.0)
+    pr.set_defaults(func=cmd_profile)
+
+    pl = sub.add_parser("plan", help="choose clusters, stage order and cut points from profiles")
+    pl.add_argument("--topology", required=True)
+    pl.add_argument("--profiles", default=".", help="directory with profile-*.json")
+    pl.add_argument("--out", required=True)
+    pl.set_defaults(func=cmd_plan)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ConfigError as err:
+        print(f"ravq {args.command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

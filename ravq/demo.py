@@ -1,0 +1,194 @@
+"""`ravq demo`: a broker and a local swarm of node processes training a built-in task.
+
+Picks free local ports, writes a topology into a run directory, starts one process per node (each
+dies with the demo: PR_SET_PDEATHSIG), shows live progress from the broker's status, and prints a
+summary.  ``--report FILE`` writes the summary as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ravq.config import ConfigError, parse_topology
+
+DEFAULT_TASK = "ravq.tasks.charlm"
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clusters", type=int, default=2, help="clusters (data-parallel copies)")
+    p.add_argument("--stages", type=int, default=2, help="stages (nodes) per cluster")
+    p.add_argument("--steps", type=int, default=300, help="micro-batches each cluster trains on")
+    p.add_argument("--task", default=DEFAULT_TASK, help="importable task module")
+    p.add_argument("--max-inflight", type=int, default=None, help="default: number of stages")
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--sync-every", type=int, default=10, help="optimizer steps between averaging rounds")
+    p.add_argument("--update-every", type=int, default=1)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", default=None, help="write a JSON report here")
+    p.add_argument("--run-dir", default=None, help="where logs, topology and summaries go (default: a temp dir)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per node process")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    p.add_argument("--no-curve", action="store_true", help="plaintext sockets (default: fresh CURVE keys)")
+    p.add_argument("--quiet", action="store_true", help="no live display")
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free TCP ports on 127.0.0.1 (held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def demo_topology(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    if args.clusters < 1 or args.stages < 1:
+        raise ConfigError("--clusters and --stages must be at least 1")
+    n = args.clusters * args.stages
+    ports = iter(free_ports(3 + 3 * n))
+    nodes = []
+    for c in range(args.clusters):
+        for s in range(args.stages):
+            nodes.append({"name": f"c{c}s{s}", "host": "127.0.0.1", "pipeline_port": next(ports),
+                          "ring_port": next(ports), "metrics_port": next(ports), "cluster": c, "stage": s})
+    training: dict[str, Any] = {
+        "micro_batch": args.micro_batch, "steps": args.steps, "max_inflight": args.max_inflight,
+        "update_every": args.update_every, "sync_every": args.sync_every,
+        "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
+    }
+    return {"task": args.task, "seed": args.seed, "training": training,
+            "timeouts": {"connect_s": 120.0, "ring_step_s": 30.0, "drain_s": 15.0},
+            "broker": {"host": "127.0.0.1", "pub_port": next(ports), "router_port": next(ports),
+                       "metrics_port": next(ports)},
+            "nodes": nodes}
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the demo process dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    log = open(log_path, "wb")
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    return subprocess.Popen([sys.executable, "-m", "ravq", *argv], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, preexec_fn=preexec)
+
+
+class Swarm:
+    """The demo's child processes; stop() ends them all, politely first."""
+
+    def __init__(self, run_dir: Path, topo_path: Path, topology: dict[str, Any], threads: int,
+                 key_dir: Path | None) -> None:
+        self.run_dir, self.topo_path, self.topology = run_dir, topo_path, topology
+        keys = ["--key-dir", str(key_dir)] if key_dir else []
+        self.broker = _spawn(["broker", "--topology", str(topo_path), *keys], run_dir / "broker.log")
+        self.nodes: dict[str, subprocess.Popen[bytes]] = {}
+        for node in topology["nodes"]:
+            name = node["name"]
+            self.nodes[name] = _spawn(["node", "--topology", str(topo_path), "--name", name, "--threads",
+                                       str(threads), "--summary", str(run_dir / f"summary-{name}.json"), *keys],
+                                      run_dir / f"{name}.log")
+
+    def running(self) -> list[str]:
+        return [n for n, p in self.nodes.items() if p.poll() is None]
+
+    def failed(self) -> list[str]:
+        return [n for n, p in self.nodes.items() if p.poll() not in (None, 0)]
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        procs = [*self.nodes.values(), self.broker]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        text = (self.run_dir / f"{name}.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from ravq.demo_view import LiveView, summarize
+
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="ravq-demo-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = demo_topology(args, run_dir)
+    key_dir = None if args.no_curve else _make_keys(data, run_dir)
+    parse_topology(data, "demo topology")  # same validation a user's file gets
+    topo_path = run_dir / "topology.yaml"
+    topo_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    view = LiveView(parse_topology(data), quiet=args.quiet, key_dir=key_dir)
+    print(f"ravq demo: {args.clusters} cluster(s) x {args.stages} stage(s), task {args.task}, "
+          f"{args.steps} micro-batches per cluster; logs in {run_dir}", flush=True)
+    t0 = time.monotonic()
+    swarm = Swarm(run_dir, topo_path, data, args.threads, key_dir)
+    ok = False
+    try:
+        ok = view.follow(swarm, args.timeout)
+    except KeyboardInterrupt:
+        print("\ninterrupted: draining nodes...", file=sys.stderr)
+    finally:
+        swarm.stop()
+        view.close()
+    wall = time.monotonic() - t0
+    if not ok:
+        for name in swarm.failed() or list(swarm.nodes):
+            print(f"--- {name} log (last lines) ---\n{swarm.log_tail(name)}", file=sys.stderr)
+        return 1
+    report = summarize(run_dir, data, wall)
+    view.print_summary(report)
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _make_keys(data: dict[str, Any], run_dir: Path) -> Path:
+    from ravq.security import keygen
+
+    key_dir = run_dir / "keys"
+    key_dir.mkdir(mode=0o700, exist_ok=True)
+    data["broker"]["public_key"] = keygen("broker", key_dir)
+    for node in data["nodes"]:
+        node["public_key"] = keygen(node["name"], key_dir)
+    data["security"] = {"curve": True, "key_dir": str(key_dir)}
+    return key_dir
+
+
+def status_once(topology: Any, key_dir: Path | None, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    from ravq.status import fetch_status
+
+    try:
+        return asyncio.run(fetch_status(topology, timeout_s, str(key_dir) if key_dir else None))
+    except (TimeoutError, OSError):
+        return None
+

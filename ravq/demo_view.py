@@ -1,0 +1,139 @@
+"""The demo's live display and final summary (the CLI's own output)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from ravq.config import Topology
+
+
+class LiveView:
+    """Polls the broker and shows per-node progress; a plain line every few seconds when not a TTY."""
+
+    def __init__(self, topology: Topology, quiet: bool, key_dir: Path | None) -> None:
+        self.topology, self.quiet, self.key_dir = topology, quiet, key_dir
+        self.console = Console(stderr=False)
+        self.interactive = self.console.is_terminal and not quiet
+        self.live: Live | None = None
+        self.started = time.monotonic()
+        self.steps = topology.training.steps * len({n.cluster for n in topology.nodes})
+
+    def follow(self, swarm: Any, timeout_s: float) -> bool:
+        """Until every node exits; False if one failed or the timeout passed."""
+        from ravq.demo import status_once
+
+        if self.interactive:
+            self.live = Live(self._table(None), console=self.console, refresh_per_second=4)
+            self.live.start()
+        last_line = 0.0
+        deadline = time.monotonic() + timeout_s
+        while swarm.running():
+            if swarm.failed():
+                return False
+            if time.monotonic() > deadline:
+                print(f"ravq demo: timed out after {timeout_s:.0f}s", file=sys.stderr)
+                return False
+            status = status_once(self.topology, self.key_dir, timeout_s=1.0)
+            if self.live is not None:
+                self.live.update(self._table(status))
+            elif not self.quiet and time.monotonic() - last_line > 5.0 and status:
+                last_line = time.monotonic()
+                print(self._line(status), flush=True)
+            time.sleep(0.5)
+        return not swarm.failed()
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    def _rows(self, status: dict[str, Any] | None) -> list[tuple[str, dict[str, Any], str]]:
+        members = (status or {}).get("members", {})
+        return [(n.name, members.get(n.name, {}).get("stats", {}), members.get(n.name, {}).get("state", "-"))
+                for n in self.topology.nodes]
+
+    def _progress(self, status: dict[str, Any] | None) -> tuple[int, float, float | None]:
+        rows = self._rows(status)
+        last = [st for _, st, _ in rows if st and st.get("stage") == _last_stage(self.topology, st.get("cluster"))]
+        samples = sum(st.get("samples", 0) for st in last)
+        steps = sum(st.get("backwards", 0) for st in last)
+        elapsed = time.monotonic() - self.started
+        losses = [st["loss_recent"] for st in last if st.get("loss_recent") is not None]
+        return steps, samples / elapsed if elapsed > 0 else 0.0, (sum(losses) / len(losses) if losses else None)
+
+    def _line(self, status: dict[str, Any]) -> str:
+        steps, rate, loss = self._progress(status)
+        loss_text = f"{loss:.3f}" if loss is not None else "-"
+        return f"[{time.monotonic() - self.started:6.1f}s] steps {steps}/{self.steps}  {rate:7.1f} samples/s  loss {loss_text}"
+
+    def _table(self, status: dict[str, Any] | None) -> Table:
+        steps, rate, loss = self._progress(status)
+        loss_text = f"{loss:.3f}" if loss is not None else "-"
+        table = Table(title=f"ravq demo  steps {steps}/{self.steps}  {rate:.1f} samples/s  loss {loss_text}")
+        for col in ("node", "state", "cluster/stage", "version", "busy", "staleness", "in flight", "loss"):
+            table.add_column(col, justify="right")
+        for name, st, state in self._rows(status):
+            table.add_row(name, state, f"{st.get('cluster', '-')}/{st.get('stage', '-')}", str(st.get("version", "-")),
+                          f"{st.get('busy_fraction', 0):.2f}", f"{st.get('staleness_mean', 0):.2f}",
+                          str(st.get("inflight", "-")),
+                          f"{st['loss_recent']:.3f}" if st.get("loss_recent") is not None else "")
+        return table
+
+    def print_summary(self, report: dict[str, Any]) -> None:
+        c = self.console
+        c.print(f"\n[bold]ravq demo finished[/bold] in {report['wall_seconds']:.1f}s: {report['steps']} steps, "
+                f"{report['samples_per_second']:.1f} samples/s; loss {report['initial_loss']:.3f} -> "
+                f"{report['final_loss']:.3f}")
+        table = Table()
+        for col in ("node", "cluster", "stage", "busy", "staleness", "sent MB", "received MB"):
+            table.add_column(col, justify="right")
+        for n in report["nodes"]:
+            table.add_row(n["name"], str(n["cluster"]), str(n["stage"]), f"{n['busy_fraction']:.2f}",
+                          f"{n['staleness_mean']:.2f}", f"{n['bytes_sent'] / 1e6:.1f}",
+                          f"{n['bytes_received'] / 1e6:.1f}")
+        c.print(table)
+        if report.get("allreduce_rounds"):
+            c.print(f"all-reduce: {report['allreduce_rounds']} rounds, mean {report['allreduce_seconds_mean']:.3f}s")
+
+
+def _last_stage(topology: Topology, cluster: int | None) -> int:
+    return sum(1 for n in topology.nodes if n.cluster == cluster) - 1
+
+
+def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """The demo report, from the summaries every node wrote at exit."""
+    nodes = []
+    for node in data["nodes"]:
+        path = run_dir / f"summary-{node['name']}.json"
+        nodes.append(json.loads(path.read_text()))
+    per_cluster: dict[int, list[dict[str, Any]]] = {}
+    for n in nodes:
+        per_cluster.setdefault(n["cluster"], []).append(n)
+    lasts = [max(members, key=lambda m: m["stage"]) for members in per_cluster.values()]
+    train_wall = max(n["wall_s"] for n in nodes) or wall_s
+    samples = sum(n["samples"] for n in lasts)
+    initial = [n["loss_initial"] for n in lasts if n.get("loss_initial") is not None]
+    final = [n["loss_recent"] for n in lasts if n.get("loss_recent") is not None]
+    rounds = [n.get("allreduce_rounds", 0) for n in nodes]
+    ar_means = [n["allreduce_seconds_mean"] for n in nodes if n.get("allreduce_seconds_mean")]
+    return {
+        "samples_per_second": samples / train_wall if train_wall else 0.0,
+        "initial_loss": sum(initial) / len(initial) if initial else None,
+        "final_loss": sum(final) / len(final) if final else None,
+        "steps": sum(n["backwards"] for n in lasts), "samples": samples, "wall_seconds": wall_s,
+        "train_seconds": train_wall, "clusters": len(per_cluster),
+        "allreduce_rounds": min(rounds) if rounds else 0,
+        "allreduce_seconds_mean": sum(ar_means) / len(ar_means) if ar_means else 0.0,
+        "nodes": [{k: n.get(k) for k in ("name", "cluster", "stage", "busy_fraction", "staleness_mean",
+                                          "bytes_sent", "bytes_received", "version", "samples",
+                                          "allreduce_rounds", "allreduce_seconds_mean", "bad_messages")}
+                  for n in nodes],
+    }

@@ -1,0 +1,266 @@
+"""One node's lifecycle: create -> run -> shutdown.
+
+``create`` joins the broker (snapshot + subscription, clone pattern), learns this node's cluster and
+stage from the plan, builds its stage and binds its sockets.  ``run`` owns every task in one
+TaskGroup: socket readers, the sender, heartbeats, averaging and the compute thread (the only place
+torch trains).  ``shutdown`` writes the final checkpoint and summary and closes every socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from ravq import checkpoint
+from ravq.config import Plan, Topology, resolve_task_module
+from ravq.membership import Membership
+from ravq.metrics import Metrics
+from ravq.model import build_task_model, split_model, stage_input_specs
+from ravq.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
+from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
+from ravq.wire import DecodeLimits, Message, MsgType
+
+log = logging.getLogger(__name__)
+
+
+class _Finished(Exception):
+    """Raised inside the TaskGroup to end it once training and draining are over."""
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeOptions:
+    summary_path: str | None = None
+    """Where to write this node's JSON summary at exit."""
+    threads: int | None = None
+    """torch intra-op threads for the compute thread (None: torch's default)."""
+    key_dir: str | None = None
+    """Directory with this node's CURVE secret key (when the topology enables CURVE)."""
+
+
+class Node:
+    def __init__(self, topology: Topology, name: str, options: NodeOptions, metrics: Metrics) -> None:
+        self.topology, self.name, self.options, self.metrics = topology, name, options, metrics
+        self.config = topology.node(name)
+        self.task = resolve_task_module(topology.task)
+        t = topology.limits
+        self.limits = DecodeLimits(max_header_bytes=t.max_header_bytes, max_frames=t.max_frames,
+                                   max_tensor_bytes=t.max_message_bytes)
+        self.sock_opts = SocketOptions(max_message_bytes=t.max_message_bytes)
+        self.ctx = zmq.asyncio.Context()
+        self.membership = Membership(self.ctx, topology, name, metrics, self.limits, self.sock_opts)
+        self.links: dict[int, Outlink] = {}
+        self.outbound: asyncio.Queue[Outbound] = asyncio.Queue()
+        self.worker: StageWorker | None = None
+        self.plan: Plan | None = None
+        self.cluster = self.stage = -1
+        self._draining = False
+        self._force = asyncio.Event()
+        self._started_at = time.time()
+
+    # ------------------------------------------------------------------ create
+    async def create(self) -> None:
+        if self.options.threads:
+            torch.set_num_threads(self.options.threads)
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.metrics_port, self.config.bind_host or self.config.host)
+        self.plan = await self.membership.join()
+        self.cluster, self.stage = self.plan.locate(self.name)
+        self.worker = self._build_worker(self.plan)
+        bind = self.config.bind_host or self.config.host
+        self.inbox = Inbox.bind(self.ctx, endpoint(bind, self.config.pipeline_port), "pipeline", self.metrics,
+                                self.limits, self.sock_opts)
+        cluster = self.plan.clusters[self.cluster]
+        self.stage_of = {n: i for i, n in enumerate(cluster.nodes)}
+        peers = set(self.worker.spec.consumer_stages) | set(self.worker.spec.producer_stages)
+        if self.worker.is_first:
+            peers |= set(self.worker._first_destinations())
+        for s in sorted(peers):
+            peer = self.topology.node(cluster.nodes[s])
+            self.links[s] = Outlink.connect(self.ctx, endpoint(peer.host, peer.pipeline_port), "pipeline",
+                                            peer.name, self.metrics, self.limits, self.sock_opts, identity=self.name)
+        await self.membership.wait_for(cluster.nodes, self.topology.timeouts.connect_s)
+        log.info("%s: cluster %d stage %d/%d ready (%d parameters)", self.name, self.cluster, self.stage,
+                 len(cluster.nodes), sum(p.numel() for p in self.worker.params.values()))
+
+    def _build_worker(self, plan: Plan) -> StageWorker:
+        cluster = plan.clusters[self.cluster]
+        training, seed = self.topology.training, self.topology.seed
+        model = build_task_model(self.task, seed)
+        example = self.task.example_inputs(training.micro_batch)
+        specs = split_model(model, example, list(cluster.cuts))
+        spec = specs[self.stage]
+        options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
+                               update_every=training.update_every, micro_batch=training.micro_batch)
+        batches = None
+        if self.stage == 0:
+            batches = iter(self.task.train_batches(training.micro_batch, self.cluster, len(plan.clusters), seed))
+        _, target_example = next(iter(self.task.train_batches(training.micro_batch, 0, 1, seed)))
+        worker = StageWorker(spec, len(specs), self.task.make_optimizer, self.task.loss_fn, options,
+                             device=self.config.device, batches=batches, cluster=self.cluster,
+                             metrics=self.metrics, model_input_needs=model_input_needs(specs),
+                             input_specs=stage_input_specs(specs, example)[self.stage],
+                             target_example=target_example)
+        if training.resume and training.checkpoint_dir:
+            self._resume(worker)
+        return worker
+
+    def _resume(self, worker: StageWorker) -> None:
+        assert self.topology.training.checkpoint_dir
+        try:
+            ckpt = checkpoint.load_stage(self.topology.training.checkpoint_dir, self.cluster, self.stage)
+        except FileNotFoundError:
+            log.info("%s: no checkpoint to resume from; starting fresh", self.name)
+            return
+        worker.module.load_state_dict(ckpt.model)
+        checkpoint.restore_optimizer(worker.optimizer, list(worker.params), ckpt.optimizer["tensors"],
+                                     ckpt.optimizer["rest"])
+        worker.version = ckpt.meta["version"]
+        if worker.batches is not None:
+            for _ in range(ckpt.meta["data_position"]):
+                next(worker.batches)
+            worker.data_position = ckpt.meta["data_position"]
+        log.info("%s: resumed at version %d", self.name, worker.version)
+
+    # ------------------------------------------------------------------ run
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, self._on_signal)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._read_pipeline())
+                tg.create_task(self._send_loop())
+                tg.create_task(self.membership.follow())
+                tg.create_task(self._heartbeats())
+                tg.create_task(self._compute(loop))
+                tg.create_task(self._force_exit_watch())
+        except* _Finished:
+            pass
+
+    def _on_signal(self) -> None:
+        assert self.worker is not None
+        if self._draining:
+            log.warning("%s: second signal: forcing exit", self.name)
+            self._force.set()
+            return
+        self._draining = True
+        log.info("%s: draining (up to %.0fs); send again to force", self.name, self.topology.timeouts.drain_s)
+        self.worker.stop()
+        asyncio.get_running_loop().call_later(self.topology.timeouts.drain_s, self._force.set)
+
+    async def _force_exit_watch(self) -> None:
+        await self._force.wait()
+        raise _Finished
+
+    async def _compute(self, loop: asyncio.AbstractEventLoop) -> None:
+        worker = self.worker
+        assert worker is not None
+
+        def emit(out: Outbound) -> None:
+            loop.call_soon_threadsafe(self.outbound.put_nowait, out)
+
+        every = self.topology.training.checkpoint_every
+        if every and self.topology.training.checkpoint_dir:
+            worker.on_update = lambda w: self._save_checkpoint() if w.version % every == 0 else None
+        await asyncio.to_thread(worker.run, emit, self._force.is_set)
+        await self.outbound.join()
+        raise _Finished
+
+    async def _send_loop(self) -> None:
+        while True:
+            out = await self.outbound.get()
+            try:
+                kind = MsgType.FORWARD if out.kind == "fwd" else MsgType.BACKWARD
+                msg = Message(type=kind, sender=self.name, micro_batch=out.micro_batch, version=out.version,
+                              tensors=out.tensors)
+                await self.links[out.dest].send(msg)
+            finally:
+                self.outbound.task_done()
+
+    async def _read_pipeline(self) -> None:
+        assert self.worker is not None
+        while True:
+            _, msg = await self.inbox.recv()
+            source = self.stage_of.get(msg.sender)
+            if msg.type not in (MsgType.FORWARD, MsgType.BACKWARD) or source is None or msg.micro_batch is None:
+                self.metrics.bad_messages.labels("pipeline", "unexpected_message").inc()
+                continue
+            kind = "fwd" if msg.type == MsgType.FORWARD else "bwd"
+            reason = self.worker.deliver(kind, msg.micro_batch, source, msg.tensors)
+            if reason is not None:
+                self.metrics.bad_messages.labels("pipeline", reason).inc()
+            depths = self.worker.queue_depths()
+            for queue, depth in depths.items():
+                self.metrics.queue_depth.labels(queue).set(depth)
+
+    async def _heartbeats(self) -> None:
+        interval = self.topology.timeouts.heartbeat_interval_s
+        while True:
+            await self.membership.heartbeat(self.stats(), done=False)
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------ shutdown
+    def _save_checkpoint(self) -> None:
+        """Runs in the compute thread (from on_update) or after it ended."""
+        worker, root = self.worker, self.topology.training.checkpoint_dir
+        assert worker is not None and root is not None
+        t0 = time.monotonic()
+        checkpoint.save_stage(root, cluster=self.cluster, stage=self.stage, num_stages=worker.num_stages,
+                              node=self.name, module=worker.module, optimizer=worker.optimizer,
+                              version=worker.version, data_position=worker.data_position)
+        self.metrics.checkpoints.inc()
+        self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
+
+    def stats(self) -> dict[str, Any]:
+        worker = self.worker
+        snap = worker.stats.snapshot() if worker is not None else {}
+        return {**snap, "name": self.name, "cluster": self.cluster, "stage": self.stage,
+                "version": worker.version if worker else 0,
+                "bytes_sent": _total(self.metrics, "ravq_bytes_sent_total"),
+                "bytes_received": _total(self.metrics, "ravq_bytes_received_total"),
+                "bad_messages": _total(self.metrics, "ravq_bad_messages_total")}
+
+    async def shutdown(self) -> None:
+        if self.worker is not None and self.topology.training.checkpoint_dir:
+            await asyncio.to_thread(self._save_checkpoint)
+        if self.worker is not None:
+            with contextlib.suppress(Exception):
+                await self.membership.heartbeat(self.stats(), done=not self._force.is_set())
+        if self.options.summary_path:
+            Path(self.options.summary_path).write_text(json.dumps(self.stats(), indent=1))
+        for link in self.links.values():
+            link.close()
+        if hasattr(self, "inbox"):
+            self.inbox.close()
+        self.membership.close()
+        self.ctx.term()
+
+
+def _total(metrics: Metrics, name: str) -> float:
+    total = 0.0
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name:
+                total += sample.value
+    return total
+
+
+async def run_node(topology: Topology, name: str, options: NodeOptions) -> None:
+    node = Node(topology, name, options, Metrics(name))
+    try:
+        await node.create()
+        await node.run()
+    finally:
+        await node.shutdown()
