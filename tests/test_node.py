@@ -1,0 +1,135 @@
+"""Multi-process tests: a broker and real node processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests import models_for_tests as skipnet
+from tests.pipeline_harness import train_one_process
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ravq(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ravq", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_demo(tmp_path: Path, *args: str, timeout: float = 240) -> dict:
+    report = tmp_path / "report.json"
+    proc = ravq("demo", "--quiet", "--run-dir", str(tmp_path / "run"), "--report", str(report), *args,
+                timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(report.read_text())
+
+
+def test_three_processes_sync_equal_one_process(tmp_path: Path) -> None:
+    """The correctness anchor across real processes and sockets: max_inflight 1 == unsplit training."""
+    ckpt = tmp_path / "ckpt"
+    report = run_demo(tmp_path, "--task", "tests.models_for_tests", "--clusters", "1", "--stages", "3",
+                      "--steps", "20", "--max-inflight", "1", "--micro-batch", "4", "--checkpoint-dir", str(ckpt))
+    assert report["steps"] == 20
+    out = tmp_path / "model.safetensors"
+    proc = ravq("export", "--checkpoint-dir", str(ckpt), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    got = load_file(str(out))
+    want = train_one_process(skipnet, steps=20, micro_batch=4)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
+    model = skipnet.build_model()
+    model.load_state_dict(got)  # the export is loadable into the unsplit model
+
+
+def test_demo_learns_and_reports(tmp_path: Path) -> None:
+    report = run_demo(tmp_path, "--clusters", "1", "--stages", "3", "--steps", "120")
+    for key in ("samples_per_second", "initial_loss", "final_loss", "steps", "nodes"):
+        assert key in report
+    assert report["steps"] == 120
+    assert report["final_loss"] < report["initial_loss"] - 0.5, report
+    assert len(report["nodes"]) == 3
+    for node in report["nodes"]:
+        assert {"name", "cluster", "stage", "busy_fraction", "staleness_mean", "bytes_sent",
+                "bytes_received"} <= set(node)
+        assert 0 < node["busy_fraction"] <= 1
+        assert node["bytes_sent"] > 0 and node["bytes_received"] > 0
+    assert report["nodes"][0]["staleness_mean"] > 0  # asynchronous: stage 0 runs ahead
+
+
+def _write_topology(tmp_path: Path, steps: int, ckpt: Path, drain_s: float = 10.0) -> Path:
+    from ravq.demo import free_ports
+    p = iter(free_ports(9))
+    nodes = [{"name": f"n{s}", "pipeline_port": next(p), "ring_port": next(p), "cluster": 0, "stage": s}
+             for s in range(2)]
+    topo = {"task": "ravq.tasks.charlm", "training": {"steps": steps, "micro_batch": 8,
+                                                      "checkpoint_dir": str(ckpt)},
+            "timeouts": {"drain_s": drain_s},
+            "broker": {"pub_port": next(p), "router_port": next(p)}, "nodes": nodes}
+    import yaml
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(topo))
+    return path
+
+
+def test_sigterm_drains_and_writes_final_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    topo = _write_topology(tmp_path, steps=100000, ckpt=ckpt)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    broker = subprocess.Popen([sys.executable, "-m", "ravq", "broker", "--topology", str(topo)], env=env)
+    nodes = [subprocess.Popen([sys.executable, "-m", "ravq", "node", "--topology", str(topo), "--name", f"n{s}",
+                               "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True) for s in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        from ravq.config import load_topology
+        from ravq.demo import status_once
+        topology = load_topology(topo)
+        while time.monotonic() < deadline:
+            status = status_once(topology, None)
+            versions = [m.get("stats", {}).get("version", 0) for m in (status or {}).get("members", {}).values()]
+            if len(versions) == 2 and min(versions) >= 5:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("training never started")
+        t0 = time.monotonic()
+        for n in nodes:
+            n.send_signal(signal.SIGTERM)
+        codes = [n.wait(timeout=30) for n in nodes]
+        assert time.monotonic() - t0 < 25
+        assert codes == [0, 0], [n.stderr.read() for n in nodes]
+    finally:
+        for proc in [*nodes, broker]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    for s in range(2):
+        meta = json.loads((ckpt / "cluster0" / f"stage{s}.json").read_text())
+        assert meta["version"] >= 5
+    assert json.loads((ckpt / "cluster0" / "stage0.json").read_text())["data_position"] >= 5
+
+
+def test_bad_topology_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: ravq.tasks.charlm\nbroker: {pub_port: 5000, router_port: 5001}\n"
+                   "nodes:\n  - {name: a, pipeline_port: 70000, ring_port: 6001}\n")
+    proc = ravq("node", "--topology", str(bad), "--name", "a")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nodes[0].pipeline_port" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_export_of_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    proc = ravq("export", "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "m.safetensors"))
+    assert proc.returncode == 2 and "no stage checkpoints" in proc.stderr
