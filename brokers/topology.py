@@ -139,11 +139,15 @@ class Broker:
                 tg.create_task(self._serve(inbox, pub))
                 tg.create_task(self._watch_heartbeats(pub))
                 tg.create_task(self._until_stopped())
+                if self.opts.curve is not None:
+                    tg.create_task(self.opts.curve.serve_zap())
         except* _Stopped:
             pass
         finally:
             inbox.close()
             pub.close()
+            if self.opts.curve is not None:
+                self.opts.curve.close()
             ctx.term()
             log.info("broker stopped")
 

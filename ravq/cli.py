@@ -59,7 +59,7 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
 def cmd_broker(args: argparse.Namespace) -> int:
     from brokers.topology import run_broker
     from ravq.metrics import Metrics
-    from ravq.transport import SocketOptions
+    from ravq.security import socket_options_for
     from ravq.transport import install_uvloop
 
     topology = load_topology(args.topology)
@@ -68,7 +68,11 @@ def cmd_broker(args: argparse.Namespace) -> int:
     if topology.broker.metrics_port is not None:
         metrics.serve(topology.broker.metrics_port, topology.broker.host)
     install_uvloop()
-    run_broker(topology, plan, metrics, SocketOptions(max_message_bytes=topology.limits.max_message_bytes))
+    try:
+        opts = socket_options_for(topology, "broker", args.key_dir, metrics)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    run_broker(topology, plan, metrics, opts)
     return 0
 
 
@@ -79,8 +83,16 @@ def cmd_node(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     topology.node(args.name)
     install_uvloop()
+    from ravq.membership import BrokerUnavailable
+
     options = NodeOptions(summary_path=args.summary, threads=args.threads, key_dir=args.key_dir)
-    asyncio.run(run_node(topology, args.name, options))
+    try:
+        asyncio.run(run_node(topology, args.name, options))
+    except ValueError as err:  # keys that do not match the topology, a plan the model cannot take
+        raise ConfigError(str(err)) from None
+    except (BrokerUnavailable, TimeoutError) as err:
+        print(f"ravq node {args.name}: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -100,7 +112,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ravq.status import fetch_status, format_status
 
     topology = load_topology(args.topology)
-    status = asyncio.run(fetch_status(topology, args.timeout, args.key_dir))
+    try:
+        status = asyncio.run(fetch_status(topology, args.timeout, args.key_dir, args.name))
+    except TimeoutError:
+        print(f"ravq status: the broker did not answer within {args.timeout:.0f}s", file=sys.stderr)
+        return 1
     print(json.dumps(status, indent=1) if args.json else format_status(status))
     return 0
 
@@ -163,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--topology", required=True)
     s.add_argument("--timeout", type=float, default=5.0)
     s.add_argument("--json", action="store_true")
-    s.add_argument("--key-dir")
+    s.add_argument("--key-dir", help="with CURVE: directory holding the --name key pair")
+    s.add_argument("--name", default="broker", help="with CURVE: whose key to use (default: broker)")
     s.set_defaults(func=cmd_status)
 
     k = sub.add_parser("keygen", help="make a CURVE key pair for a node or the broker")

@@ -28,7 +28,8 @@ from ravq.membership import Membership
 from ravq.metrics import Metrics
 from ravq.model import build_task_model, split_model, stage_input_specs
 from ravq.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
-from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
+from ravq.security import socket_options_for
+from ravq.transport import Inbox, Outlink, endpoint
 from ravq.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Node:
         t = topology.limits
         self.limits = DecodeLimits(max_header_bytes=t.max_header_bytes, max_frames=t.max_frames,
                                    max_tensor_bytes=t.max_message_bytes)
-        self.sock_opts = SocketOptions(max_message_bytes=t.max_message_bytes)
+        self.sock_opts = socket_options_for(topology, name, options.key_dir, metrics)
         self.ctx = zmq.asyncio.Context()
         self.membership = Membership(self.ctx, topology, name, metrics, self.limits, self.sock_opts)
         self.links: dict[int, Outlink] = {}
@@ -133,21 +134,18 @@ class Node:
         log.info("%s: resumed at version %d", self.name, worker.version)
 
     # ------------------------------------------------------------------ run
-    async def run(self) -> None:
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        """Start every task of the running node in ``tg``; the group ends with _Finished."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, self._on_signal)
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._read_pipeline())
-                tg.create_task(self._send_loop())
-                tg.create_task(self.membership.follow())
-                tg.create_task(self._heartbeats())
-                tg.create_task(self._compute(loop))
-                tg.create_task(self._force_exit_watch())
-        except* _Finished:
-            pass
+        tg.create_task(self._read_pipeline())
+        tg.create_task(self._send_loop())
+        tg.create_task(self.membership.follow())
+        tg.create_task(self._heartbeats())
+        tg.create_task(self._compute(loop))
+        tg.create_task(self._force_exit_watch())
 
     def _on_signal(self) -> None:
         assert self.worker is not None
@@ -245,6 +243,8 @@ class Node:
         if hasattr(self, "inbox"):
             self.inbox.close()
         self.membership.close()
+        if self.sock_opts.curve is not None:
+            self.sock_opts.curve.close()
         self.ctx.term()
 
 
@@ -258,9 +258,32 @@ def _total(metrics: Metrics, name: str) -> float:
 
 
 async def run_node(topology: Topology, name: str, options: NodeOptions) -> None:
+    """create -> run -> shutdown, in one TaskGroup (CURVE's ZAP handler must serve from the first bind)."""
     node = Node(topology, name, options, Metrics(name))
     try:
-        await node.create()
-        await node.run()
+        async with asyncio.TaskGroup() as tg:
+            if node.sock_opts.curve is not None:
+                tg.create_task(node.sock_opts.curve.serve_zap())
+            await node.create()
+            node.start(tg)
+    except BaseExceptionGroup as group:
+        _, rest = group.split(_Finished)
+        if rest is not None:
+            raise first_error(rest) from None
     finally:
         await node.shutdown()
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The one real error of a TaskGroup, so callers see e.g. a TimeoutError rather than a group."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group

@@ -31,6 +31,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from ravq.metrics import Metrics
+from ravq.transport import SocketOptions
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class Curve:
         self._monitors.append((monitor, name))
         self._adopt(monitor, name)
 
-    def make_client(self, sock: zmq.asyncio.Socket, peer: str) -> None:
+    def make_client(self, sock: zmq.Socket[Any], peer: str) -> None:
         """Make ``sock`` (not yet connected) a CURVE client that trusts only ``peer``'s listed key."""
         server_key = self._peers.get(peer)
         if server_key is None:
@@ -313,3 +314,9 @@ class Curve:
             return
         self._warned.add(key)
         log.warning("%s: refused a connection (%s) at %s; further ones are only counted", socket, reason, where)
+
+
+def socket_options_for(topo: Any, name: str, key_dir: str | Path | None, metrics: Metrics) -> SocketOptions:
+    """Socket options of process ``name`` (a node or "broker"): CURVE when the topology asks for it."""
+    curve = Curve.from_topology(topo, name, key_dir, metrics) if topo.security.curve else None
+    return SocketOptions(max_message_bytes=topo.limits.max_message_bytes, curve=curve)

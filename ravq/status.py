@@ -8,21 +8,28 @@ import zmq.asyncio
 
 from ravq.config import Topology
 from ravq.metrics import Metrics
+from ravq.security import socket_options_for
 from ravq.transport import SocketOptions, endpoint, request
 from ravq.wire import DecodeLimits, Message, MsgType
 
 
 async def fetch_status(topology: Topology, timeout_s: float, key_dir: str | None = None,
-                       opts: SocketOptions | None = None) -> dict[str, Any]:
-    """One STATUS round trip; raises TimeoutError when the broker does not answer."""
+                       name: str = "broker") -> dict[str, Any]:
+    """One STATUS round trip; raises TimeoutError when the broker does not answer.
+
+    With CURVE the request is made with ``name``'s listed key pair (the broker's own by default)."""
     ctx = zmq.asyncio.Context()
+    metrics = Metrics()
+    opts = socket_options_for(topology, name, key_dir, metrics) if topology.security.curve else SocketOptions()
+    sender = name if topology.security.curve else "ravq-status"
     try:
         b = topology.broker
-        reply = await request(ctx, endpoint(b.host, b.router_port),
-                              Message(type=MsgType.STATUS_REQ, sender="ravq-status"), timeout_s, Metrics(),
-                              DecodeLimits(), opts or SocketOptions())
+        reply = await request(ctx, endpoint(b.host, b.router_port), Message(type=MsgType.STATUS_REQ, sender=sender),
+                              timeout_s, metrics, DecodeLimits(), opts)
         return reply.meta
     finally:
+        if opts.curve is not None:
+            opts.curve.close()
         ctx.term()
 
 

@@ -90,8 +90,11 @@ def _configure(sock: zmq.asyncio.Socket, opts: SocketOptions) -> None:
 class Inbox:
     """A bound ROUTER: receives validated messages from many peers and can reply to each."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, name: str, metrics: Metrics, limits: DecodeLimits) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, name: str, metrics: Metrics, limits: DecodeLimits,
+                 authenticated: bool = False) -> None:
         self.sock, self.name, self.metrics, self.limits = sock, name, metrics, limits
+        self.authenticated = authenticated
+        """With CURVE, a message's ``sender`` must be the name ZAP bound to the key that sent it."""
         self._hops = _HopMetrics(metrics, name)
 
     @classmethod
@@ -103,7 +106,7 @@ class Inbox:
         if opts.curve is not None:
             opts.curve.make_server(sock, name)
         sock.bind(addr)
-        return cls(sock, name, metrics, limits)
+        return cls(sock, name, metrics, limits, authenticated=opts.curve is not None)
 
     async def recv(self) -> tuple[bytes, Message]:
         """The next valid message and the identity of the peer that sent it."""
@@ -119,6 +122,9 @@ class Inbox:
                 self.metrics.bad_messages.labels(self.name, err.reason).inc()
                 log.debug("%s: dropped malformed message: %s", self.name, err)
                 continue
+            if self.authenticated and _user_id(frames[1]) != msg.sender:
+                self.metrics.bad_messages.labels(self.name, "sender_mismatch").inc()
+                continue
             self._hops.received(msg.sender, msg, frames[1:], latency=True)
             return identity, msg
 
@@ -130,6 +136,14 @@ class Inbox:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _user_id(frame: Any) -> str | None:
+    """The peer name ZAP bound to the CURVE key that sent ``frame`` (None without CURVE)."""
+    try:
+        return frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
 
 
 class Outlink:

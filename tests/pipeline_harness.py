@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ravq.model import build_task_model, candidate_cuts, even_cuts, split_model
+from ravq.model import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
 from ravq.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
 
 
@@ -19,11 +19,14 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
     cuts = even_cuts(candidate_cuts(model, task), stages)
     specs = split_model(model, task.example_inputs(micro_batch), cuts)
     needs = model_input_needs(specs)
+    in_specs = stage_input_specs(specs, task.example_inputs(micro_batch))
+    _, target_example = next(task.train_batches(micro_batch, 0, 1, seed))
     opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch)
     batches = task.train_batches(micro_batch, cluster, num_clusters, seed)
     return [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
                         batches=batches if spec.index == 0 else None, cluster=cluster,
-                        model_input_needs=needs) for spec in specs]
+                        model_input_needs=needs, input_specs=in_specs[spec.index],
+                        target_example=target_example) for spec in specs]
 
 
 def run_workers(workers: list[StageWorker], timeout_s: float = 60.0) -> None:
@@ -31,7 +34,7 @@ def run_workers(workers: list[StageWorker], timeout_s: float = 60.0) -> None:
         def emit(out: Outbound) -> None:
             # clone: like the wire, the receiver gets its own copy
             tensors = {k: v.detach().clone() for k, v in out.tensors.items()}
-            assert workers[out.dest].deliver(out.kind, out.micro_batch, src, tensors)
+            assert workers[out.dest].deliver(out.kind, out.micro_batch, src, tensors) is None
         return emit
 
     errors: list[BaseException] = []
