@@ -329,7 +329,8 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: is a directory, not a file") from None
     except UnicodeDecodeError as err:
         line = err.object[: err.start].count(b"\n") + 1
-        raise ConfigError(f"{path}: not UTF-8 text: byte {err.object[err.start]:#04x} at line {line}") from None
+        byte = err.object[err.start]
+        raise ConfigError(f"{path}: not UTF-8 text: byte {byte:#04x} at line {line}") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
     try:
