@@ -10,6 +10,7 @@ feeds a ``Mailbox`` (receiving) from its ring socket, so everything here is test
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -23,9 +24,6 @@ log = logging.getLogger(__name__)
 
 OPTIM_SEP = "::"
 """Separates a parameter's name from an optimizer-state key: ``layer.weight::exp_avg``."""
-
-
-# ---------------------------------------------------------------- segments and rings
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,31 +73,21 @@ def plan_segments(names: Sequence[str], numels: Sequence[int], owners_per_cluste
     clusters = [c for c in range(len(owners_per_cluster)) if c not in set(excluded_clusters)]
     if not clusters:
         raise ValueError(f"excluded_clusters: all {len(owners_per_cluster)} clusters are excluded")
+    try:
+        rings = [tuple(owners_per_cluster[c][param_name_of(n)] for c in clusters) for n in names]
+    except KeyError as err:
+        raise ValueError(f"owners_per_cluster: {err.args[0]!r} has no holder in some cluster") from None
     segments: list[Segment] = []
-    run: list[str] = []
-    run_numel, run_ring = 0, ()
-    for name, numel in zip(names, numels):
-        try:
-            ring = tuple(owners_per_cluster[c][param_name_of(name)] for c in clusters)
-        except KeyError:
-            raise ValueError(f"owners_per_cluster: {name!r} has no holder in some cluster") from None
-        if run and ring != run_ring:
-            segments.append(Segment(ring_id=len(segments), names=tuple(run), numel=run_numel, ring=run_ring))
-            run, run_numel = [], 0
-        run.append(name)
-        run_numel += numel
-        run_ring = ring
-    if run:
-        segments.append(Segment(ring_id=len(segments), names=tuple(run), numel=run_numel, ring=run_ring))
+    for ring, run in itertools.groupby(range(len(names)), key=rings.__getitem__):
+        idx = list(run)
+        segments.append(Segment(ring_id=len(segments), names=tuple(names[i] for i in idx),
+                                numel=sum(numels[i] for i in idx), ring=ring))
     return segments
 
 
 def segments_for(node: str, segments: Sequence[Segment]) -> list[Segment]:
     """The segments whose ring includes ``node``; it serves all of them."""
     return [s for s in segments if node in s.ring]
-
-
-# ---------------------------------------------------------------- chunk arithmetic
 
 
 def chunk_bounds(numel: int, parts: int) -> list[int]:
@@ -120,9 +108,6 @@ def ring_bytes_sent(numel: int, element_size: int, ring_size: int, rank: int) ->
     return element_size * (2 * numel - size[(rank + 1) % ring_size] - size[(rank + 2) % ring_size])
 
 
-# ---------------------------------------------------------------- link and mailbox
-
-
 class RingAborted(Exception):
     """A ring round that cannot finish: a silent peer, a peer's abort, or a piece that does not fit."""
 
@@ -137,7 +122,11 @@ class RingLink(Protocol):
     """Sending side of ring traffic; the node implements it over its ring DEALER sockets."""
 
     async def send(self, peer: str, meta: dict[str, int], tensor: Tensor) -> None:
-        """Send one RING_CHUNK piece; ``meta`` holds ring, round, step and piece."""
+        """Send one RING_CHUNK piece; ``meta`` holds ring, round, step and piece (all int).
+
+        It may send without copying and return before the bytes have left: ``ring_allreduce`` never
+        writes to a sent tensor until the ring proves it arrived (see ``_RingRun``).
+        """
 
     async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
         """Send one RING_ABORT."""
@@ -170,12 +159,7 @@ class _Round:
             self.waiter.set_exception(error)
 
 
-@dataclass(slots=True)
-class _Buffered:
-    sender: str
-    step: int
-    piece: int
-    tensor: Tensor
+Buffered = tuple[str, int, int, Tensor]  # sender, step, piece, tensor of a round not open yet
 
 
 class Mailbox:
@@ -196,11 +180,11 @@ class Mailbox:
         """Messages for future rounds dropped because the future buffer was full."""
         self.unexpected_dropped = 0
         """Messages from a non-member or predecessor, duplicates, or out of the round's schedule."""
-        self.future_bytes = 0
+        self.future_bytes = self.future_messages = 0
         self._open: dict[int, _Round] = {}
         self._closed: dict[int, int] = {}
         self._newest_round = -1
-        self._future: dict[tuple[int, int], list[_Buffered]] = {}
+        self._future: dict[tuple[int, int], list[Buffered]] = {}
         self._future_aborts: dict[tuple[int, int], tuple[str, str]] = {}
 
     def _is_stale(self, ring_id: int, round_id: int) -> bool:
@@ -212,14 +196,15 @@ class Mailbox:
         current = self._open.get(ring_id)
         if current is not None and current.round_id == round_id:
             self._put(current, sender, step, piece, tensor)
-        elif self._is_stale(ring_id, round_id) or (current is not None and round_id < current.round_id):
+        elif self._is_stale(ring_id, round_id):
             self.stale_dropped += 1
         elif (self.future_bytes + tensor.nbytes > self.max_future_bytes
-              or sum(map(len, self._future.values())) >= self.max_future_messages):
+              or self.future_messages >= self.max_future_messages):
             self.overflow_dropped += 1
         else:
-            self._future.setdefault((ring_id, round_id), []).append(_Buffered(sender, step, piece, tensor))
+            self._future.setdefault((ring_id, round_id), []).append((sender, step, piece, tensor))
             self.future_bytes += tensor.nbytes
+            self.future_messages += 1
 
     def _put(self, rnd: _Round, sender: str, step: int, piece: int, tensor: Tensor) -> None:
         if sender != rnd.predecessor or not rnd.expects(step, piece):
@@ -237,7 +222,7 @@ class Mailbox:
                 current.abort(RingAborted(ring_id, round_id, reason or "peer_abort", sender, from_peer=True))
             else:
                 self.unexpected_dropped += 1
-        elif self._is_stale(ring_id, round_id) or (current is not None and round_id < current.round_id):
+        elif self._is_stale(ring_id, round_id):
             self.stale_dropped += 1
         elif len(self._future_aborts) >= self.max_future_messages:
             self.overflow_dropped += 1
@@ -254,10 +239,11 @@ class Mailbox:
         self._open[ring_id] = rnd
         self._newest_round = max(self._newest_round, round_id)
         for key in [k for k in self._future if self._is_stale(*k) or k == (ring_id, round_id)]:
-            for m in self._future.pop(key):
-                self.future_bytes -= m.tensor.nbytes
+            for sender, step, piece, tensor in self._future.pop(key):
+                self.future_bytes -= tensor.nbytes
+                self.future_messages -= 1
                 if key == (ring_id, round_id):
-                    self._put(rnd, m.sender, m.step, m.piece, m.tensor)
+                    self._put(rnd, sender, step, piece, tensor)
                 else:
                     self.stale_dropped += 1
         for key in [k for k in self._future_aborts if self._is_stale(*k) or k == (ring_id, round_id)]:
@@ -291,15 +277,18 @@ class Mailbox:
         return tensor
 
 
-# ---------------------------------------------------------------- one ring
-
-
 class _RingRun:
     """One member's half of one round: a sender and a receiver that overlap piece by piece.
 
     With chunk k = (rank - step) mod C sent and chunk (rank - step - 1) mod C received at every step,
     the chunk sent at step t is exactly the one received at step t-1; so piece j of step t can leave as
     soon as piece j of step t-1 has been added, and a segment streams round the ring like a pipeline.
+
+    A link may send without copying and return before the bytes have left.  Reduce-scatter pieces are
+    sent from ``out``: the ring's own data flow proves the successor has them before this member
+    finishes.  Nothing proves that for all-gather pieces, so those are sent from buffers nobody writes
+    to: a copy of each finished chunk piece, then the received pieces themselves.  Hence once
+    ``ring_allreduce`` returns, the caller may reuse ``flat`` and the result while sends are in flight.
     """
 
     def __init__(self, out: Tensor, members: Sequence[str], me: str, piece_bytes: int) -> None:
@@ -315,6 +304,8 @@ class _RingRun:
         self.recv_plan = [pieces(self.rank - t - 1) for t in range(steps)]
         self.received = [0] * steps
         self.progress = asyncio.Event()
+        self.gathered: dict[tuple[int, int], Tensor] = {}
+        """(step, piece) -> what to send for that all-gather piece (see the class docstring)."""
 
     async def send_loop(self, link: RingLink, meta: dict[str, int], timeout_s: float) -> None:
         for step, plan in enumerate(self.send_plan):
@@ -322,26 +313,30 @@ class _RingRun:
                 while step > 0 and self.received[step - 1] <= j:
                     self.progress.clear()
                     await self.progress.wait()
+                tensor = self.gathered.pop((step, j)) if step >= self.size - 1 else self.out[a:b]
                 try:
                     async with asyncio.timeout(timeout_s):
-                        await link.send(self.successor, {**meta, "step": step, "piece": j}, self.out[a:b])
+                        await link.send(self.successor, {**meta, "step": step, "piece": j}, tensor)
                 except TimeoutError:
                     raise RingAborted(meta["ring"], meta["round"], "send_timeout", self.successor) from None
 
     async def recv_loop(self, mailbox: Mailbox, rnd: _Round, timeout_s: float) -> None:
-        last_reduce = self.size - 2
+        last_reduce, last = self.size - 2, len(self.recv_plan) - 1
         for step, plan in enumerate(self.recv_plan):
             for j, (a, b) in enumerate(plan):
                 piece = await mailbox.take(rnd, step, j, timeout_s)
                 if piece.dtype != self.out.dtype or piece.numel() != b - a:
                     raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
-                dst = self.out[a:b]
-                if step <= last_reduce:
-                    dst.add_(piece.reshape(-1))
-                    if step == last_reduce:  # this member now holds the full sum of this chunk
-                        dst.div_(self.size)
+                piece, dst = piece.reshape(-1), self.out[a:b]
+                if step < last_reduce:
+                    dst.add_(piece)
+                elif step == last_reduce:  # this member now holds the full sum of this chunk
+                    self.gathered[step + 1, j] = done = torch.add(dst, piece).div_(self.size)
+                    dst.copy_(done)
                 else:
-                    dst.copy_(piece.reshape(-1))
+                    dst.copy_(piece)
+                    if step < last:
+                        self.gathered[step + 1, j] = piece
                 self.received[step] = j + 1
                 self.progress.set()
                 await asyncio.sleep(0)  # forward this piece before adding the next one
@@ -356,7 +351,8 @@ async def ring_allreduce(flat: Tensor, *, ring_id: int, round_id: int, members: 
     The member that completes a chunk's sum divides it once, so every member ends with the same bits.
     A wait (receive or send) longer than ``timeout_s`` aborts the round: RingAborted here and a
     RING_ABORT to every other member, whose pending wait then raises RingAborted too.  With
-    ``inplace`` the result overwrites ``flat`` (whose contents are undefined after an abort).
+    ``inplace`` the result overwrites ``flat`` (whose contents are undefined after an abort).  Once this
+    returns, ``flat`` and the result are the caller's to modify, even with sends still in flight.
     """
     if len(members) == 1:
         return flat
@@ -387,20 +383,12 @@ async def ring_allreduce(flat: Tensor, *, ring_id: int, round_id: int, members: 
 async def _broadcast_abort(link: RingLink, members: Sequence[str], me: str, ring_id: int, round_id: int,
                            reason: str, timeout_s: float) -> None:
     """Tell every other member to stop waiting; best effort, as a dead peer cannot be told anything."""
-    async def tell(peer: str) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await link.send_abort(peer, ring_id, round_id, reason)
-        except TimeoutError:
-            log.debug("ring %d round %d: could not send abort to %s", ring_id, round_id, peer)
-
-    async with asyncio.TaskGroup() as tg:
-        for peer in members:
-            if peer != me:
-                tg.create_task(tell(peer))
-
-
-# ---------------------------------------------------------------- all rings of a node
+    peers = [p for p in members if p != me]
+    outcomes = await asyncio.gather(*(asyncio.wait_for(link.send_abort(p, ring_id, round_id, reason), timeout_s)
+                                      for p in peers), return_exceptions=True)
+    for peer, outcome in zip(peers, outcomes):
+        if isinstance(outcome, Exception):
+            log.debug("ring %d round %d: abort not sent to %s: %r", ring_id, round_id, peer, outcome)
 
 
 @dataclass(slots=True)
@@ -445,9 +433,6 @@ async def average_segments(flats: Mapping[int, Tensor], segments: Sequence[Segme
             tg.create_task(one(seg))
     result.seconds = time.perf_counter() - t0
     return result
-
-
-# ---------------------------------------------------------------- snapshots and deltas
 
 
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
@@ -499,9 +484,6 @@ def apply_round(tensors: Mapping[str, Tensor], segments: Sequence[Segment], snap
             apply_average_delta([tensors[n] for n in s.names], snapshots[s.ring_id], result.averaged[s.ring_id])
 
 
-# ---------------------------------------------------------------- optimizer state
-
-
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params_by_name: Mapping[str, Tensor]
                             ) -> dict[str, Tensor]:
     """Per-element floating-point optimizer state (e.g. Adam's exp_avg, exp_avg_sq) by averaged name.
@@ -527,10 +509,6 @@ def with_optimizer_state(names: Sequence[str], numels: Sequence[int], stateful: 
     ``stateful`` are the parameters the optimizer updates; ``state_keys`` its per-element state keys.
     """
     wanted, keys = set(stateful), sorted(state_keys)
-    out_names: list[str] = []
-    out_numels: list[int] = []
-    for name, numel in zip(names, numels):
-        extra = [f"{name}{OPTIM_SEP}{k}" for k in keys] if name in wanted else []
-        out_names += [name, *extra]
-        out_numels += [numel] * (1 + len(extra))
-    return out_names, out_numels
+    pairs = [(full, numel) for name, numel in zip(names, numels)
+             for full in [name, *(f"{name}{OPTIM_SEP}{k}" for k in keys if name in wanted)]]
+    return [n for n, _ in pairs], [k for _, k in pairs]

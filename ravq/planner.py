@@ -18,11 +18,19 @@ The cost model (DESIGN.md, "Planner and profiler"), per micro-batch:
 - samples/s = micro_batch * sum over clusters of r * duty, with duty = (S/r) / (S/r + T_avg) when
   averaging pauses training, or (S/r) / max(S/r, T_avg) when it overlaps with training (S = sync_every).
 
-The search (``make_plan``): for several cluster counts, seed clusters far apart in link speed and grow
-them with the nodes best linked to them, order each cluster's nodes (exhaustively when small, else seed
-orders plus swaps), cut it with an exact dynamic programme on the bottleneck time under every node's
-memory limit, then improve the partition by moving nodes between clusters (or leaving them idle) and
-finally trade pipeline speed for averaging time where that pays.  Every step is deterministic.
+The search (``make_plan``), deterministic, its work counted in DP steps rather than wall time:
+
+1. Starting points, from every pool of well-linked nodes (all nodes, and the groups joined by links of at
+   least each speed present): clusters for several cluster counts (seeded far apart in link speed and
+   grown with their best-linked nodes, or memory first, or dealt out in snake order), as many clusters as
+   memory allows ("fill"), and one cluster grown fastest node first, best prefix kept ("ladder").
+2. A cluster's cuts come from an exact dynamic programme on the bottleneck time under every node's
+   memory limit; its node order is exhaustive when small, else seed orders improved by moving single
+   nodes to their best position (one forward and one backward pass price every position at once).
+3. Local search from the best starting points: nodes move or swap between clusters, start a cluster or
+   go idle; clusters merge or go idle.  Models of more than 24 blocks are searched first with runs of
+   blocks merged into 24, then refined on the real blocks.
+4. Finally, pipeline speed is traded for a shorter averaging round where the total gains.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ravq.config import ClusterPlan, Plan
+from ravq.config import ClusterPlan, Plan, Topology
 
 _INF = math.inf
 _SLOW_S_PER_BYTE = 1e9
@@ -143,15 +151,22 @@ class Explanation:
             lines.append(f"idle: {name}: {reason}")
         node, t = self.slowest_stage()
         lines.append(f"slowest stage: {node} {_ms(t)}")
-        link = self.slowest_link()
-        if link is not None:
-            lines.append(f"slowest link: {link[0]} {_ms(link[1])}")
+        slowest_link = self.slowest_link()
+        if slowest_link is not None:
+            lines.append(f"slowest link: {slowest_link[0]} {_ms(slowest_link[1])}")
         lines.append(f"averaging: {_ms(self.averaging_s)} per round every {self.sync_every} steps, "
                      f"costs {self.averaging_cost_samples_per_s:.4g} samples/s")
         lines.append(f"predicted: {self.samples_per_s:.4g} samples/s "
                      f"({self.samples_per_s_without_averaging:.4g} without averaging, "
                      f"micro_batch {self.micro_batch})")
         return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 def _ms(seconds: float) -> str:
@@ -164,6 +179,9 @@ def _ms(seconds: float) -> str:
 
 class _Problem:
     """Nodes and blocks as arrays, and the per-cluster dynamic programme over cut points."""
+
+    TIMES_CACHED = 256
+    """Stage-time matrices kept (each (blocks + 1)^2 floats)."""
 
     def __init__(self, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
                  max_inflight: int | None, micro_batch: int, sync_every: int, overlap_averaging: bool) -> None:
@@ -181,26 +199,28 @@ class _Problem:
                         for a in range(self.n)], dtype=float)
         self.bw_sym = np.minimum(bw, bw.T)
         np.fill_diagonal(self.bw_sym, _INF)
-        with np.errstate(divide="ignore"):
-            per_byte = np.where(bw > 0, 1.0 / np.where(bw > 0, bw, 1.0), _SLOW_S_PER_BYTE)
-        self.fwd_s_per_byte, self.bwd_s_per_byte = per_byte, per_byte.T
+        self.fwd_s_per_byte = np.where(bw > 0, 1.0 / np.where(bw > 0, bw, 1.0), _SLOW_S_PER_BYTE)
+        self.bwd_s_per_byte = self.fwd_s_per_byte.T
         self.lat = (lat + lat.T) / 2
-        work = np.array([b.fwd_flops + b.bwd_flops for b in blocks], dtype=float)
         self.param = np.array([b.param_bytes for b in blocks], dtype=float)
-        inflight = np.array([b.inflight_bytes for b in blocks], dtype=float)
-        static = np.array([b.memory_bytes - b.max_inflight * b.inflight_bytes for b in blocks], dtype=float)
         self.act = np.full(self.B + 1, _INF)       # act[e]: bytes crossing a cut before block e
         self.grad = np.full(self.B + 1, _INF)
         self.act[1:self.B] = [b.act_bytes_out for b in blocks[:-1]]
         self.grad[1:self.B] = [b.act_bytes_out if b.grad_bytes_out is None else b.grad_bytes_out
                                for b in blocks[:-1]]
-        self.work_span = _spans(work)
+        self.work_span = _spans(np.array([b.fwd_flops + b.bwd_flops for b in blocks], dtype=float))
         self.param_span = _spans(self.param)
-        self.static_span, self.inflight_span = _spans(static), _spans(inflight)
+        self.static_span = _spans(np.array([b.memory_bytes - b.max_inflight * b.inflight_bytes for b in blocks],
+                                           dtype=float))
+        self.inflight_span = _spans(np.array([b.inflight_bytes for b in blocks], dtype=float))
         self._mem_span: dict[int, np.ndarray] = {}
         self._times: dict[tuple[int, int], np.ndarray] = {}
+        self._links: dict[tuple[int, int], np.ndarray] = {}
+        self._min_link: dict[tuple[tuple[int, ...], ...], np.ndarray] = {}
         self.ops = 0
         """Stage steps of the dynamic programme run so far: the unit of the search budget."""
+        self.op_cost_s = 15e-6 + 3.5e-9 * (self.B + 1) ** 2
+        """Rough time of one stage step, to turn a time budget into a (deterministic) step budget."""
 
     def inflight_for(self, stages: int) -> int:
         return self.max_inflight if self.max_inflight is not None else stages
@@ -212,45 +232,52 @@ class _Problem:
             self._mem_span[k] = self.static_span + k * self.inflight_span
         return self._mem_span[k]
 
+    def model_memory(self, stages: int) -> float:
+        return float(self.mem_span(stages)[0, self.B])
+
     def stage_times(self, node: int, stages: int) -> np.ndarray:
         """times[s, e]: compute time of blocks [s, e) on ``node``; inf where it does not fit."""
         key = (node, self.inflight_for(stages))
         t = self._times.get(key)
         if t is None:
             t = np.where(self.mem_span(stages) <= self.mem[node], self.work_span / self.flops[node], _INF)
+            if len(self._times) >= self.TIMES_CACHED:
+                del self._times[next(iter(self._times))]
             self._times[key] = t
         return t
 
     def link_times(self, a: int, b: int) -> np.ndarray:
         """link[e]: time of the link a -> b when the cut is before block e (inf at 0 and B)."""
-        return self.act * self.fwd_s_per_byte[a, b] + self.grad * self.bwd_s_per_byte[a, b] + self.lat[a, b]
+        t = self._links.get((a, b))
+        if t is None:
+            t = self.act * self.fwd_s_per_byte[a, b] + self.grad * self.bwd_s_per_byte[a, b] + self.lat[a, b]
+            self._links[(a, b)] = t
+        return t
 
-    def bottleneck(self, order: Sequence[int], limit: float = _INF,
-                   caps: np.ndarray | None = None) -> float:
-        """Smallest achievable max(stage time, link time) for this node order; inf if it does not fit or
-        cannot beat ``limit``.  ``caps[node]``: most parameter bytes a node may hold (averaging limit)."""
-        return self._dp(order, limit, caps, want_bounds=False)[0]
+    def bottleneck(self, order: Sequence[int], limit: float = _INF) -> float:
+        """Smallest achievable max(stage time, link time) for this node order; inf if it does not fit in
+        memory or cannot beat ``limit``."""
+        return self._dp(order, limit, None, want_bounds=False)[0]
 
     def partition(self, order: Sequence[int], caps: np.ndarray | None = None) -> tuple[float, list[int]]:
-        """The bottleneck and stage bounds [0, b1, ..., B] that achieve it."""
+        """The bottleneck and stage bounds [0, b1, ..., B] achieving it (``caps[node]``: most parameter
+        bytes the node may hold); bounds are empty when nothing fits."""
         return self._dp(order, _INF, caps, want_bounds=True)
 
     def _dp(self, order: Sequence[int], limit: float, caps: np.ndarray | None,
             want_bounds: bool) -> tuple[float, list[int]]:
         k = len(order)
-        times = [self._capped(node, k, caps) for node in order]
-        best = times[0][0].copy()         # best[e]: bottleneck with the current stage ending before e
+        best = self._capped(order[0], k, caps)[0]    # best[e]: bottleneck so far, current stage ending before e
         args = []
         for j in range(1, k):
             self.ops += 1
             reach = np.maximum(best, self.link_times(order[j - 1], order[j]))
             if reach.min() >= limit:
                 return _INF, []
-            cand = np.maximum(reach[:, None], times[j])
+            cand = np.maximum(reach[:, None], self._capped(order[j], k, caps))
             if want_bounds:
-                arg = cand.argmin(axis=0)
-                args.append(arg)
-                best = cand[arg, np.arange(self.B + 1)]
+                args.append(cand.argmin(axis=0))
+                best = cand[args[-1], np.arange(self.B + 1)]
             else:
                 best = cand.min(axis=0)
         value = float(best[self.B])
@@ -259,8 +286,32 @@ class _Problem:
         bounds = [self.B]
         for arg in reversed(args):
             bounds.append(int(arg[bounds[-1]]))
-        bounds.append(0)
-        return value, bounds[::-1]
+        return value, [0, *bounds[::-1]] if k > 1 else [0, self.B]
+
+    def insertions(self, order: Sequence[int], x: int) -> list[float]:
+        """Bottleneck of ``order`` with ``x`` inserted before position j, for every j in 0..len(order):
+        one pass forward and one backward over the order, then one step per position."""
+        k, last = len(order) + 1, self.B
+        times, own = [self.stage_times(node, k) for node in order], self.stage_times(x, k)
+        if not order:
+            return [float(own[0, last])]
+        heads = [times[0][0]]                 # heads[j][e]: order[:j + 1] holds blocks [0, e)
+        for j in range(1, len(order)):
+            reach = np.maximum(heads[-1], self.link_times(order[j - 1], order[j]))
+            heads.append(np.maximum(reach[:, None], times[j]).min(axis=0))
+        tails = [times[-1][:, last]]          # tails[j][s]: order[j:] holds blocks [s, B)
+        for j in range(len(order) - 2, -1, -1):
+            onward = np.maximum(self.link_times(order[j], order[j + 1]), tails[0])
+            tails.insert(0, np.maximum(times[j], onward[None, :]).min(axis=1))
+        start, end = np.full(last + 1, _INF), np.full(last + 1, _INF)
+        start[0], end[last] = 0.0, 0.0
+        values = []
+        for j in range(k):
+            before = np.maximum(heads[j - 1], self.link_times(order[j - 1], x)) if j > 0 else start
+            after = np.maximum(self.link_times(x, order[j]), tails[j]) if j < len(order) else end
+            values.append(float(np.maximum(np.maximum(before[:, None], own), after[None, :]).min()))
+        self.ops += 3 * len(order)
+        return values
 
     def _capped(self, node: int, k: int, caps: np.ndarray | None) -> np.ndarray:
         t = self.stage_times(node, k)
@@ -270,28 +321,35 @@ class _Problem:
 
     def min_link_out(self, clusters: Sequence[Sequence[int]]) -> np.ndarray:
         """Per node: slowest symmetric link to a node of another cluster (inf with one cluster)."""
+        key = tuple(sorted(tuple(sorted(c)) for c in clusters))
+        out = self._min_link.get(key)
+        if out is None:
+            if len(self._min_link) >= 4096:
+                self._min_link.clear()
+            out = self._min_link[key] = self._min_link_out(key)
+        return out
+
+    def _min_link_out(self, clusters: Sequence[Sequence[int]]) -> np.ndarray:
         owner = np.full(self.n, -1)
         for c, members in enumerate(clusters):
             owner[list(members)] = c
         out = np.full(self.n, _INF)
-        used = owner >= 0
         for c, members in enumerate(clusters):
-            others = used & (owner != c)
-            if others.any():
-                out[list(members)] = self.bw_sym[np.ix_(list(members), np.flatnonzero(others))].min(axis=1)
+            others = np.flatnonzero((owner >= 0) & (owner != c))
+            if len(others):
+                rows = np.array(members, dtype=int)
+                out[rows] = self.bw_sym[np.ix_(rows, others)].min(axis=1)
         return out
 
     def ring_factor(self, clusters: int) -> float:
-        return 2 * (clusters - 1) / clusters if clusters > 1 else 0.0
+        return 2 * (clusters - 1) / clusters
 
     def samples_per_s(self, rates: Sequence[float], averaging_s: float) -> float:
-        s = self.sync_every
-        total = 0.0
+        s, total = self.sync_every, 0.0
         for r in rates:
-            if r <= 0:
-                continue
-            period = s / r
-            total += s / (max(period, averaging_s) if self.overlap_averaging else period + averaging_s)
+            if r > 0:
+                period = s / r
+                total += s / (max(period, averaging_s) if self.overlap_averaging else period + averaging_s)
         return self.micro_batch * total
 
 
@@ -303,7 +361,7 @@ def _spans(values: np.ndarray) -> np.ndarray:
 
 
 def _lookup(nodes: Sequence[NodeProfile], a: int, b: int, attr: str) -> float:
-    """Measurement a -> b, else b -> a (links assumed symmetric when one side was not measured)."""
+    """Measurement a -> b, else b -> a (a link measured from one side only is taken as symmetric)."""
     if a == b:
         return 0.0
     mine = getattr(nodes[a], attr).get(nodes[b].name)
@@ -327,6 +385,21 @@ def _check_inputs(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], 
             raise PlanError(f"node {n.name}: flops must be > 0, got {n.flops}")
     if micro_batch < 1 or sync_every < 1:
         raise PlanError(f"micro_batch and sync_every must be >= 1, got {micro_batch} and {sync_every}")
+
+
+def _coarsen(blocks: Sequence[BlockProfile], groups: int) -> list[BlockProfile]:
+    """Runs of consecutive blocks merged into ``groups`` blocks, for a cheaper first search."""
+    bounds = [round(i * len(blocks) / groups) for i in range(groups + 1)]
+    merged = []
+    for lo, hi in itertools.pairwise(bounds):
+        run, last = blocks[lo:hi], blocks[hi - 1]
+        inflight = sum(b.inflight_bytes for b in run)
+        static = sum(b.memory_bytes - b.max_inflight * b.inflight_bytes for b in run)
+        merged.append(BlockProfile(
+            name=run[0].name, param_bytes=sum(b.param_bytes for b in run), fwd_flops=sum(b.fwd_flops for b in run),
+            bwd_flops=sum(b.bwd_flops for b in run), act_bytes_out=last.act_bytes_out,
+            grad_bytes_out=last.grad_bytes_out, memory_bytes=static + inflight, inflight_bytes=inflight))
+    return merged
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -357,82 +430,74 @@ def _averaging_s(p: _Problem, layouts: Sequence[_Layout]) -> float:
 
 
 def _score(p: _Problem, layouts: Sequence[_Layout]) -> float:
-    rates = [1.0 / max(lay.bottleneck, 1e-12) for lay in layouts]
-    return p.samples_per_s(rates, _averaging_s(p, layouts))
+    return p.samples_per_s([1.0 / max(lay.bottleneck, 1e-12) for lay in layouts], _averaging_s(p, layouts))
 
 
 # ----------------------------------------------------------------------------------------------------
 # The search
 
+Clusters = list[tuple[int, ...]]
+
 
 class _Search:
-    """Deterministic heuristic search over partitions, orders and cuts, within a budget of DP steps."""
+    """Deterministic heuristic search over partitions, orders and cuts of one problem.
 
-    EXHAUSTIVE_ORDERS = 5
-    """Clusters up to this many nodes try every order."""
+    ``layout`` caches, per set of nodes, the best order found so far; ``improve`` moves nodes between
+    clusters.  Work is counted in DP stage steps against a budget, never in wall time, so the same input
+    always gives the same plan."""
 
-    def __init__(self, p: _Problem, *, max_clusters: int | None, allow_idle: bool, effort: float) -> None:
-        self.p, self.allow_idle = p, allow_idle
-        self.budget = int(effort * 4e8 / max((p.B + 1) ** 2, 4000))
+    def __init__(self, p: _Problem, *, usable: list[int], max_clusters: int, allow_idle: bool,
+                 budget_s: float, hints: dict[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
+        self.p, self.usable, self.max_clusters, self.allow_idle = p, usable, max_clusters, allow_idle
+        self.budget = p.ops + int(budget_s / p.op_cost_s)
+        self.exhaustive = 5 if p.op_cost_s < 25e-6 else 4
+        """Clusters up to this many nodes try every order."""
+        self.hints = hints or {}
         self._best: dict[tuple[int, ...], _Layout | None] = {}
         self._full: set[tuple[int, ...]] = set()
-        self.idle_reasons: dict[int, str] = {}
-        self.usable = self._usable_nodes()
-        need = float(p.mem_span(1)[0, p.B])
-        fits = int(p.mem[self.usable].sum() // need) if self.usable else 0
-        self.max_clusters = max(1, min(len(self.usable), fits, max_clusters or len(self.usable)))
+        self.need = [0.0] + [p.model_memory(k) for k in range(1, p.n + 1)]
 
-    def _usable_nodes(self) -> list[int]:
-        p = self.p
-        smallest = np.diagonal(p.mem_span(1), offset=1)
-        usable = []
-        for i in range(p.n):
-            if p.mem[i] >= smallest.min():
-                usable.append(i)
-            else:
-                self.idle_reasons[i] = (f"cannot hold even the smallest block ({smallest.min() / _GIB:.3g} GiB "
-                                        f"needed, {p.mem[i] / _GIB:.3g} GiB available)")
-        return usable
+    def known_orders(self) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """The best order found for every set of nodes that fits."""
+        return {key: lay.order for key, lay in self._best.items() if lay is not None}
+
+    def spent(self) -> bool:
+        return self.p.ops >= self.budget
 
     # --- one cluster
 
-    def layout(self, members: Sequence[int], full: bool = True) -> _Layout | None:
-        """Best layout found for this set of nodes (searching orders further when ``full``)."""
+    def layout(self, members: Sequence[int], full: bool = False) -> _Layout | None:
+        """Best layout found for this set of nodes; ``full`` searches its orders thoroughly (once)."""
         key = tuple(sorted(members))
         if key in self._full or (not full and key in self._best):
             return self._best[key]
-        best = self._best.get(key)
-        orders = self._seed_orders(key) + ([best.order] if best else [])
-        if len(key) <= self.EXHAUSTIVE_ORDERS:
-            orders = list(itertools.permutations(key)) if full or len(key) <= 3 else orders
+        known = self._best.get(key)
+        orders = self._seed_orders(key) + ([known.order] if known else [])
+        small = len(key) <= self.exhaustive
+        if small:
+            orders = list(itertools.permutations(key))
         value, order = self._best_of(orders)
-        if full and len(key) > self.EXHAUSTIVE_ORDERS and order is not None:
+        if full and order is not None and not small:
             value, order = self._improve_order(order, value)
-        if full:
+        if full or small:
             self._full.add(key)
         self._store(key, order, value)
         return self._best[key]
 
-    def offer(self, order: tuple[int, ...], limit: float = _INF) -> float:
+    def offer(self, order: tuple[int, ...]) -> None:
         """Evaluate one order of a set and keep it if it beats what is known for that set."""
         key = tuple(sorted(order))
         known = self._best.get(key)
-        if key in self._best and known is None:
-            return _INF
-        bound = min(limit, known.bottleneck) if known else limit
-        value = self.p.bottleneck(order, bound)
-        if value < bound:
-            self._store(key, order, value)
-        return value
+        value = self.p.bottleneck(order, known.bottleneck if known else _INF)
+        self._store(key, order, value)
 
     def _store(self, key: tuple[int, ...], order: tuple[int, ...] | None, value: float) -> None:
         known = self._best.get(key)
-        if order is None or not math.isfinite(value):
-            self._best.setdefault(key, None)
-            return
-        if known is None or value < known.bottleneck:
+        if order is not None and math.isfinite(value) and (known is None or value < known.bottleneck):
             bottleneck, bounds = self.p.partition(order)
             self._best[key] = _Layout(order=tuple(order), bounds=tuple(bounds), bottleneck=bottleneck)
+        else:
+            self._best.setdefault(key, None)
 
     def _best_of(self, orders: Sequence[tuple[int, ...]]) -> tuple[float, tuple[int, ...] | None]:
         best, best_order = _INF, None
@@ -444,24 +509,32 @@ class _Search:
 
     def _seed_orders(self, key: tuple[int, ...]) -> list[tuple[int, ...]]:
         p = self.p
-        by_flops = tuple(sorted(key, key=lambda i: (-p.flops[i], i)))
         by_mem = tuple(sorted(key, key=lambda i: (-p.mem[i], i)))
+        ends = by_mem[0::2] + by_mem[1::2][::-1]        # largest memory at both ends, where embeddings sit
         chain = [by_mem[0]]
-        rest = set(key) - {by_mem[0]}
+        rest = list(by_mem[1:])
         while rest:
-            nxt = max(sorted(rest), key=lambda i: p.bw_sym[chain[-1], i])
+            nxt = max(rest, key=lambda i: p.bw_sym[chain[-1], i])
             chain.append(nxt)
-            rest.discard(nxt)
-        return [by_mem, by_flops, tuple(chain), by_mem[::-1]]
+            rest.remove(nxt)
+        seeds = [ends, tuple(chain), by_mem, tuple(sorted(key, key=lambda i: (-p.flops[i], i)))]
+        return seeds + ([self.hints[key]] if key in self.hints else [])
 
     def _improve_order(self, order: tuple[int, ...], value: float) -> tuple[float, tuple[int, ...]]:
-        """First-improvement swaps (all pairs for small clusters, neighbours for large ones)."""
+        """First-improvement moves of one node to its best position (and, in small clusters, swaps of
+        two nodes) until none helps."""
         k = len(order)
-        pairs = list(itertools.combinations(range(k), 2)) if k <= 12 else [(i, i + 1) for i in range(k - 1)]
+        swaps = list(itertools.combinations(range(k), 2)) if k <= 8 else []
         improved = True
-        while improved and self.p.ops < self.budget:
+        while improved and not self.spent():
             improved = False
-            for i, j in pairs:
+            for x in order:
+                rest = tuple(i for i in order if i != x)
+                values = self.p.insertions(rest, x)
+                pos = int(np.argmin(values))
+                if values[pos] < value * (1 - 1e-9):
+                    value, order, improved = values[pos], rest[:pos] + (x,) + rest[pos:], True
+            for i, j in swaps:
                 cand = list(order)
                 cand[i], cand[j] = cand[j], cand[i]
                 v = self.p.bottleneck(cand, value * (1 - 1e-9))
@@ -471,112 +544,189 @@ class _Search:
 
     # --- partitions
 
-    def value(self, clusters: Sequence[tuple[int, ...]], full: bool = False) -> float:
+    def value(self, clusters: Clusters, full: bool = False) -> float:
+        """Predicted samples/s; a cluster whose blocks do not fit counts as idle nodes (if allowed)."""
         layouts = [self.layout(c, full) for c in clusters]
-        if not clusters or any(lay is None for lay in layouts):
+        fitting = [lay for lay in layouts if lay is not None]
+        if not fitting or (len(fitting) < len(layouts) and not self.allow_idle):
             return 0.0
-        return _score(self.p, [lay for lay in layouts if lay is not None])
+        return _score(self.p, fitting)
 
-    def construct(self, count: int, deficit_first: bool) -> list[tuple[int, ...]]:
-        """``count`` clusters seeded far apart in link speed, grown with their best-linked nodes."""
+    def fitting(self, clusters: Clusters) -> Clusters:
+        return [c for c in clusters if self.layout(c) is not None]
+
+    def construct(self, pool: Sequence[int], count: int, style: str) -> Clusters:
+        """``count`` clusters of the ``pool``'s nodes, seeded far apart in link speed and grown with their
+        best-linked nodes ("link"), or with the nodes their memory still lacks first ("memory"); or dealt
+        out largest memory first in snake order, links ignored ("snake")."""
         p = self.p
-        need = float(p.mem_span(1)[0, p.B])
-        nodes = sorted(self.usable, key=lambda i: (-p.mem[i], -p.flops[i], i))
+        nodes = sorted(pool, key=lambda i: (-p.mem[i], -p.flops[i], i))
+        if style == "snake":
+            rows = [nodes[i:i + count][::(-1) ** (i // count)] for i in range(0, len(nodes), count)]
+            return sorted(tuple(sorted(row[c] for row in rows if c < len(row))) for c in range(count))
         seeds = [nodes[0]]
+        nearest = p.bw_sym[:, nodes[0]].copy()          # fastest link of each node to a seed
         while len(seeds) < count:
-            rest = [i for i in nodes if i not in seeds]
-            seeds.append(min(rest, key=lambda i: (_bucket(p.bw_sym[i, seeds].max()), -p.mem[i], i)))
+            seeds.append(min((i for i in nodes if i not in seeds), key=lambda i: (_bucket(nearest[i]), -p.mem[i])))
+            nearest = np.maximum(nearest, p.bw_sym[:, seeds[-1]])
         clusters = [[s] for s in seeds]
+        slowest = p.bw_sym[:, seeds].copy()             # slowest link of each node into each cluster
+        mem, flops = p.mem[seeds].copy(), p.flops[seeds].copy()
         for x in nodes:
             if x in seeds:
                 continue
-
-            def key(c: list[int]) -> tuple[float, ...]:
-                link = _bucket(p.bw_sym[x, c].min())
-                short = float(p.mem[c].sum() < need)
-                return (short, link, -p.flops[c].sum()) if deficit_first else (link, short, -p.flops[c].sum())
-            max(clusters, key=key).append(x)
+            short = np.array([mem[c] < self.need[len(clusters[c])] for c in range(count)], dtype=float)
+            link = np.array([_bucket(v) for v in slowest[x]])
+            keys = (-flops, short, link) if style == "link" else (-flops, link, short)
+            c = int(np.lexsort(keys)[-1])
+            clusters[c].append(x)
+            mem[c] += p.mem[x]
+            flops[c] += p.flops[x]
+            slowest[:, c] = np.minimum(slowest[:, c], p.bw_sym[:, x])
         return sorted(tuple(sorted(c)) for c in clusters)
 
-    def improve(self, clusters: list[tuple[int, ...]]) -> tuple[float, list[tuple[int, ...]]]:
-        """Move single nodes between clusters, to idle and to new clusters while that helps."""
-        best = self.value(clusters, full=True)
-        improved = True
-        while improved and self.p.ops < self.budget:
-            improved = False
-            for x in self.usable:
-                for cand in self._moves(clusters, x):
-                    v = self.value(cand)
-                    if v > best * (1 + 1e-9):
-                        v_full = self.value(cand, full=True)
-                        if v_full > best * (1 + 1e-9):
-                            best, clusters, improved = v_full, cand, True
-                            break
-                if self.p.ops >= self.budget:
-                    break
-        return best, clusters
-
-    def _moves(self, clusters: list[tuple[int, ...]], x: int) -> list[list[tuple[int, ...]]]:
+    def fill(self, pool: Sequence[int]) -> Clusters:
+        """As many clusters of the ``pool``'s nodes as memory allows: each starts with the largest free node
+        and takes the best-linked (then largest) free nodes until its blocks fit.  Leftovers stay idle if
+        allowed."""
         p = self.p
-        src = next((c for c in clusters if x in c), None)
-        rest = [c for c in clusters if c is not src]
-        left = tuple(i for i in src if i != x) if src else ()
-        base = rest + ([left] if left else [])
-        targets = sorted(rest, key=lambda c: (-p.bw_sym[x, list(c)].min(), c))
-        if len(self.usable) > 12:
-            targets = targets[:3]
+        free = sorted(pool, key=lambda i: (-p.mem[i], -p.flops[i], i))
+        clusters: Clusters = []
+        while free:
+            cluster = [free.pop(0)]
+            while self.layout(cluster) is None and free:
+                x = max(free, key=lambda i: (_bucket(p.bw_sym[i, cluster].min()), p.mem[i], p.flops[i], -i))
+                cluster.append(x)
+                free.remove(x)
+            if self.layout(cluster) is not None or not clusters:
+                clusters.append(tuple(sorted(cluster)))
+            elif not self.allow_idle:
+                clusters[-1] = tuple(sorted(clusters[-1] + tuple(cluster)))
+        return sorted(clusters)
+
+    def ladder(self, pool: Sequence[int]) -> Clusters:
+        """One cluster grown from the pool's nodes, fastest first (well-linked before poorly linked), each
+        inserted at its best position; the best prefix is kept."""
+        p = self.p
+        linked = {i: _bucket(float(np.median(p.bw_sym[i, [j for j in pool if j != i]]))) if len(pool) > 1 else 0
+                  for i in pool}
+        order: tuple[int, ...] = ()
+        best, best_set = 0.0, tuple[int, ...]()
+        for x in sorted(pool, key=lambda i: (-linked[i], -p.flops[i], i)):
+            values = p.insertions(order, x)
+            pos = int(np.argmin(values))
+            order = order[:pos] + (x,) + order[pos:]
+            if math.isfinite(values[pos]):
+                self._store(tuple(sorted(order)), order, values[pos])
+                if 1.0 / values[pos] > best:
+                    best, best_set = 1.0 / values[pos], tuple(sorted(order))
+        return [best_set] if best_set else []
+
+    def improve(self, clusters: Clusters, until_ops: int) -> tuple[float, Clusters]:
+        """Local search while the predicted samples/s grow and the budget lasts: single nodes move or swap
+        (``_moves``), whole clusters merge or go idle (``_cluster_moves``), judged by quick layouts (new
+        sets get their members' order with the newcomer inserted); the first gain is taken.  When no move
+        helps, the current clusters' orders are searched thoroughly and the moves tried again."""
+        few = len(self.usable) <= 12
+        best = self.value(clusters)
+        improved = True
+        while improved and self.p.ops < until_ops:
+            improved = False
+            for x in [*sorted(self.usable, key=lambda i: (-self.p.flops[i], i)), None]:
+                for cand in self._moves(clusters, x) if x is not None else self._cluster_moves(clusters):
+                    value = self.value(cand)
+                    if few and value > 0.9 * best:      # cheap when small, and quick layouts underrate
+                        value = self.value(cand, full=True)
+                    if value > best * (1 + 1e-9):
+                        best, clusters, improved = value, cand, True
+                        break
+                if self.p.ops >= until_ops:
+                    break
+            if not improved and self.value(clusters, full=True) > best * (1 + 1e-9):
+                best, improved = self.value(clusters, full=True), True
+        return self.value(clusters, full=True), clusters
+
+    def _cluster_moves(self, clusters: Clusters) -> list[Clusters]:
         moves = []
-        for t in targets:
-            grown = self._insert(t, x)
-            if grown is not None:
-                moves.append(sorted([grown] + [c for c in base if c is not t]))
-        if src is not None and left and len(clusters) < self.max_clusters:
-            moves.append(sorted(base + [(x,)]))
-        if src is not None and left and self.allow_idle:
-            moves.append(sorted(base))
+        for a, b in itertools.combinations(range(len(clusters)), 2):
+            merged = self._grow(clusters[a], clusters[b][0])
+            for y in clusters[b][1:]:
+                merged = self._grow(merged, y)
+            moves.append(sorted([c for i, c in enumerate(clusters) if i not in (a, b)] + [merged]))
+        if self.allow_idle and len(clusters) > 1:
+            moves += [clusters[:i] + clusters[i + 1:] for i in range(len(clusters))]
         return moves
 
-    def _insert(self, members: tuple[int, ...], x: int) -> tuple[int, ...] | None:
-        """Try ``x`` at every position of the known order of ``members``; return the grown set."""
+    def _moves(self, clusters: Clusters, x: int) -> list[Clusters]:
+        """Neighbouring partitions: ``x`` joins another cluster (alone or swapped with one of its nodes,
+        which takes x's place), starts a cluster of its own, or goes idle."""
+        p = self.p
+        src = next((c for c in clusters if x in c), None)
+        few = len(self.usable) <= 12
+        others = sorted((c for c in clusters if c is not src), key=lambda c: (-_bucket(p.bw_sym[x, list(c)].min()), c))
+        left = tuple(i for i in src if i != x) if src else ()
+        if src is not None and left and (lay := self.layout(src)) is not None:
+            self.offer(tuple(i for i in lay.order if i != x))
+        moves = []
+        for target in others if few else others[:3]:
+            rest = [c for c in clusters if c is not src and c is not target]
+            moves.append(sorted(rest + [self._grow(target, x)] + ([left] if left else [])))
+            partners = sorted(target, key=lambda i: (abs(p.mem[i] - p.mem[x]), i))
+            for y in partners if few else partners[:2]:
+                if src is None and not self.allow_idle:
+                    break
+                replaced = self._grow(tuple(i for i in target if i != y), x)
+                moves.append(sorted(rest + [replaced] + ([self._grow(left, y)] if src else [])))
+            if few and src is None:        # two idle nodes joining at once (one alone may not fit)
+                idle = sorted(set(self.usable).difference(*clusters) - {x})
+                moves += [sorted(rest + [self._grow(self._grow(target, x), y)]) for y in idle if y > x]
+        if (src is None or left) and len(clusters) < self.max_clusters:
+            moves.append(sorted([c for c in clusters if c is not src] + [(x,)] + ([left] if left else [])))
+        if left and self.allow_idle:
+            moves.append(sorted([c for c in clusters if c is not src] + [left]))
+        return moves
+
+    def _grow(self, members: tuple[int, ...], x: int) -> tuple[int, ...]:
+        """``members`` plus ``x``, trying ``x`` at every position of the members' known order."""
         grown = tuple(sorted(members + (x,)))
-        if grown in self._best or len(grown) <= self.EXHAUSTIVE_ORDERS:
-            return grown
-        base = self.layout(members, full=False)
-        if base is None:
-            return grown
-        for pos in range(len(base.order) + 1):
-            self.offer(base.order[:pos] + (x,) + base.order[pos:])
-        self._best.setdefault(grown, None)
+        base = self.layout(members) if members else None
+        if grown not in self._full and base is not None:
+            self._insert(base.order, x)
         return grown
 
-    def tune_averaging(self, clusters: list[tuple[int, ...]]) -> list[_Layout]:
+    def _insert(self, order: tuple[int, ...], x: int) -> float:
+        """Offer ``order`` with ``x`` at its best position; return that bottleneck."""
+        values = self.p.insertions(order, x)
+        pos = int(np.argmin(values))
+        if math.isfinite(values[pos]):
+            self._store(tuple(sorted(order + (x,))), order[:pos] + (x,) + order[pos:], values[pos])
+        return values[pos]
+
+    def tune_averaging(self, clusters: Clusters) -> list[_Layout]:
         """Give up pipeline speed for a shorter averaging round where the total gains."""
         p = self.p
-        layouts = [self.layout(c) for c in clusters]
-        assert all(lay is not None for lay in layouts)
-        best_layouts = [lay for lay in layouts if lay is not None]
-        best = _score(p, best_layouts)
-        t0 = _averaging_s(p, best_layouts)
+        clusters = self.fitting(clusters)
+        layouts = [lay for lay in (self.layout(c, full=True) for c in clusters) if lay is not None]
+        best, t0 = _score(p, layouts), _averaging_s(p, layouts)
         if len(clusters) < 2 or not 0 < t0 < _INF:
-            return best_layouts
-        slowest = p.min_link_out(clusters)
-        factor = p.ring_factor(len(clusters))
+            return layouts
+        caps_per_s = p.min_link_out(clusters) / p.ring_factor(len(clusters))
         for scale in (0.9, 0.75, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05):
-            caps = t0 * scale * slowest / factor
             cand = []
-            for lay in best_layouts:
-                value, bounds = p.partition(lay.order, caps)
-                if not bounds:
-                    break
-                cand.append(_Layout(order=lay.order, bounds=tuple(bounds), bottleneck=value))
-            if len(cand) == len(best_layouts) and _score(p, cand) > best * (1 + 1e-9):
-                best, best_layouts = _score(p, cand), cand
-        return best_layouts
+            for lay in layouts:
+                value, bounds = p.partition(lay.order, t0 * scale * caps_per_s)
+                if bounds:
+                    cand.append(_Layout(order=lay.order, bounds=tuple(bounds), bottleneck=value))
+            if len(cand) == len(layouts) and _score(p, cand) > best * (1 + 1e-9):
+                best, layouts = _score(p, cand), cand
+        return layouts
 
 
 def _bucket(bandwidth: float) -> float:
     """Link speeds within a factor 1.5 of each other count as equal when grouping nodes."""
-    return round(math.log(bandwidth) / math.log(1.5)) if 0 < bandwidth < _INF else (-1e9 if bandwidth <= 0 else 1e9)
+    if bandwidth <= 0:
+        return -1e9
+    return round(math.log(bandwidth) / math.log(1.5)) if bandwidth < _INF else 1e9
 
 
 def _cluster_counts(limit: int) -> list[int]:
@@ -586,6 +736,64 @@ def _cluster_counts(limit: int) -> list[int]:
         c *= 1.3
         counts.add(min(limit, int(c)))
     return sorted(counts)
+
+
+def _explore(search: _Search) -> list[tuple[float, Clusters]]:
+    """Constructions for several cluster counts from every pool of well-linked nodes, then local search
+    from the best three (and more while the budget lasts)."""
+    p = search.p
+    screened: dict[tuple[tuple[int, ...], ...], float] = {}
+    pools = _link_pools(p, search.usable) if search.allow_idle else [search.usable]
+    for pool in pools:
+        limit = max(1, min(len(pool), int(p.mem[pool].sum() // search.need[1]), search.max_clusters))
+        counts = _cluster_counts(limit) if pool is search.usable else sorted({1, (limit + 1) // 2, limit})
+        for count in counts:
+            for style in ("link", "memory", "snake"):
+                clusters = search.construct(pool, count, style)
+                screened[tuple(clusters)] = search.value(clusters)
+        for clusters in (search.fill(pool), search.ladder(pool)):
+            screened[tuple(clusters)] = search.value(clusters)
+    ranked = sorted(((v, list(c)) for c, v in screened.items()), key=lambda r: (-r[0], r[1]))
+    results = ranked[:1]
+    for i, (_, clusters) in enumerate(ranked):
+        if search.spent():
+            break
+        share = (search.budget - p.ops) // max(1, 3 - i)
+        results.append(search.improve(clusters, p.ops + share))
+    return sorted(results, key=lambda r: (-r[0], r[1]))
+
+
+def _link_pools(p: _Problem, usable: list[int], most: int = 8) -> list[list[int]]:
+    """All usable nodes, then the groups of nodes joined by links of at least some speed (single linkage,
+    at every speed level present) that can hold the model; the ``most`` with the most FLOP/s."""
+    fast = np.vectorize(_bucket)(p.bw_sym[np.ix_(usable, usable)])
+    pools: dict[tuple[int, ...], float] = {}
+    for level in sorted(set(fast[np.isfinite(p.bw_sym[np.ix_(usable, usable)])].tolist()), reverse=True):
+        for component in _components(fast >= level):
+            pool = tuple(usable[i] for i in component)
+            if len(pool) < len(usable) and p.mem[list(pool)].sum() >= p.model_memory(1):
+                pools[pool] = float(p.flops[list(pool)].sum())
+    ranked = sorted(pools, key=lambda pool: (-pools[pool], pool))[:most]
+    return [usable] + [list(pool) for pool in ranked]
+
+
+def _components(adjacent: np.ndarray) -> list[list[int]]:
+    seen: set[int] = set()
+    components = []
+    for start in range(len(adjacent)):
+        if start in seen:
+            continue
+        component, frontier = [], [start]
+        seen.add(start)
+        while frontier:
+            i = frontier.pop()
+            component.append(i)
+            for j in np.flatnonzero(adjacent[i]).tolist():
+                if j not in seen:
+                    seen.add(j)
+                    frontier.append(j)
+        components.append(sorted(component))
+    return components
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -600,33 +808,71 @@ def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, m
 
     ``max_inflight`` None: a k-stage cluster keeps k micro-batches in flight.  ``allow_idle``: nodes may be
     left out when that predicts more samples/s (nodes that cannot hold any block always are).  ``effort``
-    scales the search budget.  Raises PlanError, saying how much memory is missing, when nothing fits.
+    scales the search budget (about one second at 1.0).  Deterministic.  Raises PlanError, saying how
+    much memory is missing, when nothing fits.
     """
     p = _Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
                  overlap_averaging=overlap_averaging)
-    search = _Search(p, max_clusters=max_clusters, allow_idle=allow_idle, effort=effort)
-    if not search.usable or (search.idle_reasons and not allow_idle):
+    usable, idle = _usable_nodes(p)
+    if not usable or (idle and not allow_idle):
         raise _memory_error(p)
-    screened: dict[tuple[tuple[int, ...], ...], float] = {}
-    for count in _cluster_counts(search.max_clusters):
-        for deficit_first in (False, True):
-            clusters = search.construct(count, deficit_first)
-            screened[tuple(clusters)] = search.value(clusters)
-    ranked = sorted(screened.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
-    best, best_clusters = 0.0, list(ranked[0][0])
-    for clusters, _ in ranked:
-        value, improved = search.improve(list(clusters))
-        if value > best:
-            best, best_clusters = value, improved
-    if best <= 0:
+    fits = int(p.mem[usable].sum() // p.model_memory(1))
+    limit = max(1, min(len(usable), fits, max_clusters or len(usable)))
+    if p.B > _COARSE_BLOCKS:
+        coarse = _Problem(nodes, _coarsen(blocks, _COARSE_BLOCKS), max_inflight=max_inflight,
+                          micro_batch=micro_batch, sync_every=sync_every, overlap_averaging=overlap_averaging)
+        rough = _Search(coarse, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort)
+        found = [c for v, c in _explore(rough) if v > 0] or [rough.fill(usable)]
+        search = _Search(p, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort,
+                         hints=rough.known_orders())
+        results = [search.improve(c, search.p.ops + (search.budget - search.p.ops) // (2 - i))
+                   for i, c in enumerate(found[:2])]
+    else:
+        search = _Search(p, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=1.5 * effort)
+        results = _explore(search)
+    value, clusters = max(results, key=lambda r: (r[0], [(-len(c), c) for c in r[1]]))
+    if value <= 0:
         raise _memory_error(p)
-    layouts = search.tune_averaging(best_clusters)
-    idle = dict(search.idle_reasons)
+    layouts = search.tune_averaging(clusters)
     used = {i for lay in layouts for i in lay.order}
-    for i in search.usable:
-        if i not in used:
-            idle[i] = "leaving it out predicts more samples/s"
+    idle.update({i: "leaving it out predicts more samples/s" for i in usable if i not in used})
     return _result(p, layouts, idle)
+
+
+_COARSE_BLOCKS = 24
+"""Models with more blocks are first searched with runs of blocks merged into this many."""
+
+
+def _usable_nodes(p: _Problem) -> tuple[list[int], dict[int, str]]:
+    smallest = float(np.diagonal(p.mem_span(1), offset=1).min())
+    usable = [i for i in range(p.n) if p.mem[i] >= smallest]
+    idle = {i: f"cannot hold even the smallest block ({smallest / _GIB:.3g} GiB needed, "
+               f"{p.mem[i] / _GIB:.3g} GiB available)" for i in range(p.n) if p.mem[i] < smallest}
+    return usable, idle
+
+
+def cut_plan(clusters: Sequence[Sequence[str]], nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
+             micro_batch: int, sync_every: int, max_inflight: int | None = None,
+             overlap_averaging: bool = False) -> tuple[Plan, Explanation]:
+    """The best cuts for clusters and stage orders the user fixed (node names in stage order)."""
+    p = _Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
+                 overlap_averaging=overlap_averaging)
+    index = {name: i for i, name in enumerate(p.names)}
+    layouts = []
+    for c, names in enumerate(clusters):
+        unknown = [n for n in names if n not in index]
+        if unknown:
+            raise PlanError(f"cluster {c}: no profile for node {unknown[0]!r}")
+        order = tuple(index[n] for n in names)
+        bottleneck, bounds = p.partition(order)
+        if not bounds:
+            need, have = p.model_memory(len(order)), float(p.mem[list(order)].sum())
+            raise PlanError(f"cluster {c} ({', '.join(names)}): its blocks do not fit in its nodes' memory in this "
+                            f"order: the model needs {_size(need)}, the nodes have {_size(have)}"
+                            + (f": {_size(need - have)} missing" if need > have else ""))
+        layouts.append(_Layout(order=order, bounds=tuple(bounds), bottleneck=bottleneck))
+    used = {i for lay in layouts for i in lay.order}
+    return _result(p, layouts, {i: "not in any cluster of the topology" for i in range(p.n) if i not in used})
 
 
 def evaluate_plan(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
@@ -643,7 +889,7 @@ def evaluate_plan(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Blo
         if missing:
             raise PlanError(f"clusters[{c}]: no profile for {missing[0]!r}")
         bounds = (0, *(block_index[b] for b in cluster.cuts), p.B)
-        if any(b >= e for b, e in zip(bounds, bounds[1:])):
+        if any(b >= e for b, e in itertools.pairwise(bounds)):
             raise PlanError(f"clusters[{c}].cuts: cuts must be increasing and leave every stage a block")
         layouts.append(_fixed_layout(p, tuple(index[n] for n in cluster.nodes), bounds))
     idle = {i: "not in the plan" for i in range(p.n) if not any(i in lay.order for lay in layouts)}
@@ -687,7 +933,7 @@ def _result(p: _Problem, layouts: Sequence[_Layout], idle: dict[int, str]) -> tu
         sync_every=p.sync_every, idle={p.names[i]: why for i, why in sorted(idle.items())},
         averaging_s=averaging, samples_per_s_without_averaging=p.micro_batch * sum(rates),
         samples_per_s=p.samples_per_s(rates, averaging))
-    plan = Plan(clusters=[ClusterPlan(nodes=[p.names[i] for i in lay.order],
+    plan = Plan(epoch=0, clusters=[ClusterPlan(nodes=[p.names[i] for i in lay.order],
                                       cuts=[p.blocks[b].name for b in lay.bounds[1:-1]]) for lay in layouts],
                 predicted_samples_per_s=explanation.samples_per_s)
     return plan, explanation
@@ -703,48 +949,49 @@ def _memory_error(p: _Problem) -> PlanError:
             f"(parameters, gradients, optimizer state, stashes) but the largest node, {p.names[largest]}, has "
             f"{p.mem[largest] / _GIB:.3g} GiB: {(blocks[big] - p.mem[largest]) / _GIB:.3g} GiB missing")
     mems = np.sort(p.mem)[::-1]
-    shortfall = min(float(p.mem_span(k)[0, p.B]) - float(mems[:k].sum()) for k in range(1, p.n + 1))
+    shortfall = min(p.model_memory(k) - float(mems[:k].sum()) for k in range(1, p.n + 1))
     if shortfall > 0:
-        need = float(p.mem_span(1)[0, p.B])
         return PlanError(
-            f"no plan fits in memory: the model needs at least {need / _GIB:.3g} GiB (parameters, gradients, "
-            f"optimizer state, stashed activations) and the nodes have {p.mem.sum() / _GIB:.3g} GiB in all: "
-            f"{shortfall / _GIB:.3g} GiB missing")
-    extra = _packing_shortfall(p)
+            f"no plan fits in memory: the model needs at least {p.model_memory(1) / _GIB:.3g} GiB (parameters, "
+            f"gradients, optimizer state, stashes for in-flight micro-batches) and the nodes have "
+            f"{p.mem.sum() / _GIB:.3g} GiB in all, less than any pipeline of them needs: "
+            f"{_size(shortfall)} missing")
+    extra = min(_packing_shortfall(p, k) for k in range(1, p.n + 1))
     return PlanError(
-        f"no plan fits in memory: the nodes have enough memory in total ({p.mem.sum() / _GIB:.3g} GiB) but the "
-        f"blocks cannot be cut into contiguous stages that fit: about {extra / _GIB:.3g} GiB more on each node "
-        f"is missing")
+        f"no plan fits in memory: the nodes have {p.mem.sum() / _GIB:.3g} GiB in all but the blocks cannot be "
+        f"cut into contiguous stages that fit: about {_size(extra)} more on each node is missing")
 
 
-def _packing_shortfall(p: _Problem) -> float:
-    """Smallest extra memory per node that lets a greedy packing (largest node first) hold the model."""
-    order = sorted(range(p.n), key=lambda i: (-p.mem[i], i))
-    span = p.mem_span(p.n)
+def _packing_shortfall(p: _Problem, k: int) -> float:
+    """Extra memory per node that lets a greedy packing into the k largest nodes hold the model."""
+    order = sorted(range(p.n), key=lambda i: (-p.mem[i], i))[:k]
+    span = p.mem_span(k)
 
     def fits(extra: float) -> bool:
         start = 0
         for node in order:
+            if start < p.B and span[start, start + 1] > p.mem[node] + extra:
+                return False
             end = start
             while end < p.B and span[start, end + 1] <= p.mem[node] + extra:
                 end += 1
             start = end
         return start == p.B
 
-    lo, hi = 0.0, float(np.diagonal(span, offset=1).max()) + float(span[0, p.B])
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    lo, hi = 0.0, float(span[0, p.B])
+    for _ in range(30):
+        lo, hi = (lo, (lo + hi) / 2) if fits((lo + hi) / 2) else ((lo + hi) / 2, hi)
     return hi
 
 
-def topology_clusters(topology: object) -> list[list[str]]:
-    """Node names per cluster in stage order, from a ravq.config.Topology (one cluster when none is set)."""
-    nodes = list(getattr(topology, "nodes"))
+def topology_clusters(topology: Topology) -> list[list[str]]:
+    """Node names per cluster in stage order, from the topology (one cluster when none is set)."""
+    nodes = topology.nodes
     if all(n.cluster is None for n in nodes):
         return [[n.name for n in nodes]]
     clusters: dict[int, list[tuple[int, int, str]]] = {}
     for i, n in enumerate(nodes):
+        assert n.cluster is not None   # the topology sets it on every node or on none
         clusters.setdefault(n.cluster, []).append((n.stage if n.stage is not None else i, i, n.name))
     return [[name for _, _, name in sorted(members)] for _, members in sorted(clusters.items())]
 
@@ -762,7 +1009,7 @@ def even_plan(topology_nodes_by_cluster: Sequence[Sequence[str]], candidate_cuts
         clusters.append(ClusterPlan(nodes=list(names), cuts=cuts))
     if not clusters:
         raise PlanError("even_plan: no clusters given")
-    return Plan(clusters=clusters)
+    return Plan(epoch=0, clusters=clusters)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -771,12 +1018,14 @@ def even_plan(topology_nodes_by_cluster: Sequence[Sequence[str]], candidate_cuts
 
 def ravnest_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int,
                  sync_every: int, seed: int = 0, max_clusters: int = 5, population: int = 200,
-                 generations: int = 500, mutation_rate: float = 0.01, max_inflight: int | None = None,
-                 overlap_averaging: bool = False) -> tuple[Plan, Explanation]:
+                 generations: int = 500, mutation_rate: float = 0.01, split: str = "memory",
+                 max_inflight: int | None = None, overlap_averaging: bool = False) -> tuple[Plan, Explanation]:
     """Ravnest's planner reimplemented: a genetic algorithm assigns nodes to clusters so that each cluster
     has the model's RAM (penalty 100 x GiB short) and clusters have similar "speed" (sum of RAM/bandwidth);
-    each cluster then cuts the model into stages of equal parameter size, nodes in listing order.
-    Scored with this module's cost model; PlanError when its stages do not fit in memory."""
+    each cluster then cuts the model, nodes in listing order, into stages sized in proportion to the
+    nodes' RAM (``split="memory"``, as Ravnest's split percentages) or of equal parameter size
+    (``split="equal"``, as pippy's split_into_equal_size).  Scored with this module's cost model;
+    PlanError when its stages do not fit in memory."""
     p = _Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
                  overlap_averaging=overlap_averaging)
     rng = np.random.default_rng(seed)
@@ -791,7 +1040,11 @@ def ravnest_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *
         order = tuple(int(i) for i in np.flatnonzero(genes == c))
         if len(order) > p.B:
             raise PlanError(f"ravnest rule: a cluster of {len(order)} nodes cannot split {p.B} blocks")
-        layouts.append(_fixed_layout(p, order, _equal_param_bounds(p, len(order))))
+        if split == "equal":
+            weights, shares = p.param, np.ones(len(order))
+        else:
+            weights, shares = np.diagonal(p.mem_span(len(order)), offset=1), p.mem[list(order)]
+        layouts.append(_fixed_layout(p, order, _proportional_bounds(weights, shares)))
     return _result(p, layouts, {})
 
 
@@ -831,15 +1084,15 @@ def _ravnest_fitness(pop: np.ndarray, ram: np.ndarray, speed: np.ndarray, need: 
     return 100 * short + spread
 
 
-def _equal_param_bounds(p: _Problem, stages: int) -> tuple[int, ...]:
-    """Cut where the cumulative parameter bytes are closest to i/stages of the total."""
-    cum = np.concatenate([[0.0], np.cumsum(p.param)])
-    bounds = [0]
-    for i in range(1, stages):
-        lo, hi = bounds[-1] + 1, p.B - (stages - i)
-        target = cum[-1] * i / stages
+def _proportional_bounds(weights: np.ndarray, shares: np.ndarray) -> tuple[int, ...]:
+    """Stage bounds giving stage i about shares[i] / sum(shares) of the total weight, one block at least."""
+    cum = np.concatenate([[0.0], np.cumsum(weights)])
+    targets = cum[-1] * np.cumsum(shares)[:-1] / shares.sum()
+    bounds, count = [0], len(weights)
+    for i, target in enumerate(targets, start=1):
+        lo, hi = bounds[-1] + 1, count - (len(shares) - i)
         bounds.append(lo + int(np.argmin(np.abs(cum[lo:hi + 1] - target))))
-    return (*bounds, p.B)
+    return (*bounds, count)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -903,7 +1156,8 @@ def _partitions(items: list[int], allow_idle: bool) -> list[list[tuple[int, ...]
 def _layout_chunks(p: _Problem, members: tuple[int, ...], chunk: int = 4096):
     """(rates, meta) per chunk of every (order, cuts) of a cluster; meta = (orders, bounds) arrays."""
     k = len(members)
-    cuts = np.array(list(itertools.combinations(range(1, p.B), k - 1)), dtype=int).reshape(-1, k - 1)
+    combos = list(itertools.combinations(range(1, p.B), k - 1))
+    cuts = np.array(combos, dtype=int).reshape(len(combos), k - 1)
     if len(cuts) == 0:
         return
     bounds = np.concatenate([np.zeros((len(cuts), 1), int), cuts, np.full((len(cuts), 1), p.B)], axis=1)

@@ -80,6 +80,19 @@ class _HopMetrics:
             children[2].observe(max(0.0, time.time() - msg.sent_at))
 
 
+async def _recv_frames(sock: zmq.asyncio.Socket) -> list[Any]:
+    """The next multipart message, without copies.
+
+    A message already queued is taken with DONTWAIT, pyzmq's short-circuit: its general path (a
+    Future registered with the loop, socket events polled) costs about 15 us more per message, a
+    third of a 64 KiB message's time on loopback.
+    """
+    try:
+        return await sock.recv_multipart(zmq.DONTWAIT, copy=False)
+    except zmq.Again:
+        return await sock.recv_multipart(copy=False)
+
+
 def _configure(sock: zmq.asyncio.Socket, opts: SocketOptions) -> None:
     sock.setsockopt(zmq.LINGER, opts.linger_ms)
     sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes)
@@ -111,7 +124,7 @@ class Inbox:
     async def recv(self) -> tuple[bytes, Message]:
         """The next valid message and the identity of the peer that sent it."""
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
+            frames = await _recv_frames(self.sock)
             if len(frames) < 2:
                 self.metrics.bad_messages.labels(self.name, "no_identity").inc()
                 continue
@@ -238,7 +251,7 @@ class Subscriber:
 
     async def recv(self) -> Message:
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
+            frames = await _recv_frames(self.sock)
             try:
                 msg = decode(frames, self.limits)
             except WireError as err:

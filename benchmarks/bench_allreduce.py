@@ -1,0 +1,299 @@
+"""Ring all-reduce: ravq over ZeroMQ against torch.distributed.all_reduce on gloo, same processes.
+
+(a) One float32 tensor (100 MB) averaged by 4 OS processes, alternately by gloo (all_reduce SUM) and by
+    ravq's ring_allreduce with real ZeroMQ ring links (ravq.transport Inbox/Outlink on loopback,
+    RING_CHUNK messages through ravq.wire).  A repeat's time is the slowest process's; the figure is
+    the median over repeats.  ``ratio_ravq_over_gloo`` <= 1.0 means ravq is at least as fast.
+(b) The same 4 processes as 2 clusters x 2 stages: two rings of 2, each averaging half the tensor, run
+    at once; their aggregate bytes/s over one ring averaging one half alone.
+
+    python benchmarks/bench_allreduce.py [--mb 100] [--repeats 5] [--piece-mb 4] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from ravq.allreduce import Mailbox, average_segments, plan_segments, ring_allreduce, segments_for
+
+WORLD = 4
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class ZmqRingLink:
+    """The node's side of ring traffic, as the node would wire it: one DEALER per peer."""
+
+    def __init__(self, me: str, outlinks: dict[str, Any]) -> None:
+        self.me, self.outlinks = me, outlinks
+
+    async def send(self, peer: str, meta: dict[str, int], tensor: torch.Tensor) -> None:
+        from ravq.wire import Message, MsgType
+        await self.outlinks[peer].send(Message(type=MsgType.RING_CHUNK, sender=self.me, meta=meta,
+                                               tensors={"piece": tensor}))
+
+    async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
+        from ravq.wire import Message, MsgType
+        await self.outlinks[peer].send(Message(type=MsgType.RING_ABORT, sender=self.me,
+                                               meta={"ring": ring_id, "round": round_id, "reason": reason}))
+
+
+async def pump(inbox: Any, mailbox: Mailbox) -> None:
+    """The ring socket's one reader: every RING_CHUNK / RING_ABORT goes to the mailbox."""
+    from ravq.wire import MsgType
+    while True:
+        _, msg = await inbox.recv()
+        if msg.type is MsgType.RING_CHUNK:
+            mailbox.deliver(msg.sender, msg.meta, msg.tensors["piece"])
+        elif msg.type is MsgType.RING_ABORT:
+            mailbox.deliver_abort(msg.sender, msg.meta["ring"], msg.meta["round"], str(msg.meta.get("reason", "")))
+
+
+class Bench:
+    def __init__(self, rank: int, args: argparse.Namespace, link: ZmqRingLink, mailbox: Mailbox) -> None:
+        import torch.distributed as dist
+        self.dist, self.rank, self.args, self.link, self.mailbox = dist, rank, args, link, mailbox
+        self.me, self.members = f"n{rank}", [f"n{r}" for r in range(WORLD)]
+        self.round_id = 0
+        self.numel = int(args.mb * 1e6) // 4
+        self.x = torch.randn(self.numel, generator=torch.Generator().manual_seed(rank))
+        self.buf = torch.empty_like(self.x)
+        self.piece_bytes = int(args.piece_mb * (1 << 20))
+
+    def next_round(self) -> int:
+        self.round_id += 1
+        return self.round_id
+
+    async def time_ring(self, members: list[str]) -> tuple[float, float]:
+        """(wall, CPU) seconds of one ravq round on this process; CPU counts every thread (ZeroMQ's too)."""
+        self.buf.copy_(self.x)
+        self.dist.barrier()
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        await ring_allreduce(self.buf, ring_id=0, round_id=self.next_round(), members=members, me=self.me,
+                             link=self.link, mailbox=self.mailbox, piece_bytes=self.piece_bytes,
+                             timeout_s=60.0, inplace=True)
+        return time.perf_counter() - t0, cpu_seconds() - c0
+
+    def time_gloo(self, divide: bool) -> tuple[float, float]:
+        self.buf.copy_(self.x)
+        self.dist.barrier()
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        self.dist.all_reduce(self.buf)
+        if divide:
+            self.buf /= WORLD
+        return time.perf_counter() - t0, cpu_seconds() - c0
+
+    async def phase_a(self) -> dict[str, Any]:
+        await self.time_ring(self.members)  # warm-up: connections, allocations
+        self.time_gloo(True)
+        out: dict[str, list[float]] = {k: [] for k in ("ravq", "gloo", "gloo_avg", "ravq_cpu", "gloo_cpu")}
+        for _ in range(self.args.repeats):
+            wall, cpu = self.time_gloo(False)
+            out["gloo"].append(wall)
+            out["gloo_cpu"].append(cpu)
+            out["gloo_avg"].append(self.time_gloo(True)[0])
+            wall, cpu = await self.time_ring(self.members)
+            out["ravq"].append(wall)
+            out["ravq_cpu"].append(cpu)
+        ravq_result = self.buf.clone()
+        self.time_gloo(True)
+        diff = float((ravq_result - self.buf).abs().max()) if self.numel else 0.0
+        return {**out, "diff": diff}
+
+    async def phase_b(self) -> dict[str, Any]:
+        half = self.numel // 2
+        owners = [{"seg0": "n0", "seg1": "n1"}, {"seg0": "n2", "seg1": "n3"}]  # 2 clusters x 2 stages
+        segments = plan_segments(["seg0", "seg1"], [half, self.numel - half], owners)
+        mine = segments_for(self.me, segments)
+        halves = {0: self.buf[:half], 1: self.buf[half:]}
+        out: dict[str, list[float]] = {"single": [], "parallel": []}
+        for _ in range(self.args.repeats + 1):
+            self.buf.copy_(self.x)
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            if self.me in segments[0].ring:  # ring 0 alone; the other two processes stay idle
+                await ring_allreduce(halves[0], ring_id=0, round_id=self.next_round(), members=list(segments[0].ring),
+                                     me=self.me, link=self.link, mailbox=self.mailbox,
+                                     piece_bytes=self.piece_bytes, timeout_s=60.0, inplace=True)
+            out["single"].append(time.perf_counter() - t0)
+            self.buf.copy_(self.x)
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            result = await average_segments({s.ring_id: halves[s.ring_id] for s in mine}, mine, me=self.me,
+                                            round_id=self.next_round(), link=self.link, mailbox=self.mailbox,
+                                            piece_bytes=self.piece_bytes, timeout_s=60.0, inplace=True)
+            assert not result.aborted, result.aborted
+            out["parallel"].append(time.perf_counter() - t0)
+        return {k: v[1:] for k, v in out.items()}  # the first repeat warms up the new rings
+
+
+async def run_worker(rank: int, args: argparse.Namespace, ports: list[int]) -> dict[str, Any]:
+    import zmq
+    import zmq.asyncio
+
+    from ravq.metrics import Metrics
+    from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
+    from ravq.wire import DecodeLimits
+
+    ctx, metrics, limits, opts = zmq.asyncio.Context(), Metrics(f"n{rank}"), DecodeLimits(), SocketOptions()
+    inbox = Inbox.bind(ctx, endpoint("127.0.0.1", ports[rank]), "ring", metrics, limits, opts)
+    outlinks = {f"n{r}": Outlink.connect(ctx, endpoint("127.0.0.1", ports[r]), "ring", f"n{r}", metrics, limits,
+                                         opts, identity=f"n{rank}") for r in range(WORLD) if r != rank}
+    mailbox = Mailbox()
+    bench = Bench(rank, args, ZmqRingLink(f"n{rank}", outlinks), mailbox)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            reader = tg.create_task(pump(inbox, mailbox))
+            report = await bench.phase_a()
+            report.update(await bench.phase_b())
+            bench.dist.barrier()  # nobody closes sockets while a peer may still read from them
+            reader.cancel()
+    finally:
+        sockets: list[Any] = [inbox, *outlinks.values()]
+        for sock in sockets:
+            sock.sock.setsockopt(zmq.LINGER, 0)
+            sock.close()
+        ctx.term()
+    report["stale_dropped"] = mailbox.stale_dropped
+    return report
+
+
+def tune_process() -> None:
+    """Process settings a node should use too (they help gloo's side of this benchmark alike).
+
+    glibc returns every freed block above 128 KiB-32 MiB to the kernel (mmap/munmap, heap trimming), so
+    each 4 MiB ZeroMQ receive buffer and torch temporary is fresh memory: ~1000 page faults and a
+    kernel page-clear per piece.  Keeping such blocks in the heap removes that.  ``gc.freeze`` moves
+    the objects made by importing torch out of the collector's way, so full collections stay cheap.
+    """
+    import ctypes
+    import gc
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD: serve blocks below 256 MiB from the heap
+    libc.mallopt(-1, 1 << 30)    # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
+    gc.freeze()
+
+
+def worker(rank: int, args: argparse.Namespace, ports: list[int], results: Any) -> None:
+    import torch.distributed as dist
+
+    from ravq.transport import install_uvloop
+
+    torch.set_num_threads(1)
+    if not args.no_tuning:
+        tune_process()
+    install_uvloop()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[-1]}", rank=rank, world_size=WORLD)
+    try:
+        results.put((rank, asyncio.run(run_worker(rank, args, ports))))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def slowest_median(reports: dict[int, dict[str, Any]], key: str, ranks: list[int] | None = None) -> float:
+    """Median over repeats of the slowest process's time: a collective ends when its last member does."""
+    ranks = ranks if ranks is not None else list(reports)
+    return statistics.median(max(reports[r][key][i] for r in ranks) for i in range(len(reports[ranks[0]][key])))
+
+
+def total_median(reports: dict[int, dict[str, Any]], key: str) -> float:
+    """Median over repeats of the CPU seconds all processes spent together."""
+    return statistics.median(sum(r[key][i] for r in reports.values()) for i in range(len(reports[0][key])))
+
+
+def summarize(reports: dict[int, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    numel = int(args.mb * 1e6) // 4
+    ravq_cpu, gloo_cpu = total_median(reports, "ravq_cpu"), total_median(reports, "gloo_cpu")
+    ravq, gloo, gloo_avg = (slowest_median(reports, k) for k in ("ravq", "gloo", "gloo_avg"))
+    single = slowest_median(reports, "single", [0, 2])
+    parallel = slowest_median(reports, "parallel")
+    return {
+        "tensor_bytes": numel * 4, "processes": WORLD, "piece_bytes": int(args.piece_mb * (1 << 20)),
+        "repeats": args.repeats, "tuned": not args.no_tuning, "ravq_ring_s": ravq, "gloo_s": gloo, "gloo_with_divide_s": gloo_avg,
+        "ratio_ravq_over_gloo": ravq / gloo, "ratio_ravq_over_gloo_with_divide": ravq / gloo_avg,
+        "ravq_bus_bytes_per_s": 2 * (WORLD - 1) / WORLD * numel * 4 / ravq,
+        "ravq_cpu_s": ravq_cpu, "gloo_cpu_s": gloo_cpu, "cpu_ratio_ravq_over_gloo": ravq_cpu / gloo_cpu,
+        "max_abs_diff_vs_gloo": max(r["diff"] for r in reports.values()),
+        "single_ring_s": single, "parallel_rings_s": parallel,
+        "single_ring_bytes_per_s": (numel // 2) * 4 / single, "parallel_rings_bytes_per_s": numel * 4 / parallel,
+        "parallel_over_single": (numel * 4 / parallel) / ((numel // 2) * 4 / single),
+        "stale_dropped": sum(r["stale_dropped"] for r in reports.values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=float, default=100.0, help="tensor size in MB (1e6 bytes), float32")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--piece-mb", type=float, default=4.0, help="ring piece size in MiB")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (4 MB, 2 repeats)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--no-tuning", action="store_true",
+                        help="keep glibc's malloc defaults and Python's gc as they are (see tune_process)")
+    args = parser.parse_args()
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads only steal the 2 cores
+    if args.quick:
+        args.mb, args.repeats, args.piece_mb = 4.0, 2, 1.0
+    ports = free_ports(WORLD + 1)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args, ports, results), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        reports = dict(results.get(timeout=600) for _ in range(WORLD))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    summary = summarize(reports, args)
+    mb = summary["tensor_bytes"] / 1e6
+    print(f"(a) {mb:.0f} MB float32, {WORLD} processes, piece {args.piece_mb} MiB, median of {args.repeats}:")
+    print(f"    ravq ring (ZeroMQ) {summary['ravq_ring_s'] * 1e3:8.1f} ms")
+    print(f"    gloo all_reduce    {summary['gloo_s'] * 1e3:8.1f} ms   (+ divide by C: "
+          f"{summary['gloo_with_divide_s'] * 1e3:.1f} ms)")
+    print(f"    ravq / gloo        {summary['ratio_ravq_over_gloo']:8.3f}       (with divide: "
+          f"{summary['ratio_ravq_over_gloo_with_divide']:.3f})   max |ravq - gloo| "
+          f"{summary['max_abs_diff_vs_gloo']:.2e}")
+    print(f"    CPU, all processes {summary['ravq_cpu_s'] * 1e3:8.1f} ms ravq, {summary['gloo_cpu_s'] * 1e3:.1f} ms "
+          f"gloo: x{summary['cpu_ratio_ravq_over_gloo']:.2f}")
+    print(f"(b) 2 clusters x 2 stages, two rings of 2, each on a {mb / 2:.0f} MB half:")
+    print(f"    one ring alone     {summary['single_ring_bytes_per_s'] / 1e9:8.3f} GB/s")
+    print(f"    two rings at once  {summary['parallel_rings_bytes_per_s'] / 1e9:8.3f} GB/s aggregate   "
+          f"x{summary['parallel_over_single']:.2f}")
+    if args.json:
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""Measuring a node for the planner: compute, usable memory, and bandwidth and latency to every peer.
+
+``ravq profile`` on a node measures FLOP/s (matmuls, and forward + backward of the task's own model,
+counted with the same ``FlopCounterMode`` as the model profile), usable memory, and its links: it
+serves probes on its pipeline port while it probes each peer of the topology in turn, so running it
+on every PC at about the same time measures every link.  A link's bandwidth is the rate at which the
+peer acknowledges a stream of 1 MiB PROBE messages (first to last acknowledgement, so latency and TCP
+start-up drop out), sized to last ``stream_s`` and the median of several repeats; latency is half the
+median round trip of small probes.  The result is ``profile-NAME.json``; ``load_profiles`` reads them
+back as planner ``NodeProfile``s with the topology's overrides applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+import zmq
+import zmq.asyncio
+from torch.utils.flop_counter import FlopCounterMode
+
+from ravq.config import ConfigError, Topology, load_topology, resolve_task_module
+from ravq.metrics import Metrics
+from ravq.planner import NodeProfile, PlanError, cut_plan, make_plan, topology_clusters
+from ravq.security import socket_options_for
+from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
+from ravq.wire import DecodeLimits, Message, MsgType
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+_LIMITS = DecodeLimits()
+_OPTIONS = SocketOptions(linger_ms=0)
+MEMORY_HEADROOM = 0.1
+"""Share of the available memory left to the operating system and the node's own runtime."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ProbeConfig:
+    stream_s: float = 0.5
+    """How long one bandwidth measurement should stream (its size follows a first rough rate)."""
+    repeats: int = 3
+    """Bandwidth measurements per link; the median is kept."""
+    pings: int = 5
+    """Round trips timed per link for its latency."""
+    reply_timeout_s: float = 30.0
+    """Longest wait for one acknowledgement once the peer has answered."""
+    max_stream_bytes: int = 256 << 20
+
+
+@dataclass(kw_only=True, slots=True)
+class Link:
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Measurement:
+    name: str
+    device: str
+    flops: float
+    """FLOP/s the planner uses: forward + backward of the task's model (matmul FLOP/s without a task)."""
+    matmul_flops: float
+    model_flops: float | None
+    memory_bytes: int
+    bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    latency_s: dict[str, float] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ compute and memory
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_flops(device: str = "cpu", seconds: float = 1.0, size: int = 1024) -> float:
+    """Achieved FLOP/s of square float32 matmuls."""
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    a @ b
+    _sync(device)
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or count < 2:
+        a @ b
+        count += 1
+        _sync(device)
+    return 2 * size ** 3 * count / (time.perf_counter() - t0)
+
+
+def measure_model_flops(task: Any, micro_batch: int, device: str = "cpu", seconds: float = 1.5) -> float:
+    """Achieved FLOP/s of forward + backward of the task's whole model on one real micro-batch."""
+    torch.manual_seed(0)
+    model = task.build_model().to(device)
+    inputs, targets = next(iter(task.train_batches(micro_batch, 0, 1, 0)))
+    inputs = tuple(x.to(device) for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+    targets = targets.to(device)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        task.loss_fn(model(*inputs), targets).backward()
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    _sync(device)
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or count < 2:
+        step()
+        count += 1
+        _sync(device)
+    return counter.get_total_flops() * count / (time.perf_counter() - t0)
+
+
+def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo") -> int:
+    """Free device memory (cuda) or MemAvailable (otherwise), less MEMORY_HEADROOM."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * (1 - MEMORY_HEADROOM))
+    for line in Path(meminfo).read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(int(line.split()[1]) * 1024 * (1 - MEMORY_HEADROOM))
+    raise RuntimeError(f"{meminfo} has no MemAvailable line")
+
+
+# ------------------------------------------------------------------ links
+
+
+async def serve_probes(ctx: zmq.asyncio.Context, bind_addr: str, name: str, *, stop: asyncio.Event,
+                       finished: set[str] | None = None, metrics: Metrics | None = None,
+                       options: SocketOptions = _OPTIONS, limits: DecodeLimits = _LIMITS) -> None:
+    """Acknowledge every PROBE on a ROUTER bound at ``bind_addr`` until ``stop`` is set; the names of
+    peers that say they are done with us are added to ``finished``."""
+    inbox = Inbox.bind(ctx, bind_addr, "probe", metrics or Metrics(name), limits, options)
+    try:
+        while not stop.is_set():
+            if not await inbox.sock.poll(100):
+                continue
+            identity, msg = await inbox.recv()
+            if msg.type is not MsgType.PROBE:
+                continue
+            if msg.meta.get("kind") == "done" and finished is not None:
+                finished.add(msg.sender)
+            await inbox.reply(identity, Message(type=MsgType.PROBE, sender=name, meta={"ack": msg.meta.get("seq")}),
+                              peer=msg.sender)
+    finally:
+        inbox.close()
+
+
+class ProbeClient:
+    """Measures one link: round trips for latency, acknowledged streams for bandwidth."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, name: str, peer: str, config: ProbeConfig,
+                 metrics: Metrics | None = None, options: SocketOptions = _OPTIONS,
+                 limits: DecodeLimits = _LIMITS) -> None:
+        self.name, self.peer, self.config = name, peer, config
+        self.link = Outlink.connect(ctx, addr, "probe", peer, metrics or Metrics(name), limits, options)
+        self._seq = 0
+        self._payload = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.link.close()
+
+    async def _send(self, kind: str, nbytes: int = 0) -> int:
+        self._seq += 1
+        tensors = {"payload": self._payload[:nbytes]} if nbytes else {}
+        await self.link.send(Message(type=MsgType.PROBE, sender=self.name, meta={"kind": kind, "seq": self._seq},
+                                     tensors=tensors))
+        return self._seq
+
+    async def _ack(self, seqs: set[int], timeout_s: float) -> int:
+        while True:
+            reply = await self.link.recv(timeout_s)
+            if reply.meta.get("ack") in seqs:
+                return int(reply.meta["ack"])
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the peer answers within ``timeout_s`` (it may not have started yet)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seq = await self._send("ping")
+            try:
+                await self._ack({seq}, min(1.0, max(0.01, deadline - time.monotonic())))
+                return True
+            except TimeoutError:
+                continue
+        return False
+
+    async def latency_s(self) -> float:
+        rtts = []
+        for _ in range(self.config.pings):
+            t0 = time.perf_counter()
+            await self._ack({await self._send("ping")}, self.config.reply_timeout_s)
+            rtts.append(time.perf_counter() - t0)
+        return statistics.median(rtts) / 2
+
+    async def stream_rate(self, total_bytes: int) -> float:
+        """Bytes/s at which the peer acknowledges ``total_bytes`` sent back to back in 1 MiB messages."""
+        chunk = min(CHUNK_BYTES, max(1, total_bytes // 4))
+        count = max(2, total_bytes // chunk)
+        pending = {await self._send("data", chunk) for _ in range(count)}
+        times = []
+        while pending:
+            pending.discard(await self._ack(pending, self.config.reply_timeout_s))
+            times.append(time.perf_counter())
+        return (count - 1) * chunk / max(times[-1] - times[0], 1e-9)
+
+    async def measure(self) -> Link:
+        latency = await self.latency_s()
+        rough = await self.stream_rate(1 << 20)
+        size = int(min(self.config.max_stream_bytes, max(1 << 20, rough * self.config.stream_s)))
+        rates = [await self.stream_rate(size) for _ in range(self.config.repeats)]
+        return Link(bandwidth_bytes_per_s=statistics.median(rates), latency_s=latency)
+
+    async def done(self) -> None:
+        try:
+            await self._ack({await self._send("done")}, 2.0)
+        except TimeoutError:
+            pass
+
+
+async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: dict[str, str], *, wait_s: float,
+                        config: ProbeConfig, metrics: Metrics | None = None,
+                        options: SocketOptions = _OPTIONS) -> dict[str, Link]:
+    """Measure the link to each peer (name -> probe address) in turn; a peer silent for ``wait_s`` is
+    skipped with a warning."""
+    links: dict[str, Link] = {}
+    deadline = time.monotonic() + wait_s
+    for peer, addr in sorted(peers.items()):
+        client = ProbeClient(ctx, addr, name, peer, config, metrics, options)
+        try:
+            if not await client.wait_ready(max(0.0, deadline - time.monotonic())):
+                log.warning("profile: %s did not answer probes within %.0f s; link not measured", peer, wait_s)
+                continue
+            links[peer] = await client.measure()
+            await client.done()
+            log.info("profile: link %s -> %s: %.3g MB/s, %.3g ms", name, peer,
+                     links[peer].bandwidth_bytes_per_s / 1e6, links[peer].latency_s * 1e3)
+        except TimeoutError as err:
+            log.warning("profile: link to %s lost while measuring: %s", peer, err)
+        finally:
+            client.close()
+    return links
+
+
+async def profile_links(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig) -> dict[str, Link]:
+    """Serve probes on this node's pipeline port while measuring every peer; keep serving until every
+    peer said it is done with us (or ``wait_s`` ran out).  Sockets use CURVE when the topology asks."""
+    me = topology.node(name)
+    peers = {n.name: endpoint(n.host, n.pipeline_port) for n in topology.nodes if n.name != name}
+    metrics = Metrics(name)
+    options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0)
+    ctx = zmq.asyncio.Context()
+    stop, finished = asyncio.Event(), set[str]()
+    try:
+        async with asyncio.TaskGroup() as group:
+            zap = group.create_task(options.curve.serve_zap()) if options.curve else None
+            group.create_task(serve_probes(ctx, endpoint(me.bind_host or me.host, me.pipeline_port), name,
+                                           stop=stop, finished=finished, metrics=metrics, options=options))
+            try:
+                links = await measure_links(ctx, name, peers, wait_s=wait_s, config=config, metrics=metrics,
+                                            options=options)
+                deadline = time.monotonic() + wait_s
+                while set(peers) - finished and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+            finally:
+                stop.set()
+                if zap is not None:
+                    zap.cancel()
+    finally:
+        if options.curve:
+            options.curve.close()
+        ctx.destroy(linger=0)
+    return links
+
+
+# ------------------------------------------------------------------ profiles on disk
+
+
+def profile_path(out_dir: str | Path, name: str) -> Path:
+    return Path(out_dir) / f"profile-{name}.json"
+
+
+def save_profile(measurement: Measurement, out_dir: str | Path) -> Path:
+    path = profile_path(out_dir, measurement.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {f: getattr(measurement, f) for f in Measurement.__dataclass_fields__}
+    path.write_text(json.dumps({"version": 1, **data}, indent=2, sort_keys=True))
+    return path
+
+
+def load_profile(path: str | Path) -> Measurement:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        data.pop("version", None)
+        return Measurement(**data)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no profile (run `ravq profile` on that node)") from None
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(f"{path}: not a ravq profile: {err}") from None
+
+
+def load_profiles(topology: Topology, profiles_dir: str | Path) -> list[NodeProfile]:
+    """Planner profiles of every topology node; the topology's overrides win over measurements.  A node
+    without a profile file is accepted when its overrides give memory, flops and bandwidth."""
+    names = [n.name for n in topology.nodes]
+    profiles = []
+    for node in topology.nodes:
+        path = profile_path(profiles_dir, node.name)
+        overridden = None not in (node.memory_bytes, node.flops, node.bandwidth_bytes_per_s)
+        m = load_profile(path) if path.exists() or not overridden else None
+        bandwidth = dict(m.bandwidth_bytes_per_s) if m else {}
+        if node.bandwidth_bytes_per_s is not None:
+            bandwidth = {peer: node.bandwidth_bytes_per_s for peer in names if peer != node.name}
+        flops = node.flops if node.flops is not None else m.flops if m else 0.0
+        memory = node.memory_bytes if node.memory_bytes is not None else m.memory_bytes if m else 0
+        profiles.append(NodeProfile(name=node.name, flops=flops, memory_bytes=memory, bandwidth_bytes_per_s=bandwidth,
+                                    latency_s=dict(m.latency_s) if m else {}))
+    return profiles
+
+
+# ------------------------------------------------------------------ entry points
+
+
+def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
+                 compute_s: float = 1.5) -> Measurement:
+    me = topology.node(name)
+    task = resolve_task_module(topology.task)
+    matmul = measure_matmul_flops(me.device, seconds=compute_s / 2)
+    try:
+        model: float | None = measure_model_flops(task, topology.training.micro_batch, me.device, compute_s)
+    except (RuntimeError, ValueError, TypeError) as err:  # a model that cannot run here: matmuls only
+        log.warning("profile: forward + backward of the task's model failed (%s); using matmul FLOP/s", err)
+        model = None
+    links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
+    return Measurement(
+        name=name, device=me.device, flops=model or matmul, matmul_flops=matmul, model_flops=model,
+        memory_bytes=usable_memory_bytes(me.device),
+        bandwidth_bytes_per_s={p: link.bandwidth_bytes_per_s for p, link in links.items()},
+        latency_s={p: link.latency_s for p, link in links.items()})
+
+
+def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s: float = 120.0) -> int:
+    """`ravq profile`: measure this node and write profile-NAME.json; 0 when every link was measured,
+    1 when some peer never answered, 2 on a configuration error."""
+    try:
+        topology = load_topology(topology_path)
+        topology.node(name)
+        measurement = measure_node(topology, name, wait_s=peers_wait_s)
+    except ValueError as err:  # ConfigError, or CURVE keys that do not match the topology
+        print(f"error: {err}")
+        return 2
+    path = save_profile(measurement, out_dir)
+    missing = sorted({n.name for n in topology.nodes} - {name} - set(measurement.bandwidth_bytes_per_s))
+    print(f"{name}: {measurement.flops / 1e9:.3g} GFLOP/s (matmul {measurement.matmul_flops / 1e9:.3g}), "
+          f"{measurement.memory_bytes / (1 << 30):.3g} GiB usable")
+    for peer in sorted(measurement.bandwidth_bytes_per_s):
+        print(f"  -> {peer}: {measurement.bandwidth_bytes_per_s[peer] * 8 / 1e6:.4g} Mbit/s, "
+              f"{measurement.latency_s[peer] * 1e3:.3g} ms")
+    if missing:
+        print(f"  not measured (no answer within {peers_wait_s:.0f} s): {', '.join(missing)}")
+    print(f"wrote {path}")
+    return 1 if missing else 0
+
+
+def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
+    """`ravq plan`: plan from the profiles; print the explanation and write the plan YAML.  Returns 0, or 1
+    when no plan fits, 2 on a configuration error.  With clusters fixed in the topology only the cuts
+    are planned."""
+    from ravq.blocks import profile_blocks  # torch tracing: only needed here
+
+    try:
+        topology = load_topology(topology_path)
+        nodes = load_profiles(topology, profiles_dir)
+        task = resolve_task_module(topology.task)
+    except ConfigError as err:
+        print(f"error: {err}")
+        return 2
+    training = topology.training
+    blocks = profile_blocks(task, training.micro_batch, max_inflight=training.max_inflight or 1)
+    try:
+        if all(n.cluster is not None for n in topology.nodes):
+            plan, explanation = cut_plan(topology_clusters(topology), nodes, blocks, micro_batch=training.micro_batch,
+                                         sync_every=training.sync_every, max_inflight=training.max_inflight)
+        else:
+            plan, explanation = make_plan(nodes, blocks, micro_batch=training.micro_batch,
+                                          sync_every=training.sync_every, max_inflight=training.max_inflight)
+    except PlanError as err:
+        print(f"error: {err}")
+        return 1
+    print(explanation.format())
+    Path(out_path).write_text(yaml.safe_dump({"plan": plan.model_dump(mode="json")}, sort_keys=False))
+    print(f"wrote {out_path}")
+    return 0

@@ -1,0 +1,199 @@
+"""Node measurement (compute, memory, links over real ZeroMQ sockets), profile files, `ravq plan`, and the
+model profile per block."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+import zmq.asyncio
+
+import tests.models_for_tests as skipnet
+import tests.tasks_for_tests as mlp
+from ravq.blocks import profile_blocks
+from ravq.config import ConfigError, load_plan, load_topology
+from ravq.profile import (
+    Link,
+    Measurement,
+    ProbeClient,
+    ProbeConfig,
+    load_profile,
+    load_profiles,
+    measure_links,
+    measure_matmul_flops,
+    measure_model_flops,
+    plan_main,
+    profile_main,
+    save_profile,
+    serve_probes,
+    usable_memory_bytes,
+)
+from tests.conftest import free_port
+
+GIB = 1 << 30
+
+
+def write_topology(path: Path, nodes: list[dict[str, object]], task: str = "tests.tasks_for_tests") -> Path:
+    ports = iter(range(27000, 28000, 2))
+    listed = [{"pipeline_port": next(ports), "ring_port": next(ports) + 1000, **n} for n in nodes]
+    path.write_text(yaml.safe_dump({"task": task, "training": {"micro_batch": 4, "sync_every": 5},
+                                    "broker": {"pub_port": 26901, "router_port": 26902}, "nodes": listed}))
+    return path
+
+
+# --- compute and memory
+
+
+def test_usable_memory_is_mem_available_less_headroom(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000 kB\nMemAvailable:    8000000 kB\n")
+    assert usable_memory_bytes("cpu", str(meminfo)) == int(8_000_000 * 1024 * 0.9)
+    meminfo.write_text("MemTotal:       16000000 kB\n")
+    with pytest.raises(RuntimeError, match="MemAvailable"):
+        usable_memory_bytes("cpu", str(meminfo))
+    assert 0 < usable_memory_bytes() < 1 << 50
+
+
+def test_compute_measurements_are_plausible() -> None:
+    matmul = measure_matmul_flops(seconds=0.2, size=256)
+    assert 1e8 < matmul < 1e14
+    model = measure_model_flops(skipnet, 64, seconds=0.2)
+    assert 0 < model < matmul * 10
+
+
+# --- links
+
+
+def test_probes_measure_latency_and_bandwidth_on_loopback() -> None:
+    async def run() -> tuple[dict[str, Any], set[str]]:
+        ctx = zmq.asyncio.Context()
+        port = free_port()
+        stop, finished = asyncio.Event(), set[str]()
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(serve_probes(ctx, f"tcp://127.0.0.1:{port}", "b", stop=stop, finished=finished))
+                try:
+                    links = await measure_links(ctx, "a", {"b": f"tcp://127.0.0.1:{port}"}, wait_s=10,
+                                                config=ProbeConfig(stream_s=0.1, repeats=2))
+                    client = ProbeClient(ctx, f"tcp://127.0.0.1:{port}", "a", "b", ProbeConfig())
+                    try:
+                        rate = await client.stream_rate(4 << 20)
+                    finally:
+                        client.close()
+                finally:
+                    stop.set()
+        finally:
+            ctx.destroy(linger=0)
+        return {"link": links["b"], "rate": rate}, finished
+
+    result, finished = asyncio.run(run())
+    link = result["link"]
+    assert finished == {"a"}                                   # the client said it was done
+    assert 0 < link.latency_s < 0.05
+    assert link.bandwidth_bytes_per_s > 20e6
+    assert result["rate"] > 20e6
+
+
+def test_silent_peer_is_skipped_after_the_wait() -> None:
+    async def run() -> dict[str, Link]:
+        ctx = zmq.asyncio.Context()
+        try:
+            return await measure_links(ctx, "a", {"ghost": f"tcp://127.0.0.1:{free_port()}"}, wait_s=0.5,
+                                       config=ProbeConfig())
+        finally:
+            ctx.destroy(linger=0)
+
+    assert asyncio.run(asyncio.wait_for(run(), 10)) == {}
+
+
+# --- profile files and overrides
+
+
+def test_profile_round_trip_and_overrides(tmp_path: Path) -> None:
+    topo = load_topology(write_topology(tmp_path / "t.yaml", [
+        {"name": "a"}, {"name": "b", "memory_bytes": 5 * GIB, "flops": 3e12, "bandwidth_bytes_per_s": 1e6},
+        {"name": "c", "memory_bytes": GIB, "flops": 1e12, "bandwidth_bytes_per_s": 2e6}]))
+    save_profile(Measurement(name="a", device="cpu", flops=1e11, matmul_flops=2e11, model_flops=1e11,
+                             memory_bytes=7 * GIB, bandwidth_bytes_per_s={"b": 5e7, "c": 6e7},
+                             latency_s={"b": 0.001, "c": 0.002}), tmp_path / "p")
+    save_profile(Measurement(name="b", device="cpu", flops=1e11, matmul_flops=2e11, model_flops=None,
+                             memory_bytes=7 * GIB, bandwidth_bytes_per_s={"a": 5e7}, latency_s={"a": 0.001}),
+                 tmp_path / "p")
+    assert load_profile(tmp_path / "p" / "profile-a.json").bandwidth_bytes_per_s == {"b": 5e7, "c": 6e7}
+    a, b, c = load_profiles(topo, tmp_path / "p")
+    assert (a.flops, a.memory_bytes, a.bandwidth_bytes_per_s) == (1e11, 7 * GIB, {"b": 5e7, "c": 6e7})
+    assert (b.flops, b.memory_bytes, b.bandwidth_bytes_per_s) == (3e12, 5 * GIB, {"a": 1e6, "c": 1e6})
+    assert b.latency_s == {"a": 0.001}
+    assert (c.memory_bytes, c.bandwidth_bytes_per_s) == (GIB, {"a": 2e6, "b": 2e6})   # no file: overrides only
+    (tmp_path / "p" / "profile-a.json").unlink()
+    with pytest.raises(ConfigError, match="ravq profile"):
+        load_profiles(topo, tmp_path / "p")
+    (tmp_path / "p" / "profile-b.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a ravq profile"):
+        load_profile(tmp_path / "p" / "profile-b.json")
+
+
+def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    topo = write_topology(tmp_path / "t.yaml", [{"name": "solo"}])
+    assert profile_main(str(topo), "solo", str(tmp_path / "out"), 1.0) == 0
+    data = json.loads((tmp_path / "out" / "profile-solo.json").read_text())
+    assert data["name"] == "solo" and data["flops"] > 0 and data["memory_bytes"] > 0
+    assert data["bandwidth_bytes_per_s"] == {}
+    assert "wrote" in capsys.readouterr().out
+    assert profile_main(str(topo), "nobody", str(tmp_path / "out"), 1.0) == 2
+
+
+def test_plan_main_writes_a_loadable_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    nodes = [{"name": n, "memory_bytes": GIB, "flops": f, "bandwidth_bytes_per_s": 1e8}
+             for n, f in (("a", 1e10), ("b", 2e10), ("c", 4e10))]
+    topo = write_topology(tmp_path / "t.yaml", nodes)
+    assert plan_main(str(topo), str(tmp_path / "none"), str(tmp_path / "plan.yaml")) == 0
+    out = capsys.readouterr().out
+    assert "predicted" in out and "samples/s" in out
+    plan = load_plan(tmp_path / "plan.yaml")
+    assert plan.predicted_samples_per_s and plan.predicted_samples_per_s > 0
+    assert {n for c in plan.clusters for n in c.nodes} <= {"a", "b", "c"}
+
+    fixed = write_topology(tmp_path / "fixed.yaml", [{**n, "cluster": 0} for n in nodes])
+    assert plan_main(str(fixed), str(tmp_path / "none"), str(tmp_path / "fixed-plan.yaml")) == 0
+    plan = load_plan(tmp_path / "fixed-plan.yaml")
+    assert [c.nodes for c in plan.clusters] == [["a", "b", "c"]] and len(plan.clusters[0].cuts) == 2
+
+    tiny = write_topology(tmp_path / "tiny.yaml", [{**n, "memory_bytes": 16} for n in nodes])
+    assert plan_main(str(tiny), str(tmp_path / "none"), str(tmp_path / "x.yaml")) == 1
+    assert "missing" in capsys.readouterr().out
+
+
+# --- the model profile
+
+
+def test_blocks_of_a_model_with_skip_connections() -> None:
+    blocks = profile_blocks(skipnet, 4, max_inflight=3)
+    assert [b.name for b in blocks] == ["l1", "l2", "l3", "l4", "head"]
+    assert [b.param_bytes for b in blocks] == [288, 288, 288, 288, 108]      # (8x8 + 8) floats; head 8x3 + 3
+    # l1: 4x8 -> 8 linear, 2*4*8*8 FLOPs forward; backward only for the weight (the model input needs none)
+    assert (blocks[0].fwd_flops, blocks[0].bwd_flops) == (512, 512)
+    assert (blocks[1].fwd_flops, blocks[1].bwd_flops) == (512, 1024)
+    # after l1: its output a (read by l2, l3 and the head) and model input y (read by l2) cross the cut
+    assert blocks[0].act_bytes_out == 2 * 4 * 8 * 4
+    assert blocks[-1].act_bytes_out == 0
+    for b in blocks:   # parameters + gradients + SGD momentum, and 3 in-flight stashes
+        assert b.memory_bytes == 3 * b.param_bytes + 3 * b.inflight_bytes
+        assert b.inflight_bytes > b.param_bytes                                   # a weight copy and activations
+    adam = profile_blocks(skipnet, 4, max_inflight=1, optimizer_state_factor=2.0)
+    assert all(b.memory_bytes == 4 * b.param_bytes + b.inflight_bytes for b in adam)
+
+
+def test_blocks_scale_with_the_micro_batch() -> None:
+    small, large = profile_blocks(mlp, 2), profile_blocks(mlp, 8)
+    assert [b.name for b in small] == ["0", "1", "2", "3", "4"]
+    for s, big in zip(small, large):
+        assert big.fwd_flops == 4 * s.fwd_flops and big.act_bytes_out == 4 * s.act_bytes_out
+        assert big.param_bytes == s.param_bytes
+    assert sum(b.param_bytes for b in small) == 4 * sum(p.numel() for p in mlp.build_model().parameters())
+    assert torch.get_default_dtype() == torch.float32
