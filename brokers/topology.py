@@ -76,6 +76,7 @@ class Broker:
         if msg.type == MsgType.REGISTER:
             fresh = node not in self.members or self.members[node].state != "up"
             self.members[node] = Member()
+            self._set_excluded(self._cluster_of(node), False)
             log.info("node %s registered", node)
             if fresh:
                 await self._publish(pub, "member", {"node": node, "member_state": "up"})
@@ -117,8 +118,29 @@ class Broker:
             for name, member in self.members.items():
                 if member.state == "up" and now - member.last_seen > self.heartbeat_timeout_s:
                     member.state = "lost"
+                    self._set_excluded(self._cluster_of(name), True)
                     log.warning("node %s missed heartbeats for %.1fs: lost", name, now - member.last_seen)
                     await self._publish(pub, "member", {"node": name, "member_state": "lost"})
+
+    def _cluster_of(self, node: str) -> int | None:
+        try:
+            return self.plan.locate(node)[0]
+        except KeyError:
+            return None
+
+    def _set_excluded(self, cluster: int | None, excluded: bool) -> None:
+        """Drop a cluster with a lost member from the rings until all its members are up again."""
+        if cluster is None:
+            return
+        current = set(self.plan.excluded)
+        if excluded:
+            current.add(cluster)
+        elif all(self.members.get(n, Member(state="lost")).state != "lost"
+                 for n in self.plan.clusters[cluster].nodes):
+            current.discard(cluster)
+        if current != set(self.plan.excluded):
+            self.plan = self.plan.model_copy(update={"excluded": sorted(current), "epoch": self.plan.epoch + 1})
+            log.info("rings now exclude clusters %s", sorted(current) or "none")
 
     async def _until_stopped(self) -> None:
         await self._stop.wait()

@@ -77,7 +77,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from ravq.node import NodeOptions, run_node
+    from ravq.node import NodeOptions, NotInPlan, run_node
     from ravq.transport import install_uvloop
 
     topology = load_topology(args.topology)
@@ -87,11 +87,17 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     options = NodeOptions(summary_path=args.summary, threads=args.threads, key_dir=args.key_dir)
     try:
-        asyncio.run(run_node(topology, args.name, options))
+        failure = asyncio.run(run_node(topology, args.name, options))
     except ValueError as err:  # keys that do not match the topology, a plan the model cannot take
         raise ConfigError(str(err)) from None
+    except NotInPlan as err:
+        log.info("%s", err)
+        return 0
     except (BrokerUnavailable, TimeoutError) as err:
         print(f"ravq node {args.name}: {err}", file=sys.stderr)
+        return 1
+    if failure:
+        print(f"ravq node {args.name}: {failure}", file=sys.stderr)
         return 1
     return 0
 

@@ -53,6 +53,8 @@ class TrainingConfig(_UserConfig):
     """Backwards accumulated before each optimizer step of a stage."""
     sync_every: int = Field(10, ge=1)
     """Optimizer steps between parameter averages across clusters."""
+    overlap_averaging: bool = True
+    """Average a snapshot while training goes on and apply the difference; false waits for each round."""
     average_optimizer_state: bool = False
     """Also average floating-point optimizer state (e.g. Adam moments) across clusters."""
     checkpoint_every: int = Field(0, ge=0)
@@ -66,7 +68,7 @@ class TrainingConfig(_UserConfig):
 
 
 class TimeoutConfig(_UserConfig):
-    connect_s: float = Field(60.0, gt=0)
+    connect_s: float = Field(120.0, gt=0)
     """How long a node waits for the broker's plan and its cluster's peers at start."""
     request_s: float = Field(5.0, gt=0)
     """Timeout of one request to the broker."""

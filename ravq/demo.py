@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import ctypes
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -176,7 +177,8 @@ def _make_keys(data: dict[str, Any], run_dir: Path) -> Path:
     from ravq.security import keygen
 
     key_dir = run_dir / "keys"
-    key_dir.mkdir(mode=0o700, exist_ok=True)
+    shutil.rmtree(key_dir, ignore_errors=True)  # demo keys are throwaway: fresh ones every run
+    key_dir.mkdir(mode=0o700)
     data["broker"]["public_key"] = keygen("broker", key_dir)
     for node in data["nodes"]:
         node["public_key"] = keygen(node["name"], key_dir)

@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from ravq import checkpoint
 from ravq.config import Plan, Topology, resolve_task_module
+from ravq.averaging import Averager
 from ravq.membership import Membership
 from ravq.metrics import Metrics
 from ravq.model import build_task_model, split_model, stage_input_specs
@@ -33,6 +34,10 @@ from ravq.transport import Inbox, Outlink, endpoint
 from ravq.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
+
+
+class NotInPlan(Exception):
+    """This node has no stage in the plan."""
 
 
 class _Finished(Exception):
@@ -65,6 +70,10 @@ class Node:
         self.worker: StageWorker | None = None
         self.plan: Plan | None = None
         self.cluster = self.stage = -1
+        self.averager: Averager | None = None
+        self.model: torch.nn.Module | None = None
+        self.failure: str | None = None
+        self._last_pipeline_message = time.monotonic()
         self._draining = False
         self._force = asyncio.Event()
         self._started_at = time.time()
@@ -76,7 +85,10 @@ class Node:
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.bind_host or self.config.host)
         self.plan = await self.membership.join()
-        self.cluster, self.stage = self.plan.locate(self.name)
+        try:
+            self.cluster, self.stage = self.plan.locate(self.name)
+        except KeyError:
+            raise NotInPlan(f"{self.name} is not in the plan (the planner left it idle); nothing to do") from None
         self.worker = self._build_worker(self.plan)
         bind = self.config.bind_host or self.config.host
         self.inbox = Inbox.bind(self.ctx, endpoint(bind, self.config.pipeline_port), "pipeline", self.metrics,
@@ -90,16 +102,23 @@ class Node:
             peer = self.topology.node(cluster.nodes[s])
             self.links[s] = Outlink.connect(self.ctx, endpoint(peer.host, peer.pipeline_port), "pipeline",
                                             peer.name, self.metrics, self.limits, self.sock_opts, identity=self.name)
-        await self.membership.wait_for(cluster.nodes, self.topology.timeouts.connect_s)
+        if len(self.plan.clusters) > 1:
+            self.averager = Averager(ctx=self.ctx, topology=self.topology, plan=self._current_plan, me=self.name,
+                                     cluster=self.cluster, worker=self.worker, model=self.model,
+                                     stage_names=self.stage_names, task=self.task,
+                                     metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits)
+        everyone = [n for c in self.plan.clusters for n in c.nodes] if self.averager else cluster.nodes
+        await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
         log.info("%s: cluster %d stage %d/%d ready (%d parameters)", self.name, self.cluster, self.stage,
                  len(cluster.nodes), sum(p.numel() for p in self.worker.params.values()))
 
     def _build_worker(self, plan: Plan) -> StageWorker:
         cluster = plan.clusters[self.cluster]
         training, seed = self.topology.training, self.topology.seed
-        model = build_task_model(self.task, seed)
+        model = self.model = build_task_model(self.task, seed)
         example = self.task.example_inputs(training.micro_batch)
         specs = split_model(model, example, list(cluster.cuts))
+        self.stage_names = [list(s.module.state_dict().keys()) for s in specs]
         spec = specs[self.stage]
         options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                                update_every=training.update_every, micro_batch=training.micro_batch)
@@ -146,6 +165,10 @@ class Node:
         tg.create_task(self._heartbeats())
         tg.create_task(self._compute(loop))
         tg.create_task(self._force_exit_watch())
+        tg.create_task(self._watch_peers())
+        if self.averager is not None:
+            tg.create_task(self.averager.serve())
+            tg.create_task(self.averager.run_rounds())
 
     def _on_signal(self) -> None:
         assert self.worker is not None
@@ -169,12 +192,37 @@ class Node:
         def emit(out: Outbound) -> None:
             loop.call_soon_threadsafe(self.outbound.put_nowait, out)
 
-        every = self.topology.training.checkpoint_every
-        if every and self.topology.training.checkpoint_dir:
-            worker.on_update = lambda w: self._save_checkpoint() if w.version % every == 0 else None
+        worker.on_update = self._after_update
         await asyncio.to_thread(worker.run, emit, self._force.is_set)
+        if self.averager is not None and not self._force.is_set():
+            await self.averager.drain()
+            await asyncio.to_thread(worker.run_pending)
         await self.outbound.join()
         raise _Finished
+
+    def _after_update(self, worker: StageWorker) -> None:
+        """After each optimizer step, in the compute thread: averaging round, periodic checkpoint."""
+        if self.averager is not None:
+            self.averager.on_update(worker)
+        every, root = self.topology.training.checkpoint_every, self.topology.training.checkpoint_dir
+        if every and root and worker.version % every == 0:
+            self._save_checkpoint()
+
+    def _current_plan(self) -> Plan:
+        return self.membership.plan or self.plan  # type: ignore[return-value]
+
+    async def _watch_peers(self) -> None:
+        """A stage with micro-batches in flight and no pipeline traffic for peer_s gives up (exit 1)."""
+        assert self.worker is not None
+        limit = self.topology.timeouts.peer_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            idle = time.monotonic() - self._last_pipeline_message
+            if self.worker.stats.inflight and idle > limit and not self.worker.done:
+                self.failure = f"no pipeline message for {idle:.0f}s with micro-batches in flight"
+                log.error("%s: %s; a peer is gone; stopping", self.name, self.failure)
+                self.metrics.peer_timeouts.labels("pipeline", "silent").inc()
+                self._force.set()
 
     async def _send_loop(self) -> None:
         while True:
@@ -191,6 +239,7 @@ class Node:
         assert self.worker is not None
         while True:
             _, msg = await self.inbox.recv()
+            self._last_pipeline_message = time.monotonic()
             source = self.stage_of.get(msg.sender)
             if msg.type not in (MsgType.FORWARD, MsgType.BACKWARD) or source is None or msg.micro_batch is None:
                 self.metrics.bad_messages.labels("pipeline", "unexpected_message").inc()
@@ -224,10 +273,12 @@ class Node:
     def stats(self) -> dict[str, Any]:
         worker = self.worker
         snap = worker.stats.snapshot() if worker is not None else {}
-        return {**snap, "name": self.name, "cluster": self.cluster, "stage": self.stage,
+        ring = self.averager.stats() if self.averager is not None else {}
+        return {**snap, **ring, "name": self.name, "failure": self.failure, "cluster": self.cluster, "stage": self.stage,
                 "version": worker.version if worker else 0,
                 "bytes_sent": _total(self.metrics, "ravq_bytes_sent_total"),
                 "bytes_received": _total(self.metrics, "ravq_bytes_received_total"),
+                "ring_bytes_sent": _total(self.metrics, "ravq_bytes_sent_total", socket="ring"),
                 "bad_messages": _total(self.metrics, "ravq_bad_messages_total")}
 
     async def shutdown(self) -> None:
@@ -240,6 +291,8 @@ class Node:
             Path(self.options.summary_path).write_text(json.dumps(self.stats(), indent=1))
         for link in self.links.values():
             link.close()
+        if self.averager is not None:
+            self.averager.close()
         if hasattr(self, "inbox"):
             self.inbox.close()
         self.membership.close()
@@ -248,16 +301,17 @@ class Node:
         self.ctx.term()
 
 
-def _total(metrics: Metrics, name: str) -> float:
+def _total(metrics: Metrics, name: str, **labels: str) -> float:
+    """Sum of a metric's samples, optionally only those with the given labels."""
     total = 0.0
     for family in metrics.registry.collect():
         for sample in family.samples:
-            if sample.name == name:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
 
 
-async def run_node(topology: Topology, name: str, options: NodeOptions) -> None:
+async def run_node(topology: Topology, name: str, options: NodeOptions) -> str | None:
     """create -> run -> shutdown, in one TaskGroup (CURVE's ZAP handler must serve from the first bind)."""
     node = Node(topology, name, options, Metrics(name))
     try:
@@ -272,6 +326,7 @@ async def run_node(topology: Topology, name: str, options: NodeOptions) -> None:
             raise first_error(rest) from None
     finally:
         await node.shutdown()
+    return node.failure
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

@@ -189,6 +189,13 @@ class StageWorker:
             self._control.append(fn)
             self._cond.notify()
 
+    def run_pending(self) -> None:
+        """Run control work submitted after ``run`` returned (e.g. the last averaging round's result)."""
+        with self._cond:
+            pending, self._control = self._control, []
+        for fn in pending:
+            fn(self)
+
     def stop(self) -> None:
         """Stop taking new micro-batches; run() returns once in-flight work is done or on ``abort``."""
         with self._cond:

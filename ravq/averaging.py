@@ -1,0 +1,218 @@
+"""A node's part in cross-cluster averaging: ring sockets, round schedule, applying the result.
+
+Every ``sync_every`` optimizer steps the compute thread snapshots this stage's segments (version v)
+and hands them to the event loop; the rings run there while training goes on, and the compute
+thread later adds (average - snapshot) to its live weights, keeping the updates made meanwhile.
+With ``overlap_averaging: false`` the compute thread instead waits for the round (synchronous data
+parallelism; used by the equivalence test).  Rounds are numbered by version, so every member of a
+ring agrees on them without talking to the broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq.asyncio
+
+from ravq import allreduce
+from ravq.allreduce import Mailbox, RoundResult, Segment
+from ravq.config import Plan, Topology
+from ravq.metrics import Metrics
+from ravq.model import build_task_model, split_model
+from ravq.pipeline import StageWorker
+from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
+from ravq.wire import DecodeLimits, Message, MsgType
+
+log = logging.getLogger(__name__)
+
+PENDING_ROUNDS = 2
+"""Snapshots waiting for their round; a faster cluster is held back when more would queue."""
+
+
+class RingLinks:
+    """``allreduce.RingLink`` over one DEALER per ring peer."""
+
+    def __init__(self, me: str, outlinks: dict[str, Outlink], fault: str | None = None) -> None:
+        self.me, self.outlinks = me, outlinks
+        self._kill_round = int(fault.split(":")[1]) if fault and fault.startswith("kill_in_round:") else None
+
+    async def send(self, peer: str, meta: dict[str, int], tensor: torch.Tensor) -> None:
+        await self.outlinks[peer].send(Message(type=MsgType.RING_CHUNK, sender=self.me, meta=meta,
+                                               tensors={"piece": tensor}))
+        if self._kill_round is not None and meta["round"] >= self._kill_round:
+            # Fault injection for tests (RAVQ_FAULT=kill_in_round:N): die mid-round, as a crash would.
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
+        await self.outlinks[peer].send(Message(type=MsgType.RING_ABORT, sender=self.me,
+                                               meta={"ring": ring_id, "round": round_id, "reason": reason}))
+
+
+def stage_owners(build: Callable[[], torch.nn.Module], example: tuple[Any, ...], plan: Plan,
+                 known: dict[tuple[str, ...], list[list[str]]] | None = None) -> list[dict[str, str]]:
+    """For each cluster: tensor name -> node holding it (one split of a fresh model per distinct set of
+    cuts: tracing consumes the model it splits)."""
+    cache: dict[tuple[str, ...], list[list[str]]] = dict(known or {})
+    owners = []
+    for cluster in plan.clusters:
+        key = tuple(cluster.cuts)
+        if key not in cache:
+            specs = split_model(build(), example, list(key))
+            cache[key] = [list(s.module.state_dict().keys()) for s in specs]
+        owners.append({name: node for node, names in zip(cluster.nodes, cache[key]) for name in names})
+    return owners
+
+
+def optimizer_state_keys(task: Any) -> list[str]:
+    """The per-element state keys of the task's optimizer (e.g. exp_avg), from one step on a probe."""
+    probe = torch.nn.Parameter(torch.zeros(2))
+    opt = task.make_optimizer([probe])
+    probe.grad = torch.ones(2)
+    opt.step()
+    return sorted(k for k, v in opt.state[probe].items()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == probe.shape)
+
+
+class Averager:
+    def __init__(self, *, ctx: zmq.asyncio.Context, topology: Topology, plan: Callable[[], Plan], me: str,
+                 cluster: int,
+                 worker: StageWorker, model: torch.nn.Module, stage_names: list[list[str]], task: Any,
+                 metrics: Metrics,
+                 sock_opts: SocketOptions, limits: DecodeLimits) -> None:
+        self.topology, self.me, self.cluster, self.worker, self.metrics = topology, me, cluster, worker, metrics
+        t = topology.training
+        self.sync_every, self.overlap, self.piece_bytes = t.sync_every, t.overlap_averaging, t.ring_chunk_bytes
+        self.timeout_s = topology.timeouts.ring_step_s
+        self.with_state = t.average_optimizer_state
+        names = allreduce.averaged_names(model)
+        state = model.state_dict()
+        numels = [state[n].numel() for n in names]
+        if self.with_state:
+            stateful = [n for n, p in model.named_parameters() if p.requires_grad]
+            names, numels = allreduce.with_optimizer_state(names, numels, stateful, optimizer_state_keys(task))
+        self.names, self.numels = names, numels
+        own_cuts = tuple(plan().clusters[cluster].cuts)
+        self.owners = stage_owners(lambda: build_task_model(task, topology.seed),
+                                   task.example_inputs(t.micro_batch), plan(), {own_cuts: stage_names})
+        self.plan = plan
+        self.mailbox = Mailbox()
+        self.rounds: asyncio.Queue[tuple[int, dict[int, torch.Tensor], list[Segment],
+                                         concurrent.futures.Future[RoundResult]]] = asyncio.Queue(PENDING_ROUNDS)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.completed = 0
+        self.seconds_total = 0.0
+        self.aborts = 0
+        peers = sorted({m for owners in self.owners for m in owners.values()} - {me})
+        bind = topology.node(me).bind_host or topology.node(me).host
+        self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts)
+        self.outlinks = {p: Outlink.connect(ctx, endpoint(topology.node(p).host, topology.node(p).ring_port), "ring",
+                                            p, metrics, limits, sock_opts, identity=me) for p in peers}
+        self.link = RingLinks(me, self.outlinks, os.environ.get("RAVQ_FAULT"))
+
+    def segments(self) -> list[Segment]:
+        """This node's segments under the current plan (dropped clusters take no part)."""
+        plan = self.plan()
+        live = [c for c in range(len(plan.clusters)) if c not in plan.excluded]
+        if self.cluster not in live or len(live) < 2:
+            return []
+        segs = allreduce.plan_segments(self.names, self.numels, self.owners, plan.excluded)
+        return allreduce.segments_for(self.me, segs)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        worker = self.worker
+        named: dict[str, torch.Tensor] = {**worker.params, **worker.buffers}
+        if self.with_state:
+            named.update(allreduce.optimizer_state_tensors(worker.optimizer, worker.params))
+        return named
+
+    # ------------------------------------------------------------ compute thread
+    def on_update(self, worker: StageWorker) -> None:
+        """Called by the stage after each optimizer step, in the compute thread."""
+        if worker.version % self.sync_every or self.loop is None:
+            return
+        segments = self.segments()
+        if not segments:
+            return
+        named = self.tensors()
+        snapshots = allreduce.snapshot_segments(named, segments)
+        done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+        round_id = worker.version // self.sync_every
+        queued = asyncio.run_coroutine_threadsafe(self.rounds.put((round_id, snapshots, segments, done)), self.loop)
+        queued.result(timeout=4 * self.timeout_s + 10)
+        if not self.overlap:
+            try:
+                result = done.result(timeout=4 * self.timeout_s + 10)
+            except concurrent.futures.TimeoutError:
+                log.warning("%s: round %d never finished; going on without it", self.me, round_id)
+                return
+            allreduce.apply_round(named, segments, snapshots, result)
+            return
+        done.add_done_callback(lambda f: worker.submit(
+            lambda w: allreduce.apply_round(self.tensors(), segments, snapshots, f.result())))
+
+    # ------------------------------------------------------------ event loop
+    async def serve(self) -> None:
+        """The ring socket's one reader."""
+        self.loop = asyncio.get_running_loop()
+        while True:
+            _, msg = await self.inbox.recv()
+            if msg.type == MsgType.RING_CHUNK and "piece" in msg.tensors and len(msg.tensors) == 1:
+                self.mailbox.deliver(msg.sender, msg.meta, msg.tensors["piece"])
+            elif msg.type == MsgType.RING_ABORT:
+                self.mailbox.deliver_abort(msg.sender, msg.meta["ring"], msg.meta["round"],
+                                           str(msg.meta.get("reason", ""))[:64])
+            else:
+                self.metrics.bad_messages.labels("ring", "unexpected_message").inc()
+
+    async def run_rounds(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        while True:
+            round_id, snapshots, segments, done = await self.rounds.get()
+            try:
+                result = await allreduce.average_segments(
+                    snapshots, segments, me=self.me, round_id=round_id, link=self.link, mailbox=self.mailbox,
+                    piece_bytes=self.piece_bytes, timeout_s=self.timeout_s)
+                self._account(round_id, result)
+                done.set_result(result)
+            finally:
+                self.rounds.task_done()
+
+    def _account(self, round_id: int, result: RoundResult) -> None:
+        for ring, nbytes in result.bytes_sent.items():
+            self.metrics.allreduce_bytes.labels(str(ring)).inc(nbytes)
+        if result.aborted:
+            self.aborts += 1
+            reasons = {e.reason for e in result.aborted.values()}
+            for reason in reasons:
+                self.metrics.allreduce_aborts.labels(reason[:32]).inc()
+            log.warning("%s: averaging round %d aborted on %d ring(s) (%s); training goes on", self.me, round_id,
+                        len(result.aborted), ", ".join(sorted(reasons)))
+        else:
+            self.completed += 1
+            self.seconds_total += result.seconds
+            self.metrics.allreduce_rounds.inc()
+            self.metrics.allreduce_seconds.observe(result.seconds)
+
+    async def drain(self) -> None:
+        """Wait until every queued round has finished (at the end of training)."""
+        await self.rounds.join()
+
+    def stats(self) -> dict[str, Any]:
+        named = self.tensors()
+        segments = self.segments()
+        return {"allreduce_rounds": self.completed, "allreduce_aborts": self.aborts,
+                "ring_size": len(segments[0].ring) if segments else 0,
+                "segment_bytes": sum(named[n].numel() * named[n].element_size() for s in segments for n in s.names),
+                "allreduce_seconds_mean": self.seconds_total / self.completed if self.completed else 0.0}
+
+    def close(self) -> None:
+        for link in self.outlinks.values():
+            link.close()
+        self.inbox.close()

@@ -1,0 +1,40 @@
+"""The planner: which nodes form clusters, in which order, and where each stage begins.
+
+Pure planning on plain data: node and block profiles in, a ``Plan`` and an ``Explanation`` out.  No
+sockets, no torch.  Read in this order:
+
+- ``types``: the profiles the planner takes and the reports it gives;
+- ``cost``: the cost model (DESIGN.md, "Planner and profiler") and the exact dynamic programme that cuts
+  one cluster's pipeline;
+- ``search``: the deterministic search over clusters and node orders behind ``make_plan``;
+- ``plans``: the entry points (``make_plan``, ``cut_plan``, ``evaluate_plan``, ``even_plan``);
+- ``baselines``: Ravnest's rule and the exhaustive optimum, to compare against;
+- ``report``: layouts turned into a ``Plan``, an ``Explanation`` and memory errors.
+"""
+
+from ravq.planner.baselines import optimum_plan, ravnest_plan
+from ravq.planner.plans import cut_plan, evaluate_plan, even_plan, make_plan, topology_clusters
+from ravq.planner.types import (
+    BlockProfile,
+    ClusterReport,
+    Explanation,
+    NodeProfile,
+    PlanError,
+    StageReport,
+)
+
+__all__ = [
+    "BlockProfile",
+    "ClusterReport",
+    "Explanation",
+    "NodeProfile",
+    "PlanError",
+    "StageReport",
+    "cut_plan",
+    "evaluate_plan",
+    "even_plan",
+    "make_plan",
+    "optimum_plan",
+    "ravnest_plan",
+    "topology_clusters",
+]

@@ -1,0 +1,142 @@
+"""The planner's entry points: plan from profiles (``make_plan``), cut fixed clusters (``cut_plan``),
+judge any plan (``evaluate_plan``), and plans without profiles (``even_plan``).
+
+Models of more than ``_COARSE_BLOCKS`` blocks are searched first with runs of blocks merged into that
+many, then refined on the real blocks."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from ravq.config import ClusterPlan, Plan, Topology
+from ravq.planner.cost import Layout, Problem, coarsen, fixed_layout
+from ravq.planner.report import explain, memory_error
+from ravq.planner.search import Search, explore
+from ravq.planner.types import GIB, BlockProfile, Explanation, NodeProfile, PlanError, size_text
+
+
+def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int,
+              sync_every: int, max_clusters: int | None = None, max_inflight: int | None = None,
+              overlap_averaging: bool = False, allow_idle: bool = True,
+              effort: float = 1.0) -> tuple[Plan, Explanation]:
+    """Clusters, node order and cuts maximising predicted samples/s; every stage fits its node's memory.
+
+    ``max_inflight`` None: a k-stage cluster keeps k micro-batches in flight.  ``allow_idle``: nodes may be
+    left out when that predicts more samples/s (nodes that cannot hold any block always are).  ``effort``
+    scales the search budget (about one second at 1.0).  Deterministic.  Raises PlanError, saying how
+    much memory is missing, when nothing fits.
+    """
+    p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
+                 overlap_averaging=overlap_averaging)
+    usable, idle = _usable_nodes(p)
+    if not usable or (idle and not allow_idle):
+        raise memory_error(p)
+    fits = int(p.mem[usable].sum() // p.model_memory(1))
+    limit = max(1, min(len(usable), fits, max_clusters or len(usable)))
+    if p.B > _COARSE_BLOCKS:
+        coarse = Problem(nodes, coarsen(blocks, _COARSE_BLOCKS), max_inflight=max_inflight,
+                          micro_batch=micro_batch, sync_every=sync_every, overlap_averaging=overlap_averaging)
+        rough = Search(coarse, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort)
+        found = [c for v, c in explore(rough) if v > 0] or [rough.fill(usable)]
+        search = Search(p, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort,
+                         hints=rough.known_orders())
+        results = [search.improve(c, search.p.ops + (search.budget - search.p.ops) // (2 - i))
+                   for i, c in enumerate(found[:2])]
+    else:
+        search = Search(p, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=1.5 * effort)
+        results = explore(search)
+    value, clusters = max(results, key=lambda r: (r[0], [(-len(c), c) for c in r[1]]))
+    if value <= 0:
+        raise memory_error(p)
+    layouts = search.tune_averaging(clusters)
+    used = {i for lay in layouts for i in lay.order}
+    idle.update({i: "leaving it out predicts more samples/s" for i in usable if i not in used})
+    return explain(p, layouts, idle)
+
+
+_COARSE_BLOCKS = 24
+"""Models with more blocks are first searched with runs of blocks merged into this many."""
+
+
+def _usable_nodes(p: Problem) -> tuple[list[int], dict[int, str]]:
+    smallest = float(np.diagonal(p.mem_span(1), offset=1).min())
+    usable = [i for i in range(p.n) if p.mem[i] >= smallest]
+    idle = {i: f"cannot hold even the smallest block ({smallest / GIB:.3g} GiB needed, "
+               f"{p.mem[i] / GIB:.3g} GiB available)" for i in range(p.n) if p.mem[i] < smallest}
+    return usable, idle
+
+def cut_plan(clusters: Sequence[Sequence[str]], nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
+             micro_batch: int, sync_every: int, max_inflight: int | None = None,
+             overlap_averaging: bool = False) -> tuple[Plan, Explanation]:
+    """The best cuts for clusters and stage orders the user fixed (node names in stage order)."""
+    p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
+                 overlap_averaging=overlap_averaging)
+    index = {name: i for i, name in enumerate(p.names)}
+    layouts = []
+    for c, names in enumerate(clusters):
+        unknown = [n for n in names if n not in index]
+        if unknown:
+            raise PlanError(f"cluster {c}: no profile for node {unknown[0]!r}")
+        order = tuple(index[n] for n in names)
+        bottleneck, bounds = p.partition(order)
+        if not bounds:
+            need, have = p.model_memory(len(order)), float(p.mem[list(order)].sum())
+            raise PlanError(f"cluster {c} ({', '.join(names)}): its blocks do not fit in its nodes' memory in this "
+                            f"order: the model needs {size_text(need)}, the nodes have {size_text(have)}"
+                            + (f": {size_text(need - have)} missing" if need > have else ""))
+        layouts.append(Layout(order=order, bounds=tuple(bounds), bottleneck=bottleneck))
+    used = {i for lay in layouts for i in lay.order}
+    return explain(p, layouts, {i: "not in any cluster of the topology" for i in range(p.n) if i not in used})
+
+
+def evaluate_plan(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
+                  micro_batch: int, sync_every: int, max_inflight: int | None = None,
+                  overlap_averaging: bool = False) -> Explanation:
+    """The cost model's verdict on any plan (hand-written, even or Ravnest's); PlanError if it does not fit."""
+    p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
+                 overlap_averaging=overlap_averaging)
+    index = {name: i for i, name in enumerate(p.names)}
+    block_index = {b.name: i for i, b in enumerate(blocks)}
+    layouts = []
+    for c, cluster in enumerate(plan.clusters):
+        missing = [n for n in cluster.nodes if n not in index] + [b for b in cluster.cuts if b not in block_index]
+        if missing:
+            raise PlanError(f"clusters[{c}]: no profile for {missing[0]!r}")
+        bounds = (0, *(block_index[b] for b in cluster.cuts), p.B)
+        if any(b >= e for b, e in itertools.pairwise(bounds)):
+            raise PlanError(f"clusters[{c}].cuts: cuts must be increasing and leave every stage a block")
+        layouts.append(fixed_layout(p, tuple(index[n] for n in cluster.nodes), bounds))
+    idle = {i: "not in the plan" for i in range(p.n) if not any(i in lay.order for lay in layouts)}
+    return explain(p, layouts, idle)[1]
+
+
+def topology_clusters(topology: Topology) -> list[list[str]]:
+    """Node names per cluster in stage order, from the topology (one cluster when none is set)."""
+    nodes = topology.nodes
+    if all(n.cluster is None for n in nodes):
+        return [[n.name for n in nodes]]
+    clusters: dict[int, list[tuple[int, int, str]]] = {}
+    for i, n in enumerate(nodes):
+        assert n.cluster is not None   # the topology sets it on every node or on none
+        clusters.setdefault(n.cluster, []).append((n.stage if n.stage is not None else i, i, n.name))
+    return [[name for _, _, name in sorted(members)] for _, members in sorted(clusters.items())]
+
+
+def even_plan(topology_nodes_by_cluster: Sequence[Sequence[str]], candidate_cuts: Sequence[str]) -> Plan:
+    """Without profiles: each cluster's candidate cuts spread evenly over its nodes (1..len+1 stages)."""
+    clusters = []
+    slots = len(candidate_cuts) + 1
+    for c, names in enumerate(topology_nodes_by_cluster):
+        k = len(names)
+        if not 1 <= k <= slots:
+            raise PlanError(f"cluster {c}: {k} stages need 0..{k - 1} cut points; the model offers "
+                            f"{len(candidate_cuts)} (at most {slots} stages)")
+        cuts = [candidate_cuts[round(i * slots / k) - 1] for i in range(1, k)]
+        clusters.append(ClusterPlan(nodes=list(names), cuts=cuts))
+    if not clusters:
+        raise PlanError("even_plan: no clusters given")
+    return Plan(epoch=0, clusters=clusters)
+

@@ -1,0 +1,131 @@
+"""What the planner takes and gives: node and block profiles in; per-stage reports and an explanation out."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GIB = float(1 << 30)
+
+
+class PlanError(ValueError):
+    """No plan satisfies the memory limits (or the inputs are inconsistent); says what is missing."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class NodeProfile:
+    name: str
+    flops: float
+    """Achieved FLOP/s on forward + backward."""
+    memory_bytes: int
+    """Memory usable for a stage."""
+    bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    """Measured bandwidth from this node to each peer."""
+    latency_s: dict[str, float] = field(default_factory=dict)
+    """Measured one-way latency from this node to each peer."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BlockProfile:
+    name: str
+    """Module where the block begins (a candidate cut; the first block's name is never cut at)."""
+    param_bytes: int
+    fwd_flops: float
+    """FLOPs of one micro-batch's forward through the block."""
+    bwd_flops: float
+    act_bytes_out: int
+    """Bytes crossing a cut right after this block, per micro-batch (forward)."""
+    memory_bytes: int
+    """Parameters, gradients, optimizer state and stashes for ``max_inflight`` micro-batches."""
+    grad_bytes_out: int | None = None
+    """Gradient bytes coming back across that cut; None: same as act_bytes_out."""
+    inflight_bytes: int = 0
+    """Part of memory_bytes held once per in-flight micro-batch (stashed activations and weights)."""
+    max_inflight: int = 1
+    """In-flight micro-batches that memory_bytes assumes."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StageReport:
+    node: str
+    first_block: int
+    last_block: int
+    compute_s: float
+    link_s: float | None
+    """Time of the link to the next stage; None for the last stage."""
+    memory_bytes: int
+    memory_available: int
+    param_bytes: int
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterReport:
+    nodes: list[str]
+    stages: list[StageReport]
+    rate_micro_batches_per_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Explanation:
+    clusters: list[ClusterReport]
+    block_names: list[str]
+    micro_batch: int
+    sync_every: int
+    idle: dict[str, str]
+    """Nodes the plan leaves out, with the reason."""
+    averaging_s: float
+    """Duration of one averaging round (T_avg)."""
+    samples_per_s_without_averaging: float
+    samples_per_s: float
+
+    @property
+    def averaging_cost_samples_per_s(self) -> float:
+        return self.samples_per_s_without_averaging - self.samples_per_s
+
+    def slowest_stage(self) -> tuple[str, float]:
+        return max(((s.node, s.compute_s) for c in self.clusters for s in c.stages), key=lambda x: x[1])
+
+    def slowest_link(self) -> tuple[str, float] | None:
+        links = [(f"{s.node}->{c.stages[i + 1].node}", s.link_s) for c in self.clusters
+                 for i, s in enumerate(c.stages) if s.link_s is not None]
+        return max(links, key=lambda x: x[1]) if links else None
+
+    def format(self) -> str:
+        """A readable table of the plan and its predicted speed."""
+        lines = []
+        for c, cluster in enumerate(self.clusters):
+            lines.append(f"cluster {c}: {len(cluster.stages)} stages, "
+                         f"{cluster.rate_micro_batches_per_s:.3g} micro-batches/s")
+            lines.append(f"  {'stage':>5} {'node':<16} {'blocks':<28} {'compute':>10} {'link':>10} "
+                         f"{'memory used/available':>24}")
+            for i, s in enumerate(cluster.stages):
+                blocks = f"{s.first_block}-{s.last_block} " \
+                         f"({self.block_names[s.first_block]}..{self.block_names[s.last_block]})"
+                link = "-" if s.link_s is None else _ms(s.link_s)
+                mem = f"{s.memory_bytes / GIB:.2f}/{s.memory_available / GIB:.2f} GiB"
+                lines.append(f"  {i:>5} {s.node:<16} {blocks[:28]:<28} {_ms(s.compute_s):>10} {link:>10} "
+                             f"{mem:>24}")
+        for name, reason in sorted(self.idle.items()):
+            lines.append(f"idle: {name}: {reason}")
+        node, t = self.slowest_stage()
+        lines.append(f"slowest stage: {node} {_ms(t)}")
+        slowest_link = self.slowest_link()
+        if slowest_link is not None:
+            lines.append(f"slowest link: {slowest_link[0]} {_ms(slowest_link[1])}")
+        lines.append(f"averaging: {_ms(self.averaging_s)} per round every {self.sync_every} steps, "
+                     f"costs {self.averaging_cost_samples_per_s:.4g} samples/s")
+        lines.append(f"predicted: {self.samples_per_s:.4g} samples/s "
+                     f"({self.samples_per_s_without_averaging:.4g} without averaging, "
+                     f"micro_batch {self.micro_batch})")
+        return "\n".join(lines)
+
+
+def size_text(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} bytes"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if math.isfinite(seconds) else "inf"

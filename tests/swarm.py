@@ -1,0 +1,69 @@
+"""Start a broker and node processes from a topology dict, as separate OS processes (for tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ravq.demo import free_ports
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def local_topology(task: str, clusters: list[int], training: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """``clusters[c]`` stages in cluster c, every node on 127.0.0.1 with free ports."""
+    n = sum(clusters)
+    ports = iter(free_ports(2 * n + 2))
+    nodes = [{"name": f"c{c}s{s}", "pipeline_port": next(ports), "ring_port": next(ports), "cluster": c,
+              "stage": s} for c, size in enumerate(clusters) for s in range(size)]
+    return {"task": task, "training": training, "broker": {"pub_port": next(ports), "router_port": next(ports)},
+            "nodes": nodes, **extra}
+
+
+class Swarm:
+    def __init__(self, tmp: Path, topology: dict[str, Any], env: dict[str, dict[str, str]] | None = None) -> None:
+        self.tmp, self.topology = tmp, topology
+        self.path = tmp / "topology.yaml"
+        self.path.write_text(yaml.safe_dump(topology))
+        base = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.broker = self._spawn(["broker", "--topology", str(self.path)], "broker", base)
+        self.nodes = {}
+        for node in topology["nodes"]:
+            name = node["name"]
+            self.nodes[name] = self._spawn(["node", "--topology", str(self.path), "--name", name, "--threads", "1",
+                                            "--summary", str(tmp / f"summary-{name}.json")], name,
+                                           {**base, **(env or {}).get(name, {})})
+
+    def _spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}.log", "wb")
+        return subprocess.Popen([sys.executable, "-m", "ravq", *argv], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def wait(self, names: list[str] | None = None, timeout_s: float = 240) -> dict[str, int]:
+        deadline = time.monotonic() + timeout_s
+        codes = {}
+        for name in names or list(self.nodes):
+            try:
+                codes[name] = self.nodes[name].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{name} did not finish:\n{self.log(name)}") from None
+        return codes
+
+    def summary(self, name: str) -> dict[str, Any]:
+        return json.loads((self.tmp / f"summary-{name}.json").read_text())
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        for proc in [*self.nodes.values(), self.broker]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()

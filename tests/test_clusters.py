@@ -1,0 +1,79 @@
+"""Several clusters: multi-ring averaging across real processes, synchronous equivalence, failures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests import sgd_task
+from tests.pipeline_harness import train_one_process
+from tests.swarm import ROOT, Swarm, local_topology
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_uneven_clusters_sync_equal_one_process_on_both_shards(tmp_path: Path) -> None:
+    """2 stages beside 3 stages (different cut points), max_inflight 1, sync_every 1, plain SGD: every
+    cluster ends with the weights of one process training on both clusters' micro-batches (mean loss)."""
+    ckpt = tmp_path / "ckpt"
+    training = {"steps": 20, "micro_batch": 4, "max_inflight": 1, "sync_every": 1, "overlap_averaging": False,
+                "checkpoint_dir": str(ckpt)}
+    swarm = Swarm(tmp_path, local_topology("tests.sgd_task", [2, 3], training))
+    try:
+        codes = swarm.wait()
+        assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
+    finally:
+        swarm.close()
+    want = train_one_process(sgd_task, steps=20, micro_batch=4, shards=2)
+    for cluster in (0, 1):
+        out = tmp_path / f"c{cluster}.safetensors"
+        proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",
+                               str(out), "--cluster", str(cluster)], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        got = load_file(str(out))
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=f"cluster {cluster} {name}")
+    rounds = [swarm.summary(n)["allreduce_rounds"] for n in swarm.nodes]
+    assert all(r == 20 for r in rounds), rounds
+
+
+def test_ring_bytes_are_bandwidth_optimal(tmp_path: Path) -> None:
+    """Through the byte counters: each node sends 2(C-1)/C of its segments' bytes per round (+ headers)."""
+    training = {"steps": 40, "micro_batch": 8, "sync_every": 4}
+    swarm = Swarm(tmp_path, local_topology("ravq.tasks.charlm", [1, 1, 1], training,
+                                           timeouts={"connect_s": 180}))
+    try:
+        codes = swarm.wait()
+        assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
+    finally:
+        swarm.close()
+    for name in swarm.nodes:
+        s = swarm.summary(name)
+        assert s["allreduce_rounds"] == 10 and s["ring_size"] == 3
+        expected = 2 * (3 - 1) / 3 * s["segment_bytes"] * s["allreduce_rounds"]
+        assert expected <= s["ring_bytes_sent"] <= expected * 1.02, (name, s["ring_bytes_sent"], expected)
+
+
+def test_killed_node_mid_round_aborts_round_and_survivors_finish(tmp_path: Path) -> None:
+    training = {"steps": 300, "micro_batch": 4, "sync_every": 2}
+    topo = local_topology("tests.models_for_tests", [1, 1, 1], training,
+                          timeouts={"ring_step_s": 2.0, "heartbeat_interval_s": 0.3})
+    swarm = Swarm(tmp_path, topo, env={"c2s0": {"RAVQ_FAULT": "kill_in_round:10"}})
+    try:
+        codes = swarm.wait(["c0s0", "c1s0"], timeout_s=180)
+        assert codes == {"c0s0": 0, "c1s0": 0}, {n: swarm.log(n) for n in codes}
+        assert swarm.nodes["c2s0"].wait(5) == -9  # it really died, mid-round
+    finally:
+        swarm.close()
+    for name in ("c0s0", "c1s0"):
+        s = swarm.summary(name)
+        assert s["backwards"] == 300, s
+        assert s["allreduce_aborts"] >= 1, s
+        # rounds before the kill, and rounds between the two survivors after the broker dropped cluster 2
+        assert s["allreduce_rounds"] > 100, s
+    assert "rings now exclude clusters [2]" in swarm.log("broker")
