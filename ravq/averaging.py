@@ -91,6 +91,9 @@ class Averager:
         self.sync_every, self.overlap, self.piece_bytes = t.sync_every, t.overlap_averaging, t.ring_chunk_bytes
         self.timeout_s = topology.timeouts.ring_step_s
         self.with_state = t.average_optimizer_state
+        self.outer_lr = t.outer_lr
+        self.anchors: dict[tuple[str, ...], torch.Tensor] = {}
+        self.initial = {n: v.detach().to("cpu").clone() for n, v in {**worker.params, **worker.buffers}.items()}
         names = allreduce.averaged_names(model)
         state = model.state_dict()
         numels = [state[n].numel() for n in names]
@@ -152,10 +155,30 @@ class Averager:
             except concurrent.futures.TimeoutError:
                 log.warning("%s: round %d never finished; going on without it", self.me, round_id)
                 return
-            allreduce.apply_round(named, segments, snapshots, result)
+            self._apply(named, segments, snapshots, result)
             return
         done.add_done_callback(lambda f: worker.submit(
-            lambda w: allreduce.apply_round(self.tensors(), segments, snapshots, f.result())))
+            lambda w: self._apply(self.tensors(), segments, snapshots, f.result())))
+
+    def _apply(self, named: dict[str, torch.Tensor], segments: list[Segment], snapshots: dict[int, torch.Tensor],
+               result: RoundResult) -> None:
+        """Move each finished segment to the new common point, keeping progress made since the snapshot.
+
+        With outer_lr a != 1 the common point is anchor + a * (average - anchor), where the anchor is
+        the previous common point (at first the initial weights every cluster started from)."""
+        if self.outer_lr != 1.0:
+            for seg in segments:
+                average = result.averaged.get(seg.ring_id)
+                if average is None:
+                    continue
+                anchor = self.anchors.get(seg.names)
+                if anchor is None and all(n in self.initial for n in seg.names):
+                    anchor = allreduce.flatten([self.initial[n] for n in seg.names])
+                if anchor is not None:
+                    average = anchor + self.outer_lr * (average - anchor)
+                    result.averaged[seg.ring_id] = average
+                self.anchors[seg.names] = average.clone()
+        allreduce.apply_round(named, segments, snapshots, result)
 
     # ------------------------------------------------------------ event loop
     async def serve(self) -> None:

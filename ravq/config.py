@@ -55,6 +55,9 @@ class TrainingConfig(_UserConfig):
     """Optimizer steps between parameter averages across clusters."""
     overlap_averaging: bool = True
     """Average a snapshot while training goes on and apply the difference; false waits for each round."""
+    outer_lr: float = Field(1.0, gt=0)
+    """Step size of each average: 1 moves to the plain average; above 1 moves past it along the clusters'
+    mean progress since the previous average (DiLoCo-style outer step)."""
     average_optimizer_state: bool = False
     """Also average floating-point optimizer state (e.g. Adam moments) across clusters."""
     checkpoint_every: int = Field(0, ge=0)

@@ -37,6 +37,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--sync-every", type=int, default=10, help="optimizer steps between averaging rounds")
     p.add_argument("--update-every", type=int, default=1)
+    p.add_argument("--outer-lr", type=float, default=1.0, help="step size of each average (1: plain average)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -74,7 +75,7 @@ def demo_topology(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
                           "ring_port": next(ports), "metrics_port": next(ports), "cluster": c, "stage": s})
     training: dict[str, Any] = {
         "micro_batch": args.micro_batch, "steps": args.steps, "max_inflight": args.max_inflight,
-        "update_every": args.update_every, "sync_every": args.sync_every,
+        "update_every": args.update_every, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
         "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
     }
     return {"task": args.task, "seed": args.seed, "training": training,

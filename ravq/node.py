@@ -288,7 +288,8 @@ class Node:
             with contextlib.suppress(Exception):
                 await self.membership.heartbeat(self.stats(), done=not self._force.is_set())
         if self.options.summary_path:
-            Path(self.options.summary_path).write_text(json.dumps(self.stats(), indent=1))
+            final = {**self.stats(), "loss_history": self.worker.stats.loss_history if self.worker else []}
+            Path(self.options.summary_path).write_text(json.dumps(final))
         for link in self.links.values():
             link.close()
         if self.averager is not None:

@@ -68,6 +68,8 @@ class StageStats:
     loss_head: list[float] = field(default_factory=list)
     """The first LOSS_WINDOW losses (for a steadier initial loss than one micro-batch)."""
     loss_tail: deque[float] = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
+    loss_history: list[float] = field(default_factory=list)
+    """Every micro-batch's loss, in order (last stage only; written to the summary, not heartbeats)."""
 
     def snapshot(self) -> dict[str, Any]:
         wall = time.monotonic() - self.started_at if self.started_at else 0.0
@@ -441,6 +443,7 @@ class StageWorker:
         if len(s.loss_head) < LOSS_WINDOW:
             s.loss_head.append(value)
         s.loss_tail.append(value)
+        s.loss_history.append(value)
         if self.metrics is not None:
             self.metrics.loss.set(value)
             self.metrics.losses.inc(value)

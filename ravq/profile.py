@@ -1,9 +1,10 @@
 """Measuring a node for the planner: compute, usable memory, and bandwidth and latency to every peer.
 
-``ravq profile`` on a node measures FLOP/s (matmuls, and forward + backward of the task's own model,
-counted with the same ``FlopCounterMode`` as the model profile), usable memory, and its links: it
-serves probes on its pipeline port while it probes each peer of the topology in turn, so running it
-on every PC at about the same time measures every link.  A link's bandwidth is the rate at which the
+``ravq profile`` on a node measures FLOP/s (matmuls, and training steps of the task's own model: its
+forward + backward FLOPs, counted with the same ``FlopCounterMode`` as the model profile, over the time
+of forward, backward and optimizer step), usable memory, and its links: it serves probes on its
+pipeline port while it probes each peer of the topology in turn, so running it on every PC at about
+the same time measures every link.  A link's bandwidth is the rate at which the
 peer acknowledges a stream of 1 MiB PROBE messages (first to last acknowledgement, so latency and TCP
 start-up drop out), sized to last ``stream_s`` and the median of several repeats; latency is half the
 median round trip of small probes.  The result is ``profile-NAME.json``; ``load_profiles`` reads them
@@ -68,7 +69,7 @@ class Measurement:
     name: str
     device: str
     flops: float
-    """FLOP/s the planner uses: forward + backward of the task's model (matmul FLOP/s without a task)."""
+    """FLOP/s the planner uses: training steps of the task's model (matmul FLOP/s without a task)."""
     matmul_flops: float
     model_flops: float | None
     memory_bytes: int
@@ -97,20 +98,30 @@ def measure_matmul_flops(device: str = "cpu", seconds: float = 1.0, size: int = 
     return 2 * size ** 3 * count / (time.perf_counter() - t0)
 
 
-def measure_model_flops(task: Any, micro_batch: int, device: str = "cpu", seconds: float = 1.5) -> float:
-    """Achieved FLOP/s of forward + backward of the task's whole model on one real micro-batch."""
+def measure_model_flops(task: Any, micro_batch: int, device: str = "cpu", seconds: float = 1.5,
+                        optimizer: bool = True) -> float:
+    """Achieved FLOP/s of training the task's whole model on one real micro-batch: the forward + backward
+    FLOPs (counted as the block profile counts them) over the time of forward, backward and, with
+    ``optimizer``, the task's optimizer step, which every stage also runs per micro-batch (it counts no
+    FLOPs but takes time: about a tenth of a step for the demo's model on a CPU)."""
     torch.manual_seed(0)
     model = task.build_model().to(device)
     inputs, targets = next(iter(task.train_batches(micro_batch, 0, 1, 0)))
     inputs = tuple(x.to(device) for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
     targets = targets.to(device)
+    update = task.make_optimizer(model.parameters()) if optimizer else None
 
-    def step() -> None:
+    def forward_backward() -> None:
         model.zero_grad(set_to_none=True)
         task.loss_fn(model(*inputs), targets).backward()
 
+    def step() -> None:
+        forward_backward()
+        if update is not None:
+            update.step()
+
     with FlopCounterMode(display=False) as counter:
-        step()
+        forward_backward()
     _sync(device)
     count, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds or count < 2:
