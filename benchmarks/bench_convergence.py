@@ -44,7 +44,7 @@ def one_process_losses(task_name: str, steps: int, micro_batch: int, seed: int) 
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -63,6 +63,7 @@ def ravq_losses(args: argparse.Namespace, steps: int) -> tuple[list[list[float]]
     cmd = [sys.executable, "-m", "ravq", "demo", "--quiet", "--no-curve", "--task", args.task,
            "--clusters", str(args.clusters), "--stages", str(args.stages), "--steps", str(steps),
            "--micro-batch", str(args.micro_batch), "--sync-every", str(args.sync_every), "--outer-lr", str(args.outer_lr), "--seed", str(args.seed),
+           *(["--max-inflight", str(args.max_inflight)] if args.max_inflight else []),
            "--run-dir", str(run), "--report", str(run / "report.json")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -85,6 +86,7 @@ def main() -> None:
     p.add_argument("--sync-every", type=int, default=10)
     p.add_argument("--window", type=int, default=40)
     p.add_argument("--outer-lr", type=float, default=1.0)
+    p.add_argument("--max-inflight", type=int, default=None, help="default: the number of stages")
     p.add_argument("--headroom", type=float, default=1.6, help="ravq trains this many times the budget's samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true")
