@@ -89,9 +89,15 @@ class Broker:
             member.stats = msg.meta.get("stats", {}) if isinstance(msg.meta.get("stats"), dict) else {}
             new_state = "done" if msg.meta.get("done") else "up"
             if member.state != new_state:
+                was_lost = member.state == "lost"
                 member.state = new_state
+                if was_lost:
+                    log.info("node %s is back", node)
+                    self._set_excluded(self._cluster_of(node), False)
                 await self._publish(pub, "member", {"node": node, "member_state": new_state})
         elif msg.type == MsgType.SNAPSHOT_REQ:
+            if node in self.members:  # a node polling while it starts up is alive
+                self.members[node].last_seen = time.monotonic()
             await self._reply_snapshot(inbox, identity, node)
         elif msg.type == MsgType.STATUS_REQ:
             status = {"seq": self.seq, "plan": self.plan.model_dump(),

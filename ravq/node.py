@@ -79,7 +79,7 @@ class Node:
         self._started_at = time.time()
 
     # ------------------------------------------------------------------ create
-    async def create(self) -> None:
+    async def create(self, tg: asyncio.TaskGroup) -> None:
         if self.options.threads:
             torch.set_num_threads(self.options.threads)
         if self.config.metrics_port is not None:
@@ -89,7 +89,8 @@ class Node:
             self.cluster, self.stage = self.plan.locate(self.name)
         except KeyError:
             raise NotInPlan(f"{self.name} is not in the plan (the planner left it idle); nothing to do") from None
-        self.worker = self._build_worker(self.plan)
+        tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
+        self.worker = await asyncio.to_thread(self._build_worker, self.plan)
         bind = self.config.bind_host or self.config.host
         self.inbox = Inbox.bind(self.ctx, endpoint(bind, self.config.pipeline_port), "pipeline", self.metrics,
                                 self.limits, self.sock_opts)
@@ -162,7 +163,6 @@ class Node:
         tg.create_task(self._read_pipeline())
         tg.create_task(self._send_loop())
         tg.create_task(self.membership.follow())
-        tg.create_task(self._heartbeats())
         tg.create_task(self._compute(loop))
         tg.create_task(self._force_exit_watch())
         tg.create_task(self._watch_peers())
@@ -319,7 +319,7 @@ async def run_node(topology: Topology, name: str, options: NodeOptions) -> str |
         async with asyncio.TaskGroup() as tg:
             if node.sock_opts.curve is not None:
                 tg.create_task(node.sock_opts.curve.serve_zap())
-            await node.create()
+            await node.create(tg)
             node.start(tg)
     except BaseExceptionGroup as group:
         _, rest = group.split(_Finished)
