@@ -232,7 +232,8 @@ class Averager:
         segments = self.segments()
         return {"allreduce_rounds": self.completed, "allreduce_aborts": self.aborts,
                 "ring_size": len(segments[0].ring) if segments else 0,
-                "segment_bytes": sum(named[n].numel() * named[n].element_size() for s in segments for n in s.names),
+                "segment_bytes": sum(named[n].numel() * named[n].element_size()
+                                     for s in segments for n in s.names if n in named),
                 "allreduce_seconds_mean": self.seconds_total / self.completed if self.completed else 0.0}
 
     def close(self) -> None:

@@ -147,6 +147,9 @@ class Node:
         checkpoint.restore_optimizer(worker.optimizer, list(worker.params), ckpt.optimizer["tensors"],
                                      ckpt.optimizer["rest"])
         worker.version = ckpt.meta["version"]
+        # count the micro-batches already trained towards training.steps
+        done = worker.version * self.topology.training.update_every
+        worker.stats.forwards = worker.stats.backwards = done
         if worker.batches is not None:
             for _ in range(ckpt.meta["data_position"]):
                 next(worker.batches)

@@ -10,6 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from typing import Any
+
+from tests import models_for_tests as skipnet
 from tests import sgd_task
 from tests.pipeline_harness import train_one_process
 from tests.swarm import ROOT, Swarm, local_topology
@@ -17,19 +20,22 @@ from tests.swarm import ROOT, Swarm, local_topology
 pytestmark = pytest.mark.multiprocess
 
 
-def test_uneven_clusters_sync_equal_one_process_on_both_shards(tmp_path: Path) -> None:
-    """2 stages beside 3 stages (different cut points), max_inflight 1, sync_every 1, plain SGD: every
-    cluster ends with the weights of one process training on both clusters' micro-batches (mean loss)."""
+@pytest.mark.parametrize("task,average_state", [(sgd_task, False), (skipnet, True)], ids=["sgd", "momentum"])
+def test_uneven_clusters_sync_equal_one_process_on_both_shards(tmp_path: Path, task: Any,
+                                                               average_state: bool) -> None:
+    """2 stages beside 3 stages (different cut points), max_inflight 1, sync_every 1: every cluster ends
+    with the weights of one process training on both clusters' micro-batches (mean loss).  Plain SGD
+    needs only the weights averaged; SGD with momentum also needs its optimizer state averaged."""
     ckpt = tmp_path / "ckpt"
     training = {"steps": 20, "micro_batch": 4, "max_inflight": 1, "sync_every": 1, "overlap_averaging": False,
-                "checkpoint_dir": str(ckpt)}
-    swarm = Swarm(tmp_path, local_topology("tests.sgd_task", [2, 3], training))
+                "checkpoint_dir": str(ckpt), "average_optimizer_state": average_state}
+    swarm = Swarm(tmp_path, local_topology(task.__name__, [2, 3], training))
     try:
         codes = swarm.wait()
         assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
     finally:
         swarm.close()
-    want = train_one_process(sgd_task, steps=20, micro_batch=4, shards=2)
+    want = train_one_process(task, steps=20, micro_batch=4, shards=2)
     for cluster in (0, 1):
         out = tmp_path / f"c{cluster}.safetensors"
         proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",

@@ -133,3 +133,27 @@ def test_bad_topology_is_one_line_and_exit_2(tmp_path: Path) -> None:
 def test_export_of_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     proc = ravq("export", "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "m.safetensors"))
     assert proc.returncode == 2 and "no stage checkpoints" in proc.stderr
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    """Train 12 steps, stop, resume from the checkpoints to 25: same weights as 25 steps in one go."""
+    from tests.swarm import Swarm, local_topology
+    ckpt = tmp_path / "ckpt"
+    training = {"steps": 12, "micro_batch": 4, "max_inflight": 1, "checkpoint_dir": str(ckpt)}
+    topo = local_topology("tests.models_for_tests", [3], training)
+    for steps, resume, sub in ((12, False, "a"), (25, True, "b")):
+        (tmp_path / sub).mkdir()
+        topo["training"] = {**training, "steps": steps, "resume": resume}
+        swarm = Swarm(tmp_path / sub, topo)
+        try:
+            codes = swarm.wait()
+            assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n in codes}
+        finally:
+            swarm.close()
+    assert json.loads((ckpt / "cluster0" / "stage0.json").read_text())["data_position"] == 25
+    out = tmp_path / "m.safetensors"
+    assert ravq("export", "--checkpoint-dir", str(ckpt), "--out", str(out)).returncode == 0
+    got = load_file(str(out))
+    want = train_one_process(skipnet, steps=25, micro_batch=4)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
