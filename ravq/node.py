@@ -73,7 +73,6 @@ class Node:
         self.averager: Averager | None = None
         self.model: torch.nn.Module | None = None
         self.failure: str | None = None
-        self._last_pipeline_message = time.monotonic()
         self._draining = False
         self._force = asyncio.Event()
         self._started_at = time.time()
@@ -215,17 +214,24 @@ class Node:
         return self.membership.plan or self.plan  # type: ignore[return-value]
 
     async def _watch_peers(self) -> None:
-        """A stage with micro-batches in flight and no pipeline traffic for peer_s gives up (exit 1)."""
+        """A stage with micro-batches in flight that finishes none for peer_s gives up (exit 1): a peer
+        is gone.  Progress, not traffic, is watched, so one-stage clusters and slow stages are fine."""
         assert self.worker is not None
         limit = self.topology.timeouts.peer_s
+        last_count, last_change = -1, time.monotonic()
         while True:
             await asyncio.sleep(min(1.0, limit / 4))
-            idle = time.monotonic() - self._last_pipeline_message
-            if self.worker.stats.inflight and idle > limit and not self.worker.done:
-                self.failure = f"no pipeline message for {idle:.0f}s with micro-batches in flight"
+            stats = self.worker.stats
+            if stats.backwards != last_count or not stats.inflight:
+                last_count, last_change = stats.backwards, time.monotonic()
+                continue
+            idle = time.monotonic() - last_change
+            if idle > limit and not self.worker.done:
+                self.failure = f"no micro-batch finished for {idle:.0f}s with {stats.inflight} in flight"
                 log.error("%s: %s; a peer is gone; stopping", self.name, self.failure)
                 self.metrics.peer_timeouts.labels("pipeline", "silent").inc()
                 self._force.set()
+                return
 
     async def _send_loop(self) -> None:
         while True:
@@ -242,7 +248,6 @@ class Node:
         assert self.worker is not None
         while True:
             _, msg = await self.inbox.recv()
-            self._last_pipeline_message = time.monotonic()
             source = self.stage_of.get(msg.sender)
             if msg.type not in (MsgType.FORWARD, MsgType.BACKWARD) or source is None or msg.micro_batch is None:
                 self.metrics.bad_messages.labels("pipeline", "unexpected_message").inc()

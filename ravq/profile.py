@@ -398,13 +398,13 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
         return 2
     training = topology.training
     blocks = profile_blocks(task, training.micro_batch, max_inflight=training.max_inflight or 1)
+    settings: dict[str, Any] = {"micro_batch": training.micro_batch, "sync_every": training.sync_every,
+                                "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging}
     try:
         if all(n.cluster is not None for n in topology.nodes):
-            plan, explanation = cut_plan(topology_clusters(topology), nodes, blocks, micro_batch=training.micro_batch,
-                                         sync_every=training.sync_every, max_inflight=training.max_inflight)
+            plan, explanation = cut_plan(topology_clusters(topology), nodes, blocks, **settings)
         else:
-            plan, explanation = make_plan(nodes, blocks, micro_batch=training.micro_batch,
-                                          sync_every=training.sync_every, max_inflight=training.max_inflight)
+            plan, explanation = make_plan(nodes, blocks, **settings)
     except PlanError as err:
         print(f"error: {err}")
         return 1

@@ -67,13 +67,16 @@ def test_ring_bytes_are_bandwidth_optimal(tmp_path: Path) -> None:
 
 def test_killed_node_mid_round_aborts_round_and_survivors_finish(tmp_path: Path) -> None:
     training = {"steps": 300, "micro_batch": 4, "sync_every": 2}
-    topo = local_topology("tests.models_for_tests", [1, 1, 1], training,
-                          timeouts={"ring_step_s": 2.0, "heartbeat_interval_s": 0.3})
-    swarm = Swarm(tmp_path, topo, env={"c2s0": {"RAVQ_FAULT": "kill_in_round:10"}})
+    topo = local_topology("tests.models_for_tests", [1, 1, 2], training,
+                          timeouts={"ring_step_s": 2.0, "heartbeat_interval_s": 0.3, "peer_s": 5.0})
+    swarm = Swarm(tmp_path, topo, env={"c2s1": {"RAVQ_FAULT": "kill_in_round:10"}})
     try:
         codes = swarm.wait(["c0s0", "c1s0"], timeout_s=180)
         assert codes == {"c0s0": 0, "c1s0": 0}, {n: swarm.log(n) for n in codes}
-        assert swarm.nodes["c2s0"].wait(5) == -9  # it really died, mid-round
+        assert swarm.nodes["c2s1"].wait(5) == -9  # it really died, mid-round
+        # its pipeline neighbour does not hang: it notices no micro-batch finishes and exits 1
+        assert swarm.wait(["c2s0"], timeout_s=60) == {"c2s0": 1}
+        assert "a peer is gone" in swarm.log("c2s0")
     finally:
         swarm.close()
     for name in ("c0s0", "c1s0"):
