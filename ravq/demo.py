@@ -47,6 +47,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     p.add_argument("--no-curve", action="store_true", help="plaintext sockets (default: fresh CURVE keys)")
     p.add_argument("--quiet", action="store_true", help="no live display")
+    p.add_argument("--topology", default=None,
+                   help="run this local topology (127.0.0.1 hosts) instead of making one; training options "
+                        "then come from the file")
+    p.add_argument("--plan", default=None, help="with --topology: a plan from `ravq plan` (only its nodes start)")
 
 
 def free_ports(count: int) -> list[int]:
@@ -104,10 +108,11 @@ class Swarm:
     """The demo's child processes; stop() ends them all, politely first."""
 
     def __init__(self, run_dir: Path, topo_path: Path, topology: dict[str, Any], threads: int,
-                 key_dir: Path | None) -> None:
+                 key_dir: Path | None, plan_path: str | None = None) -> None:
         self.run_dir, self.topo_path, self.topology = run_dir, topo_path, topology
         keys = ["--key-dir", str(key_dir)] if key_dir else []
-        self.broker = _spawn(["broker", "--topology", str(topo_path), *keys], run_dir / "broker.log")
+        plan = ["--plan", plan_path] if plan_path else []
+        self.broker = _spawn(["broker", "--topology", str(topo_path), *plan, *keys], run_dir / "broker.log")
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
         for node in topology["nodes"]:
             name = node["name"]
@@ -144,16 +149,23 @@ def run_demo(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="ravq-demo-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = demo_topology(args, run_dir)
-    key_dir = None if args.no_curve else _make_keys(data, run_dir)
-    parse_topology(data, "demo topology")  # same validation a user's file gets
-    topo_path = run_dir / "topology.yaml"
-    topo_path.write_text(yaml.safe_dump(data, sort_keys=False))
-    view = LiveView(parse_topology(data), quiet=args.quiet, key_dir=key_dir)
-    print(f"ravq demo: {args.clusters} cluster(s) x {args.stages} stage(s), task {args.task}, "
-          f"{args.steps} micro-batches per cluster; logs in {run_dir}", flush=True)
+    if args.topology:
+        data, topo_path, key_dir = _user_topology(args)
+        shape = f"topology {args.topology}" + (f", plan {args.plan}" if args.plan else "")
+    else:
+        if args.plan:
+            raise ConfigError("--plan: needs --topology (a plan names the topology's nodes)")
+        data = demo_topology(args, run_dir)
+        key_dir = None if args.no_curve else _make_keys(data, run_dir)
+        parse_topology(data, "demo topology")  # same validation a user's file gets
+        topo_path = run_dir / "topology.yaml"
+        topo_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        shape = f"{args.clusters} cluster(s) x {args.stages} stage(s), task {args.task}"
+    topology = parse_topology(data)
+    view = LiveView(topology, quiet=args.quiet, key_dir=key_dir)
+    print(f"ravq demo: {shape}, {topology.training.steps} micro-batches per cluster; logs in {run_dir}", flush=True)
     t0 = time.monotonic()
-    swarm = Swarm(run_dir, topo_path, data, args.threads, key_dir)
+    swarm = Swarm(run_dir, topo_path, data, args.threads, key_dir, args.plan)
     ok = False
     try:
         ok = view.follow(swarm, args.timeout)
@@ -172,6 +184,23 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def _user_topology(args: argparse.Namespace) -> tuple[dict[str, Any], Path, Path | None]:
+    """A user's local topology (and plan): only the planned nodes are started."""
+    from ravq.config import load_plan, load_topology
+
+    topology = load_topology(args.topology)
+    for node in topology.nodes:
+        if not (node.host.startswith("127.") or node.host == "localhost"):
+            raise ConfigError(f"{args.topology}: node {node.name} is on {node.host}; the demo runs local "
+                              "topologies only (use `ravq node` on each PC)")
+    data = yaml.safe_load(Path(args.topology).read_text())
+    if args.plan:
+        planned = {n for c in load_plan(args.plan).clusters for n in c.nodes}
+        data["nodes"] = [n for n in data["nodes"] if n["name"] in planned]
+    key_dir = Path(topology.security.key_dir) if topology.security.curve and topology.security.key_dir else None
+    return data, Path(args.topology), key_dir
 
 
 def _make_keys(data: dict[str, Any], run_dir: Path) -> Path:

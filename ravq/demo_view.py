@@ -24,7 +24,7 @@ class LiveView:
         self.interactive = self.console.is_terminal and not quiet
         self.live: Live | None = None
         self.started = time.monotonic()
-        self.steps = topology.training.steps * len({n.cluster for n in topology.nodes})
+        self.steps = topology.training.steps * max(1, len({n.cluster for n in topology.nodes}))
 
     def follow(self, swarm: Any, timeout_s: float) -> bool:
         """Until every node exits; False if one failed or the timeout passed."""
@@ -62,7 +62,11 @@ class LiveView:
 
     def _progress(self, status: dict[str, Any] | None) -> tuple[int, float, float | None]:
         rows = self._rows(status)
-        last = [st for _, st, _ in rows if st and st.get("stage") == _last_stage(self.topology, st.get("cluster"))]
+        depth: dict[Any, int] = {}
+        for _, st, _ in rows:
+            if st.get("cluster") is not None:
+                depth[st["cluster"]] = max(depth.get(st["cluster"], -1), st.get("stage", -1))
+        last = [st for _, st, _ in rows if st and st.get("stage") == depth.get(st.get("cluster"))]
         samples = sum(st.get("samples", 0) for st in last)
         steps = sum(st.get("backwards", 0) for st in last)
         elapsed = time.monotonic() - self.started
@@ -102,10 +106,6 @@ class LiveView:
         c.print(table)
         if report.get("allreduce_rounds"):
             c.print(f"all-reduce: {report['allreduce_rounds']} rounds, mean {report['allreduce_seconds_mean']:.3f}s")
-
-
-def _last_stage(topology: Topology, cluster: int | None) -> int:
-    return sum(1 for n in topology.nodes if n.cluster == cluster) - 1
 
 
 def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, Any]:

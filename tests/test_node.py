@@ -157,3 +157,26 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     want = train_one_process(skipnet, steps=25, micro_batch=4)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_plan_then_demo_runs_the_plan(tmp_path: Path) -> None:
+    """`ravq plan` (numbers typed into the topology stand in for profiles) then `ravq demo --plan`."""
+    import yaml
+
+    from tests.swarm import local_topology
+    topo = local_topology("tests.models_for_tests", [1, 1, 1], {"steps": 30, "micro_batch": 4})
+    for i, node in enumerate(topo["nodes"]):
+        del node["cluster"], node["stage"]
+        node.update({"memory_bytes": 8 << 30, "flops": 1e9 * (1 + i), "bandwidth_bytes_per_s": 1e8})
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(topo))
+    plan = tmp_path / "plan.yaml"
+    (tmp_path / "profiles").mkdir()
+    proc = ravq("plan", "--topology", str(path), "--profiles", str(tmp_path / "profiles"), "--out", str(plan))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "samples/s" in proc.stdout  # the explanation table with the prediction
+    report = run_demo(tmp_path, "--topology", str(path), "--plan", str(plan))
+    from ravq.config import load_plan
+    planned = {n for c in load_plan(plan).clusters for n in c.nodes}
+    assert {n["name"] for n in report["nodes"]} == planned
+    assert report["steps"] == 30 * report["clusters"]
