@@ -8,7 +8,6 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from ravq.config import ClusterPlan, ConfigError, Plan, Topology, load_plan, load_topology
 

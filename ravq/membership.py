@@ -104,7 +104,7 @@ class Membership:
                      "restarted" if incarnation != self.incarnation else "gap")
             try:
                 await self.link.send(Message(type=MsgType.SNAPSHOT_REQ, sender=self.name))
-            except Exception:  # noqa: BLE001 - the next update retries
+            except Exception:
                 log.debug("snapshot request failed", exc_info=True)
             # the reply arrives on the DEALER; read it without blocking updates for long
             try:

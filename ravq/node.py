@@ -23,8 +23,8 @@ import zmq
 import zmq.asyncio
 
 from ravq import checkpoint
-from ravq.config import Plan, Topology, resolve_task_module
 from ravq.averaging import Averager
+from ravq.config import Plan, Topology, resolve_task_module
 from ravq.membership import Membership
 from ravq.metrics import Metrics
 from ravq.model import build_task_model, split_model, stage_input_specs
