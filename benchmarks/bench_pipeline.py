@@ -28,6 +28,7 @@ the ravq round with the least outside load.  Run from the repo root:
     python benchmarks/bench_pipeline.py --quick      # 1 short round on smaller stages, ~45 s
     python benchmarks/bench_pipeline.py --stages 2   # one core per stage on 2 cores: no CPU sharing
     python benchmarks/bench_pipeline.py --json       # last line: one JSON object
+    python benchmarks/bench_pipeline.py --no-torch --max-inflight 6 --update-every 4   # ravq settings
 """
 
 from __future__ import annotations

@@ -1,0 +1,57 @@
+"""The pipeline benchmark's smoke run: ravq (broker + 4 node processes) and torch's schedules (4 gloo
+ranks) on the quick synthetic task, about 45-60 s on 2 cores.  Checks the report's shape and that
+every figure is sane, not that a target is met (that needs the full run and a quiet machine)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "bench_pipeline.py"
+STAGES = 4
+BUSY_SLACK = 0.02
+"""A window's busy fraction may exceed 1 by a little: heartbeats count an operation's time when it
+ends, so one that straddles the window's first heartbeat is counted whole."""
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.bench
+@pytest.mark.multiprocess
+@pytest.mark.timeout(170)
+def test_bench_pipeline_quick_json(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", "--run-dir", str(tmp_path / "run")],
+                          check=False, capture_output=True, text=True, timeout=160, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert {"cores", "stages", "micro_batch", "micro_batches", "busy_fraction_window", "busy_fraction_whole_run",
+            "busy_fraction_window_min", "busy_target_met", "ravq_samples_per_s", "ravq_samples_per_s_window",
+            "torch_1f1b_samples_per_s", "torch_1f1b_samples_per_s_window", "ratio_ravq_over_1f1b",
+            "ratio_ravq_over_1f1b_window", "torch_gpipe_samples_per_s", "ratio_ravq_over_gpipe",
+            "ravq_other_cores_window", "torch_1f1b_other_cores_window"} <= set(report)
+    assert report["stages"] == STAGES and report["cores"] >= 1 and report["micro_batches"] > 0
+    for key in ("busy_fraction_window", "busy_fraction_whole_run"):
+        fractions = report[key]
+        assert len(fractions) == STAGES, key
+        assert all(_positive(f) and f <= 1.0 + BUSY_SLACK for f in fractions), (key, fractions)
+    assert report["busy_fraction_window_min"] == min(report["busy_fraction_window"])
+    assert isinstance(report["busy_target_met"], bool)
+    for key in ("ravq_samples_per_s", "ravq_samples_per_s_window", "torch_1f1b_samples_per_s",
+                "torch_1f1b_samples_per_s_window", "torch_gpipe_samples_per_s", "ratio_ravq_over_1f1b",
+                "ratio_ravq_over_1f1b_window", "ratio_ravq_over_gpipe"):
+        assert _positive(report[key]), (key, report[key])
+    assert report["ratio_ravq_over_1f1b"] == pytest.approx(
+        report["ravq_samples_per_s"] / report["torch_1f1b_samples_per_s"])
+    # The same samples on both sides: a rate far off the other side's means one run was cut short.
+    assert 0.1 < report["ratio_ravq_over_1f1b"] < 10
