@@ -64,7 +64,7 @@ SCHEDULES = {"1f1b": "torch Schedule1F1B", "gpipe": "torch ScheduleGPipe"}
 @dataclass(kw_only=True, slots=True)
 class BenchConfig:
     preset: str
-    """Attribute of benchmarks.synthetic_task naming the model size ("default" or "quick")."""
+    """Attribute of benchmarks.synthetic_task naming the model ("default", "quick", "device", "device_quick")."""
     micro_batch: int
     steps: int
     """Micro-batches trained by each system per round; a multiple of ``torch_microbatches``."""
@@ -395,7 +395,8 @@ def summarize(cfg: BenchConfig, rounds: list[dict[str, dict[str, Any]]], wall_s:
     result: dict[str, Any] = {
         "cores": cpu_cores(), "stages": cfg.stages, "micro_batch": cfg.micro_batch, "micro_batches": cfg.steps,
         "rounds": cfg.rounds, "torch_microbatches_per_step": cfg.torch_microbatches, "preset": cfg.preset,
-        "model": {"width": task.width, "layers_per_stage": task.layers * task.blocks // cfg.stages},
+        "model": {"width": task.width, "layers_per_stage": task.layers * task.blocks // cfg.stages,
+                  "device_ms_per_stage_forward": task.device_ms * task.blocks / cfg.stages},
         "window": list(WINDOW), "target_busy_fraction": TARGET_BUSY, "max_inflight": cfg.max_inflight,
         "update_every": cfg.update_every,
         "busy_fraction_window": busy,
@@ -426,7 +427,10 @@ def summarize(cfg: BenchConfig, rounds: list[dict[str, dict[str, Any]]], wall_s:
 
 def print_report(result: dict[str, Any], ravq_stages: list[dict[str, Any]]) -> None:
     print(f"\n{result['stages']} stages, synthetic task '{result['preset']}' (width {result['model']['width']}, "
-          f"{result['model']['layers_per_stage']} Linear+ReLU per stage), micro-batch {result['micro_batch']}, "
+          f"{result['model']['layers_per_stage']} Linear+ReLU per stage"
+          + (f", {result['model']['device_ms_per_stage_forward']:g} ms simulated device time per stage forward, "
+             "twice that in backward" if result["model"]["device_ms_per_stage_forward"] else "")
+          + f"), micro-batch {result['micro_batch']}, "
           f"{result['micro_batches']} micro-batches per system and round, {result['rounds']} round(s)")
     print(f"{result['cores']} CPU cores for {result['stages']} stage processes (1 torch thread each)")
     print(f"\n(b) ravq busy fraction per stage (quietest round; other load {_fmt(result['busy_other_cores_window'], '.2f')}"
@@ -469,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int, default=None, help="per system and round (default 192; quick 64)")
     parser.add_argument("--micro-batch", type=int, default=256, help="samples per micro-batch")
     parser.add_argument("--stages", type=int, default=4, choices=(2, 4), help="stage processes per system")
+    parser.add_argument("--compute", choices=("device", "cpu"), default="device",
+                        help="stage cost: simulated accelerator time, one machine per stage (default), or CPU "
+                             "matmuls, every stage process sharing this machine's cores")
     parser.add_argument("--no-gpipe", action="store_true", help="skip torch's ScheduleGPipe")
     parser.add_argument("--no-torch", action="store_true", help="measure ravq only")
     parser.add_argument("--max-inflight", type=int, default=None, help="ravq's credit limit (default: ravq's own)")
@@ -476,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=None, help="keep ravq's logs here (default: a temp dir)")
     args = parser.parse_args(argv)
     schedules = () if args.no_torch else ("1f1b",) if args.no_gpipe else ("1f1b", "gpipe")
-    cfg = BenchConfig(preset="quick" if args.quick else "default", micro_batch=args.micro_batch,
+    presets = {("device", False): "device", ("device", True): "device_quick", ("cpu", False): "default",
+               ("cpu", True): "quick"}
+    cfg = BenchConfig(preset=presets[args.compute, args.quick], micro_batch=args.micro_batch,
                       steps=args.micro_batches or (64 if args.quick else 192), stages=args.stages,
                       rounds=args.rounds or (1 if args.quick else 2), schedules=schedules,
                       max_inflight=args.max_inflight, update_every=args.update_every)

@@ -9,13 +9,24 @@ sample and the loss is the mean squared error of each sample's mean output: negl
 
 Use it as ``--task benchmarks.synthetic_task`` (the default size, about 25 ms per stage forward on one
 core with a micro-batch of 256) or name a preset: ``benchmarks.synthetic_task:quick`` (half the work per
-stage).  The repo root must be on ``sys.path`` (it is when ravq runs from a checkout's root).
+stage), ``:device`` or ``:device_quick`` (simulated accelerator time, below).
+
+Simulated device time.  The presets above are CPU matmuls: 4 stage processes on a 2-core machine then
+share the cores, so a stage's time depends on how many others compute at that moment, which measures
+the OS scheduler as much as the pipeline.  With ``device_ms`` every block also waits ``device_ms`` in
+forward and twice that in backward, off the CPU and without the GIL (``time.sleep`` inside a custom
+torch op, as a kernel on an accelerator would be), and the Linear work shrinks to one small layer: each
+stage then behaves as if it had a machine of its own, which is what the pipeline is built for.  The
+custom op ``ravqbench::device_time`` is an opaque node to ``torch.export``, so ravq's splitter and
+``torch.distributed.pipelining`` cut and run it alike.  The repo root must be on ``sys.path`` (it is when ravq runs from a checkout's root).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +38,33 @@ DATA_POOL = 16
 """Distinct micro-batches per shard; cycled."""
 
 
+@torch.library.custom_op("ravqbench::device_time", mutates_args=())
+def device_time(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    """``x`` unchanged after ``seconds`` of simulated accelerator time (the GIL released)."""
+    time.sleep(seconds)
+    return x.clone()
+
+
+@device_time.register_fake
+def _device_time_fake(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _device_time_setup(ctx: object, inputs: tuple[torch.Tensor, float], output: torch.Tensor) -> None:
+    ctx.seconds = inputs[1]  # type: ignore[attr-defined]
+
+
+def _device_time_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return torch.ops.ravqbench.device_time(grad, 2 * ctx.seconds), None  # type: ignore[attr-defined]
+
+
+device_time.register_autograd(_device_time_backward, setup_context=_device_time_setup)
+
+
 class Block(nn.Module):
-    def __init__(self, width: int, layers: int) -> None:
+    def __init__(self, width: int, layers: int, device_s: float = 0.0) -> None:
         super().__init__()
+        self.device_s = device_s
         self.norm = nn.LayerNorm(width)
         linears = [nn.Linear(width, width) for _ in range(layers)]
         for layer in linears:
@@ -42,13 +77,15 @@ class Block(nn.Module):
         x = self.norm(x)
         for layer in self.layers:
             x = F.relu(layer(x))
+        if self.device_s > 0:
+            x = torch.ops.ravqbench.device_time(x, self.device_s)
         return x
 
 
 class BlockStack(nn.Module):
-    def __init__(self, width: int, layers: int, blocks: int) -> None:
+    def __init__(self, width: int, layers: int, blocks: int, device_s: float = 0.0) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(width, layers) for _ in range(blocks))
+        self.blocks = nn.ModuleList(Block(width, layers, device_s) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -67,9 +104,11 @@ class SyntheticTask:
     """Linear+ReLU layers per block."""
     blocks: int = BLOCKS
     """Identical blocks; a multiple of the stage count gives equal stages."""
+    device_ms: float = 0.0
+    """Simulated accelerator time per block in forward (backward: twice that); 0 for none."""
 
     def build_model(self) -> nn.Module:
-        return BlockStack(self.width, self.layers, self.blocks)
+        return BlockStack(self.width, self.layers, self.blocks, self.device_ms / 1e3)
 
     def split_points(self) -> list[str]:
         return [f"blocks.{i}" for i in range(1, self.blocks)]
@@ -100,6 +139,8 @@ class SyntheticTask:
 
 default = SyntheticTask()
 quick = SyntheticTask(layers=4)
+device = SyntheticTask(layers=1, device_ms=25.0)
+device_quick = SyntheticTask(layers=1, device_ms=12.5)
 
 # The module itself is a task too (``--task benchmarks.synthetic_task``): the default size.
 build_model = default.build_model

@@ -55,3 +55,34 @@ def test_bench_pipeline_quick_json(tmp_path: Path) -> None:
         report["ravq_samples_per_s"] / report["torch_1f1b_samples_per_s"])
     # The same samples on both sides: a rate far off the other side's means one run was cut short.
     assert 0.1 < report["ratio_ravq_over_1f1b"] < 10
+
+
+def test_simulated_device_time_is_an_identity_that_splits_like_any_op() -> None:
+    """The ``device`` preset's op waits off the CPU and leaves values and gradients as they are, and
+    torch.export keeps it as one node, so ravq's splitter cuts the model as it cuts the CPU preset."""
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import synthetic_task
+    from ravq.model import split_model
+
+    x = torch.randn(3, 5, requires_grad=True)
+    t0 = time.perf_counter()
+    y = torch.ops.ravqbench.device_time(x, 0.02)
+    y.backward(torch.full_like(y, 2.0))
+    assert time.perf_counter() - t0 >= 0.06  # 20 ms forward, 40 ms backward
+    assert torch.equal(y, x) and torch.equal(x.grad, torch.full_like(x, 2.0))
+
+    task = synthetic_task.SyntheticTask(width=8, layers=1, device_ms=1.0)
+    torch.manual_seed(0)
+    whole = task.build_model()
+    torch.manual_seed(0)
+    stages = split_model(task.build_model(), task.example_inputs(4), task.split_points())
+    assert len(stages) == synthetic_task.BLOCKS
+    inputs = torch.randn(4, 8)
+    out = inputs
+    for spec in stages:
+        out = spec.module(out)
+    assert torch.allclose(out, whole(inputs), atol=1e-6)
