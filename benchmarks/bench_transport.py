@@ -17,12 +17,16 @@ modes are interleaved so that drift on a shared machine hits them alike.  From t
     python benchmarks/bench_transport.py            # ~1 minute
     python benchmarks/bench_transport.py --quick    # ~10 s smoke run
     python benchmarks/bench_transport.py --json     # last line: one JSON object
+
+Both processes apply ``ravq.tuning.tune_process()`` (malloc settings for large buffers, as a node
+does at start) before their first trial, for every mode; ``RAVQ_BENCH_NO_TUNING=1`` leaves it out.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import time
@@ -38,6 +42,7 @@ import zmq.asyncio
 
 from ravq.metrics import Metrics
 from ravq.transport import Inbox, Outlink, SocketOptions
+from ravq.tuning import tune_process
 from ravq.wire import DecodeLimits, Message, MsgType, encode
 
 MODES = ("ravq", "raw_dealer_router", "raw_dealer_router_asyncio", "raw_push_pull")
@@ -66,7 +71,15 @@ def _configure(sock: zmq.Socket) -> zmq.Socket:
 
 # --- receiver process -----------------------------------------------------------------------------
 
+def _tune() -> None:
+    """What a node does at start (ravq.tuning), in both processes and for every mode alike: it is
+    process-wide, and the processes serve every mode.  RAVQ_BENCH_NO_TUNING=1 measures without it."""
+    if not os.environ.get("RAVQ_BENCH_NO_TUNING"):
+        tune_process()
+
+
 def receive(conn: Connection, mode: str, size: int, warmup: int, count: int) -> tuple[float, float]:
+    _tune()
     _message(size, 0)  # make the payload before any clock starts
     if mode in _BLOCKING:
         with zmq.Context() as ctx, _configure(ctx.socket(_BLOCKING[mode][1])) as sock:
@@ -99,6 +112,7 @@ async def _receive_async(conn: Connection, mode: str, warmup: int, count: int) -
 # --- sender process -------------------------------------------------------------------------------
 
 def send(conn: Connection, mode: str, size: int, total: int, endpoint: str) -> None:
+    _tune()
     if mode not in _BLOCKING:
         return _common.run_loop(_send_async(conn, mode, size, total, endpoint))
     frames = encode(_message(size, 0))
@@ -193,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     results = summarize(measure(args.repeats, args.trial_mib << 20, args.min_messages))
     wall_s = time.perf_counter() - t0
     lowest = min(r["ratio_ravq_over_raw_dealer_router"] for r in results.values())
+    tuning = "off" if os.environ.get("RAVQ_BENCH_NO_TUNING") else "on (every mode)"
     print(f"ravq link vs raw pyzmq: loopback TCP, sender and receiver processes, median of "
-          f"{args.repeats} trials of {args.trial_mib} MiB ({wall_s:.0f} s)")
+          f"{args.repeats} trials of {args.trial_mib} MiB ({wall_s:.0f} s); process tuning {tuning}")
     print(render(results))
     print("\nCPU us per message in each process (all its threads, ZeroMQ's I/O thread included):")
     print(render_cpu(results))
@@ -204,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         _common.emit_json({
             "benchmark": "transport", "unit": "bytes/s", "sizes": list(SIZES), "modes": list(MODES),
             "repeats": args.repeats, "trial_bytes": args.trial_mib << 20, "wall_s": wall_s,
-            "target_ratio": TARGET_RATIO, "meets_target": lowest >= TARGET_RATIO, "results": results})
+            "target_ratio": TARGET_RATIO, "meets_target": lowest >= TARGET_RATIO, "results": results,
+            "process_tuning": not os.environ.get("RAVQ_BENCH_NO_TUNING")})
     return 0
 
 

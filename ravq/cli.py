@@ -60,12 +60,14 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from ravq.metrics import Metrics
     from ravq.security import socket_options_for
     from ravq.transport import install_uvloop
+    from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
     plan = plan_for(topology, args.plan)
     metrics = Metrics("broker")
     if topology.broker.metrics_port is not None:
         metrics.serve(topology.broker.metrics_port, topology.broker.host)
+    tune_process()
     install_uvloop()
     try:
         opts = socket_options_for(topology, "broker", args.key_dir, metrics)
@@ -78,9 +80,11 @@ def cmd_broker(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from ravq.node import NodeOptions, NotInPlan, run_node
     from ravq.transport import install_uvloop
+    from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
     topology.node(args.name)
+    tune_process()  # before the node allocates its buffers and ZeroMQ its first frames
     install_uvloop()
     from ravq.membership import BrokerUnavailable
 

@@ -11,12 +11,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 
-from ravq.metrics import Metrics
+from ravq.metrics import HopCount, HopObservations, Metrics
 from ravq.wire import DecodeLimits, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,12 @@ class SocketOptions:
     """How long close() may wait to flush queued messages."""
     curve: Any = None
     """A ``ravq.security.Curve`` (keys and ZAP authenticator) or None for plaintext."""
+    copy_threshold_bytes: int = 128 << 10
+    """Frames smaller than this are copied into ZeroMQ; larger ones are sent without a copy.
+
+    A zero-copy frame is released through pyzmq's garbage-collector thread (a message to it and a GIL
+    hand-off per frame): on loopback that cost more than copying a 64 KiB frame, less than copying
+    128 KiB.  pyzmq's own default is 64 KiB."""
 
 
 def endpoint(host: str, port: int) -> str:
@@ -45,52 +51,132 @@ def _nbytes(frames: list[Any]) -> int:
 
 
 class _HopMetrics:
-    """One socket's per-(peer, type) metric children, looked up once.
+    """One socket's per-(peer, type) series, looked up once.
 
-    ``labels()`` costs more than the increment itself (about 1.8 us against 0.5 us), and every message
-    pays it several times; on a 64 KiB pipeline message that is a visible share of the link's time.
+    ``labels()`` costs more than counting itself, and every message would pay it several times; the
+    series are ravq.metrics' plain-number ones, so counting a message is a few additions.
     """
 
     def __init__(self, metrics: Metrics, socket: str) -> None:
         self.metrics, self.socket = metrics, socket
-        self._sent: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-        self._received: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._sent: dict[tuple[str, str], tuple[HopObservations, HopCount, HopCount]] = {}
+        self._received: dict[tuple[str, str], tuple[HopCount, HopCount, HopObservations]] = {}
 
     def sent(self, peer: str, msg: Message, frames: list[Any], t0: float) -> None:
         key = (peer, msg.type)
-        if (children := self._sent.get(key)) is None:
+        if (series := self._sent.get(key)) is None:
             m, labels = self.metrics, (self.socket, peer, msg.type)
-            children = self._sent[key] = (m.send_seconds.labels(*labels), m.messages_sent.labels(*labels),
-                                          m.bytes_sent.labels(*labels))
-        children[0].observe(time.perf_counter() - t0)
-        children[1].inc()
-        children[2].inc(_nbytes(frames))
+            series = self._sent[key] = (m.send_seconds.labels(*labels), m.messages_sent.labels(*labels),
+                                        m.bytes_sent.labels(*labels))
+        series[0].observe(time.perf_counter() - t0)
+        series[1].inc()
+        series[2].inc(_nbytes(frames))
 
     def received(self, peer: str, msg: Message, frames: list[Any], latency: bool = False) -> None:
         """Count a decoded message; with ``latency``, observe sender timestamp -> now."""
         key = (peer, msg.type)
-        if (children := self._received.get(key)) is None:
+        if (series := self._received.get(key)) is None:
             m, labels = self.metrics, (self.socket, peer, msg.type)
-            children = self._received[key] = (m.messages_received.labels(*labels),
-                                              m.bytes_received.labels(*labels),
-                                              m.receive_seconds.labels(*labels))
-        children[0].inc()
-        children[1].inc(_nbytes(frames))
+            series = self._received[key] = (m.messages_received.labels(*labels),
+                                            m.bytes_received.labels(*labels),
+                                            m.receive_seconds.labels(*labels))
+        series[0].inc()
+        series[1].inc(_nbytes(frames))
         if latency:
-            children[2].observe(max(0.0, time.time() - msg.sent_at))
+            series[2].observe(max(0.0, time.time() - msg.sent_at))
 
 
-async def _recv_frames(sock: zmq.asyncio.Socket) -> list[Any]:
-    """The next multipart message, without copies.
+class _Io:
+    """A ``zmq.asyncio`` socket driven through its synchronous shadow while that does not block.
 
-    A message already queued is taken with DONTWAIT, pyzmq's short-circuit: its general path (a
-    Future registered with the loop, socket events polled) costs about 15 us more per message, a
-    third of a 64 KiB message's time on loopback.
+    Every zmq.asyncio call makes a Future, and one that cannot finish at once registers with the loop
+    and polls the socket's events: ~20 us per message, a third of a 64 KiB message's time on loopback.
+    A NOBLOCK call on a shadow of the same socket does the work without either; only when it would
+    block (``zmq.Again``) does this await the asyncio socket.  Parts are received one at a time with
+    ``Frame.more``: ``recv_multipart`` asks for RCVMORE with a getsockopt per part, which costs more.
+
+    ZeroMQ's file descriptor is edge-triggered and any call on the socket may consume its edge, so a
+    direct call made while an asyncio wait is pending on the same socket (a reply sent while a receive
+    waits) asks for EVENTS afterwards: pyzmq then re-checks and wakes that wait if it can proceed.
     """
-    try:
-        return await sock.recv_multipart(zmq.DONTWAIT, copy=False)
-    except zmq.Again:
-        return await sock.recv_multipart(copy=False)
+
+    __slots__ = ("_recv_waited", "_recv_waits", "_send_waits", "_shadow", "sock")
+
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock = sock
+        self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self._shadow.copy_threshold = sock.copy_threshold  # set by _configure
+        self._recv_waits = self._send_waits = 0  # asyncio waits in progress on ``sock``
+        self._recv_waited = False  # whether the last recv() found nothing queued
+
+    def _check_open(self) -> None:
+        if self.sock.closed:  # the shadow does not know when its owner is closed
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+
+    def recv_now(self) -> list[Any]:
+        """The next multipart message, without copies; raises zmq.Again if none is queued."""
+        self._check_open()
+        frame = self._shadow.recv(zmq.NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:  # a multipart message is delivered whole: the rest is already here
+            frame = self._shadow.recv(zmq.NOBLOCK, copy=False)
+            frames.append(frame)
+        if self._send_waits:
+            self.sock.get(zmq.EVENTS)
+        return frames
+
+    async def recv(self) -> list[Any]:
+        # A refused NOBLOCK call costs ~7 us (pyzmq raises zmq.Again), asking for EVENTS ~2 us: when
+        # the last message had to be waited for, the next one probably has to be too, so ask first.
+        if not self._recv_waited or cast(int, self._shadow.get(zmq.EVENTS)) & zmq.POLLIN:
+            try:
+                frames = self.recv_now()
+            except zmq.Again:
+                pass
+            else:
+                self._recv_waited = False
+                return frames
+        self._recv_waited = True
+        self._recv_waits += 1
+        try:
+            return await self.sock.recv_multipart(copy=False)
+        finally:
+            self._recv_waits -= 1
+
+    async def readable(self, timeout_s: float) -> bool:
+        """Wait until a message is queued or ``timeout_s`` has passed; whether one is."""
+        self._recv_waits += 1
+        try:
+            return bool(await self.sock.poll(timeout_s * 1000))
+        finally:
+            self._recv_waits -= 1
+
+    def _send_now(self, frames: list[Any]) -> bool:
+        """Queue ``frames`` as one message if the socket takes it at once; whether it did."""
+        self._check_open()
+        shadow, last = self._shadow, len(frames) - 1
+        try:  # only a message's first part is refused when the queue is full, and then nothing is sent
+            shadow.send(frames[0], zmq.NOBLOCK | zmq.SNDMORE if last else zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        for i in range(1, last):
+            shadow.send(frames[i], zmq.NOBLOCK | zmq.SNDMORE, copy=False)
+        if last:
+            shadow.send(frames[last], zmq.NOBLOCK, copy=False)
+        if self._recv_waits:
+            self.sock.get(zmq.EVENTS)
+        return True
+
+    async def send(self, frames: list[Any]) -> None:
+        """Queue ``frames`` as one message; buffers of 64 KiB or more are sent without a copy."""
+        # Behind a send that is already waiting, going direct would reorder messages.
+        if self._send_waits == 0 and self._send_now(frames):
+            return
+        self._send_waits += 1
+        try:
+            await self.sock.send_multipart(frames, copy=False)
+        finally:
+            self._send_waits -= 1
 
 
 def _configure(sock: zmq.asyncio.Socket, opts: SocketOptions) -> None:
@@ -98,6 +184,7 @@ def _configure(sock: zmq.asyncio.Socket, opts: SocketOptions) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes)
     sock.setsockopt(zmq.SNDHWM, opts.hwm)
     sock.setsockopt(zmq.RCVHWM, opts.hwm)
+    sock.copy_threshold = opts.copy_threshold_bytes
 
 
 class Inbox:
@@ -108,6 +195,7 @@ class Inbox:
         self.sock, self.name, self.metrics, self.limits = sock, name, metrics, limits
         self.authenticated = authenticated
         """With CURVE, a message's ``sender`` must be the name ZAP bound to the key that sent it."""
+        self._io = _Io(sock)
         self._hops = _HopMetrics(metrics, name)
 
     @classmethod
@@ -124,7 +212,7 @@ class Inbox:
     async def recv(self) -> tuple[bytes, Message]:
         """The next valid message and the identity of the peer that sent it."""
         while True:
-            frames = await _recv_frames(self.sock)
+            frames = await self._io.recv()
             if len(frames) < 2:
                 self.metrics.bad_messages.labels(self.name, "no_identity").inc()
                 continue
@@ -144,7 +232,7 @@ class Inbox:
     async def reply(self, identity: bytes, msg: Message, peer: str = "") -> None:
         frames = encode(msg)
         t0 = time.perf_counter()
-        await self.sock.send_multipart([identity, *frames], copy=False)
+        await self._io.send([identity, *frames])
         self._hops.sent(peer or identity.decode(errors="replace"), msg, frames, t0)
 
     def close(self) -> None:
@@ -165,6 +253,7 @@ class Outlink:
     def __init__(self, sock: zmq.asyncio.Socket, name: str, peer: str, metrics: Metrics,
                  limits: DecodeLimits) -> None:
         self.sock, self.name, self.peer, self.metrics, self.limits = sock, name, peer, metrics, limits
+        self._io = _Io(sock)
         self._hops = _HopMetrics(metrics, name)
 
     @classmethod
@@ -182,17 +271,20 @@ class Outlink:
     async def send(self, msg: Message) -> None:
         frames = encode(msg)
         t0 = time.perf_counter()
-        await self.sock.send_multipart(frames, copy=False)
+        await self._io.send(frames)
         self._hops.sent(self.peer, msg, frames, t0)
 
     async def recv(self, timeout_s: float) -> Message:
         """A reply from the peer; raises TimeoutError.  Malformed replies are counted and skipped."""
         deadline = time.monotonic() + timeout_s
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not await self.sock.poll(remaining * 1000):
-                raise TimeoutError(f"no reply from {self.peer} within {timeout_s:.1f}s")
-            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                frames = self._io.recv_now()
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not await self._io.readable(remaining):
+                    raise TimeoutError(f"no reply from {self.peer} within {timeout_s:.1f}s") from None
+                continue
             try:
                 msg = decode(frames, self.limits)
             except WireError as err:
@@ -210,6 +302,7 @@ class Publisher:
 
     def __init__(self, sock: zmq.asyncio.Socket, metrics: Metrics) -> None:
         self.sock, self.metrics = sock, metrics
+        self._io = _Io(sock)
         self._hops = _HopMetrics(metrics, "pub")
 
     @classmethod
@@ -224,7 +317,7 @@ class Publisher:
     async def publish(self, msg: Message) -> None:
         frames = encode(msg)
         t0 = time.perf_counter()
-        await self.sock.send_multipart(frames, copy=False)
+        await self._io.send(frames)
         self._hops.sent("*", msg, frames, t0)
 
     def close(self) -> None:
@@ -236,6 +329,7 @@ class Subscriber:
 
     def __init__(self, sock: zmq.asyncio.Socket, metrics: Metrics, limits: DecodeLimits) -> None:
         self.sock, self.metrics, self.limits = sock, metrics, limits
+        self._io = _Io(sock)
         self._hops = _HopMetrics(metrics, "sub")
 
     @classmethod
@@ -251,7 +345,7 @@ class Subscriber:
 
     async def recv(self) -> Message:
         while True:
-            frames = await _recv_frames(self.sock)
+            frames = await self._io.recv()
             try:
                 msg = decode(frames, self.limits)
             except WireError as err:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import enum
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import torch
@@ -60,6 +59,7 @@ REQUIRED_META: dict[MsgType, dict[str, type | tuple[type, ...]]] = {
     MsgType.SNAPSHOT: {"seq": int},
 }
 _NEEDS_MICRO_BATCH = (MsgType.FORWARD, MsgType.BACKWARD)
+_MSG_TYPES: dict[str, MsgType] = {t.value: t for t in MsgType}  # MsgType(value) costs 10x a lookup
 _MAX_DIMS = 16
 
 
@@ -92,9 +92,10 @@ class Message:
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a CPU tensor (made contiguous if it is not)."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.to("cpu")
-    t = t.detach()
+    if t.requires_grad:  # numpy() refuses tensors that require grad
+        t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() == 0:
@@ -122,60 +123,75 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     return [orjson.dumps(header), *frames]
 
 
+_MISSING = object()
+
+
 def _field(header: dict[str, Any], key: str, kind: type | tuple[type, ...], nullable: bool = False) -> Any:
-    if key not in header:
+    """``header[key]`` if it has JSON type ``kind`` (a bool is not an int); WireError otherwise.
+
+    Values come from orjson, so their types are exact (dict, list, str, int, float, bool, None) and a
+    ``type(...) is`` test means ``isinstance`` minus bool's being an int.
+    """
+    value = header.get(key, _MISSING)
+    if value is _MISSING:
         raise WireError("missing_field", key)
-    value = header[key]
     if value is None and nullable:
         return None
-    if isinstance(value, bool) and kind is not bool and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise WireError("bad_field", key)
-    if not isinstance(value, kind):
+    if type(value) is not kind and (type(kind) is not tuple or type(value) not in kind):
         raise WireError("bad_field", key)
     return value
 
 
-def _parse_header(frame: memoryview, limits: DecodeLimits) -> dict[str, Any]:
+def _parse_header(frame: Any, limits: DecodeLimits) -> dict[str, Any]:
+    if type(frame) is not bytes:  # a zmq.Frame or another buffer: orjson reads memoryviews
+        frame = memoryview(frame)
     if len(frame) > limits.max_header_bytes:
         raise WireError("header_too_large", str(len(frame)))
     try:
         header = orjson.loads(frame)
     except orjson.JSONDecodeError:
         raise WireError("bad_json") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise WireError("bad_json", "header is not an object")
     return header
 
 
 def _check_descriptor(d: Any, limits: DecodeLimits) -> tuple[str, str, list[int], int]:
-    if not isinstance(d, dict):
+    if type(d) is not dict:
         raise WireError("bad_descriptor")
     name, dtype, shape = d.get("name"), d.get("dtype"), d.get("shape")
-    if not isinstance(name, str) or len(name) > 256:
+    if type(name) is not str or len(name) > 256:
         raise WireError("bad_descriptor", "name")
-    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list or dict here is unhashable
+    itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None  # a list or dict is unhashable
+    if itemsize is None:
         raise WireError("bad_dtype", str(dtype)[:32])
-    if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
-            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s for s in shape)):
+    if type(shape) is not list or len(shape) > _MAX_DIMS:
         raise WireError("bad_shape")
-    nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+    numel = 1
+    for s in shape:
+        if type(s) is not int or s < 0:
+            raise WireError("bad_shape")
+        numel *= s
+    nbytes = numel * itemsize
     if nbytes > limits.max_tensor_bytes:
         raise WireError("tensor_too_large", str(nbytes))
     # An empty tensor's other dims still size its strides: [0, 2**40, 2**40] would overflow in torch.
-    if math.prod(max(s, 1) for s in shape) * _ITEMSIZE[dtype] > limits.max_tensor_bytes:
+    # (With no zero dim that product is ``nbytes``, checked just above.)
+    if numel == 0 and math.prod(max(s, 1) for s in shape) * itemsize > limits.max_tensor_bytes:
         raise WireError("bad_shape", "empty tensor with oversized dims")
-    return name, dtype, shape, nbytes
+    return name, cast(str, dtype), shape, nbytes
 
 
 def _tensor(buf: memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
     if len(buf) == 0:
         return torch.empty(shape, dtype=DTYPES[dtype])
-    if not buf.readonly:  # ZeroMQ frames: the hot path, without catch_warnings' cost
-        return torch.frombuffer(buf, dtype=DTYPES[dtype]).reshape(shape)
-    with warnings.catch_warnings():
-        # bytes frames (tests, tools) are read-only; the tensors are only read (and copied to a device).
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=DTYPES[dtype]).reshape(shape)
+    if buf.readonly:
+        # bytes frames (tests, tools): copied, so every decoded tensor is writable; receivers such as the
+        # ring all-reduce add into what they receive.  ZeroMQ frames (the hot path) are writable already.
+        buf = memoryview(bytearray(buf))
+    t = torch.frombuffer(buf, dtype=DTYPES[dtype])
+    # frombuffer's result is already 1-d; reshape costs ~3 us, more than the rest of a tensor.
+    return t if len(shape) == 1 else t.reshape(shape)
 
 
 def decode(frames: Sequence[Any], limits: DecodeLimits = DecodeLimits()) -> Message:
@@ -184,35 +200,36 @@ def decode(frames: Sequence[Any], limits: DecodeLimits = DecodeLimits()) -> Mess
         raise WireError("no_frames")
     if len(frames) > limits.max_frames:
         raise WireError("too_many_frames", str(len(frames)))
-    views = [memoryview(f) for f in frames]
-    header = _parse_header(views[0], limits)
-    if type(header.get("v")) is not int or header["v"] != PROTOCOL_VERSION:  # true == 1 in Python
-        raise WireError("bad_version", str(header.get("v"))[:16])
-    try:
-        mtype = MsgType(_field(header, "type", str))
-    except ValueError as err:
-        if isinstance(err, WireError):
-            raise
-        raise WireError("bad_type", str(header.get("type"))[:32]) from None
+    header = _parse_header(frames[0], limits)
+    v = header.get("v")
+    if type(v) is not int or v != PROTOCOL_VERSION:  # true == 1 in Python
+        raise WireError("bad_version", str(v)[:16])
+    mtype = _MSG_TYPES.get(_field(header, "type", str))
+    if mtype is None:
+        raise WireError("bad_type", header["type"][:32])
     sender = _field(header, "sender", str)
     if not 0 < len(sender) <= 128:
         raise WireError("bad_field", "sender")
     mb = _field(header, "mb", list, nullable=True)
-    if mb is not None and (len(mb) != 2 or not all(type(x) is int and x >= 0 for x in mb)):
+    if mb is None:
+        if mtype in _NEEDS_MICRO_BATCH:
+            raise WireError("missing_field", "mb")
+    elif len(mb) != 2 or type(mb[0]) is not int or type(mb[1]) is not int or mb[0] < 0 or mb[1] < 0:
         raise WireError("bad_field", "mb")
-    if mb is None and mtype in _NEEDS_MICRO_BATCH:
-        raise WireError("missing_field", "mb")
     version = _field(header, "ver", int)
     sent_at = _field(header, "ts", (int, float))
     meta = _field(header, "meta", dict)
-    for key, kind in REQUIRED_META.get(mtype, {}).items():
-        _field(meta, key, kind)
+    required = REQUIRED_META.get(mtype)
+    if required:
+        for key, kind in required.items():
+            _field(meta, key, kind)
     descriptors = _field(header, "tensors", list)
-    if len(descriptors) != len(views) - 1:
-        raise WireError("frame_count", f"{len(descriptors)} descriptors, {len(views) - 1} frames")
+    if len(descriptors) != len(frames) - 1:
+        raise WireError("frame_count", f"{len(descriptors)} descriptors, {len(frames) - 1} frames")
     checked: dict[str, tuple[memoryview, str, list[int]]] = {}
-    for d, buf in zip(descriptors, views[1:]):
+    for i, d in enumerate(descriptors, 1):
         name, dtype, shape, nbytes = _check_descriptor(d, limits)
+        buf = memoryview(frames[i])
         if nbytes != len(buf):
             raise WireError("frame_size", f"{name}: expected {nbytes} bytes, got {len(buf)}")
         if name in checked:
@@ -220,5 +237,5 @@ def decode(frames: Sequence[Any], limits: DecodeLimits = DecodeLimits()) -> Mess
         checked[name] = (buf, dtype, shape)
     # Only a fully validated message reaches torch.
     tensors = {name: _tensor(buf, dtype, shape) for name, (buf, dtype, shape) in checked.items()}
-    return Message(type=mtype, sender=sender, micro_batch=tuple(mb) if mb else None, version=version,
+    return Message(type=mtype, sender=sender, micro_batch=(mb[0], mb[1]) if mb else None, version=version,
                    sent_at=float(sent_at), meta=meta, tensors=tensors)

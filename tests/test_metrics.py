@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
 from ravq.demo import free_ports
-from ravq.metrics import Metrics
+from ravq.metrics import _LATENCY_BUCKETS, HopCounter, HopHistogram, Metrics
 
 
 def _get(url: str) -> str:
@@ -31,6 +36,34 @@ def test_node_metrics_are_served_over_http() -> None:
     assert "ravq_samples_total 48.0" in text
     assert 'ravq_bytes_sent_total{peer="n1",socket="pipeline",type="fwd"} 1024.0' in text
     assert 'ravq_staleness_bucket{le="2.0"} 1.0' in text
+
+
+@pytest.mark.parametrize("generate", [generate_latest, generate_openmetrics])
+@pytest.mark.parametrize("touched", [False, True])
+def test_hop_metrics_expose_exactly_what_prometheus_client_would(generate: Any, touched: bool) -> None:
+    """The per-hop families count in plain numbers; what a scrape sees must not change."""
+    texts = []
+    for counter, histogram in ((Counter, Histogram), (HopCounter, HopHistogram)):
+        registry = CollectorRegistry(auto_describe=True)
+        hop = ["socket", "peer", "type"]
+        c = counter("ravq_messages_sent_total", "Messages sent", hop, registry=registry)
+        h = histogram("ravq_send_seconds", "Time", hop, buckets=_LATENCY_BUCKETS, registry=registry)
+        if touched:
+            c.labels("pipeline", "n1", "fwd").inc()
+            c.labels(socket="ring", peer="n2", type="ring_chunk").inc(1024)
+            for seconds in (0.0, 1e-4, 2e-4, 0.05, 5.0, 100.0):
+                h.labels("pipeline", "n1", "fwd").observe(seconds)
+        texts.append(re.sub(r"(_created\{[^}]*\}) \S+", r"\1 T", generate(registry).decode()))
+    assert texts[0] == texts[1]
+
+
+def test_hop_counter_labels_are_checked() -> None:
+    m = Metrics()
+    assert m.messages_sent.labels("a", "b", "c") is m.messages_sent.labels(socket="a", peer="b", type="c")
+    with pytest.raises(ValueError):
+        m.messages_sent.labels("a", "b")
+    with pytest.raises(ValueError):
+        m.bytes_received.labels(socket="a", peer="b")
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed")
