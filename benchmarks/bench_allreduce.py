@@ -7,7 +7,9 @@
 (b) The same 4 processes as 2 clusters x 2 stages: two rings of 2, each averaging half the tensor, run
     at once; their aggregate bytes/s over one ring averaging one half alone.
 
-    python benchmarks/bench_allreduce.py [--mb 100] [--repeats 5] [--piece-mb 4] [--quick] [--json]
+Every process is tuned as a node tunes itself (``ravq.tuning.tune_process``), which helps gloo alike.
+
+    python benchmarks/bench_allreduce.py [--mb 100] [--repeats 5] [--piece-mb MiB] [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from ravq.allreduce import Mailbox, average_segments, plan_segments, ring_allreduce, segments_for
+from ravq.config import TrainingConfig
 
 WORLD = 4
 
@@ -176,27 +179,11 @@ async def run_worker(rank: int, args: argparse.Namespace, ports: list[int]) -> d
     return report
 
 
-def tune_process() -> None:
-    """Process settings a node should use too (they help gloo's side of this benchmark alike).
-
-    glibc returns every freed block above 128 KiB-32 MiB to the kernel (mmap/munmap, heap trimming), so
-    each 4 MiB ZeroMQ receive buffer and torch temporary is fresh memory: ~1000 page faults and a
-    kernel page-clear per piece.  Keeping such blocks in the heap removes that.  ``gc.freeze`` moves
-    the objects made by importing torch out of the collector's way, so full collections stay cheap.
-    """
-    import ctypes
-    import gc
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD: serve blocks below 256 MiB from the heap
-    libc.mallopt(-1, 1 << 30)    # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
-    gc.freeze()
-
-
 def worker(rank: int, args: argparse.Namespace, ports: list[int], results: Any) -> None:
     import torch.distributed as dist
 
     from ravq.transport import install_uvloop
+    from ravq.tuning import tune_process
 
     torch.set_num_threads(1)
     if not args.no_tuning:
@@ -254,11 +241,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=100.0, help="tensor size in MB (1e6 bytes), float32")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--piece-mb", type=float, default=4.0, help="ring piece size in MiB")
+    node_piece_mb = TrainingConfig.model_fields["ring_chunk_bytes"].default / (1 << 20)
+    parser.add_argument("--piece-mb", type=float, default=node_piece_mb,
+                        help="ring piece size in MiB (default: a node's, training.ring_chunk_bytes)")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (4 MB, 2 repeats)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--no-tuning", action="store_true",
-                        help="keep glibc's malloc defaults and Python's gc as they are (see tune_process)")
+                        help="keep glibc's malloc defaults and Python's gc as they are (ravq.tuning)")
     args = parser.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads only steal the 2 cores
     if args.quick:

@@ -96,7 +96,9 @@ def chunk_bounds(numel: int, parts: int) -> list[int]:
 
 
 def _pieces(lo: int, hi: int, piece_numel: int) -> list[tuple[int, int]]:
-    return [(a, min(hi, a + piece_numel)) for a in range(lo, hi, piece_numel)]
+    """[lo, hi) in near-equal pieces of at most ``piece_numel``: no short tail piece to wait on."""
+    count = -(-(hi - lo) // piece_numel)
+    return [(lo + i * (hi - lo) // count, lo + (i + 1) * (hi - lo) // count) for i in range(count)]
 
 
 def ring_bytes_sent(numel: int, element_size: int, ring_size: int, rank: int) -> int:
@@ -191,7 +193,11 @@ class Mailbox:
         return round_id < self._newest_round or round_id <= self._closed.get(ring_id, -1)
 
     def deliver(self, sender: str, meta: Mapping[str, Any], tensor: Tensor) -> None:
-        """Accept one RING_CHUNK piece (meta already validated by ``ravq.wire``)."""
+        """Accept one RING_CHUNK piece (meta already validated by ``ravq.wire``).
+
+        The round takes ``tensor`` over: it adds into it and sends it on, so it must be writable and
+        held by nobody else, as a ZeroMQ frame received without a copy is.
+        """
         ring_id, round_id, step, piece = meta["ring"], meta["round"], meta["step"], meta["piece"]
         current = self._open.get(ring_id)
         if current is not None and current.round_id == round_id:
@@ -282,20 +288,27 @@ class _RingRun:
 
     With chunk k = (rank - step) mod C sent and chunk (rank - step - 1) mod C received at every step,
     the chunk sent at step t is exactly the one received at step t-1; so piece j of step t can leave as
-    soon as piece j of step t-1 has been added, and a segment streams round the ring like a pipeline.
+    soon as piece j of step t-1 has been handled, and a segment streams round the ring like a pipeline.
 
-    A link may send without copying and return before the bytes have left.  Reduce-scatter pieces are
-    sent from ``out``: the ring's own data flow proves the successor has them before this member
-    finishes.  Nothing proves that for all-gather pieces, so those are sent from buffers nobody writes
-    to: a copy of each finished chunk piece, then the received pieces themselves.  Hence once
-    ``ring_allreduce`` returns, the caller may reuse ``flat`` and the result while sends are in flight.
+    Every pass over memory counts (on loopback the ring is bound by memory bandwidth), so a received
+    piece is worked on where it arrived and forwarded from there: reduce-scatter adds this member's
+    ``flat`` into it, and the member that completes a chunk sends the plain sum on.  Each member
+    divides by C as it writes a finished piece into ``out``, the only writes ``out`` gets: identical
+    sums divided alike give every member the same bits.  ``flat`` is only read, so ``out`` may be
+    ``flat`` itself (in place) or an uninitialised tensor, never a copy of it.
+
+    A link may send without copying and return before the bytes have left.  Only step 0 sends from
+    ``flat``, the chunk whose finished sum comes back at step C-1 (piece j after piece j arrived at the
+    successor), before anything is written there; every other piece sent is a received buffer that
+    only this member holds.  Hence once ``ring_allreduce`` returns, the caller may reuse ``flat`` and
+    the result while sends are in flight.
     """
 
-    def __init__(self, out: Tensor, members: Sequence[str], me: str, piece_bytes: int) -> None:
-        self.out, self.size, self.rank = out, len(members), list(members).index(me)
+    def __init__(self, flat: Tensor, out: Tensor, members: Sequence[str], me: str, piece_bytes: int) -> None:
+        self.flat, self.out, self.size, self.rank = flat, out, len(members), list(members).index(me)
         self.successor, self.predecessor = members[(self.rank + 1) % self.size], members[self.rank - 1]
-        bounds = chunk_bounds(out.numel(), self.size)
-        piece_numel = max(1, piece_bytes // out.element_size())
+        bounds = chunk_bounds(flat.numel(), self.size)
+        piece_numel = max(1, piece_bytes // flat.element_size())
         steps = 2 * (self.size - 1)
 
         def pieces(k: int) -> list[tuple[int, int]]:
@@ -304,8 +317,8 @@ class _RingRun:
         self.recv_plan = [pieces(self.rank - t - 1) for t in range(steps)]
         self.received = [0] * steps
         self.progress = asyncio.Event()
-        self.gathered: dict[tuple[int, int], Tensor] = {}
-        """(step, piece) -> what to send for that all-gather piece (see the class docstring)."""
+        self.forward: dict[tuple[int, int], Tensor] = {}
+        """(step, piece) -> the received buffer to send for that piece (steps 1 and later)."""
 
     async def send_loop(self, link: RingLink, meta: dict[str, int], timeout_s: float) -> None:
         for step, plan in enumerate(self.send_plan):
@@ -313,7 +326,7 @@ class _RingRun:
                 while step > 0 and self.received[step - 1] <= j:
                     self.progress.clear()
                     await self.progress.wait()
-                tensor = self.gathered.pop((step, j)) if step >= self.size - 1 else self.out[a:b]
+                tensor = self.forward.pop((step, j)) if step else self.flat[a:b]
                 try:
                     async with asyncio.timeout(timeout_s):
                         await link.send(self.successor, {**meta, "step": step, "piece": j}, tensor)
@@ -327,19 +340,16 @@ class _RingRun:
                 piece = await mailbox.take(rnd, step, j, timeout_s)
                 if piece.dtype != self.out.dtype or piece.numel() != b - a:
                     raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
-                piece, dst = piece.reshape(-1), self.out[a:b]
-                if step < last_reduce:
-                    dst.add_(piece)
-                elif step == last_reduce:  # this member now holds the full sum of this chunk
-                    self.gathered[step + 1, j] = done = torch.add(dst, piece).div_(self.size)
-                    dst.copy_(done)
-                else:
-                    dst.copy_(piece)
-                    if step < last:
-                        self.gathered[step + 1, j] = piece
-                self.received[step] = j + 1
-                self.progress.set()
-                await asyncio.sleep(0)  # forward this piece before adding the next one
+                piece = piece.reshape(-1)
+                if step <= last_reduce:
+                    piece.add_(self.flat[a:b])
+                if step < last:
+                    self.forward[step + 1, j] = piece
+                    self.received[step] = j + 1
+                    self.progress.set()
+                    await asyncio.sleep(0)  # the send loop queues it: it leaves while this member divides
+                if step >= last_reduce:  # the full sum of this piece: finished into out
+                    torch.div(piece, self.size, out=self.out[a:b])
 
 
 async def ring_allreduce(flat: Tensor, *, ring_id: int, round_id: int, members: Sequence[str], me: str,
@@ -347,8 +357,8 @@ async def ring_allreduce(flat: Tensor, *, ring_id: int, round_id: int, members: 
                          inplace: bool = False) -> Tensor:
     """The elementwise average of ``flat`` over ``members`` (every member passes its own ``flat``).
 
-    Reduce-scatter then all-gather over C chunks, each streamed in pieces of at most ``piece_bytes``.
-    The member that completes a chunk's sum divides it once, so every member ends with the same bits.
+    Reduce-scatter then all-gather over C chunks, each streamed in near-equal pieces of at most
+    ``piece_bytes``.  Every member divides the same sums by C, so every member ends with the same bits.
     A wait (receive or send) longer than ``timeout_s`` aborts the round: RingAborted here and a
     RING_ABORT to every other member, whose pending wait then raises RingAborted too.  With
     ``inplace`` the result overwrites ``flat`` (whose contents are undefined after an abort).  Once this
@@ -357,7 +367,7 @@ async def ring_allreduce(flat: Tensor, *, ring_id: int, round_id: int, members: 
     if len(members) == 1:
         return flat
     assert flat.dim() == 1 and flat.is_floating_point(), "ring_allreduce averages a flat float tensor"
-    run = _RingRun(flat if inplace else flat.clone(), members, me, piece_bytes)
+    run = _RingRun(flat, flat if inplace else torch.empty_like(flat), members, me, piece_bytes)
     rnd = mailbox.open(ring_id, round_id, members=members, me=me,
                        pieces_per_step=[len(p) for p in run.recv_plan])
     meta = {"ring": ring_id, "round": round_id}

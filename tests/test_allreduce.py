@@ -194,6 +194,37 @@ def test_caller_may_reuse_buffers_while_sends_are_in_flight() -> None:
         torch.testing.assert_close(result, expected)
 
 
+def test_only_step_zero_sends_from_flat_and_pieces_are_near_equal() -> None:
+    """Later steps forward received buffers (no copy, nothing the caller owns); a chunk's pieces differ
+    by at most one element, so no short tail piece holds up the pipeline."""
+    members = names_of(3)
+    net = MemoryNet(members)
+    flats = [torch.randn(3 * 10) for _ in members]  # chunks of 10 floats, pieces of at most 4: 3, 3, 4
+    sends: list[tuple[int, int, bool]] = []
+    link = net.link("m0")
+    send = link.send
+
+    async def recorded_send(peer: str, meta: dict[str, int], tensor: torch.Tensor) -> None:
+        shares = tensor.untyped_storage().data_ptr() == flats[0].untyped_storage().data_ptr()
+        sends.append((meta["step"], tensor.numel(), shares))
+        await send(peer, meta, tensor)
+
+    link.send = recorded_send  # type: ignore[method-assign]
+
+    async def main() -> list[torch.Tensor]:
+        return await asyncio.gather(*[
+            ring_allreduce(flats[i], ring_id=0, round_id=0, members=members, me=m,
+                           link=link if m == "m0" else net.link(m), mailbox=net.boxes[m], piece_bytes=16,
+                           timeout_s=5.0, inplace=m == "m0")
+            for i, m in enumerate(members)])
+
+    expected = sum(f.clone() for f in flats) / 3
+    results = asyncio.run(main())
+    torch.testing.assert_close(results[0], expected)
+    assert [n for _, n, _ in sends] == [3, 3, 4] * 4
+    assert [shares for _, _, shares in sends] == [step == 0 for step, _, _ in sends]
+
+
 def test_bad_piece_aborts() -> None:
     members = names_of(2)
     net = MemoryNet(members)
