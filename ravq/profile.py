@@ -7,7 +7,14 @@ pipeline port while it probes each peer of the topology in turn, so running it o
 the same time measures every link.  A link's bandwidth is the rate at which the
 peer acknowledges a stream of 1 MiB PROBE messages (first to last acknowledgement, so latency and TCP
 start-up drop out), sized to last ``stream_s`` and the median of several repeats; latency is half the
-median round trip of small probes.  The result is ``profile-NAME.json``; ``load_profiles`` reads them
+median round trip of small probes.
+
+Streams that run at once disturb each other even on different links: a node whose uplink is full of
+its own stream delays and drops the TCP acknowledgements of the stream it receives, which then runs
+well below its link's rate (on 100 Mbit/s shaped links, 57 Mbit/s was measured that way).  So every
+node takes part in at most one measurement at a time, as sender or receiver (``LinkGate``): a prober
+holds its own gate, then asks the peer to hold its gate for it (``reserve``); a busy peer declines
+at once and the prober retries after a random pause, so nobody waits while holding a peer.  The result is ``profile-NAME.json``; ``load_profiles`` reads them
 back as planner ``NodeProfile``s with the topology's overrides applied.
 """
 
@@ -17,6 +24,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -56,6 +65,8 @@ class ProbeConfig:
     reply_timeout_s: float = 30.0
     """Longest wait for one acknowledgement once the peer has answered."""
     max_stream_bytes: int = 256 << 20
+    reserve_timeout_s: float = 600.0
+    """Longest wait for a link to be free at both ends; then it is measured anyway, with a warning."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -145,11 +156,63 @@ def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo") -> 
 # ------------------------------------------------------------------ links
 
 
+class LinkGate:
+    """This node's part in at most one measurement at a time, as the sender or as the receiver.
+
+    Held by the local prober (``hold``) or granted to a peer at once or not at all (``try_hold``); a
+    peer's hold lapses ``lease_s`` after its last message, so a prober that died frees it.
+    """
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._holder: str | None = None
+        self._expires = 0.0
+        self._freed = asyncio.Event()
+
+    @property
+    def holder(self) -> str | None:
+        if self._holder is not None and time.monotonic() >= self._expires:
+            log.warning("profile: %s went silent while measuring; its reservation lapsed", self._holder)
+            self._holder = None
+        return self._holder
+
+    def try_hold(self, holder: str, lease_s: float | None = None) -> bool:
+        if self.holder not in (None, holder):
+            return False
+        self._holder, self._expires = holder, time.monotonic() + (self.lease_s if lease_s is None else lease_s)
+        return True
+
+    def renew(self, holder: str) -> None:
+        if self._holder == holder:
+            self._expires = time.monotonic() + self.lease_s
+
+    def release(self, holder: str) -> None:
+        if self._holder == holder:
+            self._holder = None
+            self._freed.set()
+
+    async def hold(self, holder: str, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the gate to be free and take it."""
+        deadline = time.monotonic() + timeout_s
+        while not self.try_hold(holder, math.inf):  # held until released: this process is alive
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._freed.clear()
+            try:  # a lapsed lease frees the gate without a release: look again now and then
+                await asyncio.wait_for(self._freed.wait(), min(remaining, 0.5))
+            except TimeoutError:
+                pass
+        return True
+
+
 async def serve_probes(ctx: zmq.asyncio.Context, bind_addr: str, name: str, *, stop: asyncio.Event,
                        finished: set[str] | None = None, metrics: Metrics | None = None,
-                       options: SocketOptions = _OPTIONS, limits: DecodeLimits = _LIMITS) -> None:
+                       options: SocketOptions = _OPTIONS, limits: DecodeLimits = _LIMITS,
+                       gate: LinkGate | None = None) -> None:
     """Acknowledge every PROBE on a ROUTER bound at ``bind_addr`` until ``stop`` is set; the names of
-    peers that say they are done with us are added to ``finished``."""
+    peers that say they are done with us are added to ``finished``.  A ``reserve`` is granted when
+    ``gate`` (always, without one) lets the peer hold this node, and a ``release`` ends that."""
     inbox = Inbox.bind(ctx, bind_addr, "probe", metrics or Metrics(name), limits, options)
     try:
         while not stop.is_set():
@@ -158,10 +221,18 @@ async def serve_probes(ctx: zmq.asyncio.Context, bind_addr: str, name: str, *, s
             identity, msg = await inbox.recv()
             if msg.type is not MsgType.PROBE:
                 continue
-            if msg.meta.get("kind") == "done" and finished is not None:
+            kind, holder = msg.meta.get("kind"), f"from {msg.sender}"
+            meta: dict[str, Any] = {"ack": msg.meta.get("seq")}
+            if kind == "done" and finished is not None:
                 finished.add(msg.sender)
-            await inbox.reply(identity, Message(type=MsgType.PROBE, sender=name, meta={"ack": msg.meta.get("seq")}),
-                              peer=msg.sender)
+            if gate is not None:
+                if kind == "reserve":
+                    meta["granted"] = gate.try_hold(holder)
+                elif kind in ("release", "done"):
+                    gate.release(holder)
+                else:
+                    gate.renew(holder)
+            await inbox.reply(identity, Message(type=MsgType.PROBE, sender=name, meta=meta), peer=msg.sender)
     finally:
         inbox.close()
 
@@ -188,10 +259,34 @@ class ProbeClient:
         return self._seq
 
     async def _ack(self, seqs: set[int], timeout_s: float) -> int:
+        return int((await self._reply(seqs, timeout_s)).meta["ack"])
+
+    async def _reply(self, seqs: set[int], timeout_s: float) -> Message:
         while True:
             reply = await self.link.recv(timeout_s)
             if reply.meta.get("ack") in seqs:
-                return int(reply.meta["ack"])
+                return reply
+
+    async def reserve(self, gate: LinkGate) -> bool:
+        """Hold this node's gate and the peer's; False if that took longer than ``reserve_timeout_s``.
+        A peer that does not know reservations (no ``granted`` in its answer) counts as granting."""
+        deadline = time.monotonic() + self.config.reserve_timeout_s
+        mine = f"to {self.peer}"
+        while await gate.hold(mine, deadline - time.monotonic()):
+            try:
+                reply = await self._reply({await self._send("reserve")}, self.config.reply_timeout_s)
+            except BaseException:
+                gate.release(mine)
+                raise
+            if reply.meta.get("granted", True):
+                return True
+            gate.release(mine)
+            await asyncio.sleep(random.uniform(0.02, 0.2))  # both sides back off differently
+        return False
+
+    async def release(self, gate: LinkGate) -> None:
+        gate.release(f"to {self.peer}")
+        await self._send("release")  # acknowledged like any probe; the answer is not waited for
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Whether the peer answers within ``timeout_s`` (it may not have started yet)."""
@@ -240,9 +335,10 @@ class ProbeClient:
 
 async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: dict[str, str], *, wait_s: float,
                         config: ProbeConfig, metrics: Metrics | None = None,
-                        options: SocketOptions = _OPTIONS) -> dict[str, Link]:
+                        options: SocketOptions = _OPTIONS, gate: LinkGate | None = None) -> dict[str, Link]:
     """Measure the link to each peer (name -> probe address) in turn; a peer silent for ``wait_s`` is
-    skipped with a warning."""
+    skipped with a warning.  With ``gate`` (the one ``serve_probes`` uses) each measurement waits
+    until neither end takes part in another."""
     links: dict[str, Link] = {}
     deadline = time.monotonic() + wait_s
     for peer, addr in sorted(peers.items()):
@@ -251,7 +347,15 @@ async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: dict[str, st
             if not await client.wait_ready(max(0.0, deadline - time.monotonic())):
                 log.warning("profile: %s did not answer probes within %.0f s; link not measured", peer, wait_s)
                 continue
-            links[peer] = await client.measure()
+            reserved = gate is None or await client.reserve(gate)
+            if not reserved:
+                log.warning("profile: %s -> %s stayed busy for %.0f s; measuring it while other streams run",
+                            name, peer, config.reserve_timeout_s)
+            try:
+                links[peer] = await client.measure()
+            finally:
+                if gate is not None and reserved:
+                    await client.release(gate)
             await client.done()
             log.info("profile: link %s -> %s: %.3g MB/s, %.3g ms", name, peer,
                      links[peer].bandwidth_bytes_per_s / 1e6, links[peer].latency_s * 1e3)
@@ -271,14 +375,16 @@ async def profile_links(topology: Topology, name: str, *, wait_s: float, config:
     options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0)
     ctx = zmq.asyncio.Context()
     stop, finished = asyncio.Event(), set[str]()
+    gate = LinkGate(lease_s=config.reply_timeout_s)
     try:
         async with asyncio.TaskGroup() as group:
             zap = group.create_task(options.curve.serve_zap()) if options.curve else None
             group.create_task(serve_probes(ctx, endpoint(me.bind_host or me.host, me.pipeline_port), name,
-                                           stop=stop, finished=finished, metrics=metrics, options=options))
+                                           stop=stop, finished=finished, metrics=metrics, options=options,
+                                           gate=gate))
             try:
                 links = await measure_links(ctx, name, peers, wait_s=wait_s, config=config, metrics=metrics,
-                                            options=options)
+                                            options=options, gate=gate)
                 deadline = time.monotonic() + wait_s
                 while set(peers) - finished and time.monotonic() < deadline:
                     await asyncio.sleep(0.1)

@@ -19,6 +19,7 @@ from ravq.blocks import profile_blocks
 from ravq.config import ConfigError, load_plan, load_topology
 from ravq.profile import (
     Link,
+    LinkGate,
     Measurement,
     ProbeClient,
     ProbeConfig,
@@ -109,6 +110,73 @@ def test_silent_peer_is_skipped_after_the_wait() -> None:
             ctx.destroy(linger=0)
 
     assert asyncio.run(asyncio.wait_for(run(), 10)) == {}
+
+
+def test_link_gate_holds_one_measurement_at_a_time() -> None:
+    async def run() -> None:
+        gate = LinkGate(lease_s=0.2)
+        assert gate.try_hold("from b") and gate.try_hold("from b")   # the holder may renew
+        assert not gate.try_hold("from c") and gate.holder == "from b"
+        assert not await gate.hold("to c", 0.05)                      # still held by b
+        waiter = asyncio.create_task(gate.hold("to c", 5.0))
+        await asyncio.sleep(0.02)
+        gate.release("from c")                                        # not the holder: no effect
+        assert gate.holder == "from b" and not waiter.done()
+        gate.release("from b")
+        assert await asyncio.wait_for(waiter, 1.0) and gate.holder == "to c"
+        await asyncio.sleep(0.3)
+        assert gate.holder == "to c"                                  # a local hold never lapses
+        gate.release("to c")
+        assert gate.try_hold("from d")
+        await asyncio.sleep(0.3)                                      # d went silent: its lease lapsed
+        assert gate.holder is None and gate.try_hold("from e")
+
+    asyncio.run(run())
+
+
+def test_concurrent_profiles_never_put_a_node_in_two_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three nodes measure each other at once, as ``ravq profile`` on three PCs does: every link is
+    measured, and no node ever sends or receives two measurement streams at the same time."""
+    names = ["a", "b", "c"]
+    intervals: list[tuple[float, float, str, str]] = []
+    measure = ProbeClient.measure
+
+    async def recorded(self: ProbeClient) -> Link:
+        start = asyncio.get_running_loop().time()
+        try:
+            return await measure(self)
+        finally:
+            intervals.append((start, asyncio.get_running_loop().time(), self.name, self.peer))
+
+    monkeypatch.setattr(ProbeClient, "measure", recorded)
+    config = ProbeConfig(stream_s=0.05, repeats=2, pings=2)
+
+    async def run() -> dict[str, dict[str, Link]]:
+        ctx = zmq.asyncio.Context()
+        addrs = {n: f"tcp://127.0.0.1:{free_port()}" for n in names}
+        gates = {n: LinkGate(lease_s=5.0) for n in names}
+        stop = asyncio.Event()
+        try:
+            async with asyncio.TaskGroup() as group:
+                for n in names:
+                    group.create_task(serve_probes(ctx, addrs[n], n, stop=stop, gate=gates[n]))
+                try:
+                    found = await asyncio.gather(*[
+                        measure_links(ctx, n, {p: a for p, a in addrs.items() if p != n}, wait_s=10, config=config,
+                                      gate=gates[n]) for n in names])
+                finally:
+                    stop.set()
+        finally:
+            ctx.destroy(linger=0)
+        return dict(zip(names, found, strict=True))
+
+    links = asyncio.run(asyncio.wait_for(run(), 60))
+    assert {n: set(found) for n, found in links.items()} == {n: set(names) - {n} for n in names}
+    assert len(intervals) == 6
+    for i, (s1, e1, a1, b1) in enumerate(intervals):
+        for s2, e2, a2, b2 in intervals[i + 1:]:
+            if {a1, b1} & {a2, b2}:
+                assert e1 <= s2 or e2 <= s1, f"{a1}->{b1} overlapped {a2}->{b2}"
 
 
 # --- profile files and overrides
