@@ -23,10 +23,9 @@ custom op ``ravqbench::device_time`` is an opaque node to ``torch.export``, so r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-
-import time
 
 import torch
 import torch.nn.functional as F

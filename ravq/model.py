@@ -124,7 +124,7 @@ def _whole_model_stage(model: nn.Module, example_args: tuple[Any, ...]) -> Stage
 def _check_names(model: nn.Module, specs: list[StageSpec]) -> None:
     """Every parameter and buffer of the model must land in exactly one stage under its own name."""
     want = set(model.state_dict().keys())
-    got: list[str] = [k for s in specs for k in s.module.state_dict().keys()]
+    got: list[str] = [k for s in specs for k in s.module.state_dict()]
     if len(got) != len(set(got)) or set(got) != want:
         shared = {k for k in got if got.count(k) > 1}
         raise ValueError("splitting changed parameter names or shares parameters across stages "

@@ -42,7 +42,7 @@ class Swarm:
                                            {**base, **(env or {}).get(name, {})})
 
     def _spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "wb")
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 (the child holds it)
         return subprocess.Popen([sys.executable, "-m", "ravq", *argv], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from typing import Any
 
 from tests import models_for_tests as skipnet
 from tests import sgd_task
@@ -39,7 +38,7 @@ def test_uneven_clusters_sync_equal_one_process_on_both_shards(tmp_path: Path, t
     for cluster in (0, 1):
         out = tmp_path / f"c{cluster}.safetensors"
         proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",
-                               str(out), "--cluster", str(cluster)], cwd=ROOT, capture_output=True, text=True)
+                               str(out), "--cluster", str(cluster)], cwd=ROOT, capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stderr
         got = load_file(str(out))
         for name, value in want.items():

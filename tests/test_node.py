@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def ravq(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ravq", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 def run_demo(tmp_path: Path, *args: str, timeout: float = 240) -> dict:
