@@ -216,7 +216,7 @@ async def serve_probes(ctx: zmq.asyncio.Context, bind_addr: str, name: str, *, s
     inbox = Inbox.bind(ctx, bind_addr, "probe", metrics or Metrics(name), limits, options)
     try:
         while not stop.is_set():
-            if not await inbox.sock.poll(100):
+            if not await inbox.readable(0.1):
                 continue
             identity, msg = await inbox.recv()
             if msg.type is not MsgType.PROBE:

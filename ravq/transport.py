@@ -87,31 +87,75 @@ class _HopMetrics:
 
 
 class _Io:
-    """A ``zmq.asyncio`` socket driven through its synchronous shadow while that does not block.
+    """A ``zmq.asyncio`` socket driven through its synchronous shadow, waiting on ZeroMQ's fd itself.
 
     Every zmq.asyncio call makes a Future, and one that cannot finish at once registers with the loop
-    and polls the socket's events: ~20 us per message, a third of a 64 KiB message's time on loopback.
-    A NOBLOCK call on a shadow of the same socket does the work without either; only when it would
-    block (``zmq.Again``) does this await the asyncio socket.  Parts are received one at a time with
+    and reads the socket's EVENTS several times: ~20 us per wait, a third of a 64 KiB message's time on
+    loopback.  Here a NOBLOCK call on a shadow of the same socket does the work, and only when it
+    would block (``zmq.Again``) does a task wait: on a reader this object adds to the loop for ZeroMQ's
+    fd while anyone waits, which reads EVENTS once per wake-up.  Parts are received one at a time with
     ``Frame.more``: ``recv_multipart`` asks for RCVMORE with a getsockopt per part, which costs more.
 
-    ZeroMQ's file descriptor is edge-triggered and any call on the socket may consume its edge, so a
-    direct call made while an asyncio wait is pending on the same socket (a reply sent while a receive
-    waits) asks for EVENTS afterwards: pyzmq then re-checks and wakes that wait if it can proceed.
+    ZeroMQ's fd signals that the socket's state may have changed, and reading EVENTS consumes that
+    signal; so every direct call made while some task waits (a reply sent while a receive waits) is
+    followed by a look at EVENTS on the waiters' behalf.  Nothing else may await the asyncio socket
+    (its reader would replace this one); ``close`` wakes every waiter, whose call then raises.
     """
 
-    __slots__ = ("_recv_waited", "_recv_waits", "_send_waits", "_shadow", "sock")
+    __slots__ = ("_fd", "_loop", "_recv_waited", "_send_lock", "_send_waits", "_shadow", "_waiters", "sock")
 
     def __init__(self, sock: zmq.asyncio.Socket) -> None:
         self.sock = sock
         self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._shadow.copy_threshold = sock.copy_threshold  # set by _configure
-        self._recv_waits = self._send_waits = 0  # asyncio waits in progress on ``sock``
+        self._fd = cast(int, self._shadow.get(zmq.FD))
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        """(POLLIN or POLLOUT, future) of every task waiting on this socket."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop the reader is added to while ``_waiters`` is not empty."""
+        self._send_lock = asyncio.Lock()  # sends that had to wait go in order
+        self._send_waits = 0
         self._recv_waited = False  # whether the last recv() found nothing queued
 
     def _check_open(self) -> None:
         if self.sock.closed:  # the shadow does not know when its owner is closed
             raise zmq.ZMQError(zmq.ENOTSOCK)
+
+    def _on_fd(self) -> None:
+        """Wake every waiter whose event the socket now has (all of them once it is closed)."""
+        events = (zmq.POLLIN | zmq.POLLOUT) if self.sock.closed else cast(int, self._shadow.get(zmq.EVENTS))
+        for want, future in self._waiters:
+            if events & want and not future.done():
+                future.set_result(None)
+
+    async def _wait(self, want: int) -> None:
+        """Until the socket may have ``want`` (callers retry their NOBLOCK call, and wait again)."""
+        self._check_open()
+        if not self._waiters:
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self._fd, self._on_fd)
+        future = cast(asyncio.AbstractEventLoop, self._loop).create_future()
+        entry = (want, future)
+        self._waiters.append(entry)
+        try:
+            self._on_fd()  # the signal may have been consumed before the reader was added
+            await future
+        finally:
+            self._waiters.remove(entry)
+            if not self._waiters:
+                self._drop_reader()
+
+    def _drop_reader(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(self._fd)
+            except (OSError, ValueError):  # the fd went with a socket its context destroyed
+                pass
+        self._loop = None
+
+    def _after_direct_call(self) -> None:
+        if self._waiters:
+            self._on_fd()
 
     def recv_now(self) -> list[Any]:
         """The next multipart message, without copies; raises zmq.Again if none is queued."""
@@ -121,35 +165,36 @@ class _Io:
         while frame.more:  # a multipart message is delivered whole: the rest is already here
             frame = self._shadow.recv(zmq.NOBLOCK, copy=False)
             frames.append(frame)
-        if self._send_waits:
-            self.sock.get(zmq.EVENTS)
+        self._after_direct_call()
         return frames
 
     async def recv(self) -> list[Any]:
-        # A refused NOBLOCK call costs ~7 us (pyzmq raises zmq.Again), asking for EVENTS ~2 us: when
-        # the last message had to be waited for, the next one probably has to be too, so ask first.
-        if not self._recv_waited or cast(int, self._shadow.get(zmq.EVENTS)) & zmq.POLLIN:
-            try:
-                frames = self.recv_now()
-            except zmq.Again:
-                pass
-            else:
-                self._recv_waited = False
-                return frames
-        self._recv_waited = True
-        self._recv_waits += 1
-        try:
-            return await self.sock.recv_multipart(copy=False)
-        finally:
-            self._recv_waits -= 1
+        while True:
+            # A refused NOBLOCK call costs ~7 us (pyzmq raises zmq.Again), asking for EVENTS ~2 us: when
+            # the last message had to be waited for, the next one probably has to be too, so ask first.
+            if not self._recv_waited or cast(int, self._shadow.get(zmq.EVENTS)) & zmq.POLLIN:
+                try:
+                    frames = self.recv_now()
+                except zmq.Again:
+                    pass
+                else:
+                    self._recv_waited = False
+                    return frames
+            self._recv_waited = True
+            await self._wait(zmq.POLLIN)
+            self._recv_waited = False
 
     async def readable(self, timeout_s: float) -> bool:
         """Wait until a message is queued or ``timeout_s`` has passed; whether one is."""
-        self._recv_waits += 1
+        self._check_open()
         try:
-            return bool(await self.sock.poll(timeout_s * 1000))
-        finally:
-            self._recv_waits -= 1
+            async with asyncio.timeout(timeout_s):
+                while not cast(int, self._shadow.get(zmq.EVENTS)) & zmq.POLLIN:
+                    await self._wait(zmq.POLLIN)
+                    self._check_open()
+        except TimeoutError:
+            return False
+        return True
 
     def _send_now(self, frames: list[Any]) -> bool:
         """Queue ``frames`` as one message if the socket takes it at once; whether it did."""
@@ -163,20 +208,29 @@ class _Io:
             shadow.send(frames[i], zmq.NOBLOCK | zmq.SNDMORE, copy=False)
         if last:
             shadow.send(frames[last], zmq.NOBLOCK, copy=False)
-        if self._recv_waits:
-            self.sock.get(zmq.EVENTS)
+        self._after_direct_call()
         return True
 
     async def send(self, frames: list[Any]) -> None:
-        """Queue ``frames`` as one message; buffers of 64 KiB or more are sent without a copy."""
+        """Queue ``frames`` as one message; buffers of ``copy_threshold_bytes`` or more without a copy."""
         # Behind a send that is already waiting, going direct would reorder messages.
         if self._send_waits == 0 and self._send_now(frames):
             return
         self._send_waits += 1
         try:
-            await self.sock.send_multipart(frames, copy=False)
+            async with self._send_lock:
+                while not self._send_now(frames):
+                    await self._wait(zmq.POLLOUT)
         finally:
             self._send_waits -= 1
+
+    def close(self, linger: int | None = None) -> None:
+        """Close the socket; every task waiting on it wakes and its call raises ZMQError(ENOTSOCK)."""
+        self._drop_reader()
+        self.sock.close(linger)
+        for _, future in self._waiters:
+            if not future.done():
+                future.set_result(None)
 
 
 def _configure(sock: zmq.asyncio.Socket, opts: SocketOptions) -> None:
@@ -229,6 +283,10 @@ class Inbox:
             self._hops.received(msg.sender, msg, frames[1:], latency=True)
             return identity, msg
 
+    async def readable(self, timeout_s: float) -> bool:
+        """Whether a message (perhaps a malformed one) arrives within ``timeout_s``."""
+        return await self._io.readable(timeout_s)
+
     async def reply(self, identity: bytes, msg: Message, peer: str = "") -> None:
         frames = encode(msg)
         t0 = time.perf_counter()
@@ -236,7 +294,7 @@ class Inbox:
         self._hops.sent(peer or identity.decode(errors="replace"), msg, frames, t0)
 
     def close(self) -> None:
-        self.sock.close()
+        self._io.close()
 
 
 def _user_id(frame: Any) -> str | None:
@@ -294,7 +352,7 @@ class Outlink:
             return msg
 
     def close(self) -> None:
-        self.sock.close()
+        self._io.close()
 
 
 class Publisher:
@@ -321,7 +379,7 @@ class Publisher:
         self._hops.sent("*", msg, frames, t0)
 
     def close(self) -> None:
-        self.sock.close()
+        self._io.close()
 
 
 class Subscriber:
@@ -355,7 +413,7 @@ class Subscriber:
             return msg
 
     def close(self) -> None:
-        self.sock.close()
+        self._io.close()
 
 
 async def request(ctx: zmq.asyncio.Context, addr: str, msg: Message, timeout_s: float, metrics: Metrics,
