@@ -183,7 +183,7 @@ def test_small_and_large_frames_arrive_intact_copied_or_not(zmq_ctx: zmq.asyncio
 
 def test_a_reply_sent_while_a_receive_waits_does_not_swallow_its_wake_up(zmq_ctx: zmq.asyncio.Context) -> None:
     """A direct (NOBLOCK) send on a ROUTER may consume the edge of ZeroMQ's file descriptor that a
-    receive waiting on the same socket through zmq.asyncio needs; the transport re-arms that wait.
+    receive waiting on the same socket needs; the transport looks at EVENTS for that wait.
     (The race is timing-dependent: this exercises the path many times rather than forcing it.)"""
 
     async def scenario() -> list[int]:
@@ -196,7 +196,7 @@ def test_a_reply_sent_while_a_receive_waits_does_not_swallow_its_wake_up(zmq_ctx
             identity, _ = await inbox.recv()
             for seq in range(1, 30):
                 receiving = asyncio.ensure_future(inbox.recv())
-                await asyncio.sleep(0.001)  # the receive is now waiting in zmq.asyncio
+                await asyncio.sleep(0.001)  # the receive is now waiting on the socket's fd
                 await inbox.reply(identity, Message(type=MsgType.REPLY, sender="stage-1"), peer="stage-0")
                 await link.send(forward(seq))
                 got.append((await asyncio.wait_for(receiving, 5))[1].micro_batch[1])
@@ -207,6 +207,27 @@ def test_a_reply_sent_while_a_receive_waits_does_not_swallow_its_wake_up(zmq_ctx
             inbox.close()
 
     assert run(scenario()) == list(range(1, 30))
+
+
+def test_readable_times_out_and_close_wakes_a_waiting_receive(zmq_ctx: zmq.asyncio.Context) -> None:
+    """A wait never outlives its socket: closing the inbox makes a pending receive raise at once, and
+    the loop keeps no reader for the closed socket."""
+
+    async def scenario() -> tuple[bool, float, bool]:
+        inbox = Inbox.bind(zmq_ctx, ANY_PORT, "pipeline", Metrics(), LIMITS, OPTS)
+        t0 = time.monotonic()
+        quiet = await inbox.readable(0.05)
+        waited = time.monotonic() - t0
+        receiving = asyncio.ensure_future(inbox.recv())
+        await asyncio.sleep(0.01)
+        inbox.close()
+        with pytest.raises(zmq.ZMQError):
+            await asyncio.wait_for(receiving, 2)
+        return quiet, waited, inbox._io._loop is None
+
+    quiet, waited, no_reader = run(scenario())
+    assert not quiet and 0.04 <= waited < 1.0
+    assert no_reader
 
 
 def test_senders_blocked_by_the_high_water_mark_keep_their_order(zmq_ctx: zmq.asyncio.Context) -> None:
