@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,6 +81,18 @@ def optimizer_state_keys(task: Any) -> list[str]:
                   if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == probe.shape)
 
 
+@dataclass(eq=False, slots=True)
+class _Pending:
+    """A round snapshotted and not applied yet, with what rounds applied since did to this segment."""
+
+    round_id: int
+    applied: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
+    """Segment names -> the sum of the deltas applied to this node's live weights since the snapshot."""
+    shift: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
+    """Segment names -> the mean of those deltas over the clusters: the sum of (common point - average)
+    of the rounds applied since; nonzero only with outer_lr != 1, and the same on every cluster."""
+
+
 class Averager:
     def __init__(self, *, ctx: zmq.asyncio.Context, topology: Topology, plan: Callable[[], Plan], me: str,
                  cluster: int,
@@ -93,6 +106,8 @@ class Averager:
         self.with_state = t.average_optimizer_state
         self.outer_lr = t.outer_lr
         self.anchors: dict[tuple[str, ...], torch.Tensor] = {}
+        self._pending: list[_Pending] = []
+        """Overlapped rounds snapshotted and not applied yet, oldest first (compute thread only)."""
         self.initial = {n: v.detach().to("cpu").clone() for n, v in {**worker.params, **worker.buffers}.items()}
         names = allreduce.averaged_names(model)
         state = model.state_dict()
@@ -157,15 +172,29 @@ class Averager:
                 return
             self._apply(named, segments, snapshots, result)
             return
+        pending = _Pending(round_id)
+        self._pending.append(pending)
         done.add_done_callback(lambda f: worker.submit(
-            lambda w: self._apply(self.tensors(), segments, snapshots, f.result())))
+            lambda w: self._apply(self.tensors(), segments, snapshots, f.result(), pending)))
 
     def _apply(self, named: dict[str, torch.Tensor], segments: list[Segment], snapshots: dict[int, torch.Tensor],
-               result: RoundResult) -> None:
+               result: RoundResult, pending: _Pending | None = None) -> None:
         """Move each finished segment to the new common point, keeping progress made since the snapshot.
 
         With outer_lr a != 1 the common point is anchor + a * (average - anchor), where the anchor is
-        the previous common point (at first the initial weights every cluster started from)."""
+        the previous common point (at first the initial weights every cluster started from).
+
+        Rounds overlap training, so a round's snapshot may predate the deltas of earlier rounds applied
+        while it ran.  Those deltas are already in the live weights, so they are added to this round's
+        snapshot (``_Pending.applied``) and their mean over the clusters to its average
+        (``_Pending.shift``, zero unless outer_lr != 1): the round then does what it would have done had
+        the earlier ones been applied at once.  Without this every round pulls the clusters together
+        again by the same distance and, with frequent rounds, swaps them past each other instead of
+        averaging them; with outer_lr > 1 it would also undo the earlier rounds' extrapolation."""
+        if pending is not None:
+            self._pending.remove(pending)
+            self._correct(pending, segments, snapshots, result)
+        shifts: dict[int, torch.Tensor] = {}
         if self.outer_lr != 1.0:
             for seg in segments:
                 average = result.averaged.get(seg.ring_id)
@@ -175,10 +204,31 @@ class Averager:
                 if anchor is None and all(n in self.initial for n in seg.names):
                     anchor = allreduce.flatten([self.initial[n] for n in seg.names])
                 if anchor is not None:
-                    average = anchor + self.outer_lr * (average - anchor)
-                    result.averaged[seg.ring_id] = average
+                    point = anchor + self.outer_lr * (average - anchor)
+                    shifts[seg.ring_id] = point - average
+                    result.averaged[seg.ring_id] = average = point
                 self.anchors[seg.names] = average.clone()
         allreduce.apply_round(named, segments, snapshots, result)
+        for seg in segments:
+            if seg.ring_id not in result.averaged:
+                continue
+            delta = result.averaged[seg.ring_id] - snapshots[seg.ring_id]
+            for later in self._pending:  # rounds whose snapshots do not hold this delta yet
+                _accumulate(later.applied, seg.names, delta)
+                if seg.ring_id in shifts:
+                    _accumulate(later.shift, seg.names, shifts[seg.ring_id])
+
+    @staticmethod
+    def _correct(pending: _Pending, segments: list[Segment], snapshots: dict[int, torch.Tensor],
+                 result: RoundResult) -> None:
+        """Bring a round's snapshot and average up to the rounds applied since it was taken."""
+        for seg in segments:
+            if seg.ring_id not in result.averaged:
+                continue
+            if (applied := pending.applied.get(seg.names)) is not None:
+                snapshots[seg.ring_id] = snapshots[seg.ring_id] + applied
+            if (shift := pending.shift.get(seg.names)) is not None:
+                result.averaged[seg.ring_id] = result.averaged[seg.ring_id] + shift
 
     # ------------------------------------------------------------ event loop
     async def serve(self) -> None:
@@ -240,3 +290,8 @@ class Averager:
         for link in self.outlinks.values():
             link.close()
         self.inbox.close()
+
+
+def _accumulate(sums: dict[tuple[str, ...], torch.Tensor], key: tuple[str, ...], value: torch.Tensor) -> None:
+    held = sums.get(key)
+    sums[key] = value.clone() if held is None else held + value

@@ -1,0 +1,123 @@
+"""Applying overlapped averaging rounds (``Averager._apply``) without sockets.
+
+Two clusters, one segment, a round every step, each round applied ``depth`` steps after its snapshot
+(while later rounds are already snapshotted): the way ``overlap_averaging`` runs when rings are slower
+than a step.  Each cluster's weights change by a fixed local progress per step, so the intended result
+has a closed form: after round r is applied, cluster c holds the common point P_r plus its progress
+since round r's snapshot, where P_r = P_{r-1} + outer_lr * (mean progress of step r) (each round moves
+the common point by outer_lr times the clusters' mean step from it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ravq.allreduce import RoundResult, Segment
+from ravq.averaging import Averager, _Pending
+
+CLUSTERS, NUMEL, STEPS = 2, 5, 12
+SEGMENT = Segment(ring_id=0, names=("w",), numel=NUMEL, ring=("c0", "c1"))
+
+
+def _averager(outer_lr: float, initial: torch.Tensor) -> Averager:
+    """An Averager with only what ``_apply`` uses (no sockets, plan or worker)."""
+    avg = Averager.__new__(Averager)
+    avg.outer_lr, avg.anchors, avg._pending, avg.initial = outer_lr, {}, [], {"w": initial.clone()}
+    return avg
+
+
+def _run(outer_lr: float, depth: int, correct: bool) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Returns the progress per step and cluster, and each cluster's weights after each applied round."""
+    gen = torch.Generator().manual_seed(0)
+    initial = torch.randn(NUMEL, generator=gen)
+    progress = [torch.randn(CLUSTERS, NUMEL, generator=gen) for _ in range(STEPS)]
+    weights = [initial.clone() for _ in range(CLUSTERS)]
+    averagers = [_averager(outer_lr, initial) for _ in range(CLUSTERS)]
+    queued: list[tuple[list[torch.Tensor], list[_Pending | None]]] = []
+    after_round: list[list[torch.Tensor]] = []
+
+    def apply_oldest() -> None:
+        snapshots, pendings = queued.pop(0)
+        average = torch.stack(snapshots).mean(0)  # what the ring computes
+        for c in range(CLUSTERS):
+            averagers[c]._apply({"w": weights[c]}, [SEGMENT], {0: snapshots[c]},
+                                RoundResult(averaged={0: average.clone()}), pendings[c])
+        after_round.append([w.clone() for w in weights])
+
+    for step in range(STEPS):
+        for c in range(CLUSTERS):
+            weights[c] += progress[step][c]
+        pendings: list[_Pending | None] = []
+        for c in range(CLUSTERS):  # what Averager.on_update does on each cluster
+            pending = _Pending(step) if correct else None
+            if pending is not None:
+                averagers[c]._pending.append(pending)
+            pendings.append(pending)
+        queued.append(([w.clone() for w in weights], pendings))
+        if len(queued) > depth:
+            apply_oldest()
+    while queued:
+        apply_oldest()
+    assert not any(a._pending for a in averagers)
+    return progress, after_round
+
+
+def _intended(progress: list[torch.Tensor], outer_lr: float, depth: int, initial_seed: int = 0
+              ) -> list[list[torch.Tensor]]:
+    initial = torch.randn(NUMEL, generator=torch.Generator().manual_seed(initial_seed))
+    point, out = initial, []
+    for r in range(STEPS):
+        point = point + outer_lr * progress[r].mean(0)
+        applied_at = min(r + depth, STEPS - 1)  # the step after which round r is applied
+        since = [sum((progress[t][c] for t in range(r + 1, applied_at + 1)), torch.zeros(NUMEL))
+                 for c in range(CLUSTERS)]
+        out.append([point + since[c] for c in range(CLUSTERS)])
+    return out
+
+
+@pytest.mark.parametrize("outer_lr", [1.0, 1.5])
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_overlapped_rounds_reach_the_common_point_plus_local_progress(outer_lr: float, depth: int) -> None:
+    progress, got = _run(outer_lr, depth, correct=True)
+    want = _intended(progress, outer_lr, depth)
+    for r, (g, w) in enumerate(zip(got, want)):
+        for c in range(CLUSTERS):
+            torch.testing.assert_close(g[c], w[c], rtol=0, atol=1e-5, msg=f"round {r} cluster {c}")
+
+
+@pytest.mark.parametrize("outer_lr", [1.0, 1.5])
+def test_without_the_correction_overlapped_rounds_overshoot(outer_lr: float) -> None:
+    """The same schedule without ``_Pending`` bookkeeping (each round's delta taken from its own stale
+    snapshot) misses the intended weights: the check above can fail."""
+    depth = 2
+    progress, got = _run(outer_lr, depth, correct=False)
+    want = _intended(progress, outer_lr, depth)
+    worst = max(float((g[c] - w[c]).abs().max()) for g, w in zip(got, want) for c in range(CLUSTERS))
+    assert worst > 0.5
+
+
+def test_two_overlapping_rounds_by_hand() -> None:
+    """Clusters at 0 and 4, local steps +1 and -1; round 1 snapshots (0, 4), a step, round 2 snapshots
+    (1, 3), a step to (2, 2), then both rounds apply.  Round 1 moves the clusters to 2 + progress since
+    its snapshot: (4, 0).  Round 2 must leave them at 2 + progress since its own snapshot, (3, 1);
+    without the correction it adds 2 - (1, 3) again and swaps them past each other to (5, -1)."""
+    seg = Segment(ring_id=0, names=("w",), numel=1, ring=("c0", "c1"))
+    for correct, want in ((True, (3.0, 1.0)), (False, (5.0, -1.0))):
+        averagers = [_averager(1.0, torch.zeros(1)) for _ in range(2)]
+        weights = [torch.tensor([0.0]), torch.tensor([4.0])]
+        rounds = []
+        for round_id in (1, 2):
+            pendings = [_Pending(round_id) if correct else None for _ in range(2)]
+            for a, p in zip(averagers, pendings):
+                if p is not None:
+                    a._pending.append(p)
+            rounds.append(([w.clone() for w in weights], pendings))
+            weights[0] += 1
+            weights[1] -= 1
+        for snapshots, pendings in rounds:
+            average = (snapshots[0] + snapshots[1]) / 2
+            for c in range(2):
+                averagers[c]._apply({"w": weights[c]}, [seg], {0: snapshots[c]},
+                                    RoundResult(averaged={0: average.clone()}), pendings[c])
+        assert [float(w) for w in weights] == list(want), correct
