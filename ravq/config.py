@@ -42,6 +42,10 @@ def _check_port(value: int) -> int:
     return value
 
 
+PREDICT_WEIGHTS = 2.0
+"""Default horizon factor of weight prediction (measured on the demo task: bench_convergence.py)."""
+
+
 class TrainingConfig(_UserConfig):
     micro_batch: int = Field(16, ge=1)
     """Samples per micro-batch."""
@@ -51,6 +55,11 @@ class TrainingConfig(_UserConfig):
     """Micro-batches in flight per cluster; bounds memory and staleness. Default: number of stages."""
     update_every: int = Field(1, ge=1)
     """Backwards accumulated before each optimizer step of a stage."""
+    predict_weights: float = Field(PREDICT_WEIGHTS, ge=0, le=8)
+    """Weight prediction: each forward runs at the weights extrapolated along the stage's last update
+    by this many times its measured staleness, so the gradient is taken near the weights it is applied
+    to.  0 runs forwards at the current weights (plain weight stashing).  No effect without staleness
+    (max_inflight 1).  The last update is not checkpointed, so with staleness a resume is not bit-exact."""
     sync_every: int = Field(10, ge=1)
     """Optimizer steps between parameter averages across clusters."""
     overlap_averaging: bool = True

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ravq.config import ConfigError, parse_topology
+from ravq.config import PREDICT_WEIGHTS, ConfigError, parse_topology
 
 DEFAULT_TASK = "ravq.tasks.charlm"
 
@@ -38,6 +38,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-every", type=int, default=10, help="optimizer steps between averaging rounds")
     p.add_argument("--update-every", type=int, default=1)
     p.add_argument("--outer-lr", type=float, default=1.0, help="step size of each average (1: plain average)")
+    p.add_argument("--predict-weights", type=float, default=PREDICT_WEIGHTS,
+                   help="weight prediction horizon, in multiples of a stage's staleness (0: off)")
+    p.add_argument("--average-optimizer-state", action="store_true", help="average optimizer state (Adam moments) too")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -80,6 +83,7 @@ def demo_topology(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     training: dict[str, Any] = {
         "micro_batch": args.micro_batch, "steps": args.steps, "max_inflight": args.max_inflight,
         "update_every": args.update_every, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
+        "predict_weights": args.predict_weights, "average_optimizer_state": args.average_optimizer_state,
         "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
     }
     return {"task": args.task, "seed": args.seed, "training": training,

@@ -121,7 +121,8 @@ class Node:
         self.stage_names = [list(s.module.state_dict().keys()) for s in specs]
         spec = specs[self.stage]
         options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
-                               update_every=training.update_every, micro_batch=training.micro_batch)
+                               update_every=training.update_every, micro_batch=training.micro_batch,
+                               predict_weights=training.predict_weights)
         batches = None
         if self.stage == 0:
             batches = iter(self.task.train_batches(training.micro_batch, self.cluster, len(plan.clusters), seed))

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 MicroBatch = tuple[int, int]
 LOSS_WINDOW = 10
+PREDICTION_WINDOW = 64
+"""Backwards whose mean staleness sets how far ``predict_weights`` extrapolates."""
 
 
 def _mean(values: Any) -> float | None:
@@ -91,6 +93,12 @@ class StageOptions:
     max_inflight: int
     update_every: int = 1
     micro_batch: int = 1
+    predict_weights: float = 0.0
+    """Run each forward at weights extrapolated along the last update by this many times the stage's
+    recent mean staleness (see ``StageWorker._weights``); 0 runs it at the current weights.  The last
+    update and the staleness window are not checkpointed: after a resume the forwards run unpredicted
+    until the first update, so with staleness > 0 a resume is not bit-exact (an asynchronous resume is
+    not anyway: the micro-batches in flight start over).  With max_inflight 1 it stays exact."""
 
 
 @dataclass(slots=True)
@@ -126,6 +134,9 @@ class StageWorker:
         self.data_position = 0  # micro-batches stage 0 has taken from its iterator
         self.stats = StageStats()
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._last_update: dict[str, torch.Tensor] | None = None
+        """Each parameter's change in the last optimizer step (for ``predict_weights``)."""
+        self._recent_staleness: deque[int] = deque(maxlen=PREDICTION_WINDOW)
         self._stash: dict[MicroBatch, _Stash] = {}
         self._pending_staleness: list[int] = []
         self._accumulated = 0
@@ -266,11 +277,33 @@ class StageWorker:
 
     # ----------------------------------------------------------------- forward / backward
     def _weights(self) -> dict[str, torch.Tensor]:
+        """The weights of this version's forwards: one snapshot per version, shared and stashed.
+
+        With ``predict_weights`` k the snapshot is extrapolated to where the weights will be when this
+        forward's gradient is applied, ``s`` updates later (``s`` = the stage's recent mean staleness):
+        w + k * s * (last update).  Optimizers with momentum (Adam, SGD with momentum) change direction
+        slowly, so this lands near the weights the gradient is applied to, as in SpecTrain and PipeMare;
+        k a little above 1 also looks ahead as Nesterov momentum does.  The gradient is still exactly
+        the gradient at the stashed (predicted) weights.  With no staleness the prediction is off, so
+        ``max_inflight: 1`` still trains exactly like one process.
+        """
         if self._snapshot is None or self._snapshot[0] != self.version:
+            ahead = self._prediction_steps()
             with torch.no_grad():
-                copies = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+                if ahead > 0 and self._last_update is not None:
+                    copies = {n: torch.add(p.detach(), self._last_update[n], alpha=ahead).requires_grad_(p.requires_grad)
+                              for n, p in self.params.items()}
+                else:
+                    copies = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
             self._snapshot = (self.version, copies)
         return self._snapshot[1]
+
+    def _prediction_steps(self) -> float:
+        """k x the mean staleness of the last PREDICTION_WINDOW backwards (0 when prediction is off)."""
+        recent = self._recent_staleness
+        if not self.options.predict_weights or not recent:
+            return 0.0
+        return self.options.predict_weights * sum(recent) / len(recent)
 
     def _forward(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         weights = self._weights()
@@ -413,17 +446,25 @@ class StageWorker:
             emit(Outbound("bwd", producer, mb, self.version, tensors))
 
     def _step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-        self.stats.updates += 1
         for used in self._pending_staleness:
-            staleness = self.version - 1 - used
+            staleness = self.version - used  # updates applied since this micro-batch's forward
             self.stats.staleness_sum += staleness
             self.stats.staleness_max = max(self.stats.staleness_max, staleness)
+            self._recent_staleness.append(staleness)
             if self.metrics is not None:
                 self.metrics.staleness.observe(staleness)
         self._pending_staleness.clear()
+        if self._prediction_steps() > 0:  # the update is only needed to extrapolate along it
+            with torch.no_grad():
+                before = {n: p.detach().clone() for n, p in self.params.items()}
+                self.optimizer.step()
+                self._last_update = {n: p.detach() - before[n] for n, p in self.params.items()}
+        else:
+            self.optimizer.step()
+            self._last_update = None
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        self.stats.updates += 1
         self._accumulated = 0
         if self.metrics is not None:
             self.metrics.version.set(self.version)

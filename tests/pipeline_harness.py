@@ -14,14 +14,15 @@ from ravq.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
 
 def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int, micro_batch: int = 4,
                  seed: int = 0, update_every: int = 1, cluster: int = 0,
-                 num_clusters: int = 1) -> list[StageWorker]:
+                 num_clusters: int = 1, predict_weights: float = 0.0) -> list[StageWorker]:
     model = build_task_model(task, seed)
     cuts = even_cuts(candidate_cuts(model, task), stages)
     specs = split_model(model, task.example_inputs(micro_batch), cuts)
     needs = model_input_needs(specs)
     in_specs = stage_input_specs(specs, task.example_inputs(micro_batch))
     _, target_example = next(task.train_batches(micro_batch, 0, 1, seed))
-    opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch)
+    opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch,
+                        predict_weights=predict_weights)
     batches = task.train_batches(micro_batch, cluster, num_clusters, seed)
     return [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
                         batches=batches if spec.index == 0 else None, cluster=cluster,
