@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,19 +99,28 @@ def demo_topology(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             "nodes": nodes}
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the demo process dies, however it dies."""
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A function for the child, between fork and exec: get SIGTERM when the demo dies, however it dies.
+
+    libc is loaded here, in the parent, so the child only makes one system call (no dlopen, no locks).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+_DIE_WITH_PARENT = _parent_death_signal()
 
 
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    log = open(log_path, "wb")
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen([sys.executable, "-m", "ravq", *argv], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, preexec_fn=preexec)
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "ravq", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL,
+                                preexec_fn=_DIE_WITH_PARENT)  # noqa: PLW1509 - one prctl call, see above
 
 
 class Swarm:

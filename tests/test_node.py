@@ -180,3 +180,48 @@ def test_plan_then_demo_runs_the_plan(tmp_path: Path) -> None:
     planned = {n for c in load_plan(plan).clusters for n in c.nodes}
     assert {n["name"] for n in report["nodes"]} == planned
     assert report["steps"] == 30 * report["clusters"]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_demo_children_die_with_a_killed_demo(tmp_path: Path) -> None:
+    """SIGKILL gives the demo no chance to clean up; its broker and nodes must still go."""
+    demo = subprocess.Popen([sys.executable, "-m", "ravq", "demo", "--quiet", "--run-dir", str(tmp_path / "run"),
+                             "--clusters", "1", "--stages", "2", "--steps", "100000"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(kids := _children(demo.pid)) < 3:  # broker + 2 nodes
+            assert demo.poll() is None, "demo exited early"
+            assert time.monotonic() < deadline, f"demo started only {kids}"
+            time.sleep(0.2)
+    finally:
+        demo.kill()
+        demo.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [k for k in kids if _alive(k)]
+    for k in survivors:
+        os.kill(k, signal.SIGKILL)
+    assert not survivors, f"children {survivors} outlived the killed demo"
