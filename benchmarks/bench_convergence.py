@@ -17,11 +17,16 @@ micro-batches' worth of samples).  ravq runs ``ravq demo`` (real processes, real
 from the last stages' per-micro-batch losses, the first point where the clusters' smoothed loss (mean
 over clusters of the trailing ``window`` losses) reaches it; samples there = clusters x steps x micro_batch.
 
-Measured on 2 cores (micro-batch 16, budget 400, defaults): 2x2 needs 1.19x (seed 1) to 1.33x (seed 0)
-the global reference's samples, not yet the 1.2 target; without weight prediction 1.60.  What is left
-is staleness not fully predicted away plus the lag of overlapped rounds while one cluster runs a few
-steps ahead of the other.  outer_lr > 1, averaging optimizer state, sync_every 2 or 10 and
-predict_weights 1.5 or 3 did not help.
+Measured on 2 cores (micro-batch 16, budget 400, defaults: sync_every 5, max_inflight 2,
+predict_weights 2, averaging_lead 1); a run's ratio moves by up to 0.1 with thread timing alone, so
+several runs per seed.  Ratio to the global reference: seed 0 1.19, 1.19, 1.275, 1.18; seed 1 1.16, 1.155,
+1.16; seed 2 1.285, 1.275, 1.285: within the 1.2 target in 6 runs of 10, not for seed 2.  Before
+averaging_lead (a faster cluster ran up to two rounds ahead of the other): seed 0 1.30 to 1.48 (four
+runs), seed 1 1.165 to 1.275 (three), seed 2 1.275; averaging_lead 2: 1.295 and 1.16 (seeds 0, 1).
+What is left is about evenly pipeline staleness and local steps with per-cluster Adam state: one
+cluster of 2 stages alone needs 1.12x the micro reference (seed 0), 2x2 with max_inflight 1 1.095x
+the global one.  Without weight prediction 1.60; outer_lr > 1, averaging optimizer state, sync_every
+2, 3 or 10 and predict_weights 1.5 or 3 did not help.
 
     python benchmarks/bench_convergence.py [--quick] [--json]
 """

@@ -3,6 +3,8 @@
 Every ``sync_every`` optimizer steps the compute thread snapshots this stage's segments (version v)
 and hands them to the event loop; the rings run there while training goes on, and the compute
 thread later adds (average - snapshot) to its live weights, keeping the updates made meanwhile.
+A stage that is ``averaging_lead`` steps past the snapshot of a round not finished yet (another
+cluster is behind) waits for it there, so no cluster runs further ahead of the others.
 With ``overlap_averaging: false`` the compute thread instead waits for the round (synchronous data
 parallelism; used by the equivalence test).  Rounds are numbered by version, so every member of a
 ring agrees on them without talking to the broker.
@@ -15,6 +17,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +89,11 @@ class _Pending:
     """A round snapshotted and not applied yet, with what rounds applied since did to this segment."""
 
     round_id: int
+    version: int = 0
+    """The stage's version at the snapshot."""
+    done: concurrent.futures.Future[RoundResult] | None = None
+    segments: list[Segment] = field(default_factory=list)
+    snapshots: dict[int, torch.Tensor] = field(default_factory=dict)
     applied: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
     """Segment names -> the sum of the deltas applied to this node's live weights since the snapshot."""
     shift: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
@@ -105,6 +113,7 @@ class Averager:
         self.timeout_s = topology.timeouts.ring_step_s
         self.with_state = t.average_optimizer_state
         self.outer_lr = t.outer_lr
+        self.lead = t.averaging_lead
         self.anchors: dict[tuple[str, ...], torch.Tensor] = {}
         self._pending: list[_Pending] = []
         """Overlapped rounds snapshotted and not applied yet, oldest first (compute thread only)."""
@@ -127,6 +136,8 @@ class Averager:
         self.completed = 0
         self.seconds_total = 0.0
         self.aborts = 0
+        self.hold_backs = 0
+        self.held_s = 0.0
         peers = sorted({m for owners in self.owners for m in owners.values()} - {me})
         bind = topology.node(me).bind_host or topology.node(me).host
         self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts)
@@ -153,7 +164,10 @@ class Averager:
     # ------------------------------------------------------------ compute thread
     def on_update(self, worker: StageWorker) -> None:
         """Called by the stage after each optimizer step, in the compute thread."""
-        if worker.version % self.sync_every or self.loop is None:
+        if self.loop is None:
+            return
+        self._hold_back(worker)
+        if worker.version % self.sync_every:
             return
         segments = self.segments()
         if not segments:
@@ -172,10 +186,36 @@ class Averager:
                 return
             self._apply(named, segments, snapshots, result)
             return
-        pending = _Pending(round_id)
-        self._pending.append(pending)
-        done.add_done_callback(lambda f: worker.submit(
-            lambda w: self._apply(self.tensors(), segments, snapshots, f.result(), pending)))
+        self._pending.append(_Pending(round_id, worker.version, done, segments, snapshots))
+        done.add_done_callback(lambda f: worker.submit(lambda w: self._apply_finished()))
+
+    def _hold_back(self, worker: StageWorker) -> None:
+        """Wait for the oldest unfinished round once this stage is ``lead`` steps past its snapshot.
+
+        A round finishes when the slowest cluster reaches its version; until then a faster cluster
+        trains on without the other clusters' progress, and the steps it runs ahead are steps on a
+        model the others have not caught up with.  Bounding the lead keeps the clusters within
+        ``averaging_lead`` steps of one another; in-flight micro-batches stay where they are."""
+        while self._pending and worker.version - self._pending[0].version >= self.lead:
+            oldest = self._pending[0]
+            assert oldest.done is not None
+            if not oldest.done.done():
+                t0 = time.monotonic()
+                try:
+                    oldest.done.result(timeout=4 * self.timeout_s + 10)
+                except concurrent.futures.TimeoutError:
+                    log.warning("%s: round %d never finished; going on without it", self.me, oldest.round_id)
+                    self._pending.remove(oldest)
+                    continue
+                self.hold_backs += 1
+                self.held_s += time.monotonic() - t0
+            self._apply_finished()
+
+    def _apply_finished(self) -> None:
+        """Apply every round that has finished and is not applied yet, oldest first."""
+        for pending in list(self._pending):
+            if pending.done is not None and pending.done.done() and pending in self._pending:
+                self._apply(self.tensors(), pending.segments, pending.snapshots, pending.done.result(), pending)
 
     def _apply(self, named: dict[str, torch.Tensor], segments: list[Segment], snapshots: dict[int, torch.Tensor],
                result: RoundResult, pending: _Pending | None = None) -> None:
@@ -284,7 +324,8 @@ class Averager:
                 "ring_size": len(segments[0].ring) if segments else 0,
                 "segment_bytes": sum(named[n].numel() * named[n].element_size()
                                      for s in segments for n in s.names if n in named),
-                "allreduce_seconds_mean": self.seconds_total / self.completed if self.completed else 0.0}
+                "allreduce_seconds_mean": self.seconds_total / self.completed if self.completed else 0.0,
+                "averaging_waits": self.hold_backs, "averaging_wait_seconds": self.held_s}
 
     def close(self) -> None:
         for link in self.outlinks.values():

@@ -64,6 +64,13 @@ class TrainingConfig(_UserConfig):
     """Optimizer steps between parameter averages across clusters."""
     overlap_averaging: bool = True
     """Average a snapshot while training goes on and apply the difference; false waits for each round."""
+    averaging_lead: int = Field(1, ge=1)
+    """Optimizer steps a stage may train past the snapshot of its oldest unfinished averaging round
+    before it waits for that round (overlapped averaging only; the in-flight micro-batches stay in
+    flight).  Bounds how far a faster cluster runs ahead of the others: 1 lets the ring run during
+    the next step and holds a stage only when another cluster is more than a step behind (on the demo
+    task this cut the samples needed; bench_convergence.py).  Raise it when a round takes longer than
+    a step, so the rings keep overlapping training."""
     outer_lr: float = Field(1.0, gt=0)
     """Step size of each average: 1 moves to the plain average; above 1 moves past it along the clusters'
     mean progress since the previous average (DiLoCo-style outer step)."""

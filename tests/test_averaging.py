@@ -121,3 +121,29 @@ def test_two_overlapping_rounds_by_hand() -> None:
                 averagers[c]._apply({"w": weights[c]}, [seg], {0: snapshots[c]},
                                     RoundResult(averaged={0: average.clone()}), pendings[c])
         assert [float(w) for w in weights] == list(want), correct
+
+
+def test_a_stage_waits_for_its_oldest_round_once_it_is_lead_steps_past_it() -> None:
+    """``averaging_lead`` 2: a round snapshotted at version 5 does not hold the stage at version 6, and
+    at version 7 the stage waits until the round finishes (here 0.2 s later, as when the other cluster
+    is behind) and applies it before training on."""
+    import concurrent.futures
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    avg = _averager(1.0, torch.zeros(NUMEL))
+    avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = 2, 1.0, "c0", 0, 0.0, False
+    live = torch.full((NUMEL,), 3.0)  # the snapshot was 1.0; two local steps since
+    avg.worker = SimpleNamespace(version=5, params={"w": live}, buffers={})
+    done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+    avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))
+    avg.worker.version = 6
+    avg._hold_back(avg.worker)
+    assert avg._pending and avg.hold_backs == 0  # one step past the snapshot: trains on
+    avg.worker.version = 7
+    threading.Timer(0.2, done.set_result, [RoundResult(averaged={0: torch.zeros(NUMEL)})]).start()
+    t0 = time.monotonic()
+    avg._hold_back(avg.worker)
+    assert time.monotonic() - t0 >= 0.15 and avg.hold_backs == 1 and not avg._pending
+    torch.testing.assert_close(live, torch.full((NUMEL,), 2.0))  # average 0 + local progress 2
