@@ -17,16 +17,24 @@ micro-batches' worth of samples).  ravq runs ``ravq demo`` (real processes, real
 from the last stages' per-micro-batch losses, the first point where the clusters' smoothed loss (mean
 over clusters of the trailing ``window`` losses) reaches it; samples there = clusters x steps x micro_batch.
 
-Measured on 2 cores (micro-batch 16, budget 400, defaults: sync_every 5, max_inflight 2,
+Measured on 2 cores (micro-batch 16, budget 400, defaults: sync_every 2, max_inflight 2,
 predict_weights 2, averaging_lead 1); a run's ratio moves by up to 0.1 with thread timing alone, so
-several runs per seed.  Ratio to the global reference: seed 0 1.19, 1.19, 1.275, 1.18; seed 1 1.16, 1.155,
-1.16; seed 2 1.285, 1.275, 1.285: within the 1.2 target in 6 runs of 10, not for seed 2.  Before
-averaging_lead (a faster cluster ran up to two rounds ahead of the other): seed 0 1.30 to 1.48 (four
-runs), seed 1 1.165 to 1.275 (three), seed 2 1.275; averaging_lead 2: 1.295 and 1.16 (seeds 0, 1).
-What is left is about evenly pipeline staleness and local steps with per-cluster Adam state: one
-cluster of 2 stages alone needs 1.12x the micro reference (seed 0), 2x2 with max_inflight 1 1.095x
-the global one.  Without weight prediction 1.60; outer_lr > 1, averaging optimizer state, sync_every
-2, 3 or 10 and predict_weights 1.5 or 3 did not help.
+several runs per seed.  Ratio to the global reference, every run:
+
+  sync_every                     seed 0                    seed 1              seed 2
+  2 (default, ~570 samples/s)    1.11                      1.15                1.22, 1.225
+  1 (~525 samples/s)             1.115                     1.11                1.20, 1.215
+  3                              1.275                     1.16                1.23
+  5 (~580 samples/s)             1.19, 1.19, 1.275, 1.18   1.16, 1.155, 1.16   1.285, 1.275, 1.285
+  5 without averaging_lead       1.30, 1.48, 1.315, 1.325  1.275, 1.165, 1.185 1.275
+
+Without averaging_lead a faster cluster ran up to two rounds ahead of the other, and averaging more
+often than every 5 steps made it worse (sync_every 2: 1.41).  What is left is mostly pipeline
+staleness: one cluster of 2 stages alone needs 1.12, 1.09, 1.14 times the micro reference's samples
+(seeds 0, 1, 2).  Without weight prediction 1.60 (sync_every 5).  At sync_every 5 and averaging_lead 1,
+outer_lr 1.2 (1.26, 1.29 at seeds 0,
+2) or 1.4, averaging optimizer state (1.275, 1.285), sync_every 10 and predict_weights 1.5 or 3 did
+not help.
 
     python benchmarks/bench_convergence.py [--quick] [--json]
 """
