@@ -22,7 +22,7 @@ predict_weights 2, averaging_lead 1); a run's ratio moves by up to 0.1 with thre
 several runs per seed.  Ratio to the global reference, every run:
 
   sync_every                     seed 0                    seed 1              seed 2
-  2 (default, ~570 samples/s)    1.11                      1.15                1.22, 1.225
+  2 (default, 530-580 samples/s) 1.11, 1.115               1.15, 1.115         1.22, 1.225, 1.215
   1 (~525 samples/s)             1.115                     1.11                1.20, 1.215
   3                              1.275                     1.16                1.23
   5 (~580 samples/s)             1.19, 1.19, 1.275, 1.18   1.16, 1.155, 1.16   1.285, 1.275, 1.285
