@@ -377,7 +377,8 @@ class Bench:
         topology = write_topology(run_dir / "topology.yaml", s, layout)
         training = topology.training
         score: dict[str, Any] = {"micro_batch": training.micro_batch, "sync_every": training.sync_every,
-                                 "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging}
+                                 "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging,
+                                 "averaging_lead": training.averaging_lead}
         nodes, flops, cores_profiled = self.compute([n.name for n in topology.nodes])
         if layout == "planner":
             plan, _ = make_plan(nodes, self.blocks, **score)

@@ -505,7 +505,8 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
     training = topology.training
     blocks = profile_blocks(task, training.micro_batch, max_inflight=training.max_inflight or 1)
     settings: dict[str, Any] = {"micro_batch": training.micro_batch, "sync_every": training.sync_every,
-                                "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging}
+                                "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging,
+                                "averaging_lead": training.averaging_lead}
     try:
         if all(n.cluster is not None for n in topology.nodes):
             plan, explanation = cut_plan(topology_clusters(topology), nodes, blocks, **settings)

@@ -113,6 +113,11 @@ def test_averaging_cost_in_samples_per_s() -> None:
     assert ex.samples_per_s == pytest.approx(2 * 2 * 5 / (10 + 5))
     overlapped = evaluate_plan(plan, nodes, blocks, micro_batch=2, sync_every=5, overlap_averaging=True)
     assert overlapped.samples_per_s == pytest.approx(2.0)          # the 5 s round hides behind 10 s of steps
+    # averaging_lead L: a stage waits for the round L steps (2 s each) after its snapshot
+    lead = {k: evaluate_plan(plan, nodes, blocks, micro_batch=2, sync_every=5, overlap_averaging=True,
+                             averaging_lead=k).samples_per_s for k in (1, 3, 5, 9)}
+    assert lead[1] == pytest.approx(2 * 2 * 5 / (10 + 5 - 2))      # waits 3 s per round
+    assert lead[3] == lead[5] == lead[9] == pytest.approx(2.0)     # the round is done before 6 s
     single = evaluate_plan(Plan(epoch=0, clusters=[ClusterPlan(nodes=["a"])]), nodes, blocks, micro_batch=2, sync_every=5)
     assert single.averaging_s == 0 and single.samples_per_s == pytest.approx(2 * 0.5)
 

@@ -13,7 +13,9 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   planner charges the node's slowest link to any node of another cluster (the worst ring order).  The
   round lasts as long as its slowest node: T_avg.
 - samples/s = micro_batch * sum over clusters of r * duty, with duty = (S/r) / (S/r + T_avg) when
-  averaging pauses training, or (S/r) / max(S/r, T_avg) when it overlaps with training (S = sync_every).
+  averaging pauses training (S = sync_every).  When it overlaps with training a stage trains on for
+  L = ``averaging_lead`` steps past a round's snapshot and then waits for the round, and rounds run one
+  after another: duty = (S/r) / max(S/r, T_avg, S/r + T_avg - L/r) (L = S: no wait before the next round).
 
 A cluster's best cuts for a given node order come from an exact dynamic programme on the bottleneck time
 under every node's memory limit (``Problem.partition``).
@@ -46,13 +48,16 @@ class Problem:
     """Stage-time matrices kept (each (blocks + 1)^2 floats)."""
 
     def __init__(self, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
-                 max_inflight: int | None, micro_batch: int, sync_every: int, overlap_averaging: bool) -> None:
+                 max_inflight: int | None, micro_batch: int, sync_every: int, overlap_averaging: bool,
+                 averaging_lead: int | None = None) -> None:
         _check_inputs(nodes, blocks, micro_batch, sync_every)
         self.nodes, self.blocks = list(nodes), list(blocks)
         self.names = [n.name for n in nodes]
         self.n, self.B = len(nodes), len(blocks)
         self.max_inflight, self.micro_batch, self.sync_every = max_inflight, micro_batch, sync_every
         self.overlap_averaging = overlap_averaging
+        self.averaging_lead = sync_every if averaging_lead is None else min(averaging_lead, sync_every)
+        """Steps a stage trains past a round's snapshot before it waits for the round (overlapped averaging)."""
         self.flops = np.array([n.flops for n in nodes], dtype=float)
         self.mem = np.array([n.memory_bytes for n in nodes], dtype=float)
         bw = np.array([[_lookup(nodes, a, b, "bandwidth_bytes_per_s") for b in range(self.n)]
@@ -207,11 +212,15 @@ class Problem:
         return 2 * (clusters - 1) / clusters
 
     def samples_per_s(self, rates: Sequence[float], averaging_s: float) -> float:
-        s, total = self.sync_every, 0.0
+        s, lead, total = self.sync_every, self.averaging_lead, 0.0
         for r in rates:
             if r > 0:
                 period = s / r
-                total += s / (max(period, averaging_s) if self.overlap_averaging else period + averaging_s)
+                if self.overlap_averaging:  # rounds run one after another; a stage waits lead steps in
+                    period = max(period, averaging_s, period + averaging_s - lead / r)
+                else:
+                    period += averaging_s
+                total += s / period
         return self.micro_batch * total
 
 

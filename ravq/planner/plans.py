@@ -20,7 +20,7 @@ from ravq.planner.types import GIB, BlockProfile, Explanation, NodeProfile, Plan
 
 def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int,
               sync_every: int, max_clusters: int | None = None, max_inflight: int | None = None,
-              overlap_averaging: bool = False, allow_idle: bool = True,
+              overlap_averaging: bool = False, averaging_lead: int | None = None, allow_idle: bool = True,
               effort: float = 1.0) -> tuple[Plan, Explanation]:
     """Clusters, node order and cuts maximising predicted samples/s; every stage fits its node's memory.
 
@@ -30,7 +30,7 @@ def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, m
     much memory is missing, when nothing fits.
     """
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging)
+                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead)
     usable, idle = _usable_nodes(p)
     if not usable or (idle and not allow_idle):
         raise memory_error(p)
@@ -38,7 +38,8 @@ def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, m
     limit = max(1, min(len(usable), fits, max_clusters or len(usable)))
     if p.B > _COARSE_BLOCKS:
         coarse = Problem(nodes, coarsen(blocks, _COARSE_BLOCKS), max_inflight=max_inflight,
-                          micro_batch=micro_batch, sync_every=sync_every, overlap_averaging=overlap_averaging)
+                          micro_batch=micro_batch, sync_every=sync_every, overlap_averaging=overlap_averaging,
+                          averaging_lead=averaging_lead)
         rough = Search(coarse, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort)
         found = [c for v, c in explore(rough) if v > 0] or [rough.fill(usable)]
         search = Search(p, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort,
@@ -70,10 +71,10 @@ def _usable_nodes(p: Problem) -> tuple[list[int], dict[int, str]]:
 
 def cut_plan(clusters: Sequence[Sequence[str]], nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
              micro_batch: int, sync_every: int, max_inflight: int | None = None,
-             overlap_averaging: bool = False) -> tuple[Plan, Explanation]:
+             overlap_averaging: bool = False, averaging_lead: int | None = None) -> tuple[Plan, Explanation]:
     """The best cuts for clusters and stage orders the user fixed (node names in stage order)."""
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging)
+                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead)
     index = {name: i for i, name in enumerate(p.names)}
     layouts = []
     for c, names in enumerate(clusters):
@@ -94,10 +95,10 @@ def cut_plan(clusters: Sequence[Sequence[str]], nodes: Sequence[NodeProfile], bl
 
 def evaluate_plan(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
                   micro_batch: int, sync_every: int, max_inflight: int | None = None,
-                  overlap_averaging: bool = False) -> Explanation:
+                  overlap_averaging: bool = False, averaging_lead: int | None = None) -> Explanation:
     """The cost model's verdict on any plan (hand-written, even or Ravnest's); PlanError if it does not fit."""
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging)
+                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead)
     index = {name: i for i, name in enumerate(p.names)}
     block_index = {b.name: i for i, b in enumerate(blocks)}
     layouts = []
