@@ -205,10 +205,16 @@ def _steady(snapshots: list[dict[str, Any]], steps: int) -> dict[str, Any] | Non
     lo, hi = WINDOW[0] * steps, WINDOW[1] * steps
     first = next((s for s in snapshots if s["backwards"] >= lo), None)
     last = next((s for s in reversed(snapshots) if s["backwards"] <= hi), None)
+    widened = first is None or last is None or last["wall_s"] <= first["wall_s"]
+    if widened and snapshots:
+        # Fewer than two heartbeats fell inside the window (a short or heavily loaded run): take the
+        # nearest ones around it instead, and say so.
+        first = next((s for s in reversed(snapshots) if s["backwards"] < lo), snapshots[0])
+        last = next((s for s in snapshots if s["backwards"] > hi), snapshots[-1])
     if first is None or last is None or last["wall_s"] - first["wall_s"] <= 0:
         return None
     dt = last["wall_s"] - first["wall_s"]
-    return {"busy_fraction": (last["busy_s"] - first["busy_s"]) / dt,
+    return {"busy_fraction": (last["busy_s"] - first["busy_s"]) / dt, "widened": widened,
             "samples_per_s": (last["samples"] - first["samples"]) / dt, "window_s": dt,
             "from_micro_batch": first["backwards"], "to_micro_batch": last["backwards"],
             "polled_from": first["polled_at"], "polled_to": last["polled_at"]}

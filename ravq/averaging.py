@@ -179,12 +179,8 @@ class Averager:
         queued = asyncio.run_coroutine_threadsafe(self.rounds.put((round_id, snapshots, segments, done)), self.loop)
         queued.result(timeout=4 * self.timeout_s + 10)
         if not self.overlap:
-            try:
-                result = done.result(timeout=4 * self.timeout_s + 10)
-            except concurrent.futures.TimeoutError:
-                log.warning("%s: round %d never finished; going on without it", self.me, round_id)
-                return
-            self._apply(named, segments, snapshots, result)
+            if self._wait_round(worker, done, round_id):
+                self._apply(named, segments, snapshots, done.result())
             return
         self._pending.append(_Pending(round_id, worker.version, done, segments, snapshots))
         done.add_done_callback(lambda f: worker.submit(lambda w: self._apply_finished()))
@@ -201,15 +197,26 @@ class Averager:
             assert oldest.done is not None
             if not oldest.done.done():
                 t0 = time.monotonic()
-                try:
-                    oldest.done.result(timeout=4 * self.timeout_s + 10)
-                except concurrent.futures.TimeoutError:
-                    log.warning("%s: round %d never finished; going on without it", self.me, oldest.round_id)
+                if not self._wait_round(worker, oldest.done, oldest.round_id):
                     self._pending.remove(oldest)
                     continue
                 self.hold_backs += 1
                 self.held_s += time.monotonic() - t0
             self._apply_finished()
+
+    def _wait_round(self, worker: StageWorker, done: concurrent.futures.Future[RoundResult], round_id: int) -> bool:
+        """Block the compute thread until the round is done; False if it never finishes or the process
+        gives up meanwhile (a forced stop must not wait for a ring's timeouts)."""
+        deadline = time.monotonic() + 4 * self.timeout_s + 10
+        while not worker.should_abort():
+            try:
+                done.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+                return True
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() >= deadline:
+                    log.warning("%s: round %d never finished; going on without it", self.me, round_id)
+                    return False
+        return False
 
     def _apply_finished(self) -> None:
         """Apply every round that has finished and is not applied yet, oldest first."""

@@ -147,6 +147,8 @@ class StageWorker:
         self._stopping = False
         self._next_seq = 0
         self.on_update: Callable[[StageWorker], None] | None = None
+        self.should_abort: Callable[[], bool] = lambda: False
+        """Whether the process is giving up (set by ``run``); hooks that block check it."""
         self._fwd_sources = self._forward_sources()
         self._expected_fwd = self._expected_forward(input_specs, target_example)
 
@@ -226,6 +228,7 @@ class StageWorker:
 
     def run(self, emit: Callable[[Outbound], None], should_abort: Callable[[], bool] = lambda: False) -> None:
         """Work until this stage has finished ``steps`` micro-batches (or was stopped and drained)."""
+        self.should_abort = should_abort
         while True:
             work = self._take(should_abort)
             if work is None:

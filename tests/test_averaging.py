@@ -135,7 +135,7 @@ def test_a_stage_waits_for_its_oldest_round_once_it_is_lead_steps_past_it() -> N
     avg = _averager(1.0, torch.zeros(NUMEL))
     avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = 2, 1.0, "c0", 0, 0.0, False
     live = torch.full((NUMEL,), 3.0)  # the snapshot was 1.0; two local steps since
-    avg.worker = SimpleNamespace(version=5, params={"w": live}, buffers={})
+    avg.worker = SimpleNamespace(version=5, params={"w": live}, buffers={}, should_abort=lambda: False)
     done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
     avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))
     avg.worker.version = 6
@@ -147,3 +147,26 @@ def test_a_stage_waits_for_its_oldest_round_once_it_is_lead_steps_past_it() -> N
     avg._hold_back(avg.worker)
     assert time.monotonic() - t0 >= 0.15 and avg.hold_backs == 1 and not avg._pending
     torch.testing.assert_close(live, torch.full((NUMEL,), 2.0))  # average 0 + local progress 2
+
+
+def test_a_held_stage_lets_go_when_the_process_gives_up() -> None:
+    """A forced stop must not wait out a ring's timeouts (here 100 s): the held compute thread returns
+    within a fraction of a second once ``should_abort`` says so, leaving the round unapplied."""
+    import concurrent.futures
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    avg = _averager(1.0, torch.zeros(NUMEL))
+    avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = 1, 100.0, "c0", 0, 0.0, False
+    live = torch.full((NUMEL,), 3.0)
+    abort = threading.Event()
+    avg.worker = SimpleNamespace(version=6, params={"w": live}, buffers={}, should_abort=abort.is_set)
+    done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()  # the round never ends
+    avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))
+    threading.Timer(0.3, abort.set).start()
+    t0 = time.monotonic()
+    avg._hold_back(avg.worker)
+    assert 0.25 <= time.monotonic() - t0 < 2.0
+    assert not avg._pending and avg.hold_backs == 0
+    torch.testing.assert_close(live, torch.full((NUMEL,), 3.0))  # nothing applied
