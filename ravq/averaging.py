@@ -177,7 +177,7 @@ class Averager:
         done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
         round_id = worker.version // self.sync_every
         queued = asyncio.run_coroutine_threadsafe(self.rounds.put((round_id, snapshots, segments, done)), self.loop)
-        queued.result(timeout=4 * self.timeout_s + 10)
+        queued.result(timeout=self._round_limit_s())
         if not self.overlap:
             if self._wait_round(worker, done, round_id):
                 self._apply(named, segments, snapshots, done.result())
@@ -207,7 +207,7 @@ class Averager:
     def _wait_round(self, worker: StageWorker, done: concurrent.futures.Future[RoundResult], round_id: int) -> bool:
         """Block the compute thread until the round is done; False if it never finishes or the process
         gives up meanwhile (a forced stop must not wait for a ring's timeouts)."""
-        deadline = time.monotonic() + 4 * self.timeout_s + 10
+        deadline = time.monotonic() + self._round_limit_s()
         while not worker.should_abort():
             try:
                 done.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
@@ -218,10 +218,14 @@ class Averager:
                     return False
         return False
 
+    def _round_limit_s(self) -> float:
+        """Longest a compute thread waits on the event loop for a round: its ring steps' timeouts and more."""
+        return 4 * self.timeout_s + 10
+
     def _apply_finished(self) -> None:
         """Apply every round that has finished and is not applied yet, oldest first."""
         for pending in list(self._pending):
-            if pending.done is not None and pending.done.done() and pending in self._pending:
+            if pending.done is not None and pending.done.done():  # _apply removes only its own round
                 self._apply(self.tensors(), pending.segments, pending.snapshots, pending.done.result(), pending)
 
     def _apply(self, named: dict[str, torch.Tensor], segments: list[Segment], snapshots: dict[int, torch.Tensor],

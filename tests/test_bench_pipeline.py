@@ -86,3 +86,27 @@ def test_simulated_device_time_is_an_identity_that_splits_like_any_op() -> None:
     for spec in stages:
         out = spec.module(out)
     assert torch.allclose(out, whole(inputs), atol=1e-6)
+
+
+def test_steady_window_with_too_few_heartbeats_inside_uses_the_nearest_around_it() -> None:
+    """A short, loaded run may leave one heartbeat or none inside the 25%..85% window; the benchmark then
+    measures between the heartbeats just around it and says so, rather than reporting nothing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_pipeline
+
+    def beat(backwards: int, wall_s: float, busy_s: float) -> dict[str, float]:
+        return {"backwards": backwards, "wall_s": wall_s, "busy_s": busy_s, "samples": 4 * backwards,
+                "polled_at": wall_s}
+
+    dense = [beat(b, b / 10, 0.09 * b / 10) for b in range(0, 101, 5)]
+    steady = bench_pipeline._steady(dense, 100)
+    assert steady is not None and not steady["widened"]
+    assert (steady["from_micro_batch"], steady["to_micro_batch"]) == (25, 85)
+    assert steady["busy_fraction"] == pytest.approx(0.09)
+
+    sparse = [beat(10, 1.0, 0.5), beat(50, 5.0, 4.5), beat(95, 9.5, 8.55)]  # one heartbeat inside
+    steady = bench_pipeline._steady(sparse, 100)
+    assert steady is not None and steady["widened"]
+    assert (steady["from_micro_batch"], steady["to_micro_batch"]) == (10, 95)
+    assert steady["busy_fraction"] == pytest.approx((8.55 - 0.5) / 8.5)
+    assert bench_pipeline._steady([beat(50, 5.0, 4.5)], 100) is None  # one heartbeat: no interval at all
