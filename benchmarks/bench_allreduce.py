@@ -9,7 +9,18 @@
 
 Every process is tuned as a node tunes itself (``ravq.tuning.tune_process``), which helps gloo alike.
 
-    python benchmarks/bench_allreduce.py [--mb 100] [--repeats 5] [--piece-mb MiB] [--quick] [--json]
+By default all traffic crosses loopback, and on a 2-core machine the 4 processes are CPU-bound.  With
+``--link-mbit R`` every process runs in a network namespace of its own, joined to a bridge by a veth
+pair whose egress (the process's upload) is shaped by tc tbf to R Mbit/s (benchmarks/_netns.py): ravq's
+ring sockets and gloo (GLOO_SOCKET_IFNAME) both use that link, so the links decide, as between PCs on
+a switch.  Part (b) runs over the same links (each ring member's own uplink, so two rings should not
+slow each other).  Needs root, ``ip netns`` and tc tbf.  Unless --mb / --repeats are given, the
+repeats (3-5) and if need be the size are cut so a shaped run's transfers take about 150 s
+(SHAPED_BUDGET_S); what was used is printed.  The namespaces are deleted on exit, also on Ctrl-C.
+Busy is the whole machine's (all cores, other jobs included, /proc/stat) during rank 0's rounds.
+
+    python benchmarks/bench_allreduce.py [--mb 100] [--repeats 5] [--piece-mb MiB] [--link-mbit R]
+                                         [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import signal
 import socket
 import statistics
 import sys
@@ -29,17 +41,34 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _netns
 import torch
 
 from ravq.allreduce import Mailbox, average_segments, plan_segments, ring_allreduce, segments_for
 from ravq.config import TrainingConfig
 
 WORLD = 4
+DEFAULT_MB, DEFAULT_REPEATS, MIN_SHAPED_REPEATS = 100.0, 5, 3
+SHAPED_BUDGET_S = 150.0
+"""Seconds a shaped run's transfers may take at the links' rate (plus ~10-20 s of start-up)."""
 
 
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot (/proc/stat): the whole machine, other jobs too."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def busy_since(start: tuple[int, int]) -> float:
+    """Fraction of all cores' time spent busy since ``start`` (machine_ticks)."""
+    busy, total = machine_ticks()
+    return (busy - start[0]) / max(1, total - start[1])
 
 
 class ZmqRingLink:
@@ -85,37 +114,41 @@ class Bench:
         self.round_id += 1
         return self.round_id
 
-    async def time_ring(self, members: list[str]) -> tuple[float, float]:
-        """(wall, CPU) seconds of one ravq round on this process; CPU counts every thread (ZeroMQ's too)."""
+    async def time_ring(self, members: list[str]) -> tuple[float, float, float]:
+        """(wall, CPU) seconds of one ravq round on this process, CPU counting every thread (ZeroMQ's too),
+        and the machine's busy fraction meanwhile."""
         self.buf.copy_(self.x)
         self.dist.barrier()
-        t0, c0 = time.perf_counter(), cpu_seconds()
+        m0, t0, c0 = machine_ticks(), time.perf_counter(), cpu_seconds()
         await ring_allreduce(self.buf, ring_id=0, round_id=self.next_round(), members=members, me=self.me,
                              link=self.link, mailbox=self.mailbox, piece_bytes=self.piece_bytes,
                              timeout_s=60.0, inplace=True)
-        return time.perf_counter() - t0, cpu_seconds() - c0
+        return time.perf_counter() - t0, cpu_seconds() - c0, busy_since(m0)
 
-    def time_gloo(self, divide: bool) -> tuple[float, float]:
+    def time_gloo(self, divide: bool) -> tuple[float, float, float]:
         self.buf.copy_(self.x)
         self.dist.barrier()
-        t0, c0 = time.perf_counter(), cpu_seconds()
+        m0, t0, c0 = machine_ticks(), time.perf_counter(), cpu_seconds()
         self.dist.all_reduce(self.buf)
         if divide:
             self.buf /= WORLD
-        return time.perf_counter() - t0, cpu_seconds() - c0
+        return time.perf_counter() - t0, cpu_seconds() - c0, busy_since(m0)
 
     async def phase_a(self) -> dict[str, Any]:
         await self.time_ring(self.members)  # warm-up: connections, allocations
         self.time_gloo(True)
-        out: dict[str, list[float]] = {k: [] for k in ("ravq", "gloo", "gloo_avg", "ravq_cpu", "gloo_cpu")}
+        out: dict[str, list[float]] = {k: [] for k in ("ravq", "gloo", "gloo_avg", "ravq_cpu", "gloo_cpu",
+                                                       "ravq_busy", "gloo_busy")}
         for _ in range(self.args.repeats):
-            wall, cpu = self.time_gloo(False)
+            wall, cpu, busy = self.time_gloo(False)
             out["gloo"].append(wall)
             out["gloo_cpu"].append(cpu)
+            out["gloo_busy"].append(busy)
             out["gloo_avg"].append(self.time_gloo(True)[0])
-            wall, cpu = await self.time_ring(self.members)
+            wall, cpu, busy = await self.time_ring(self.members)
             out["ravq"].append(wall)
             out["ravq_cpu"].append(cpu)
+            out["ravq_busy"].append(busy)
         ravq_result = self.buf.clone()
         self.time_gloo(True)
         diff = float((ravq_result - self.buf).abs().max()) if self.numel else 0.0
@@ -148,7 +181,7 @@ class Bench:
         return {k: v[1:] for k, v in out.items()}  # the first repeat warms up the new rings
 
 
-async def run_worker(rank: int, args: argparse.Namespace, ports: list[int]) -> dict[str, Any]:
+async def run_worker(rank: int, args: argparse.Namespace, ports: list[int], hosts: list[str]) -> dict[str, Any]:
     import zmq
     import zmq.asyncio
 
@@ -157,8 +190,8 @@ async def run_worker(rank: int, args: argparse.Namespace, ports: list[int]) -> d
     from ravq.wire import DecodeLimits
 
     ctx, metrics, limits, opts = zmq.asyncio.Context(), Metrics(f"n{rank}"), DecodeLimits(), SocketOptions()
-    inbox = Inbox.bind(ctx, endpoint("127.0.0.1", ports[rank]), "ring", metrics, limits, opts)
-    outlinks = {f"n{r}": Outlink.connect(ctx, endpoint("127.0.0.1", ports[r]), "ring", f"n{r}", metrics, limits,
+    inbox = Inbox.bind(ctx, endpoint(hosts[rank], ports[rank]), "ring", metrics, limits, opts)
+    outlinks = {f"n{r}": Outlink.connect(ctx, endpoint(hosts[r], ports[r]), "ring", f"n{r}", metrics, limits,
                                          opts, identity=f"n{rank}") for r in range(WORLD) if r != rank}
     mailbox = Mailbox()
     bench = Bench(rank, args, ZmqRingLink(f"n{rank}", outlinks), mailbox)
@@ -179,7 +212,13 @@ async def run_worker(rank: int, args: argparse.Namespace, ports: list[int]) -> d
     return report
 
 
-def worker(rank: int, args: argparse.Namespace, ports: list[int], results: Any) -> None:
+def worker(rank: int, args: argparse.Namespace, ports: list[int], results: Any,
+           links: list[_netns.Link] | None) -> None:
+    if links is not None:  # first, before any socket or thread: they stay in the namespace they began in
+        _netns.join_netns(links[rank])
+        os.environ["GLOO_SOCKET_IFNAME"] = links[rank].ifname
+    hosts = [link.address for link in links] if links is not None else ["127.0.0.1"] * WORLD
+
     import torch.distributed as dist
 
     from ravq.transport import install_uvloop
@@ -189,9 +228,9 @@ def worker(rank: int, args: argparse.Namespace, ports: list[int], results: Any) 
     if not args.no_tuning:
         tune_process()
     install_uvloop()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[-1]}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://{hosts[0]}:{ports[-1]}", rank=rank, world_size=WORLD)
     try:
-        results.put((rank, asyncio.run(run_worker(rank, args, ports))))
+        results.put((rank, asyncio.run(run_worker(rank, args, ports, hosts))))
     finally:
         dist.destroy_process_group()
 
@@ -223,12 +262,18 @@ def summarize(reports: dict[int, dict[str, Any]], args: argparse.Namespace) -> d
     ravq, gloo, gloo_avg = (slowest_median(reports, k) for k in ("ravq", "gloo", "gloo_avg"))
     single = slowest_median(reports, "single", [0, 2])
     parallel = slowest_median(reports, "parallel")
+    cores = os.cpu_count() or 1
     return {
+        "link_mbit": args.link_mbit,
         "tensor_bytes": numel * 4, "processes": WORLD, "piece_bytes": int(args.piece_mb * (1 << 20)),
         "repeats": args.repeats, "tuned": not args.no_tuning, "ravq_ring_s": ravq, "gloo_s": gloo, "gloo_with_divide_s": gloo_avg,
         "ratio_ravq_over_gloo": ravq / gloo, "ratio_ravq_over_gloo_with_divide": ravq / gloo_avg,
         "ravq_bus_bytes_per_s": 2 * (WORLD - 1) / WORLD * numel * 4 / ravq,
         "ravq_cpu_s": ravq_cpu, "gloo_cpu_s": gloo_cpu, "cpu_ratio_ravq_over_gloo": ravq_cpu / gloo_cpu,
+        "cores": cores, "ravq_cpu_share_of_cores": ravq_cpu / (ravq * cores),
+        "gloo_cpu_share_of_cores": gloo_cpu / (gloo * cores),
+        "machine_busy_ravq": statistics.median(reports[0]["ravq_busy"]),
+        "machine_busy_gloo": statistics.median(reports[0]["gloo_busy"]),
         "max_abs_diff_vs_gloo": max(r["diff"] for r in reports.values()),
         "single_ring_s": single, "parallel_rings_s": parallel,
         "single_ring_bytes_per_s": (numel // 2) * 4 / single, "parallel_rings_bytes_per_s": numel * 4 / parallel,
@@ -237,37 +282,94 @@ def summarize(reports: dict[int, dict[str, Any]], args: argparse.Namespace) -> d
     }
 
 
+def transfer_seconds(mb: float, repeats: int, rate_mbit: float) -> float:
+    """A run's time on the links alone: each process uploads 2(C-1)/C of the tensor per all-reduce, for
+    3 warm-up and final rounds plus 3 per repeat in (a), and 2 of half the tensor on a ring of 2 per
+    repeat (+1 warm-up) in (b): 11/3 all-reduces' worth per repeat + 1."""
+    one = 2 * (WORLD - 1) / WORLD * mb * 1e6 * 8 / (rate_mbit * 1e6)
+    return 11 / 3 * one * (repeats + 1)
+
+
+def fit_shaped_run(args: argparse.Namespace) -> str:
+    """Choose --repeats (3-5) and, if even 3 would not fit, --mb, unless given: SHAPED_BUDGET_S."""
+    if args.repeats is None:
+        fits = int(SHAPED_BUDGET_S / transfer_seconds(args.mb, 0, args.link_mbit)) - 1
+        args.repeats = max(MIN_SHAPED_REPEATS, min(DEFAULT_REPEATS, fits))
+        if not args.mb_given and fits < MIN_SHAPED_REPEATS:
+            args.mb = float(int(args.mb * SHAPED_BUDGET_S / transfer_seconds(args.mb, args.repeats,
+                                                                             args.link_mbit)))
+    est = transfer_seconds(args.mb, args.repeats, args.link_mbit)
+    return (f"shaped links: {args.link_mbit:g} Mbit/s tbf on each process's uplink (netns + veth + bridge); "
+            f"{args.mb:g} MB, {args.repeats} repeats: ~{est:.0f} s of transfers at that rate")
+
+
+def run(args: argparse.Namespace, links: list[_netns.Link] | None) -> dict[int, dict[str, Any]]:
+    ports = free_ports(WORLD + 1)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args, ports, results, links), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    timeout = 600.0 if links is None else max(600.0, 3 * transfer_seconds(args.mb, args.repeats, args.link_mbit))
+    done = False
+    try:
+        reports = dict(results.get(timeout=timeout) for _ in range(WORLD))
+        done = True
+    finally:
+        for p in procs:
+            p.join(timeout=30 if done else 1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return reports
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # so that the namespaces' finally runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mb", type=float, default=100.0, help="tensor size in MB (1e6 bytes), float32")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mb", type=float, default=None, help=f"tensor size in MB (1e6 bytes), float32 "
+                        f"(default {DEFAULT_MB:g})")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"default {DEFAULT_REPEATS}; with --link-mbit 3-5 to fit ~{SHAPED_BUDGET_S:.0f} s")
     node_piece_mb = TrainingConfig.model_fields["ring_chunk_bytes"].default / (1 << 20)
     parser.add_argument("--piece-mb", type=float, default=node_piece_mb,
                         help="ring piece size in MiB (default: a node's, training.ring_chunk_bytes)")
+    parser.add_argument("--link-mbit", type=float, default=None, metavar="R",
+                        help="run every process in its own network namespace, its uplink shaped to R Mbit/s "
+                             "(needs root, ip netns, tc tbf)")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (4 MB, 2 repeats)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--no-tuning", action="store_true",
                         help="keep glibc's malloc defaults and Python's gc as they are (ravq.tuning)")
     args = parser.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads only steal the 2 cores
+    args.mb_given = args.mb is not None
+    if args.mb is None:
+        args.mb = DEFAULT_MB
     if args.quick:
         args.mb, args.repeats, args.piece_mb = 4.0, 2, 1.0
-    ports = free_ports(WORLD + 1)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, ports, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        reports = dict(results.get(timeout=600) for _ in range(WORLD))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    if args.link_mbit is None:
+        if args.repeats is None:
+            args.repeats = DEFAULT_REPEATS
+        reports = run(args, None)
+    else:
+        if args.link_mbit <= 0:
+            parser.error("--link-mbit must be positive")
+        reason = _netns.unavailable_reason()
+        if reason:
+            sys.exit(f"bench_allreduce.py: --link-mbit needs root, ip netns and tc tbf: {reason}")
+        print(fit_shaped_run(args), flush=True)
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        with _netns.shaped_links(WORLD, args.link_mbit) as links:
+            reports = run(args, links)
     summary = summarize(reports, args)
     mb = summary["tensor_bytes"] / 1e6
-    print(f"(a) {mb:.0f} MB float32, {WORLD} processes, piece {args.piece_mb} MiB, median of {args.repeats}:")
+    where = "loopback" if args.link_mbit is None else f"{args.link_mbit:g} Mbit/s shaped links"
+    print(f"(a) {mb:.0f} MB float32, {WORLD} processes, piece {args.piece_mb} MiB, median of {args.repeats}, "
+          f"{where}:")
     print(f"    ravq ring (ZeroMQ) {summary['ravq_ring_s'] * 1e3:8.1f} ms")
     print(f"    gloo all_reduce    {summary['gloo_s'] * 1e3:8.1f} ms   (+ divide by C: "
           f"{summary['gloo_with_divide_s'] * 1e3:.1f} ms)")
@@ -276,7 +378,14 @@ def main() -> None:
           f"{summary['max_abs_diff_vs_gloo']:.2e}")
     print(f"    CPU, all processes {summary['ravq_cpu_s'] * 1e3:8.1f} ms ravq, {summary['gloo_cpu_s'] * 1e3:.1f} ms "
           f"gloo: x{summary['cpu_ratio_ravq_over_gloo']:.2f}")
-    print(f"(b) 2 clusters x 2 stages, two rings of 2, each on a {mb / 2:.0f} MB half:")
+    print(f"    busy, {summary['cores']} cores    ravq {summary['ravq_cpu_share_of_cores']:.0%} by the benchmark, "
+          f"{summary['machine_busy_ravq']:.0%} machine; gloo {summary['gloo_cpu_share_of_cores']:.0%}, "
+          f"{summary['machine_busy_gloo']:.0%}")
+    if args.link_mbit is not None:
+        line = args.link_mbit * 1e6 / 8
+        print(f"    per-process upload ravq {summary['ravq_bus_bytes_per_s'] / line:.0%} of the link, gloo "
+              f"{summary['ravq_bus_bytes_per_s'] * summary['ratio_ravq_over_gloo'] / line:.0%}")
+    print(f"(b) 2 clusters x 2 stages, two rings of 2, each on a {mb / 2:.0f} MB half ({where}):")
     print(f"    one ring alone     {summary['single_ring_bytes_per_s'] / 1e9:8.3f} GB/s")
     print(f"    two rings at once  {summary['parallel_rings_bytes_per_s'] / 1e9:8.3f} GB/s aggregate   "
           f"x{summary['parallel_over_single']:.2f}")
