@@ -469,16 +469,18 @@ def unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
             t.copy_(part)
 
 
-def apply_average_delta(live_tensors: Sequence[Tensor], snapshot_flat: Tensor, averaged_flat: Tensor) -> None:
-    """Add (averaged - snapshot) to the live tensors in place.
+def apply_average_delta(live_tensors: Sequence[Tensor], snapshot_flat: Tensor, averaged_flat: Tensor) -> Tensor:
+    """Add (averaged - snapshot) to the live tensors in place; returns that difference (flat).
 
     Averaging runs on a snapshot taken at version v while the stage keeps training; applying the
     difference rather than the average keeps the updates made during the round.  Call it from the
     thread that updates the weights (the compute thread), not concurrently with an optimizer step.
     """
+    delta = averaged_flat - snapshot_flat
     with torch.no_grad():
-        for t, part in zip(live_tensors, _slices(averaged_flat - snapshot_flat, live_tensors)):
+        for t, part in zip(live_tensors, _slices(delta, live_tensors)):
             t.add_(part)
+    return delta
 
 
 def snapshot_segments(tensors: Mapping[str, Tensor], segments: Sequence[Segment]) -> dict[int, Tensor]:
@@ -487,11 +489,13 @@ def snapshot_segments(tensors: Mapping[str, Tensor], segments: Sequence[Segment]
 
 
 def apply_round(tensors: Mapping[str, Tensor], segments: Sequence[Segment], snapshots: Mapping[int, Tensor],
-                result: RoundResult) -> None:
-    """Apply the average's delta to every segment whose ring finished; aborted ones stay as they are."""
-    for s in segments:
-        if s.ring_id in result.averaged:
-            apply_average_delta([tensors[n] for n in s.names], snapshots[s.ring_id], result.averaged[s.ring_id])
+                result: RoundResult) -> dict[int, Tensor]:
+    """Apply the average's delta to every segment whose ring finished; aborted ones stay as they are.
+
+    Returns ring_id -> the flat delta applied, for callers that keep track of it."""
+    return {s.ring_id: apply_average_delta([tensors[n] for n in s.names], snapshots[s.ring_id],
+                                           result.averaged[s.ring_id])
+            for s in segments if s.ring_id in result.averaged}
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params_by_name: Mapping[str, Tensor]

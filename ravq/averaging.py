@@ -259,11 +259,10 @@ class Averager:
                     shifts[seg.ring_id] = point - average
                     result.averaged[seg.ring_id] = average = point
                 self.anchors[seg.names] = average.clone()
-        allreduce.apply_round(named, segments, snapshots, result)
+        deltas = allreduce.apply_round(named, segments, snapshots, result)
         for seg in segments:
-            if seg.ring_id not in result.averaged:
+            if (delta := deltas.get(seg.ring_id)) is None:
                 continue
-            delta = result.averaged[seg.ring_id] - snapshots[seg.ring_id]
             for later in self._pending:  # rounds whose snapshots do not hold this delta yet
                 _accumulate(later.applied, seg.names, delta)
                 if seg.ring_id in shifts:

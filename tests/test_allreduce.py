@@ -445,7 +445,8 @@ def test_apply_average_delta_keeps_concurrent_updates() -> None:
     updates = [torch.randn(3, 2), torch.randn(4)]
     for t, u in zip(live, updates):  # training went on while the round ran
         t.add_(u)
-    apply_average_delta(live, snapshot, averaged)
+    delta = apply_average_delta(live, snapshot, averaged)
+    torch.testing.assert_close(delta, averaged - snapshot)  # what averaging adds to later rounds' snapshots
     target = [torch.empty(3, 2), torch.empty(4)]
     unflatten_into(averaged, target)
     for t, a, u in zip(live, target, updates):
