@@ -502,3 +502,33 @@ def test_benchmark_quick_json() -> None:
             "parallel_rings_bytes_per_s", "parallel_over_single", "tensor_bytes", "processes"} <= set(report)
     assert report["processes"] == 4 and report["ravq_ring_s"] > 0 and report["gloo_s"] > 0
     assert report["max_abs_diff_vs_gloo"] < 1e-5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.netns
+def test_benchmark_over_shaped_links() -> None:
+    """``--link-mbit``: every process in its own namespace behind a tbf-shaped link.  The ring's bus
+    bandwidth can only stay under the shaped rate if the workers really joined their namespaces
+    (on loopback it is tens of times higher); the namespaces are gone afterwards."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _netns
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    if reason := _netns.unavailable_reason():
+        pytest.skip(reason)
+    def namespaces() -> set[str]:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+    before = namespaces()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_allreduce.py"), "--quick",
+                           "--link-mbit", "400", "--json"],
+                          check=False, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["link_mbit"] == 400 and report["max_abs_diff_vs_gloo"] < 1e-5
+    link_bytes_per_s = 400e6 / 8
+    assert 0.2 * link_bytes_per_s < report["ravq_bus_bytes_per_s"] < 1.05 * link_bytes_per_s, report
+    assert not {ns for ns in namespaces() - before if ns.startswith("rqb")}, "the benchmark left namespaces behind"
