@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,24 @@ from rich.live import Live
 from rich.table import Table
 
 from ravq.config import Topology
+
+
+class RateMeter:
+    """A count's rate over the last ``window_s`` seconds: what the swarm does now, not diluted by start-up."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self._points: deque[tuple[float, int]] = deque()
+
+    def update(self, now: float, count: int) -> float:
+        points = self._points
+        if points and count < points[-1][1]:  # a restarted count (a node came back): start over
+            points.clear()
+        points.append((now, count))
+        while len(points) > 2 and now - points[1][0] >= self.window_s:
+            points.popleft()  # keep the newest point that is at least window_s old, and all after it
+        t0, c0 = points[0]
+        return (count - c0) / (now - t0) if now > t0 else 0.0
 
 
 class LiveView:
@@ -25,6 +44,7 @@ class LiveView:
         self.live: Live | None = None
         self.started = time.monotonic()
         self.steps = topology.training.steps * max(1, len({n.cluster for n in topology.nodes}))
+        self.rate = RateMeter()
 
     def follow(self, swarm: Any, timeout_s: float) -> bool:
         """Until every node exits; False if one failed or the timeout passed."""
@@ -69,9 +89,9 @@ class LiveView:
         last = [st for _, st, _ in rows if st and st.get("stage") == depth.get(st.get("cluster"))]
         samples = sum(st.get("samples", 0) for st in last)
         steps = sum(st.get("backwards", 0) for st in last)
-        elapsed = time.monotonic() - self.started
+        rate = self.rate.update(time.monotonic(), samples) if status else 0.0
         losses = [st["loss_recent"] for st in last if st.get("loss_recent") is not None]
-        return steps, samples / elapsed if elapsed > 0 else 0.0, (sum(losses) / len(losses) if losses else None)
+        return steps, rate, (sum(losses) / len(losses) if losses else None)
 
     def _line(self, status: dict[str, Any]) -> str:
         steps, rate, loss = self._progress(status)
