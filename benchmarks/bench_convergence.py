@@ -21,8 +21,8 @@ Measured on 2 cores (micro-batch 16, budget 400, defaults: sync_every 2, max_inf
 predict_weights 2, averaging_lead 1); a run's ratio moves by up to 0.1 with thread timing alone, so
 several runs per seed.  Ratio to the global reference, every run:
 
-  sync_every                     seed 0                    seed 1              seed 2
-  2 (default, 530-580 samples/s) 1.11, 1.115               1.15, 1.115         1.22, 1.225, 1.215
+  sync_every                     seed 0                    seed 1              seed 2               seed 3
+  2 (default, 530-580 samples/s) 1.11, 1.115               1.15, 1.115         1.22, 1.225, 1.215   1.22
   1 (~525 samples/s)             1.115                     1.11                1.20, 1.215
   3                              1.275                     1.16                1.23
   5 (~580 samples/s)             1.19, 1.19, 1.275, 1.18   1.16, 1.155, 1.16   1.285, 1.275, 1.285
@@ -34,7 +34,14 @@ staleness: one cluster of 2 stages alone needs 1.12, 1.09, 1.14 times the micro 
 (seeds 0, 1, 2).  Without weight prediction 1.60 (sync_every 5).  At sync_every 5 and averaging_lead 1,
 outer_lr 1.2 (1.26, 1.29 at seeds 0,
 2) or 1.4, averaging optimizer state (1.275, 1.285), sync_every 10 and predict_weights 1.5 or 3 did
-not help.
+not help; at sync_every 2 neither did outer_lr 1.2 (1.23, 1.295 at seeds 2, 3) or predict_weights 3
+(1.265, 1.26).
+
+Pipeline staleness, isolated (``--clusters 1``, seed 2, against the one-process reference on the same
+batches): predict_weights 0: 1.48, 1: 1.21, 2 (default): 1.137, 3: 1.093, 4: 1.157; max_inflight 1
+(no staleness, no pipelining): 0.968.  At 2x2, seed 2, max_inflight 1 gives 1.115 at the same
+samples/s here (four stage processes share two cores, so pipelining buys nothing on this machine; on
+one machine per stage it is what keeps every stage busy).
 
     python benchmarks/bench_convergence.py [--quick] [--json]
 """
