@@ -93,16 +93,26 @@ class _Io:
     and reads the socket's EVENTS several times: ~20 us per wait, a third of a 64 KiB message's time on
     loopback.  Here a NOBLOCK call on a shadow of the same socket does the work, and only when it
     would block (``zmq.Again``) does a task wait: on a reader this object adds to the loop for ZeroMQ's
-    fd while anyone waits, which reads EVENTS once per wake-up.  Parts are received one at a time with
-    ``Frame.more``: ``recv_multipart`` asks for RCVMORE with a getsockopt per part, which costs more.
+    fd, which reads EVENTS once per wake-up.  Parts are received one at a time with ``Frame.more``:
+    ``recv_multipart`` asks for RCVMORE with a getsockopt per part, which costs more.
+
+    The reader stays while waits follow one another (a receive loop that waits for every message, as
+    a pipeline link does from 1 MiB up) and goes one loop pass after the last waiter left: adding and
+    removing it costs ~4 us of event-loop work per wait on uvloop (a poll handle made and closed, two
+    epoll_ctl calls).  It never outlives a quiet socket by long, because a reader left on the fd of a
+    socket closed behind this object's back would keep uvloop from watching the next file given that
+    fd number.
 
     ZeroMQ's fd signals that the socket's state may have changed, and reading EVENTS consumes that
-    signal; so every direct call made while some task waits (a reply sent while a receive waits) is
-    followed by a look at EVENTS on the waiters' behalf.  Nothing else may await the asyncio socket
-    (its reader would replace this one); ``close`` wakes every waiter, whose call then raises.
+    signal.  Every caller looks at the state (EVENTS or a NOBLOCK call) just before it waits, so a
+    signal consumed while nobody waits loses nothing; but a call made while some task waits (a reply
+    sent while a receive waits, or a refused call just before a second task waits) is followed by a
+    look at EVENTS on the waiters' behalf.  Nothing else may await the asyncio socket (its reader would
+    replace this one); ``close`` wakes every waiter, whose call then raises.
     """
 
-    __slots__ = ("_fd", "_loop", "_recv_waited", "_send_lock", "_send_waits", "_shadow", "_waiters", "sock")
+    __slots__ = ("_drop_pending", "_fd", "_loop", "_recv_waited", "_send_lock", "_send_waits", "_shadow",
+                 "_waiters", "sock")
 
     def __init__(self, sock: zmq.asyncio.Socket) -> None:
         self.sock = sock
@@ -112,7 +122,8 @@ class _Io:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         """(POLLIN or POLLOUT, future) of every task waiting on this socket."""
         self._loop: asyncio.AbstractEventLoop | None = None
-        """The loop the reader is added to while ``_waiters`` is not empty."""
+        """The loop the reader is added to (None while there is no reader)."""
+        self._drop_pending = False  # a check whether to remove the reader is scheduled
         self._send_lock = asyncio.Lock()  # sends that had to wait go in order
         self._send_waits = 0
         self._recv_waited = False  # whether the last recv() found nothing queued
@@ -129,21 +140,35 @@ class _Io:
                 future.set_result(None)
 
     async def _wait(self, want: int) -> None:
-        """Until the socket may have ``want`` (callers retry their NOBLOCK call, and wait again)."""
+        """Until the socket may have ``want``; callers look at the state just before (EVENTS or a NOBLOCK
+        call), then retry their NOBLOCK call, and wait again."""
         self._check_open()
-        if not self._waiters:
-            self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self._fd, self._on_fd)
-        future = cast(asyncio.AbstractEventLoop, self._loop).create_future()
+        if self._waiters:  # the caller's look may have consumed a signal that another waiter needs
+            self._on_fd()
+        else:
+            loop = asyncio.get_running_loop()
+            if loop is not self._loop:
+                if self._loop is not None:  # left on a loop that has stopped
+                    self._drop_reader()
+                self._loop, self._drop_pending = loop, False
+                loop.add_reader(self._fd, self._on_fd)
+        loop = cast(asyncio.AbstractEventLoop, self._loop)
+        future = loop.create_future()
         entry = (want, future)
         self._waiters.append(entry)
         try:
-            self._on_fd()  # the signal may have been consumed before the reader was added
             await future
         finally:
             self._waiters.remove(entry)
-            if not self._waiters:
-                self._drop_reader()
+            if not self._waiters and not self._drop_pending and self._loop is loop:
+                # The caller usually waits again at once (its next receive): keep the reader until then.
+                self._drop_pending = True
+                loop.call_soon(self._drop_if_idle)
+
+    def _drop_if_idle(self) -> None:
+        self._drop_pending = False
+        if not self._waiters:
+            self._drop_reader()
 
     def _drop_reader(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -169,8 +194,9 @@ class _Io:
         return frames
 
     async def recv(self) -> list[Any]:
+        waited = False
         while True:
-            # A refused NOBLOCK call costs ~7 us (pyzmq raises zmq.Again), asking for EVENTS ~2 us: when
+            # A refused NOBLOCK call costs ~3 us (pyzmq raises zmq.Again), asking for EVENTS ~1 us: when
             # the last message had to be waited for, the next one probably has to be too, so ask first.
             if not self._recv_waited or cast(int, self._shadow.get(zmq.EVENTS)) & zmq.POLLIN:
                 try:
@@ -178,11 +204,11 @@ class _Io:
                 except zmq.Again:
                     pass
                 else:
-                    self._recv_waited = False
+                    self._recv_waited = waited
                     return frames
-            self._recv_waited = True
+            self._recv_waited = waited = True
             await self._wait(zmq.POLLIN)
-            self._recv_waited = False
+            self._recv_waited = False  # woken: the message is probably there
 
     async def readable(self, timeout_s: float) -> bool:
         """Wait until a message is queued or ``timeout_s`` has passed; whether one is."""

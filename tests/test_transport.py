@@ -19,6 +19,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from ravq import transport
 from ravq.metrics import Metrics
 from ravq.transport import Inbox, Outlink, Publisher, SocketOptions, Subscriber, endpoint, request
 from ravq.wire import DecodeLimits, Message, MsgType, encode
@@ -228,6 +229,52 @@ def test_readable_times_out_and_close_wakes_a_waiting_receive(zmq_ctx: zmq.async
     quiet, waited, no_reader = run(scenario())
     assert not quiet and 0.04 <= waited < 1.0
     assert no_reader
+
+
+def test_a_receive_loop_keeps_its_reader_between_waits_and_drops_it_once_nobody_waits(
+        zmq_ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding and removing the fd reader per wait costs event-loop work on every message a receive loop
+    waits for; the reader stays while waits follow one another, and goes one loop pass after the last
+    waiter left (a reader left on the fd of a closed socket would block the fd's next user)."""
+    drops: list[int] = []
+    drop_reader = transport._Io._drop_reader
+    monkeypatch.setattr(transport._Io, "_drop_reader", lambda io: (drops.append(1), drop_reader(io))[1])
+
+    async def scenario() -> tuple[list[int], list[bool], int, bool, list[int]]:
+        inbox = Inbox.bind(zmq_ctx, ANY_PORT, "pipeline", Metrics(), LIMITS, OPTS)
+        link = Outlink.connect(zmq_ctx, bound_endpoint(inbox.sock), "downstream", "stage-1", Metrics(), LIMITS,
+                               OPTS)
+
+        async def send_slowly() -> None:
+            for seq in range(5):
+                await asyncio.sleep(0.005)  # the receive below is waiting on the fd by now
+                await link.send(forward(seq))
+
+        try:
+            sender = asyncio.ensure_future(send_slowly())
+            got, reader_kept = [], []
+            for _ in range(5):
+                got.append((await inbox.recv())[1].micro_batch[1])
+                reader_kept.append(inbox._io._loop is not None)
+            await sender
+            drops_while_receiving = len(drops)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            dropped = inbox._io._loop is None
+            # A task that waits again later gets a reader again.
+            receiving = asyncio.ensure_future(inbox.recv())
+            await asyncio.sleep(0.005)
+            await link.send(forward(5))
+            got.append((await asyncio.wait_for(receiving, 5))[1].micro_batch[1])
+            return got, reader_kept, drops_while_receiving, dropped, drops
+        finally:
+            link.close()
+            inbox.close()
+
+    got, reader_kept, drops_while_receiving, dropped, _ = run(scenario())
+    assert got == list(range(6))
+    assert all(reader_kept) and drops_while_receiving == 0
+    assert dropped
 
 
 def test_senders_blocked_by_the_high_water_mark_keep_their_order(zmq_ctx: zmq.asyncio.Context) -> None:
