@@ -2,8 +2,8 @@
 
 ``shaped_links(n, rate_mbit)`` creates a hub namespace holding a bridge and ``n`` namespaces, each joined
 to the bridge by a veth pair whose egress (the node's upload) is shaped by tc tbf to ``rate_mbit``; a
-packet from a to b crosses a's shaped veth and b's unshaped bridge port, so a -> b runs at a's rate (as
-tests/test_netns.py's ``shaped_nodes`` does). Private 10.x addresses, names unique by process id, and the
+packet from a to b crosses a's shaped veth and b's unshaped bridge port, so a -> b runs at a's rate
+(tests/test_netns.py's ``shaped_nodes`` uses it too, with a rate per namespace). Private 10.x addresses, names unique by process id, and the
 namespaces are deleted on the way out whatever happens (exceptions, Ctrl-C, SIGTERM turned into
 SystemExit by the caller). A process moves itself into one with ``join_netns`` before it opens any socket.
 
@@ -19,7 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 CLONE_NEWNET = 0x40000000
@@ -73,8 +73,12 @@ def tbf_burst_bytes(rate_mbit: float) -> int:
 
 
 @contextmanager
-def shaped_links(n: int, rate_mbit: float) -> Iterator[list[Link]]:
-    """``n`` namespaces on one bridge, each one's upload shaped to ``rate_mbit``; deleted on exit."""
+def shaped_links(n: int, rate_mbit: float | Sequence[float]) -> Iterator[list[Link]]:
+    """``n`` namespaces on one bridge, each one's upload shaped to ``rate_mbit`` (one rate for all, or
+    one per namespace); deleted on exit."""
+    rates = [float(rate_mbit)] * n if isinstance(rate_mbit, (int, float)) else [float(r) for r in rate_mbit]
+    if len(rates) != n:
+        raise ValueError(f"rate_mbit: {len(rates)} rates for {n} links")
     tag = os.getpid()
     subnet = f"10.{150 + tag % 50}.{tag // 50 % 250}"
     hub = f"rqbhub{tag}"
@@ -95,7 +99,7 @@ def shaped_links(n: int, rate_mbit: float) -> Iterator[list[Link]]:
             _check(_run("ip", "-n", link.netns, "addr", "add", f"{link.address}/24", "dev", link.ifname))
             _check(_run("ip", "-n", link.netns, "link", "set", link.ifname, "up"))
             _check(_run("ip", "netns", "exec", link.netns, "tc", "qdisc", "add", "dev", link.ifname, "root", "tbf",
-                        "rate", f"{rate_mbit:g}mbit", "burst", str(tbf_burst_bytes(rate_mbit)), "latency", "20ms"))
+                        "rate", f"{rates[i]:g}mbit", "burst", str(tbf_burst_bytes(rates[i])), "latency", "20ms"))
         yield links
     finally:
         for ns in reversed(created):

@@ -254,16 +254,6 @@ def worker(rank: int, args, ports: list[int], results) -> None:
     dist.destroy_process_group()
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mb", type=float, default=100.0)
@@ -278,6 +268,8 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     t_start = time.perf_counter()
+    from bench_allreduce import free_ports  # the script's folder is on sys.path
+
     ports = free_ports(WORLD + 1)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -510,11 +510,8 @@ def test_benchmark_over_shaped_links() -> None:
     """``--link-mbit``: every process in its own namespace behind a tbf-shaped link.  The ring's bus
     bandwidth can only stay under the shaped rate if the workers really joined their namespaces
     (on loopback it is tens of times higher); the namespaces are gone afterwards."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import _netns
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from benchmarks import _netns
+
     if reason := _netns.unavailable_reason():
         pytest.skip(reason)
     def namespaces() -> set[str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import _netns
 from ravq.config import load_topology
 from ravq.planner import BlockProfile, make_plan
 from ravq.profile import load_profiles
@@ -35,70 +35,13 @@ PROFILE_TIMEOUT_S = 120
 GIB = 1 << 30
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, check=False, capture_output=True, text=True, timeout=30)
-
-
-def _skip_reason() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "needs Linux network namespaces"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs iproute2 (ip and tc)"
-    probe = f"rqprobe{os.getpid()}"
-    made = _run("ip", "netns", "add", probe)
-    if made.returncode != 0:
-        return f"ip netns unavailable: {made.stderr.strip()}"
-    try:
-        _run("ip", "-n", probe, "link", "set", "lo", "up")
-        tbf = _run("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "10mbit",
-                   "burst", "32kb", "latency", "50ms")
-        if tbf.returncode != 0:
-            return f"tc tbf unavailable: {tbf.stderr.strip()}"
-    finally:
-        _run("ip", "netns", "del", probe)
-    return None
-
-
 @pytest.fixture
 def shaped_nodes() -> Iterator[dict[str, tuple[str, str]]]:
     """node name -> (namespace, address); every node's veth egress shaped to RATES_MBIT."""
-    reason = _skip_reason()
-    if reason:
+    if reason := _netns.unavailable_reason():
         pytest.skip(reason)
-    tag = os.getpid() % 100_000
-    subnet = f"10.{200 + tag % 50}.{tag // 50 % 250}"
-    hub = f"rqhub{tag}"
-    nodes = {name: (f"rq{i}n{tag}", f"{subnet}.{i + 1}") for i, name in enumerate(RATES_MBIT)}
-    created = []
-    try:
-        for ns in [hub, *(ns for ns, _ in nodes.values())]:
-            _check(_run("ip", "netns", "add", ns))
-            created.append(ns)
-            _check(_run("ip", "-n", ns, "link", "set", "lo", "up"))
-        _check(_run("ip", "-n", hub, "link", "add", "br0", "type", "bridge"))
-        _check(_run("ip", "-n", hub, "link", "set", "br0", "up"))
-        for i, (name, (ns, addr)) in enumerate(nodes.items()):
-            _check(_run("ip", "link", "add", f"v{i}", "netns", ns, "type", "veth", "peer", "name", f"h{i}",
-                        "netns", hub))
-            _check(_run("ip", "-n", hub, "link", "set", f"h{i}", "master", "br0"))
-            _check(_run("ip", "-n", hub, "link", "set", f"h{i}", "up"))
-            _check(_run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", f"v{i}"))
-            _check(_run("ip", "-n", ns, "link", "set", f"v{i}", "up"))
-            rate = RATES_MBIT[name]
-            burst = max(32 << 10, rate * 1_000_000 // 8 // 200)     # 5 ms of tokens: enough for any timer
-            _check(_run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", f"v{i}", "root", "tbf",
-                        "rate", f"{rate}mbit", "burst", str(burst), "latency", "20ms"))
-        yield nodes
-    finally:
-        for ns in created:
-            _run("ip", "netns", "del", ns)
-
-
-def _check(result: subprocess.CompletedProcess[str]) -> None:
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(result.args)}: {result.stderr.strip()}")
+    with _netns.shaped_links(len(RATES_MBIT), list(RATES_MBIT.values())) as links:
+        yield {name: (link.netns, link.address) for name, link in zip(RATES_MBIT, links)}
 
 
 def _topology(path: Path, nodes: dict[str, tuple[str, str]]) -> Path:
