@@ -22,7 +22,8 @@ predict_weights 2, averaging_lead 1); a run's ratio moves by up to 0.1 with thre
 several runs per seed.  Ratio to the global reference, every run:
 
   sync_every                     seed 0                    seed 1              seed 2               seed 3
-  2 (default, 530-580 samples/s) 1.11, 1.115               1.15, 1.115         1.22, 1.225, 1.215   1.22
+  2 (default, 460-580 samples/s) 1.11, 1.115               1.15, 1.115         1.22, 1.225, 1.215,  1.22, 1.22
+                                                                               1.215
   1 (~525 samples/s)             1.115                     1.11                1.20, 1.215
   3                              1.275                     1.16                1.23
   5 (~580 samples/s)             1.19, 1.19, 1.275, 1.18   1.16, 1.155, 1.16   1.285, 1.275, 1.285
@@ -36,6 +37,17 @@ outer_lr 1.2 (1.26, 1.29 at seeds 0,
 2) or 1.4, averaging optimizer state (1.275, 1.285), sync_every 10 and predict_weights 1.5 or 3 did
 not help; at sync_every 2 neither did outer_lr 1.2 (1.23, 1.295 at seeds 2, 3) or predict_weights 3
 (1.265, 1.26).
+
+Where the excess comes from, seed 3 (2026-11-23): with max_inflight 1 (no pipeline staleness, clusters
+still averaging asynchronously) 1.115 at sync_every 2, 1.115 at sync_every 1, and 1.115 at sync_every 1
+with optimizer state averaged too, against 1.22 at the defaults.  So about 0.115 is data parallelism with
+an optimizer per cluster, whatever the averaging frequency; the likely reason: each cluster's Adam normalises by the second
+moment of its own 16-sample gradients, larger than a 32-sample batch's where noise dominates, so the
+averaged steps are shorter than the global-batch reference's; averaging the state does not change that
+(mean of squares, not square of mean).  Pipeline staleness adds ~0.1 on top after weight prediction.
+Prediction at 2x2, seeds 2 / 3: predict_weights 1.5: 1.23 / 1.30; 2 (default): 1.215 / 1.22; 2.5:
+1.20 / 1.22; 3: 1.265 / 1.26.  Extrapolating along the weights' smoothed total change per version
+(optimizer steps and averaging deltas, EMA 0.5) instead of the last optimizer update, k 2: 1.29 / 1.31.
 
 Pipeline staleness, isolated (``--clusters 1``, seed 2, against the one-process reference on the same
 batches): predict_weights 0: 1.48, 1: 1.21, 2 (default): 1.137, 3: 1.093, 4: 1.157; max_inflight 1

@@ -30,6 +30,7 @@ from ravq.allreduce import Mailbox, RoundResult, Segment
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
 from ravq.model import build_task_model, split_model
+from ravq.optim import set_clusters
 from ravq.pipeline import StageWorker
 from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
 from ravq.wire import DecodeLimits, Message, MsgType
@@ -144,12 +145,18 @@ class Averager:
         self.outlinks = {p: Outlink.connect(ctx, endpoint(topology.node(p).host, topology.node(p).ring_port), "ring",
                                             p, metrics, limits, sock_opts, identity=me) for p in peers}
         self.link = RingLinks(me, self.outlinks, os.environ.get("RAVQ_FAULT"))
+        set_clusters(worker.optimizer, self.live_clusters())  # before the compute thread's first step
+
+    def live_clusters(self, plan: Plan | None = None) -> int:
+        """Clusters averaging with this node under the plan (1 once its own cluster is dropped)."""
+        plan = plan or self.plan()
+        live = [c for c in range(len(plan.clusters)) if c not in plan.excluded]
+        return len(live) if self.cluster in live else 1
 
     def segments(self) -> list[Segment]:
         """This node's segments under the current plan (dropped clusters take no part)."""
         plan = self.plan()
-        live = [c for c in range(len(plan.clusters)) if c not in plan.excluded]
-        if self.cluster not in live or len(live) < 2:
+        if self.live_clusters(plan) < 2:
             return []
         segs = allreduce.plan_segments(self.names, self.numels, self.owners, plan.excluded)
         return allreduce.segments_for(self.me, segs)
@@ -167,6 +174,7 @@ class Averager:
         if self.loop is None:
             return
         self._hold_back(worker)
+        set_clusters(worker.optimizer, self.live_clusters())  # the next step's (a dropped cluster counts no more)
         if worker.version % self.sync_every:
             return
         segments = self.segments()

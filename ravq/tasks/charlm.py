@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ravq.optim import ClusterAdam
+
 VOCAB = 96  # printable ASCII 32..126 plus newline (index 95)
 CONTEXT = 64
 D_MODEL = 64
@@ -104,7 +106,9 @@ def train_batches(micro_batch: int, shard: int, num_shards: int,
 
 
 def make_optimizer(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=LEARNING_RATE)
+    """Adam; with C clusters averaging, each steps as Adam would on all C clusters' batches together
+    (``ravq.optim.ClusterAdam``; exactly ``torch.optim.Adam`` with one cluster)."""
+    return ClusterAdam(params, lr=LEARNING_RATE)
 
 
 UNIFORM_LOSS = math.log(VOCAB)
