@@ -70,6 +70,15 @@ def recv_exact(sock: socket.socket, mv: memoryview) -> None:
         n += got
 
 
+def fold(buf, scratch, lo: int, hi: int, finish: bool) -> None:
+    """Reduce-scatter: add the received piece (in ``scratch``) into ``buf[lo:hi]``; the member that
+    completes the chunk's sum (``finish``) divides it by C there."""
+    dst = buf[lo:hi]
+    dst.add_(scratch[:hi - lo])
+    if finish:
+        dst.mul_(1.0 / C)
+
+
 def ring_threaded(buf, scratch, s_out: socket.socket, s_in: socket.socket, rank: int, piece_elems: int,
                   divide: bool = True) -> None:
     n = buf.numel()
@@ -92,17 +101,12 @@ def ring_threaded(buf, scratch, s_out: socket.socket, s_in: socket.socket, rank:
 
     th = threading.Thread(target=sender, daemon=True)
     th.start()
-    inv = 1.0 / C
     for s, (_, rc) in enumerate(steps):
         base = rc * clen
         for lo, hi in pieces:
             if s < C - 1:
-                k = hi - lo
-                recv_exact(s_in, smv[:k * 4])
-                dst = buf[base + lo:base + hi]
-                dst.add_(scratch[:k])
-                if divide and s == C - 2:
-                    dst.mul_(inv)
+                recv_exact(s_in, smv[:(hi - lo) * 4])
+                fold(buf, scratch, base + lo, base + hi, divide and s == C - 2)
             else:
                 recv_exact(s_in, bmv[(base + lo) * 4:(base + hi) * 4])
             if s < STEPS - 1:
@@ -136,17 +140,12 @@ async def ring_async(loop, buf, scratch, s_out, s_in, rank: int, piece_elems: in
             n += got
 
     task = asyncio.ensure_future(sender())
-    inv = 1.0 / C
     for s, (_, rc) in enumerate(steps):
         base = rc * clen
         for lo, hi in pieces:
             if s < C - 1:
-                k = hi - lo
-                await recv_exact_a(smv[:k * 4])
-                dst = buf[base + lo:base + hi]
-                dst.add_(scratch[:k])
-                if s == C - 2:
-                    dst.mul_(inv)
+                await recv_exact_a(smv[:(hi - lo) * 4])
+                fold(buf, scratch, base + lo, base + hi, s == C - 2)
             else:
                 await recv_exact_a(bmv[(base + lo) * 4:(base + hi) * 4])
             if s < STEPS - 1:
