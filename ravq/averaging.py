@@ -267,6 +267,11 @@ class Averager:
                     shifts[seg.ring_id] = point - average
                     result.averaged[seg.ring_id] = average = point
                 self.anchors[seg.names] = average.clone()
+        # Buffers get new storage before the delta lands: forwards in flight saved the old tensors
+        # (BatchNorm's running statistics) and must find them unchanged at backward.
+        moved = [n for seg in segments if seg.ring_id in result.averaged for n in seg.names if n in self.worker.buffers]
+        if moved:
+            named = {**named, **self.worker.fresh_buffers(moved)}
         deltas = allreduce.apply_round(named, segments, snapshots, result)
         for seg in segments:
             if (delta := deltas.get(seg.ring_id)) is None:

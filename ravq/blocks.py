@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ravq.model import StageSpec, candidate_cuts, split_model
+from ravq.model import StageSpec, candidate_cuts, model_output, split_model
 from ravq.planner import BlockProfile
 
 
@@ -51,10 +51,10 @@ def profile_blocks(task: Any, micro_batch: int, *, max_inflight: int = 1, optimi
     outputs: list[tuple[torch.Tensor, ...]] = []
     measured = []
     for spec in specs:
-        args = [inputs[ref.index] if ref.stage < 0 else outputs[ref.stage][ref.index] for ref in spec.inputs]
+        args = [inputs[ref.index] if ref.stage < 0 else outputs[ref.stage][ref.index] for ref in spec.received]
         loss = task.loss_fn if spec.index == len(specs) - 1 else None
         m = _measure(spec, args, loss, targets, task.make_optimizer if optimizer_state_factor is None else None)
-        outputs.append(tuple(o.detach() for o in m.outputs))
+        outputs.append(tuple(o.detach() for o in m.outputs if isinstance(o, torch.Tensor)))
         measured.append(m)
     first = next(iter(dict(model.named_children())), "input")
     names = [first, *cuts]
@@ -65,7 +65,7 @@ def profile_blocks(task: Any, micro_batch: int, *, max_inflight: int = 1, optimi
         grads = sum(_nbytes(p) for p in spec.module.parameters() if p.requires_grad)
         optimizer = m.optimizer_bytes if optimizer_state_factor is None else int(optimizer_state_factor * grads)
         stashed_inputs = sum(_nbytes(inputs[r.index] if r.stage < 0 else outputs[r.stage][r.index])
-                             for r in spec.inputs)
+                             for r in spec.received)
         inflight = m.saved_bytes + stashed_inputs + state
         profiles.append(BlockProfile(
             name=names[i], param_bytes=state, fwd_flops=m.fwd_flops, bwd_flops=m.bwd_flops,
@@ -94,7 +94,7 @@ def _measure(spec: StageSpec, args: list[torch.Tensor], loss_fn: Any, targets: A
     """Forward and backward of one block, each under a FLOP counter; saved activations; optimizer state."""
     module = spec.module
     leaves = [a.detach().requires_grad_(a.is_floating_point() and ref.stage >= 0)
-              for a, ref in zip(args, spec.inputs)]
+              for a, ref in zip(args, spec.received)]
     params = [p for p in module.parameters() if p.requires_grad]
     own = {p.untyped_storage().data_ptr() for p in module.parameters()}
     saved: dict[int, int] = {}
@@ -106,8 +106,9 @@ def _measure(spec: StageSpec, args: list[torch.Tensor], loss_fn: Any, targets: A
         return t
 
     with FlopCounterMode(display=False) as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = _as_tuple(module(*leaves))
-        value = loss_fn(out[0] if len(out) == 1 else out, targets) if loss_fn is not None else None
+        raw = module(*leaves[: len(spec.inputs)])
+        out = _as_tuple(raw)
+        value = loss_fn(model_output(spec, raw, leaves), targets) if loss_fn is not None else None
     roots = [value] if value is not None else [o for o in out if o.requires_grad]
     wrt = params + [x for x in leaves if x.requires_grad]
     with FlopCounterMode(display=False) as bwd:
@@ -137,6 +138,6 @@ def _optimizer_bytes(make_optimizer: Any, params: list[nn.Parameter], grads: Seq
 def _crossing(specs: list[StageSpec], inputs: tuple[torch.Tensor, ...], outputs: list[tuple[torch.Tensor, ...]],
               after: int) -> list[torch.Tensor]:
     """Tensors made at or before block ``after`` (or model inputs) that a later block reads."""
-    refs = {(ref.stage, ref.index) for spec in specs[after + 1:] for ref in spec.inputs
+    refs = {(ref.stage, ref.index) for spec in specs[after + 1:] for ref in spec.received
             if ref.stage <= after}
     return [inputs[i] if s < 0 else outputs[s][i] for s, i in sorted(refs)]

@@ -333,7 +333,8 @@ async def run_node(topology: Topology, name: str, options: NodeOptions) -> str |
     except BaseExceptionGroup as group:
         _, rest = group.split(_Finished)
         if rest is not None:
-            raise first_error(rest) from None
+            err = first_error(rest)
+            raise err from err.__cause__  # keep what caused it (e.g. the tracer's own reason), drop the group
     finally:
         await node.shutdown()
     return node.failure

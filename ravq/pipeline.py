@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ravq.model import StageSpec
+from ravq.model import StageSpec, model_output
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class _Stash:
     version: int
     params: dict[str, torch.Tensor]
     inputs: list[torch.Tensor]
+    """Leaves for everything the stage received (``StageSpec.received``), in that order."""
     outputs: tuple[torch.Tensor, ...]
 
 
@@ -151,6 +152,7 @@ class StageWorker:
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
         self._fwd_sources = self._forward_sources()
         self._expected_fwd = self._expected_forward(input_specs, target_example)
+        self._raw_output: Any = None
 
     # ----------------------------------------------------------------- called from the event loop
     def deliver(self, kind: str, micro_batch: MicroBatch, source: int,
@@ -189,7 +191,7 @@ class StageWorker:
         expected: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {s: {} for s in self._fwd_sources}
         if input_specs is None:
             return {}
-        for ref, spec in zip(self.spec.inputs, input_specs):
+        for ref, spec in zip(self.spec.received, input_specs):
             name = f"x{ref.index}" if ref.stage < 0 else f"o{ref.index}"
             expected.setdefault(max(ref.stage, 0), {})[name] = spec
         if self.is_last and not self.is_first and target_example is not None:
@@ -309,20 +311,39 @@ class StageWorker:
         return self.options.predict_weights * sum(recent) / len(recent)
 
     def _forward(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run the module on what the stage received; returns its outputs as a tuple (the raw output,
+        e.g. the unsplit model's ModelOutput, is kept in ``self._raw_output`` for the last stage)."""
         weights = self._weights()
         leaves = [x.detach().to(self.device).requires_grad_(x.is_floating_point() and ref.stage >= 0)
-                  for x, ref in zip(inputs, self.spec.inputs)]
+                  for x, ref in zip(inputs, self.spec.received)]
         with torch.enable_grad():
-            out = functional_call(self.module, {**weights, **self.buffers}, tuple(leaves))
-        outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            out = functional_call(self.module, {**weights, **self.buffers}, tuple(leaves[: len(self.spec.inputs)]))
+        self._raw_output = out
+        if self.spec.output_spec is None and self.is_last:  # an unsplit model: its output goes to the loss only
+            outputs: tuple[torch.Tensor, ...] = ()
+        else:
+            outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         self._stash[mb] = _Stash(self.version, weights, leaves, outputs)
         self.stats.forwards += 1
         self.stats.inflight = len(self._stash)
         return outputs
 
+    def fresh_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Give these buffers new storage (a copy) and return them, so that changing them in place (an
+        averaging round's delta) never reaches the forwards in flight: autograd saved the old tensors
+        (BatchNorm saves its running statistics) and checks they are unchanged at backward."""
+        fresh = {}
+        for name in names:
+            owner, _, leaf = name.rpartition(".")
+            module = self.module.get_submodule(owner)
+            copy = self.buffers[name].detach().clone()
+            module._buffers[leaf] = copy
+            self.buffers[name] = fresh[name] = copy
+        return fresh
+
     def _gather_inputs(self, parts: dict[int, dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         args = []
-        for ref in self.spec.inputs:
+        for ref in self.spec.received:
             if ref.stage < 0:
                 args.append(parts[0][f"x{ref.index}"])
             else:
@@ -382,9 +403,10 @@ class StageWorker:
     def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any,
                   emit: Callable[[Outbound], None]) -> None:
         t0 = time.monotonic()
-        outputs = self._forward(mb, inputs)
+        self._forward(mb, inputs)
         stash = self._stash[mb]
-        out = outputs if self.spec.returns_tuple else outputs[0]
+        out = model_output(self.spec, self._raw_output, stash.inputs)
+        self._raw_output = None
         targets = _to_device(targets, self.device)
         with torch.enable_grad():
             loss = self.loss_fn(out, targets)
@@ -437,7 +459,7 @@ class StageWorker:
     def _send_input_grads(self, mb: MicroBatch, stash: _Stash, grad_of: dict[int, torch.Tensor | None],
                           emit: Callable[[Outbound], None]) -> None:
         per_producer: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.spec.producer_stages}
-        for x, ref in zip(stash.inputs, self.spec.inputs):
+        for x, ref in zip(stash.inputs, self.spec.received):
             if ref.stage < 0:
                 continue
             g = grad_of.get(id(x))

@@ -21,9 +21,12 @@ SEGMENT = Segment(ring_id=0, names=("w",), numel=NUMEL, ring=("c0", "c1"))
 
 
 def _averager(outer_lr: float, initial: torch.Tensor) -> Averager:
-    """An Averager with only what ``_apply`` uses (no sockets, plan or worker)."""
+    """An Averager with only what ``_apply`` uses (no sockets or plan; a worker without buffers)."""
+    from types import SimpleNamespace
+
     avg = Averager.__new__(Averager)
     avg.outer_lr, avg.anchors, avg._pending, avg.initial = outer_lr, {}, [], {"w": initial.clone()}
+    avg.worker = SimpleNamespace(buffers={})  # type: ignore[assignment]
     return avg
 
 

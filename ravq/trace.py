@@ -1,0 +1,83 @@
+"""torch's pipelining tracer, with the one repair real models need: no-grad regions inlined.
+
+A ``@torch.no_grad()`` forward inside a training-mode model (Llama's rotary embedding, most position or
+mask builders) is captured by ``torch.export`` as a ``wrap_with_set_grad_enabled`` call on a body
+sub-graph.  torch's pipelining then unflattens the stage holding it wrongly (the body is passed where
+the module expects its inputs), so the stage fails at its first forward.  Before splitting, each such
+region is replaced by its body run on detached inputs: the same values, and no gradient flows through,
+exactly as under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+from torch.distributed.pipelining._IR import Pipe
+
+_PATCH_LOCK = threading.Lock()
+_WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+
+
+def split_pipe(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]) -> Pipe:
+    """``torch.distributed.pipelining.pipeline`` cut before each module in ``cuts``, no-grad regions inlined."""
+    trace: Callable[..., Any] = Pipe._trace_with_export
+
+    def traced(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+        exported = trace(mod, args, kwargs)
+        inline_no_grad_regions(exported.graph_module)
+        return exported
+
+    with _PATCH_LOCK:
+        Pipe._trace_with_export = staticmethod(traced)  # type: ignore[method-assign, assignment]
+        try:
+            return pipeline(model, mb_args=example_args, split_spec={c: SplitPoint.BEGINNING for c in cuts})
+        finally:
+            Pipe._trace_with_export = staticmethod(trace)  # type: ignore[method-assign, assignment]
+
+
+def inline_no_grad_regions(gm: fx.GraphModule) -> int:
+    """Replace every top-level ``wrap_with_set_grad_enabled(False, body, *args)`` by ``body``'s nodes on
+    ``detach(args)``; returns how many were replaced."""
+    if _WRAP is None:
+        return 0
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _WRAP or node.args[0] is not False:
+            continue
+        body_ref, args = node.args[1], node.args[2:]
+        assert isinstance(body_ref, fx.Node) and body_ref.op == "get_attr"
+        body: fx.GraphModule = getattr(gm, str(body_ref.target))
+        with graph.inserting_before(node):
+            inputs = [_detached(graph, a, node) for a in args]
+            placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            result = graph.graph_copy(body.graph, dict(zip(placeholders, inputs)))
+        outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+        for user in list(node.users):
+            assert user.target is operator.getitem, f"unexpected use of a no-grad region: {user.format_node()}"
+            user.replace_all_uses_with(outputs[user.args[1]])  # type: ignore[index]
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not body_ref.users:
+            graph.erase_node(body_ref)
+            delattr(gm, str(body_ref.target))
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def _detached(graph: fx.Graph, value: Any, region: fx.Node) -> Any:
+    if not isinstance(value, fx.Node):
+        return value
+    node = graph.call_function(torch.ops.aten.detach.default, (value,))
+    node.meta = {k: v for k, v in region.meta.items() if k != "val"}
+    if "val" in value.meta:
+        node.meta["val"] = value.meta["val"]
+    return node
