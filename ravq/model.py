@@ -143,7 +143,7 @@ def split_model(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]
     leaves, out_spec = _output_structure(model, example_args)
     try:
         pipe = split_pipe(model, example_args, cuts)
-    except Exception as err:  # noqa: BLE001 - torch's tracer: any failure means "cannot split this model"
+    except Exception as err:  # torch's tracer: any failure means "cannot split this model"
         raise SplitError(_tracer_advice(err)) from err
     graph = pipe.split_gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

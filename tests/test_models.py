@@ -17,8 +17,8 @@ from tests.pipeline_harness import make_workers, merged_state, run_workers, trai
 
 def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert set(got) == set(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("name", ["batchnorm", "rotary", "structured"])
