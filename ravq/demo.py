@@ -144,7 +144,15 @@ class Swarm:
         return [n for n, p in self.nodes.items() if p.poll() is None]
 
     def failed(self) -> list[str]:
-        return [n for n, p in self.nodes.items() if p.poll() not in (None, 0)]
+        """Nodes that exited with an error, and "broker" once the broker has exited at all: it serves until
+        stop(), so an exit is an error (e.g. a plan the model cannot take), and nodes would wait for it."""
+        failed = [n for n, p in self.nodes.items() if p.poll() not in (None, 0)]
+        return failed + ["broker"] if self.broker.poll() is not None else failed
+
+    def error_line(self, name: str) -> str:
+        """The last line a process printed: its error, when it failed."""
+        lines = [line for line in self.log_tail(name, 40).splitlines() if line.strip()]
+        return lines[-1] if lines else "(no output)"
 
     def stop(self, grace_s: float = 20.0) -> None:
         procs = [*self.nodes.values(), self.broker]
@@ -186,18 +194,21 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"ravq demo: {shape}, {topology.training.steps} micro-batches per cluster; logs in {run_dir}", flush=True)
     t0 = time.monotonic()
     swarm = Swarm(run_dir, topo_path, data, args.threads, key_dir, args.plan)
-    ok = False
+    ok, failed = False, []
     try:
         ok = view.follow(swarm, args.timeout)
     except KeyboardInterrupt:
         print("\ninterrupted: draining nodes...", file=sys.stderr)
     finally:
+        failed = swarm.failed()  # before stop(): stopping ends the broker too
         swarm.stop()
         view.close()
     wall = time.monotonic() - t0
     if not ok:
-        for name in swarm.failed() or list(swarm.nodes):
+        for name in failed or list(swarm.nodes):
             print(f"--- {name} log (last lines) ---\n{swarm.log_tail(name)}", file=sys.stderr)
+        for name in failed:
+            print(f"ravq demo: {name} failed: {swarm.error_line(name)}", file=sys.stderr)
         return 1
     report = summarize(run_dir, data, wall)
     view.print_summary(report)

@@ -97,3 +97,14 @@ def test_overlapped_averaging_with_micro_batches_in_flight_trains(tmp_path: Path
         assert s["backwards"] == 40 and s["allreduce_rounds"] > 0, (name, s)
     last = swarm.summary("c0s1")
     assert last["loss_recent"] < last["loss_initial"], last
+
+
+def test_demo_reports_a_plan_error_from_the_broker(tmp_path: Path) -> None:
+    """4 stages of a model offering 2 cut points: the broker refuses the plan and exits; the demo says
+    why (the broker's own error), rather than leaving the nodes to time out waiting for it."""
+    proc = subprocess.run([sys.executable, "-m", "ravq", "demo", "--quiet", "--no-curve", "--task", "tests.zoo:tied",
+                           "--clusters", "1", "--stages", "4", "--steps", "5", "--run-dir", str(tmp_path / "run")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ravq demo: broker failed:" in proc.stderr and "4 stages need 0..2 cut points" in proc.stderr, proc.stderr
+    assert "no answer from the broker" not in proc.stderr, proc.stderr
