@@ -1,0 +1,99 @@
+"""Example task: a Hugging Face causal language model built from a config (random weights, no download).
+
+Written the obvious way: ``build_model`` returns the ``transformers`` model, ``loss_fn`` takes its usual
+output (a ``CausalLMOutputWithPast``; ravq rebuilds it on the last stage however many stages there are)
+and reads ``.logits``.  Two settings make a model splittable:
+
+- ``use_cache=False``: a key/value cache (``DynamicCache``) is for generation; it is not a tensor, so it
+  cannot cross a stage cut or reach the loss;
+- ``tie_word_embeddings=False``: with tied weights the embedding and the output head are one tensor used
+  by the first and the last stage; every stage holds its own weights, so ravq refuses tied weights.
+
+The data is the built-in character corpus (``ravq.tasks.charlm``: CPython's documentation, shipped with
+Python).  ``ravq demo --task ravq.tasks.hf_causal_lm`` trains the Llama-style model; ``...:gpt2`` a
+GPT-2.  ``make_task`` builds other sizes (the tests use tiny ones).  Needs ``pip install transformers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ravq.optim import ClusterAdam
+from ravq.tasks.charlm import VOCAB, corpus
+
+CONTEXT = 64
+
+
+def make_task(kind: str = "llama", *, layers: int = 4, hidden: int = 64, heads: int = 4, context: int = CONTEXT,
+              lr: float = 3e-3, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
+              ) -> SimpleNamespace:
+    """A task object for ``kind`` "llama" or "gpt2" of the given size (the task interface of DESIGN.md)."""
+    if kind not in ("llama", "gpt2"):
+        raise ValueError(f"kind: {kind!r} is not 'llama' or 'gpt2'")
+
+    def build_model() -> nn.Module:
+        return _build(kind, layers=layers, hidden=hidden, heads=heads, context=context)
+
+    def example_inputs(micro_batch: int) -> tuple[torch.Tensor]:
+        return (torch.zeros(micro_batch, context, dtype=torch.long),)
+
+    def train_batches(micro_batch: int, shard: int, num_shards: int,
+                      seed: int) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
+        return _windows(micro_batch, shard, num_shards, seed, context)
+
+    def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return optimizer(params) if optimizer is not None else ClusterAdam(params, lr=lr)
+
+    def split_points() -> list[str]:
+        blocks = [f"model.layers.{i}" for i in range(layers)] if kind == "llama" else \
+            [f"transformer.h.{i}" for i in range(layers)]
+        return [*blocks[1:], "model.norm" if kind == "llama" else "transformer.ln_f"]
+
+    return SimpleNamespace(build_model=build_model, example_inputs=example_inputs, loss_fn=loss_fn,
+                           train_batches=train_batches, make_optimizer=make_optimizer, split_points=split_points)
+
+
+def loss_fn(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on the model's usual output."""
+    logits = outputs.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _build(kind: str, *, layers: int, hidden: int, heads: int, context: int) -> nn.Module:
+    import transformers
+
+    common: dict[str, Any] = {"vocab_size": VOCAB, "use_cache": False, "tie_word_embeddings": False,
+                              "bos_token_id": 0, "eos_token_id": 0}
+    if kind == "llama":
+        config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                                          num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                                          max_position_embeddings=context, **common)
+        return transformers.LlamaForCausalLM(config)
+    config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=context,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _windows(micro_batch: int, shard: int, num_shards: int, seed: int,
+             context: int) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
+    """Random windows from this shard's slice of the corpus, forever, reproducibly."""
+    data = corpus()
+    span = len(data) // num_shards
+    lo, hi = shard * span, (shard + 1) * span - context - 1
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + shard)
+    offsets = torch.arange(context + 1)
+    while True:
+        window = data[torch.randint(lo, hi, (micro_batch, 1), generator=gen) + offsets].long()
+        yield (window[:, :-1],), window[:, 1:]
+
+
+llama = make_task("llama")
+gpt2 = make_task("gpt2")
+build_model, example_inputs, train_batches = llama.build_model, llama.example_inputs, llama.train_batches
+make_optimizer, split_points = llama.make_optimizer, llama.split_points
