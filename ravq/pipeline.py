@@ -318,11 +318,8 @@ class StageWorker:
                   for x, ref in zip(inputs, self.spec.received)]
         with torch.enable_grad():
             out = functional_call(self.module, {**weights, **self.buffers}, tuple(leaves[: len(self.spec.inputs)]))
-        self._raw_output = out
-        if self.spec.output_spec is None and self.is_last:  # an unsplit model: its output goes to the loss only
-            outputs: tuple[torch.Tensor, ...] = ()
-        else:
-            outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        self._raw_output = out if self.is_last else None
+        outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         self._stash[mb] = _Stash(self.version, weights, leaves, outputs)
         self.stats.forwards += 1
         self.stats.inflight = len(self._stash)

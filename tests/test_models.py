@@ -171,7 +171,7 @@ def test_fresh_buffers_keep_in_flight_forwards_valid() -> None:
     for seq in range(2):  # two forwards in flight
         (x,), t = next(batches)
         worker._forward((0, seq), [x])
-        losses[seq] = zoo.batchnorm.loss_fn(worker._raw_output, t)
+        losses[seq] = zoo.batchnorm.loss_fn(worker._stash[(0, seq)].outputs[0], t)
     names = [n for n in averaged_names(worker.module) if n in worker.buffers]
     live = worker.fresh_buffers(names)
     snapshot = flatten(list(live.values()))
