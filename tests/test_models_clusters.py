@@ -108,3 +108,14 @@ def test_demo_reports_a_plan_error_from_the_broker(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "ravq demo: broker failed:" in proc.stderr and "4 stages need 0..2 cut points" in proc.stderr, proc.stderr
     assert "no answer from the broker" not in proc.stderr, proc.stderr
+
+
+def test_demo_reports_why_a_node_cannot_split_the_model(tmp_path: Path) -> None:
+    """A model returning a cache object: the node's one-line error says what it is and what to do, and the
+    demo shows it (torch's tracer would only say it "cannot capture your model as a full graph")."""
+    proc = subprocess.run([sys.executable, "-m", "ravq", "demo", "--quiet", "--no-curve", "--task", "tests.zoo:cached",
+                           "--clusters", "1", "--stages", "2", "--steps", "5", "--run-dir", str(tmp_path / "run")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ravq demo: c0s0 failed: ravq node: " in proc.stderr, proc.stderr
+    assert "output['past_key_values'] is a KeyValueCache" in proc.stderr and "use_cache=False" in proc.stderr, proc.stderr

@@ -195,3 +195,19 @@ class TiedNet(nn.Module):
 tied = _task(TiedNet, lambda mb: (torch.zeros(mb, SEQ, dtype=torch.long),), _lm_loss, _token_batches, ["mid", "head"])
 
 UNIFORM_LM_LOSS = math.log(VOCAB)
+
+
+# ---------------------------------------------------------------------------------------------- refused
+class KeyValueCache:
+    """Stands in for transformers' DynamicCache: an object in the output that is not a tensor."""
+
+
+class CachingNet(BatchNormNet):
+    """Returns a cache beside its logits, as a transformers model does with ``use_cache=True``."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:  # type: ignore[override]
+        return {"logits": super().forward(x), "past_key_values": KeyValueCache()}
+
+
+cached = _task(CachingNet, lambda mb: (torch.zeros(mb, FEATURES),), lambda out, t: F.cross_entropy(out["logits"], t),
+               _classification_batches, ["bn1", "mid", "bn2", "head"])
