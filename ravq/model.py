@@ -3,7 +3,12 @@
 ``split_model`` traces the unsplit model once, cuts it where stages begin and describes, for every
 stage, where each of its inputs comes from: a model input (read by stage 0's data loader) or an
 output of an earlier stage, which need not be the previous one (skip connections across cuts are
-direct edges).  Stage modules keep the unsplit model's parameter names.
+direct edges).  Stage modules keep the unsplit model's parameter names, and non-persistent buffers
+stay non-persistent.  The last stage also learns how to rebuild what the unsplit model returns (a
+``ModelOutput``, dataclass, dict or tuple, some of its tensors possibly made by earlier stages), so
+``loss_fn`` sees the same thing with one stage or many.  Nothing here moves a buffer: the passes over
+example inputs put BatchNorm's running statistics back as they were.  What cannot be split raises
+``SplitError`` naming the parameter, buffer or output and what to change.
 """
 
 from __future__ import annotations
