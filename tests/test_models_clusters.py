@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,5 +118,5 @@ def test_demo_reports_why_a_node_cannot_split_the_model(tmp_path: Path) -> None:
                            "--clusters", "1", "--stages", "2", "--steps", "5", "--run-dir", str(tmp_path / "run")],
                           cwd=ROOT, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "ravq demo: c0s0 failed: ravq node: " in proc.stderr, proc.stderr
+    assert re.search(r"ravq demo: c0s[01] failed: ravq node: ", proc.stderr), proc.stderr  # whichever failed first
     assert "output['past_key_values'] is a KeyValueCache" in proc.stderr and "use_cache=False" in proc.stderr, proc.stderr
