@@ -71,13 +71,13 @@ def _build(kind: str, *, layers: int, hidden: int, heads: int, context: int) -> 
     common: dict[str, Any] = {"vocab_size": VOCAB, "use_cache": False, "tie_word_embeddings": False,
                               "bos_token_id": 0, "eos_token_id": 0}
     if kind == "llama":
-        config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                                          num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                                          max_position_embeddings=context, **common)
-        return transformers.LlamaForCausalLM(config)
-    config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=context,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
-    return transformers.GPT2LMHeadModel(config)
+        llama = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                                         max_position_embeddings=context, **common)
+        return transformers.LlamaForCausalLM(llama)
+    gpt2 = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=context,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    return transformers.GPT2LMHeadModel(gpt2)
 
 
 def _windows(micro_batch: int, shard: int, num_shards: int, seed: int,
