@@ -448,6 +448,8 @@ class StageWorker:
         self._send_input_grads(mb, stash, dict(zip(map(id, grad_inputs), grads[len(weights):])), emit)
         self.stats.backwards += 1
         self.stats.samples += self.options.micro_batch
+        if self.metrics is not None:  # ravq_samples_total: the throughput panels read it
+            self.metrics.samples.inc(self.options.micro_batch)
         self._pending_staleness.append(stash.version)
         self._accumulated += 1
         if self._accumulated >= self.options.update_every:

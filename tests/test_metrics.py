@@ -94,3 +94,18 @@ def test_real_prometheus_scrapes_and_queries(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_every_stage_counts_the_samples_it_trains() -> None:
+    """ravq_samples_total is counted by the process that trains (the throughput panels read it)."""
+    from tests import models_for_tests as skipnet
+    from tests.pipeline_harness import make_workers, run_workers
+
+    workers = make_workers(skipnet, 2, steps=6, max_inflight=2, micro_batch=4)
+    registries = []
+    for w in workers:
+        w.metrics = Metrics(f"s{w.spec.index}")
+        registries.append(w.metrics.registry)
+    run_workers(workers)
+    for registry in registries:
+        assert registry.get_sample_value("ravq_samples_total") == 6 * 4
