@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import time
 from dataclasses import dataclass, field
@@ -51,10 +52,14 @@ class Broker:
         self.heartbeat_timeout_s = heartbeat_timeout_s or 10 * topology.timeouts.heartbeat_interval_s
         self.known = {n.name for n in topology.nodes}
         self.incarnation = f"{time.time():.6f}"
+        self.run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
+        """Names this training run; nodes that start fresh write it into their checkpoints, so `ravq
+        export` never merges stages of different runs.  A resumed stage keeps its checkpoint's."""
         self._stop = asyncio.Event()
 
     def state(self) -> dict[str, Any]:
-        return {"plan": self.plan.model_dump(), "members": {k: v.state for k, v in self.members.items()}}
+        return {"plan": self.plan.model_dump(), "run_id": self.run_id,
+                "members": {k: v.state for k, v in self.members.items()}}
 
     async def _publish(self, pub: Publisher, kind: str, data: dict[str, Any]) -> None:
         self.seq += 1
@@ -100,7 +105,7 @@ class Broker:
                 self.members[node].last_seen = time.monotonic()
             await self._reply_snapshot(inbox, identity, node)
         elif msg.type == MsgType.STATUS_REQ:
-            status = {"seq": self.seq, "plan": self.plan.model_dump(),
+            status = {"seq": self.seq, "plan": self.plan.model_dump(), "run_id": self.run_id,
                       "members": {k: v.public() for k, v in self.members.items()}}
             await inbox.reply(identity, Message(type=MsgType.STATUS, sender=BROKER, meta=status), node)
         else:

@@ -1,23 +1,40 @@
 """Stage checkpoints: safetensors for tensors, a small JSON for the rest; never pickle.
 
-Layout: ``DIR/cluster{c}/stage{s}.safetensors`` + ``stage{s}.json``.  Both are written to a temporary
-name, flushed and renamed; the JSON is renamed last and names the tensor file's size, so a crash
-mid-write leaves the previous checkpoint intact and a torn pair is detected on load.
+Layout: ``DIR/cluster{c}/stage{s}.safetensors`` + ``stage{s}.json`` (the newest checkpoint) and
+``stage{s}.prev.safetensors`` + ``stage{s}.prev.json`` (the one before).  A pair is one unit: both
+carry the same random ``checkpoint_id`` (the tensor file in its safetensors metadata) and the JSON
+names the tensor file's size and SHA-256, and the run id of the training run.  A save writes both to
+temporary names, fsyncs them, moves the current pair to ``.prev`` and renames the new pair in; loading
+matches JSON and tensors by id across the four files, so a save killed at any point, a torn pair
+(tensors of one save beside the JSON of another) or a corrupt file leaves a loadable checkpoint: the
+newest pair that checks out, else the previous one.  Temporary files of a killed save are removed
+when the stage next starts (``remove_temp_files``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-FORMAT = 1
+log = logging.getLogger(__name__)
+
+FORMAT = 2
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint, or checkpoints that do not belong together; ``str()`` is one line."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -27,17 +44,62 @@ class StageCheckpoint:
     meta: dict[str, Any]
 
 
-def _paths(root: Path, cluster: int, stage: int) -> tuple[Path, Path]:
-    d = root / f"cluster{cluster}"
-    return d / f"stage{stage}.safetensors", d / f"stage{stage}.json"
+@dataclass(frozen=True, slots=True)
+class _Files:
+    tensors: Path
+    meta: Path
+    prev_tensors: Path
+    prev_meta: Path
+
+    @classmethod
+    def of(cls, root: Path, cluster: int, stage: int) -> _Files:
+        d = root / f"cluster{cluster}"
+        return cls(d / f"stage{stage}.safetensors", d / f"stage{stage}.json",
+                   d / f"stage{stage}.prev.safetensors", d / f"stage{stage}.prev.json")
+
+
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = _temp_path(path)
     write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    _fsync(tmp)
     os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _tensor_file_id(path: Path) -> str | None:
+    """The checkpoint id in a safetensors file's metadata (None: missing, unreadable or not ours)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("checkpoint_id")
+    except Exception:  # noqa: BLE001 - a torn or foreign file may raise anything
+        return None
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("checkpoint_id"), str) else None
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor],
@@ -73,60 +135,158 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: list[str], tensor
 
 def save_stage(root: str | Path, *, cluster: int, stage: int, num_stages: int, node: str,
                module: torch.nn.Module, optimizer: torch.optim.Optimizer, version: int,
-               data_position: int, extra: dict[str, Any] | None = None) -> Path:
-    """Write one stage's checkpoint atomically; returns the JSON path."""
-    root = Path(root)
-    tensor_path, json_path = _paths(root, cluster, stage)
-    tensor_path.parent.mkdir(parents=True, exist_ok=True)
+               data_position: int, run_id: str | None = None, cluster_nodes: list[str] | None = None,
+               extra: dict[str, Any] | None = None) -> Path:
+    """Write one stage's checkpoint (the previous one is kept as ``.prev``); returns the JSON path."""
+    files = _Files.of(Path(root), cluster, stage)
+    files.tensors.parent.mkdir(parents=True, exist_ok=True)
     names = [n for n, _ in module.named_parameters()]
     tensors = {f"model.{k}": v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
     opt_tensors, opt_rest = optimizer_tensors(optimizer, names)
     tensors.update({k: v.detach().to("cpu").contiguous().clone() for k, v in opt_tensors.items()})
-    _write_atomic(tensor_path, lambda p: save_file(tensors, str(p), metadata={"format": str(FORMAT)}))
-    meta = {
-        "format": FORMAT, "node": node, "cluster": cluster, "stage": stage, "num_stages": num_stages,
-        "version": version, "data_position": data_position, "written_at": time.time(),
-        "tensor_file": tensor_path.name, "tensor_bytes": tensor_path.stat().st_size,
-        "optimizer": opt_rest, "parameter_names": names, **(extra or {}),
-    }
+    checkpoint_id = secrets.token_hex(8)
+    # A directory of this save's own: safetensors itself writes through a temporary file beside its target.
+    tmp_dir = files.tensors.with_name(f".stage{stage}.tmp{os.getpid()}")
+    tmp_dir.mkdir(exist_ok=True)
+    tmp_tensors, tmp_meta = tmp_dir / files.tensors.name, tmp_dir / files.meta.name
+    try:
+        save_file(tensors, str(tmp_tensors), metadata={"format": str(FORMAT), "checkpoint_id": checkpoint_id,
+                                                       "run_id": run_id or ""})
+        _fsync(tmp_tensors)
+        meta = {
+            "format": FORMAT, "checkpoint_id": checkpoint_id, "run_id": run_id, "node": node, "cluster": cluster,
+            "stage": stage, "num_stages": num_stages, "cluster_nodes": cluster_nodes, "version": version,
+            "data_position": data_position, "written_at": time.time(),
+            "tensor_bytes": tmp_tensors.stat().st_size, "tensor_sha256": _sha256(tmp_tensors),
+            "optimizer": opt_rest, "parameter_names": names, **(extra or {}),
+        }
+        tmp_meta.write_text(json.dumps(meta, indent=1, default=float))
+        _fsync(tmp_meta)
+        _rotate(files)
+        os.replace(tmp_tensors, files.tensors)
+        os.replace(tmp_meta, files.meta)  # last: until here the previous pair is the loadable one
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    _fsync(files.meta.parent)
+    return files.meta
 
-    def write_json(p: Path) -> None:
-        p.write_text(json.dumps(meta, indent=1, default=float))
 
-    _write_atomic(json_path, write_json)
-    return json_path
+def _rotate(files: _Files) -> None:
+    """Make the current pair the previous one.  A current tensor file without its JSON is the
+    leftover of a killed save (overwritten next), unless a killed rotation already moved its JSON."""
+    if not files.meta.exists():
+        if files.tensors.exists() and (prev := _read_meta(files.prev_meta)) is not None \
+                and _tensor_file_id(files.tensors) == prev["checkpoint_id"]:
+            os.replace(files.tensors, files.prev_tensors)  # finish the rotation a kill interrupted
+        return
+    os.replace(files.meta, files.prev_meta)
+    if files.tensors.exists():
+        os.replace(files.tensors, files.prev_tensors)
 
 
-def load_stage(root: str | Path, cluster: int, stage: int) -> StageCheckpoint:
-    tensor_path, json_path = _paths(Path(root), cluster, stage)
-    if not json_path.exists():
-        raise FileNotFoundError(f"no checkpoint for cluster {cluster} stage {stage} in {root}")
-    meta = json.loads(json_path.read_text())
+def remove_temp_files(root: str | Path, cluster: int, stage: int) -> list[Path]:
+    """Delete the temporary files a killed save of this stage left behind (call it when the stage
+    starts: only its own node writes them); returns what was removed."""
+    directory = Path(root) / f"cluster{cluster}"
+    if not directory.is_dir():
+        return []
+    removed = []
+    for path in directory.glob(f".stage{stage}.tmp*"):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        log.info("removed %d temporary file(s) of an interrupted checkpoint save in %s", len(removed), directory)
+    return removed
+
+
+def _candidates(files: _Files) -> list[dict[str, Any]]:
+    """The JSON halves found for a stage, newest first."""
+    metas = [m for m in (_read_meta(files.meta), _read_meta(files.prev_meta)) if m is not None]
+    return sorted(metas, key=lambda m: (m.get("version", -1), m.get("written_at", 0.0)), reverse=True)
+
+
+def _check_pair(files: _Files, meta: dict[str, Any]) -> tuple[Path | None, str]:
+    """The tensor file that belongs to ``meta`` and checks out, or None and why not."""
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{json_path}: unknown checkpoint format {meta.get('format')!r}")
-    if tensor_path.stat().st_size != meta["tensor_bytes"]:
-        raise ValueError(f"{tensor_path}: size does not match {json_path.name} (torn write?)")
-    tensors = load_file(str(tensor_path))
-    model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-    optim = {k: v for k, v in tensors.items() if k.startswith("optim.")}
-    return StageCheckpoint(model=model, optimizer={"tensors": optim, "rest": meta["optimizer"]}, meta=meta)
+        return None, f"unknown checkpoint format {meta.get('format')!r}"
+    reason = "no tensor file with its checkpoint id (torn pair)"
+    for path in (files.tensors, files.prev_tensors):
+        if _tensor_file_id(path) != meta["checkpoint_id"]:
+            continue
+        if path.stat().st_size != meta.get("tensor_bytes"):
+            reason = f"{path.name}: size does not match its JSON (torn write)"
+        elif _sha256(path) != meta.get("tensor_sha256"):
+            reason = f"{path.name}: checksum does not match its JSON (corrupt)"
+        else:
+            return path, ""
+    return None, reason
 
 
-def export_cluster(root: str | Path, out: str | Path, cluster: int = 0) -> dict[str, Any]:
-    """Merge the stages of one cluster into the unsplit model's state_dict, saved as safetensors."""
+def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None) -> StageCheckpoint:
+    """The newest checkpoint of a stage whose JSON and tensors check out (of ``run_id`` if given)."""
+    files = _Files.of(Path(root), cluster, stage)
+    metas = [m for m in _candidates(files) if run_id is None or m.get("run_id") == run_id]
+    if not metas:
+        run = f" of run {run_id}" if run_id else ""
+        raise FileNotFoundError(f"no checkpoint{run} for cluster {cluster} stage {stage} in {root}")
+    problems = []
+    for meta in metas:
+        path, reason = _check_pair(files, meta)
+        if path is None:
+            problems.append(f"version {meta.get('version')}: {reason}")
+            continue
+        if problems:
+            log.warning("cluster %d stage %d: newest checkpoint unusable (%s); using version %s",
+                        cluster, stage, "; ".join(problems), meta.get("version"))
+        tensors = load_file(str(path))
+        model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        optim = {k: v for k, v in tensors.items() if k.startswith("optim.")}
+        return StageCheckpoint(model=model, optimizer={"tensors": optim, "rest": meta["optimizer"]}, meta=meta)
+    raise CheckpointError(f"cluster {cluster} stage {stage} in {root}: no usable checkpoint ({'; '.join(problems)})")
+
+
+def export_cluster(root: str | Path, out: str | Path, cluster: int = 0, run_id: str | None = None) -> dict[str, Any]:
+    """Merge the stages of one cluster into the unsplit model's state_dict, saved as safetensors.
+
+    Every stage 0..n-1 must be there, from the same run (``run_id``, or the run of the newest stage)
+    and agree on n; otherwise CheckpointError names the missing stages and their nodes, or the runs."""
     root = Path(root)
     cdir = root / f"cluster{cluster}"
-    metas = sorted(cdir.glob("stage*.json")) if cdir.is_dir() else []
-    if not metas:
+    found = sorted({int(p.name.split(".")[0].removeprefix("stage")) for p in cdir.glob("stage*.json")
+                    if p.name.split(".")[0].removeprefix("stage").isdigit()}) if cdir.is_dir() else []
+    if not found:
         raise FileNotFoundError(f"no stage checkpoints under {cdir}")
-    num_stages = json.loads(metas[0].read_text())["num_stages"]
+    if run_id is None:  # the run of the newest checkpoint in the directory
+        newest = max((m for s in found for m in _candidates(_Files.of(root, cluster, s))),
+                     key=lambda m: m.get("written_at", 0.0), default={})
+        run_id = newest.get("run_id")
+    ckpts: dict[int, StageCheckpoint] = {}
+    other_runs: dict[int, set[str]] = {}
+    for s in found:
+        try:
+            ckpts[s] = load_stage(root, cluster, s, run_id)
+        except FileNotFoundError:
+            other_runs[s] = {str(m.get("run_id")) for m in _candidates(_Files.of(root, cluster, s))}
+    counts = {c.meta["num_stages"] for c in ckpts.values()}
+    if len(counts) > 1:
+        raise CheckpointError(f"{cdir}: stages of run {run_id} disagree on the number of stages "
+                              f"({sorted(counts)}): checkpoints of different plans")
+    num_stages = counts.pop() if counts else len(found)
+    missing = [s for s in range(num_stages) if s not in ckpts]
+    if missing:
+        nodes = next((c.meta.get("cluster_nodes") for c in ckpts.values() if c.meta.get("cluster_nodes")), None)
+        what = ", ".join(f"stage {s}" + (f" (node {nodes[s]})" if nodes and s < len(nodes) else "")
+                         + (f" [only run(s) {', '.join(sorted(other_runs[s]))}]" if s in other_runs else "")
+                         for s in missing)
+        raise CheckpointError(f"{cdir}: cluster {cluster} has {num_stages} stages; run {run_id} lacks {what}. "
+                              f"Copy each missing stage's {cdir.name}/stageN.* from the PC that trained it "
+                              "(or pass --run-id)")
     state: dict[str, torch.Tensor] = {}
-    versions = []
     for s in range(num_stages):
-        ckpt = load_stage(root, cluster, s)
-        overlap = set(state) & set(ckpt.model)
+        overlap = set(state) & set(ckpts[s].model)
         assert not overlap, f"stages share tensors: {sorted(overlap)[:3]}"
-        state.update(ckpt.model)
-        versions.append(ckpt.meta["version"])
-    _write_atomic(Path(out), lambda p: save_file(state, str(p), metadata={"cluster": str(cluster)}))
-    return {"cluster": cluster, "stages": num_stages, "tensors": len(state), "versions": versions}
+        state.update(ckpts[s].model)
+    metadata = {"cluster": str(cluster), "run_id": str(run_id)}
+    _write_atomic(Path(out), lambda p: save_file(state, str(p), metadata=metadata))
+    return {"cluster": cluster, "stages": num_stages, "tensors": len(state), "run_id": run_id,
+            "versions": [ckpts[s].meta["version"] for s in range(num_stages)]}

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from ravq.config import ClusterPlan, ConfigError, Plan, Topology, load_plan, load_topology
 
@@ -24,6 +25,9 @@ def _setup_logging(verbose: bool) -> None:
 def plan_for(topology: Topology, plan_path: str | None) -> Plan:
     """The plan to run: a planner's file when given, else the topology's clusters split evenly."""
     if plan_path:
+        if not Path(plan_path).exists():
+            raise ConfigError(f"--plan {plan_path}: file not found; make it with `ravq plan --topology TOPOLOGY "
+                              f"--profiles DIR --out {plan_path}` (deploy/README.md, step 4)")
         plan = load_plan(plan_path)
         names = {n.name for n in topology.nodes}
         for cluster in plan.clusters:
@@ -109,23 +113,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ravq.checkpoint import export_cluster
 
     try:
-        info = export_cluster(args.checkpoint_dir, args.out, args.cluster)
+        info = export_cluster(args.checkpoint_dir, args.out, args.cluster, args.run_id)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from None
-    print(f"wrote {args.out}: cluster {info['cluster']}, {info['stages']} stages, {info['tensors']} tensors, "
-          f"stage versions {info['versions']}")
+    print(f"wrote {args.out}: cluster {info['cluster']}, run {info['run_id']}, {info['stages']} stages, "
+          f"{info['tensors']} tensors, stage versions {info['versions']}")
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from ravq.status import fetch_status, format_status
 
-    topology = load_topology(args.topology)
+    topology = load_topology(args.topology, resolve_task=False)  # no task import: no torch
     try:
         status = asyncio.run(fetch_status(topology, args.timeout, args.key_dir, args.name))
     except TimeoutError:
-        print(f"ravq status: the broker did not answer within {args.timeout:.0f}s", file=sys.stderr)
+        print(f"ravq status: the broker at {topology.broker.host}:{topology.broker.router_port} did not answer "
+              f"within {args.timeout:.0f}s", file=sys.stderr)
         return 1
+    except ValueError as err:  # a key file that is missing, unreadable or not the listed one
+        raise ConfigError(f"{err} (with CURVE, ravq status uses a key pair on this PC: --key-dir DIR "
+                          "--name NODE; run it as the user that owns the key, e.g. sudo -u ravq)") from None
     print(json.dumps(status, indent=1) if args.json else format_status(status))
     return 0
 
@@ -133,7 +141,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_keygen(args: argparse.Namespace) -> int:
     from ravq.security import keygen_main
 
-    return keygen_main(args.name, args.key_dir)
+    return keygen_main(args.name, args.key_dir, args.owner)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -182,19 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint-dir", required=True)
     e.add_argument("--out", required=True)
     e.add_argument("--cluster", type=int, default=0)
+    e.add_argument("--run-id", help="export this run (default: the run of the newest checkpoint)")
     e.set_defaults(func=cmd_export)
 
     s = sub.add_parser("status", help="ask the broker for membership and live statistics")
     s.add_argument("--topology", required=True)
     s.add_argument("--timeout", type=float, default=5.0)
     s.add_argument("--json", action="store_true")
-    s.add_argument("--key-dir", help="with CURVE: directory holding the --name key pair")
-    s.add_argument("--name", default="broker", help="with CURVE: whose key to use (default: broker)")
+    s.add_argument("--key-dir", help="with CURVE: directory holding this PC's key pair (default: security.key_dir)")
+    s.add_argument("--name", help="with CURVE: whose key pair to use (default: the broker's if its secret is "
+                                  "in the key directory, else the first node's that is)")
     s.set_defaults(func=cmd_status)
 
     k = sub.add_parser("keygen", help="make a CURVE key pair for a node or the broker")
     k.add_argument("name")
     k.add_argument("--key-dir", default=".")
+    k.add_argument("--owner", help="user that runs ravq on this PC (e.g. ravq): it owns the pair (needs root)")
     k.set_defaults(func=cmd_keygen)
 
     pr = sub.add_parser("profile", help="measure this node and its links")

@@ -299,8 +299,11 @@ def _short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def parse_topology(data: Any, source: str = "topology") -> Topology:
-    """Validate already-parsed YAML/JSON data; raise ConfigError with one line on failure."""
+def parse_topology(data: Any, source: str = "topology", resolve_task: bool = True) -> Topology:
+    """Validate already-parsed YAML/JSON data; raise ConfigError with one line on failure.
+
+    ``resolve_task=False`` skips importing the task (and with it torch): for commands that only talk
+    to the broker (``ravq status``)."""
     if data is None:
         raise ConfigError(f"{source}: empty document; expected a mapping with task, broker and nodes")
     if not isinstance(data, dict):
@@ -310,6 +313,8 @@ def parse_topology(data: Any, source: str = "topology") -> Topology:
         topo = Topology.model_validate(data)
     except ValidationError as err:
         raise ConfigError(f"{source}: {_format_error(err, Topology)}") from None
+    if not resolve_task:
+        return topo
     try:
         resolve_task_module(topo.task)
     except ConfigError as err:
@@ -317,10 +322,10 @@ def parse_topology(data: Any, source: str = "topology") -> Topology:
     return topo
 
 
-def load_topology(path: str | Path) -> Topology:
+def load_topology(path: str | Path, resolve_task: bool = True) -> Topology:
     """Read and validate a topology YAML file."""
     path = Path(path)
-    return parse_topology(_read_yaml(path), str(path))
+    return parse_topology(_read_yaml(path), str(path), resolve_task)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

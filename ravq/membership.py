@@ -37,6 +37,8 @@ class Membership:
         self.seq = -1
         self.incarnation: str | None = None
         self.plan: Plan | None = None
+        self.run_id: str | None = None
+        """The broker's run id (checkpoints carry it)."""
         self.members: dict[str, str] = {}
         self.changed = asyncio.Event()
 
@@ -44,6 +46,7 @@ class Membership:
         state = meta.get("state") or {}
         self.plan = Plan.model_validate(state["plan"])
         self.members = dict(state.get("members", {}))
+        self.run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
         self.seq = int(meta["seq"])
         self.incarnation = meta.get("incarnation")
         self.changed.set()

@@ -76,6 +76,8 @@ class Node:
         self._draining = False
         self._force = asyncio.Event()
         self._started_at = time.time()
+        self.run_id: str | None = None
+        """The run this stage's weights belong to: the broker's, or the resumed checkpoint's."""
 
     # ------------------------------------------------------------------ create
     async def create(self, tg: asyncio.TaskGroup) -> None:
@@ -84,6 +86,7 @@ class Node:
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.bind_host or self.config.host)
         self.plan = await self.membership.join()
+        self.run_id = self.membership.run_id
         try:
             self.cluster, self.stage = self.plan.locate(self.name)
         except KeyError:
@@ -132,6 +135,8 @@ class Node:
                              metrics=self.metrics, model_input_needs=model_input_needs(specs),
                              input_specs=stage_input_specs(specs, example)[self.stage],
                              target_example=target_example)
+        if training.checkpoint_dir:
+            checkpoint.remove_temp_files(training.checkpoint_dir, self.cluster, self.stage)
         if training.resume and training.checkpoint_dir:
             self._resume(worker)
         return worker
@@ -147,6 +152,7 @@ class Node:
         checkpoint.restore_optimizer(worker.optimizer, list(worker.params), ckpt.optimizer["tensors"],
                                      ckpt.optimizer["rest"])
         worker.version = ckpt.meta["version"]
+        self.run_id = ckpt.meta.get("run_id") or self.run_id
         # count the micro-batches already trained towards training.steps
         done = worker.version * self.topology.training.update_every
         worker.stats.forwards = worker.stats.backwards = done
@@ -154,7 +160,7 @@ class Node:
             for _ in range(ckpt.meta["data_position"]):
                 next(worker.batches)
             worker.data_position = ckpt.meta["data_position"]
-        log.info("%s: resumed at version %d", self.name, worker.version)
+        log.info("%s: resumed at version %d (run %s)", self.name, worker.version, self.run_id)
 
     # ------------------------------------------------------------------ run
     def start(self, tg: asyncio.TaskGroup) -> None:
@@ -275,7 +281,8 @@ class Node:
         t0 = time.monotonic()
         checkpoint.save_stage(root, cluster=self.cluster, stage=self.stage, num_stages=worker.num_stages,
                               node=self.name, module=worker.module, optimizer=worker.optimizer,
-                              version=worker.version, data_position=worker.data_position)
+                              version=worker.version, data_position=worker.data_position, run_id=self.run_id,
+                              cluster_nodes=list(self._current_plan().clusters[self.cluster].nodes))
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
 

@@ -23,7 +23,7 @@ import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -31,7 +31,9 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from ravq.metrics import Metrics
-from ravq.transport import SocketOptions
+
+if TYPE_CHECKING:
+    from ravq.transport import SocketOptions
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +71,54 @@ def key_paths(name: str, key_dir: str | Path) -> tuple[Path, Path]:
     return key_dir / f"{name}{PUBLIC_SUFFIX}", key_dir / f"{name}{SECRET_SUFFIX}"
 
 
-def keygen(name: str, key_dir: str | Path) -> str:
+def keygen(name: str, key_dir: str | Path, owner: str | None = None) -> str:
     """Write a new CURVE key pair for ``name`` into ``key_dir``; return the Z85 public key.
 
     The secret file is created with O_EXCL at mode 0600, so it is never overwritten and never
-    readable by anyone else, whatever the umask.
+    readable by anyone else, whatever the umask.  ``owner`` (a user name; needs root): the pair and a
+    key directory made here belong to that user and its group, the user the services run as
+    (``--owner ravq``): ravq reads a secret only when it is the owner's alone.
     """
+    uid_gid = _user_ids(owner) if owner is not None else None
     public_path, secret_path = key_paths(name, key_dir)
     for path in (public_path, secret_path):
         if path.exists() or path.is_symlink():
             raise KeyExistsError(f"{path}: key exists; refusing to overwrite it (delete it first)")
-    Path(key_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory = Path(key_dir)
+    made_dir = not directory.exists()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     public, secret = (k.decode("ascii") for k in zmq.curve_keypair())
     _create(secret_path, f"# ravq CURVE secret key of {name}: keep it private\n{secret}\n", 0o600)
     try:
         _create(public_path, f"# ravq CURVE public key of {name}: list it in the topology\n{public}\n", 0o644)
+        if uid_gid is not None:
+            for path in ([directory] if made_dir else []) + [secret_path, public_path]:
+                os.chown(path, *uid_gid, follow_symlinks=False)
     except BaseException:
         secret_path.unlink()  # no half-made pair: a secret without its public file confuses users
+        public_path.unlink(missing_ok=True)
         raise
     return public
+
+
+def _user_ids(user: str) -> tuple[int, int]:
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise ValueError(f"--owner: no user named {user!r} on this PC (create it first: "
+                         f"`useradd --system --home-dir /var/lib/ravq --shell /usr/sbin/nologin {user}`)") from None
+    return entry.pw_uid, entry.pw_gid
+
+
+def _who(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _create(path: Path, text: str, mode: int) -> None:
@@ -103,13 +134,21 @@ def _create(path: Path, text: str, mode: int) -> None:
 def load_secret(name: str, key_dir: str | Path) -> tuple[str, str]:
     """(public, secret) Z85 keys of ``name``; refuses a secret file that group or others may access."""
     _, secret_path = key_paths(name, key_dir)
+    me = os.geteuid()
+    fix = (f"the key directory and {secret_path.name} must belong to the user that runs ravq ({_who(me)}): "
+           f"`chown {_who(me)}: {key_dir} {secret_path}; chmod 700 {key_dir}; chmod 600 {secret_path}`")
     try:
-        mode = secret_path.stat().st_mode
+        st = secret_path.stat()
     except FileNotFoundError:
         raise KeyFileError(f"{secret_path}: no secret key (make one with `ravq keygen {name}`)") from None
-    if mode & 0o077:
+    except PermissionError:
+        raise KeyFileError(f"{secret_path}: permission denied; {fix}") from None
+    if st.st_mode & 0o077:
         raise KeyFileError(f"{secret_path}: secret key is accessible by group/others "
-                           f"(mode {stat.S_IMODE(mode):04o}); run `chmod 600 {secret_path}`")
+                           f"(mode {stat.S_IMODE(st.st_mode):04o}); run `chmod 600 {secret_path}`"
+                           + ("" if st.st_uid == me else f" and `chown {_who(me)}: {secret_path}`"))
+    if st.st_uid != me and me != 0:
+        raise KeyFileError(f"{secret_path}: owned by {_who(st.st_uid)}, not by {_who(me)} who runs ravq; {fix}")
     secret = _read_key(secret_path)
     return zmq.curve_public(secret.encode("ascii")).decode("ascii"), secret
 
@@ -123,6 +162,9 @@ def _read_key(path: Path) -> str:
     try:
         with path.open("rb") as f:
             data = f.read(_MAX_KEY_FILE_BYTES + 1)
+    except PermissionError:
+        raise KeyFileError(f"{path}: cannot read key: permission denied for {_who(os.geteuid())} (the user "
+                           "that runs ravq must own its secret key: see deploy/README.md)") from None
     except OSError as err:
         raise KeyFileError(f"{path}: cannot read key: {err.strerror}") from None
     if len(data) > _MAX_KEY_FILE_BYTES:
@@ -147,10 +189,10 @@ def is_z85_key(text: str) -> bool:
         return False
 
 
-def keygen_main(name: str, key_dir: str) -> int:
+def keygen_main(name: str, key_dir: str, owner: str | None = None) -> int:
     """`ravq keygen NAME`: make a key pair and print the topology line.  Returns the exit status."""
     try:
-        public = keygen(name, key_dir)
+        public = keygen(name, key_dir, owner)
     except (OSError, ValueError) as err:
         print(f"ravq keygen: {err}", file=sys.stderr)
         return 2
@@ -158,7 +200,8 @@ def keygen_main(name: str, key_dir: str) -> int:
     # stdout is valid YAML: the key line to paste under this node (or the broker) in the topology.
     print(f'public_key: "{public}"')
     print(f"# public key: {public_path}")
-    print(f"# secret key: {secret_path} (mode 0600; keep it on this machine only)")
+    who = owner or _who(os.geteuid())
+    print(f"# secret key: {secret_path} (mode 0600, owner {who}; keep it on this machine only)")
     return 0
 
 
@@ -318,5 +361,7 @@ class Curve:
 
 def socket_options_for(topo: Any, name: str, key_dir: str | Path | None, metrics: Metrics) -> SocketOptions:
     """Socket options of process ``name`` (a node or "broker"): CURVE when the topology asks for it."""
+    from ravq.transport import SocketOptions  # not at import: `ravq keygen` needs no sockets (nor torch)
+
     curve = Curve.from_topology(topo, name, key_dir, metrics) if topo.security.curve else None
     return SocketOptions(max_message_bytes=topo.limits.max_message_bytes, curve=curve)

@@ -1,4 +1,9 @@
-"""`ravq status` and the demo's live view: ask the broker for membership and live statistics."""
+"""`ravq status` and the demo's live view: ask the broker for membership and live statistics.
+
+Runs on any PC of the deployment: with CURVE it speaks with a key pair found on this PC (the broker's
+on the broker's PC, a node's on a node's PC), so it never needs a secret copied elsewhere.  It never
+imports torch.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +11,46 @@ from typing import Any
 
 import zmq.asyncio
 
-from ravq.config import Topology
+from ravq.config import ConfigError, Topology
 from ravq.metrics import Metrics
-from ravq.security import socket_options_for
+from ravq.security import BROKER, key_paths, socket_options_for
 from ravq.transport import SocketOptions, endpoint, request
 from ravq.wire import DecodeLimits, Message, MsgType
 
 
+def status_identity(topology: Topology, key_dir: str | None, name: str | None) -> tuple[str, str | None]:
+    """(name, key_dir) whose CURVE key pair ``ravq status`` uses on this PC.
+
+    Without ``name``: the broker's key when its secret is in the key directory, else the first node of
+    the topology whose secret is there.  ConfigError (one line, with what to pass) when none is."""
+    if not topology.security.curve:
+        return name or "ravq-status", key_dir
+    directory = key_dir if key_dir is not None else topology.security.key_dir
+    if directory is None:
+        raise ConfigError("security.key_dir: not set; pass --key-dir (the directory with this PC's "
+                          "NAME.key_secret)")
+    if name is not None:
+        return name, directory
+    for candidate in [BROKER, *(n.name for n in topology.nodes)]:
+        if key_paths(candidate, directory)[1].exists():
+            return candidate, directory
+    raise ConfigError(f"{directory}: no secret key of the broker or of any node of the topology on this PC; "
+                      "run `ravq status` on a PC of the deployment, or pass --key-dir DIR and --name NODE "
+                      "with a key pair listed in the topology")
+
+
 async def fetch_status(topology: Topology, timeout_s: float, key_dir: str | None = None,
-                       name: str = "broker") -> dict[str, Any]:
+                       name: str | None = None) -> dict[str, Any]:
     """One STATUS round trip; raises TimeoutError when the broker does not answer.
 
-    With CURVE the request is made with ``name``'s listed key pair (the broker's own by default)."""
+    With CURVE the request is made with a listed key pair found on this PC (see status_identity)."""
+    name, key_dir = status_identity(topology, key_dir, name)
     ctx = zmq.asyncio.Context()
     metrics = Metrics()
     opts = socket_options_for(topology, name, key_dir, metrics) if topology.security.curve else SocketOptions()
-    sender = name if topology.security.curve else "ravq-status"
     try:
         b = topology.broker
-        reply = await request(ctx, endpoint(b.host, b.router_port), Message(type=MsgType.STATUS_REQ, sender=sender),
+        reply = await request(ctx, endpoint(b.host, b.router_port), Message(type=MsgType.STATUS_REQ, sender=name),
                               timeout_s, metrics, DecodeLimits(), opts)
         return reply.meta
     finally:
@@ -33,14 +59,24 @@ async def fetch_status(topology: Topology, timeout_s: float, key_dir: str | None
         ctx.term()
 
 
+def _num(value: Any, spec: str, width: int) -> str:
+    """``value`` formatted with ``spec``, or '-' when it is missing (None: e.g. a stage without a loss)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{'-':>{width}}"
+    return f"{value:>{width}{spec}}"
+
+
 def format_status(status: dict[str, Any]) -> str:
-    lines = [f"broker sequence {status.get('seq')}; clusters: "
-             + " | ".join(" -> ".join(c["nodes"]) for c in status.get("plan", {}).get("clusters", []))]
+    clusters = status.get("plan", {}).get("clusters", [])
+    lines = [f"broker sequence {status.get('seq')}; run {status.get('run_id', '?')}; clusters: "
+             + " | ".join(" -> ".join(c.get("nodes", [])) for c in clusters)]
     lines.append(f"{'node':<16}{'state':<7}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}")
     for name, m in sorted(status.get("members", {}).items()):
-        st = m.get("stats", {})
-        loss = st.get("loss")
-        lines.append(f"{name:<16}{m['state']:<7}{st.get('cluster', '?')}/{st.get('stage', '?'):<4}"
-                     f"{st.get('version', 0):>8}{st.get('samples', 0):>9}{st.get('busy_fraction', 0):>7.2f}"
-                     f"{st.get('staleness_mean', 0):>7.2f}{loss if loss is None else f'{loss:.3f}':>8}")
+        st = m.get("stats") or {}
+        where = f"{st.get('cluster', '?')}/{st.get('stage', '?')}"
+        lines.append(f"{name:<16}{m.get('state', '?'):<7}{where:<6}{_num(st.get('version'), 'd', 8)}"
+                     f"{_num(st.get('samples'), 'd', 9)}{_num(st.get('busy_fraction'), '.2f', 7)}"
+                     f"{_num(st.get('staleness_mean'), '.2f', 7)}{_num(st.get('loss'), '.3f', 8)}")
+        if st.get("failure"):
+            lines.append(f"{'':<16}failure: {st['failure']}")
     return "\n".join(lines)

@@ -14,10 +14,12 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 PROTOCOL_VERSION = 1
 
@@ -43,13 +45,35 @@ class MsgType(enum.StrEnum):
 
 
 # dtype name on the wire -> torch dtype; nothing outside this table is ever accepted.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+# (``DTYPES``, the torch dtypes, is made on first use: see _load_torch.)
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1}
+_DTYPES: dict[str, Any] = {}
+_DTYPE_NAMES: dict[Any, str] = {}
+_torch: Any = None
+
+
+def _load_torch() -> Any:
+    """torch, imported on the first message that carries a tensor.
+
+    Importing torch takes a second or more; ``ravq status`` and ``ravq keygen`` speak this wire format
+    without ever touching a tensor, and must not pay for it."""
+    global _torch
+    if _torch is None:
+        import torch
+
+        _DTYPES.update({name: getattr(torch, name) for name in _ITEMSIZE})
+        _DTYPE_NAMES.update({v: k for k, v in _DTYPES.items()})
+        assert all(torch.empty((), dtype=_DTYPES[k]).element_size() == n for k, n in _ITEMSIZE.items())
+        _torch = torch
+    return _torch
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # dtype name on the wire -> torch dtype
+        _load_torch()
+        return _DTYPES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Per message type: meta fields that must be present, with their JSON types.
 REQUIRED_META: dict[MsgType, dict[str, type | tuple[type, ...]]] = {
@@ -100,6 +124,7 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
+    torch = _torch or _load_torch()
     if t.dtype is torch.bfloat16:  # numpy has no bfloat16; the bytes are what matter
         t = t.view(torch.int16)
     # On the send path of every message: this is half the cost of reshape + view(uint8) + numpy.
@@ -110,6 +135,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     """Frames for ``msg``: header first, then each tensor's raw bytes."""
     descriptors = []
     frames: list[bytes | memoryview] = []
+    if msg.tensors and _torch is None:
+        _load_torch()
     for name, t in msg.tensors.items():
         dtype = _DTYPE_NAMES.get(t.dtype)
         assert dtype is not None, f"dtype {t.dtype} of {name!r} is not sendable"
@@ -183,13 +210,14 @@ def _check_descriptor(d: Any, limits: DecodeLimits) -> tuple[str, str, list[int]
 
 
 def _tensor(buf: memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
+    torch = _torch or _load_torch()
     if len(buf) == 0:
-        return torch.empty(shape, dtype=DTYPES[dtype])
+        return torch.empty(shape, dtype=_DTYPES[dtype])
     if buf.readonly:
         # bytes frames (tests, tools): copied, so every decoded tensor is writable; receivers such as the
         # ring all-reduce add into what they receive.  ZeroMQ frames (the hot path) are writable already.
         buf = memoryview(bytearray(buf))
-    t = torch.frombuffer(buf, dtype=DTYPES[dtype])
+    t = torch.frombuffer(buf, dtype=_DTYPES[dtype])
     # frombuffer's result is already 1-d; reshape costs ~3 us, more than the rest of a tensor.
     return t if len(shape) == 1 else t.reshape(shape)
 

@@ -251,7 +251,7 @@ def seconds(value: str) -> float:
 
 
 @pytest.mark.parametrize(("role", "command"), [
-    ("broker", f"broker --topology {TOPOLOGY_PATH}"),
+    ("broker", f"broker --topology {TOPOLOGY_PATH} --plan /etc/ravq/plan.yaml"),
     ("node", f"node --topology {TOPOLOGY_PATH} --name %i"),
 ])
 def test_unit_runs_ravq_and_stops_gracefully(role: str, command: str, examples: dict[str, Topology]) -> None:

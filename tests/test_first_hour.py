@@ -1,0 +1,178 @@
+"""A new user's first hour: the commands before training starts give one-line answers that say what
+to do, `ravq status` and `ravq keygen` never import torch, and keys work for the service user."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ravq.config import ConfigError, parse_topology
+from ravq.security import keygen, load_secret
+from ravq.status import format_status, status_identity
+from tests.service_user import python_for, traversable_tmp
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _topology(key_dir: Path | None = None, curve: bool = True) -> dict:
+    nodes = [{"name": f"pc{i}", "host": "127.0.0.1", "pipeline_port": 7000 + 2 * i, "ring_port": 7001 + 2 * i}
+             for i in range(2)]
+    data = {"task": "tests.tasks_for_tests", "broker": {"host": "127.0.0.1", "pub_port": 7100, "router_port": 7101},
+            "nodes": nodes}
+    if curve:
+        assert key_dir is not None
+        data["security"] = {"curve": True, "key_dir": str(key_dir)}
+        data["broker"]["public_key"] = "0" * 40
+        for n in nodes:
+            n["public_key"] = "0" * 40
+    return data
+
+
+def test_status_of_a_two_stage_cluster_formats_missing_values() -> None:
+    status = {"seq": 7, "run_id": "r1", "plan": {"clusters": [{"nodes": ["pc0", "pc1"]}]},
+              "members": {"pc0": {"state": "up", "stats": {"cluster": 0, "stage": 0, "version": 3, "samples": 48,
+                                                           "busy_fraction": 0.5, "staleness_mean": 1.0,
+                                                           "loss": None}},
+                          "pc1": {"state": "lost", "stats": {"cluster": 0, "stage": 1, "loss": 2.5,
+                                                             "staleness_mean": None, "failure": "peer gone"}},
+                          "pc2": {"state": "new", "stats": None}}}
+    text = format_status(status)
+    lines = text.splitlines()
+    assert "pc0 -> pc1" in lines[0] and "run r1" in lines[0]
+    assert lines[2].split()[-1] == "-" and "2.500" in lines[3] and "failure: peer gone" in text
+    assert lines[-1].startswith("pc2")
+
+
+def test_status_uses_the_key_found_on_this_pc(tmp_path: Path) -> None:
+    topo = parse_topology(_topology(tmp_path), resolve_task=False)
+    with pytest.raises(ConfigError, match="no secret key of the broker or of any node"):
+        status_identity(topo, None, None)
+    keygen("pc1", tmp_path)
+    assert status_identity(topo, None, None) == ("pc1", str(tmp_path))  # a node's PC
+    keygen("broker", tmp_path)
+    assert status_identity(topo, None, None) == ("broker", str(tmp_path))  # the broker's PC
+    assert status_identity(topo, None, "pc1") == ("pc1", str(tmp_path))
+
+
+_NO_TORCH = textwrap.dedent("""
+    import sys
+    from ravq.cli import main
+    code = main(sys.argv[1:])
+    print("exit", code, "torch imported" if "torch" in sys.modules else "no torch")
+""")
+
+
+def _cli(*args: str, user: int | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=ENV,
+                          timeout=120, check=False, user=user)
+
+
+def test_keygen_and_status_never_import_torch(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    proc = _cli("keygen", "pc0", "--key-dir", str(keys))
+    assert proc.stdout.strip().endswith("exit 0 no torch"), proc.stdout + proc.stderr
+    import yaml
+
+    path = tmp_path / "t.yaml"
+    data = _topology(curve=False)
+    data["task"] = "ravq.tasks.charlm"  # a task that imports torch: status must not import it
+    path.write_text(yaml.safe_dump(data))
+    proc = _cli("status", "--topology", str(path), "--timeout", "0.3")
+    assert proc.stdout.strip().endswith("exit 1 no torch"), proc.stdout + proc.stderr
+    assert "did not answer within" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_status_without_a_usable_key_is_one_line(tmp_path: Path) -> None:
+    import yaml
+
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(_topology(tmp_path / "keys")))
+    proc = _cli("status", "--topology", str(path), "--timeout", "0.3")
+    assert proc.stdout.strip().endswith("exit 2 no torch"), proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "--name NODE" in line
+    keygen("pc0", tmp_path / "keys")  # a key pair, but not the one the topology lists
+    proc = _cli("status", "--topology", str(path), "--timeout", "0.3")
+    (line,) = proc.stderr.strip().splitlines()
+    assert "is not the key the topology lists for 'pc0'" in line and "--key-dir DIR --name NODE" in line
+
+
+def test_broker_without_its_plan_file_says_how_to_make_it(tmp_path: Path) -> None:
+    import yaml
+
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(_topology(curve=False)))
+    proc = subprocess.run([sys.executable, "-m", "ravq", "broker", "--topology", str(path), "--plan",
+                           str(tmp_path / "plan.yaml")], capture_output=True, text=True, env=ENV, timeout=120,
+                          check=False)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "file not found" in line and f"--out {tmp_path / 'plan.yaml'}" in line
+
+
+# --- key permissions for the service user --------------------------------------------------------
+
+def test_a_secret_owned_by_someone_else_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keygen("pc0", tmp_path)
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)  # not the owner, and not root
+    with pytest.raises(ValueError, match=r"owned by .*, not by uid 4242 who runs ravq.*chown uid 4242: "):
+        load_secret("pc0", tmp_path)
+
+
+def test_a_group_readable_secret_says_chmod(tmp_path: Path) -> None:
+    keygen("pc0", tmp_path)
+    (tmp_path / "pc0.key_secret").chmod(0o640)
+    with pytest.raises(ValueError, match=r"mode 0640.*chmod 600"):
+        load_secret("pc0", tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make keys for another user")
+def test_keygen_owner_makes_keys_the_service_user_can_use() -> None:
+    with traversable_tmp() as tmp_path:
+        _keygen_owner(tmp_path)
+
+
+def _keygen_owner(tmp_path: Path) -> None:
+    """As the walkthrough does it: root makes the pair for the user the units run as (here nobody)."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    keys = tmp_path / "keys"
+    proc = subprocess.run([sys.executable, "-m", "ravq", "keygen", "pc0", "--key-dir", str(keys), "--owner", "nobody"],
+                          capture_output=True, text=True, env=ENV, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "owner nobody" in proc.stdout
+    for path in (keys, keys / "pc0.key_secret", keys / "pc0.key"):
+        assert path.stat().st_uid == nobody.pw_uid
+    assert (keys / "pc0.key_secret").stat().st_mode & 0o777 == 0o600
+    check = textwrap.dedent(f"""
+        from ravq.security import load_secret
+        print(load_secret("pc0", {str(keys)!r})[0])
+    """)
+    found = python_for("nobody")
+    if found is None:
+        pytest.skip("no Python that user nobody can run with this venv's packages")
+    exe, path = found
+    env = {**os.environ, "PYTHONPATH": path}
+    as_nobody = subprocess.run([exe, "-c", check], capture_output=True, text=True, env=env, timeout=120,
+                               check=False, user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[], cwd="/")
+    assert as_nobody.returncode == 0, as_nobody.stderr
+    # root-owned keys (made without --owner) give the service user one line that says what to do
+    root_keys = tmp_path / "root-keys"
+    keygen("pc1", root_keys)
+    check = textwrap.dedent(f"""
+        from ravq.security import load_secret
+        try:
+            load_secret("pc1", {str(root_keys)!r})
+        except ValueError as err:
+            print(err)
+    """)
+    as_nobody = subprocess.run([exe, "-c", check], capture_output=True, text=True, env=env, timeout=120,
+                               check=False, user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[], cwd="/")
+    assert "permission denied" in as_nobody.stdout and "chown nobody:" in as_nobody.stdout, as_nobody.stdout
