@@ -46,7 +46,7 @@ class Broker:
         self.topology, self.plan, self.metrics, self.opts = topology, plan, metrics, opts
         self.limits = DecodeLimits(max_header_bytes=topology.limits.max_header_bytes,
                                    max_frames=topology.limits.max_frames,
-                                   max_tensor_bytes=topology.limits.max_message_bytes)
+                                   max_tensor_bytes=opts.max_message_bytes)
         self.members: dict[str, Member] = {}
         self.seq = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s or 10 * topology.timeouts.heartbeat_interval_s
@@ -172,15 +172,15 @@ class Broker:
                 tg.create_task(self._serve(inbox, pub))
                 tg.create_task(self._watch_heartbeats(pub))
                 tg.create_task(self._until_stopped())
-                if self.opts.curve is not None:
-                    tg.create_task(self.opts.curve.serve_zap())
+                if self.opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
+                    tg.create_task(self.opts.monitor.serve())
         except* _Stopped:
             pass
         finally:
             inbox.close()
             pub.close()
-            if self.opts.curve is not None:
-                self.opts.curve.close()
+            if self.opts.monitor is not None:
+                self.opts.monitor.close()
             ctx.term()
             log.info("broker stopped")
 

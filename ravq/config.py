@@ -102,8 +102,11 @@ class TimeoutConfig(_UserConfig):
 
 
 class LimitConfig(_UserConfig):
-    max_message_bytes: int = Field(1 << 30, ge=1024)
-    """ZMQ_MAXMSGSIZE: the largest single frame a socket accepts."""
+    max_message_bytes: int | None = Field(None, ge=1024)
+    """ZMQ_MAXMSGSIZE: the largest single frame a socket accepts (ZeroMQ drops a connection that announces
+    a larger one before allocating it).  Default: derived from the model, twice the largest tensor frame
+    the stage can legitimately receive (activations, gradients, targets, ring pieces), at least 1 MiB;
+    set it when a task's tensor shapes vary between micro-batches."""
     max_header_bytes: int = Field(64 << 10, ge=256)
     """Largest accepted header frame."""
     max_frames: int = Field(1024, ge=2)

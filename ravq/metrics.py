@@ -176,6 +176,10 @@ class Metrics:
                                     ["socket", "reason"], registry=r)
         self.auth_failures = Counter("ravq_auth_failures_total", "Connections refused by authentication",
                                      ["socket", "reason"], registry=r)
+        self.connections_dropped = Counter(
+            "ravq_connections_dropped_total",
+            "Inbound connections that failed their handshake or closed (peer gone, or dropped by ZeroMQ for a frame "
+            "over limits.max_message_bytes)", ["socket", "reason"], registry=r)
         self.peer_timeouts = Counter("ravq_peer_timeouts_total", "Waits on a peer that timed out",
                                      ["peer", "what"], registry=r)
         # --- the stage

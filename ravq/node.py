@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -25,6 +26,7 @@ import zmq.asyncio
 from ravq import checkpoint
 from ravq.averaging import Averager
 from ravq.config import Plan, Topology, resolve_task_module
+from ravq.limits import derived_max_message_bytes, largest_inbound_frame
 from ravq.membership import Membership
 from ravq.metrics import Metrics
 from ravq.model import build_task_model, split_model, stage_input_specs
@@ -60,9 +62,10 @@ class Node:
         self.config = topology.node(name)
         self.task = resolve_task_module(topology.task)
         t = topology.limits
-        self.limits = DecodeLimits(max_header_bytes=t.max_header_bytes, max_frames=t.max_frames,
-                                   max_tensor_bytes=t.max_message_bytes)
         self.sock_opts = socket_options_for(topology, name, options.key_dir, metrics)
+        self.limits = DecodeLimits(max_header_bytes=t.max_header_bytes, max_frames=t.max_frames,
+                                   max_tensor_bytes=self.sock_opts.max_message_bytes)
+        self.largest_frame = 0
         self.ctx = zmq.asyncio.Context()
         self.membership = Membership(self.ctx, topology, name, metrics, self.limits, self.sock_opts)
         self.links: dict[int, Outlink] = {}
@@ -93,6 +96,7 @@ class Node:
             raise NotInPlan(f"{self.name} is not in the plan (the planner left it idle); nothing to do") from None
         tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
         self.worker = await asyncio.to_thread(self._build_worker, self.plan)
+        self._derive_limits()
         bind = self.config.bind_host or self.config.host
         self.inbox = Inbox.bind(self.ctx, endpoint(bind, self.config.pipeline_port), "pipeline", self.metrics,
                                 self.limits, self.sock_opts)
@@ -115,6 +119,18 @@ class Node:
         log.info("%s: cluster %d stage %d/%d ready (%d parameters)", self.name, self.cluster, self.stage,
                  len(cluster.nodes), sum(p.numel() for p in self.worker.params.values()))
 
+    def _derive_limits(self) -> None:
+        """Data sockets accept frames up to what this stage can legitimately receive (ravq.limits)."""
+        if self.topology.limits.max_message_bytes is not None:
+            return
+        assert self.plan is not None
+        ring = self.topology.training.ring_chunk_bytes if len(self.plan.clusters) > 1 else 0
+        limit = derived_max_message_bytes(self.largest_frame, ring)
+        self.sock_opts.max_message_bytes = limit
+        self.limits = dataclasses.replace(self.limits, max_tensor_bytes=limit)
+        log.info("%s: limits.max_message_bytes %d (2x the largest frame this stage receives, %d bytes)",
+                 self.name, limit, max(self.largest_frame, ring))
+
     def _build_worker(self, plan: Plan) -> StageWorker:
         cluster = plan.clusters[self.cluster]
         training, seed = self.topology.training, self.topology.seed
@@ -123,6 +139,7 @@ class Node:
         specs = split_model(model, example, list(cluster.cuts))
         self.stage_names = [list(s.module.state_dict().keys()) for s in specs]
         spec = specs[self.stage]
+        in_specs = stage_input_specs(specs, example)
         options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                                update_every=training.update_every, micro_batch=training.micro_batch,
                                predict_weights=training.predict_weights)
@@ -130,10 +147,11 @@ class Node:
         if self.stage == 0:
             batches = iter(self.task.train_batches(training.micro_batch, self.cluster, len(plan.clusters), seed))
         _, target_example = next(iter(self.task.train_batches(training.micro_batch, 0, 1, seed)))
+        self.largest_frame = largest_inbound_frame(specs, in_specs, self.stage, target_example)
         worker = StageWorker(spec, len(specs), self.task.make_optimizer, self.task.loss_fn, options,
                              device=self.config.device, batches=batches, cluster=self.cluster,
                              metrics=self.metrics, model_input_needs=model_input_needs(specs),
-                             input_specs=stage_input_specs(specs, example)[self.stage],
+                             input_specs=in_specs[self.stage],
                              target_example=target_example)
         if training.checkpoint_dir:
             checkpoint.remove_temp_files(training.checkpoint_dir, self.cluster, self.stage)
@@ -313,8 +331,8 @@ class Node:
         if hasattr(self, "inbox"):
             self.inbox.close()
         self.membership.close()
-        if self.sock_opts.curve is not None:
-            self.sock_opts.curve.close()
+        if self.sock_opts.monitor is not None:
+            self.sock_opts.monitor.close()
         self.ctx.term()
 
 
@@ -333,8 +351,8 @@ async def run_node(topology: Topology, name: str, options: NodeOptions) -> str |
     node = Node(topology, name, options, Metrics(name))
     try:
         async with asyncio.TaskGroup() as tg:
-            if node.sock_opts.curve is not None:
-                tg.create_task(node.sock_opts.curve.serve_zap())
+            if node.sock_opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
+                tg.create_task(node.sock_opts.monitor.serve())
             await node.create(tg)
             node.start(tg)
     except BaseExceptionGroup as group:

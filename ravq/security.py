@@ -8,7 +8,11 @@ Every client socket pins the public key of the peer it connects to.
 
 Refused connections are counted in ``ravq_auth_failures_total{socket,reason}``:
 ``unknown_key`` (a CURVE client whose key is not listed; counted by the ZAP handler) and
-``handshake_failed`` (plaintext or otherwise broken handshakes; seen by a monitor on the server).
+``handshake_failed`` (plaintext, garbage or otherwise broken handshakes, and connections that end
+before their handshake completes; seen by a monitor on the server).  Without CURVE the same monitor
+(``ConnectionMonitor``) counts such connections in ``ravq_connections_dropped_total``, and with or
+without CURVE it counts established connections that close: a peer that went away, or one ZeroMQ
+dropped for announcing a frame over ``limits.max_message_bytes``.
 
 Key files are plain Z85 text; nothing here unpickles or evaluates anything.
 """
@@ -47,8 +51,10 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_KEY_FILE_BYTES = 4096
 # Failed handshakes a server's monitor reports.  A ZAP denial also raises
-# EVENT_HANDSHAKE_FAILED_AUTH; it is left out because the ZAP handler already counted it.
+# EVENT_HANDSHAKE_FAILED_AUTH; it is not counted again because the ZAP handler already counted it.
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+              | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
 _MAX_WARNED = 256
 
 
@@ -208,7 +214,104 @@ def keygen_main(name: str, key_dir: str, owner: str | None = None) -> int:
 # --------------------------------------------------------------------------- authentication
 
 
-class Curve:
+class ConnectionMonitor:
+    """Watches the connections of a process's server sockets (ROUTERs, PUB) and counts those that fail.
+
+    libzmq reports a garbage or broken greeting with a handshake-failed event only sometimes (under
+    CURVE a connection that sends garbage is just accepted and disconnected), so connections are
+    followed from EVENT_ACCEPTED (keyed by file descriptor) to their end: one that disconnects before
+    a handshake succeeded failed it.  libzmq's handshake events carry no descriptor; with one I/O thread
+    they come in order, and each settles the oldest pending connection (counts stay exact; which
+    descriptor is marked may swap between two handshakes running at once).
+
+    Lifecycle: ``watch`` server sockets as they are made, run ``serve()`` in the process's TaskGroup,
+    ``close()`` after it ended and before the zmq context is terminated.
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._monitors: list[tuple[zmq.asyncio.Socket, str]] = []
+        self._unserved: list[tuple[zmq.asyncio.Socket, str]] = []  # (socket, "" for ZAP or server name)
+        self._wakeup: asyncio.Event | None = None
+        self._warned: set[tuple[str, str, str]] = set()
+
+    def watch(self, sock: zmq.asyncio.Socket, name: str) -> None:
+        """Follow the connections of server socket ``sock`` (before it binds)."""
+        monitor = sock.get_monitor_socket(_MONITORED)
+        monitor.linger = 0
+        self._monitors.append((monitor, name))
+        self._adopt(monitor, name)
+
+    async def serve(self) -> None:
+        """Watch every server socket (and answer ZAP requests, for CURVE), until cancelled."""
+        self._wakeup = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                while self._unserved:
+                    sock, server = self._unserved.pop()
+                    tg.create_task(self._serve_one(sock, server))
+                await self._wakeup.wait()
+                self._wakeup.clear()
+
+    def close(self) -> None:
+        """Close the monitor sockets (after serve has ended)."""
+        for sock, _ in self._monitors:
+            sock.close(linger=0)
+        self._monitors.clear()
+
+    def _adopt(self, sock: zmq.asyncio.Socket, server: str) -> None:
+        self._unserved.append((sock, server))
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _serve_one(self, sock: zmq.asyncio.Socket, server: str) -> None:
+        await self._watch(sock, server)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket, server: str) -> None:
+        pending: dict[int, None] = {}  # accepted, handshake not settled (in order)
+        established: set[int] = set()
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            kind, value = event["event"], int(event["value"])
+            where = event["endpoint"].decode(errors="replace")
+            if kind == zmq.EVENT_ACCEPTED:
+                pending[value] = None
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if pending:
+                    fd = next(iter(pending))
+                    del pending[fd]
+                    established.add(fd)
+            elif kind & (_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+                if pending:
+                    pending.pop(next(iter(pending)))
+                if kind & _HANDSHAKE_FAILED:
+                    self._handshake_failed(server, where)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                if value in pending:  # ended before its handshake did: garbage, or a client that gave up
+                    del pending[value]
+                    self._handshake_failed(server, where)
+                elif value in established:
+                    established.discard(value)
+                    self.metrics.connections_dropped.labels(server, "closed").inc()
+                    self._note(server, "closed", where, "a connection closed (peer gone, or dropped for a frame "
+                                                        "over limits.max_message_bytes)")
+            elif kind == zmq.EVENT_MONITOR_STOPPED:
+                return
+
+    def _handshake_failed(self, socket: str, where: str) -> None:
+        self.metrics.connections_dropped.labels(socket, "handshake_failed").inc()
+        self._note(socket, "handshake_failed", where, "refused a connection (handshake_failed)")
+
+    def _note(self, socket: str, reason: str, where: str, what: str) -> None:
+        key = (socket, reason, where)
+        if key in self._warned or len(self._warned) >= _MAX_WARNED:
+            log.debug("%s: %s at %s", socket, what, where)
+            return
+        self._warned.add(key)
+        log.warning("%s: %s at %s; further ones are only counted", socket, what, where)
+
+
+class Curve(ConnectionMonitor):
     """One process's CURVE identity and its ZAP authenticator; the ``curve`` of ``SocketOptions``.
 
     Lifecycle: build it (``from_topology``), put it in ``SocketOptions.curve``, run
@@ -220,15 +323,12 @@ class Curve:
                  metrics: Metrics) -> None:
         """``peers``: name -> Z85 public key of everyone allowed to connect (nodes and "broker")."""
         assert is_z85_key(public) and is_z85_key(secret)
-        self.name, self.public, self.metrics = name, public, metrics
+        super().__init__(metrics)
+        self.name, self.public = name, public
         self._secret = secret
         self._peers = dict(peers)
         self._allowed = {z85.decode(k.encode("ascii")): peer for peer, k in self._peers.items()}
         self._zap: dict[int, zmq.asyncio.Socket] = {}  # id(context) -> bound ZAP socket
-        self._monitors: list[tuple[zmq.asyncio.Socket, str]] = []
-        self._unserved: list[tuple[zmq.asyncio.Socket, str]] = []  # (socket, "" for ZAP or server name)
-        self._wakeup: asyncio.Event | None = None
-        self._warned: set[tuple[str, str, str]] = set()
 
     @classmethod
     def from_topology(cls, topo: Any, name: str, key_dir: str | Path | None, metrics: Metrics) -> Curve:
@@ -261,10 +361,7 @@ class Curve:
         sock.curve_publickey = self.public.encode("ascii")
         sock.curve_server = True
         sock.zap_domain = name.encode()  # ZAP requests then name the socket they come from
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
-        monitor.linger = 0
-        self._monitors.append((monitor, name))
-        self._adopt(monitor, name)
+        self.watch(sock, name)
 
     def make_client(self, sock: zmq.Socket[Any], peer: str) -> None:
         """Make ``sock`` (not yet connected) a CURVE client that trusts only ``peer``'s listed key."""
@@ -277,22 +374,13 @@ class Curve:
 
     async def serve_zap(self) -> None:
         """Answer ZAP requests and watch servers for failed handshakes, until cancelled."""
-        self._wakeup = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
-            while True:
-                while self._unserved:
-                    sock, server = self._unserved.pop()
-                    tg.create_task(self._watch(sock, server) if server else self._answer(sock))
-                await self._wakeup.wait()
-                self._wakeup.clear()
+        await self.serve()
 
     def close(self) -> None:
         """Close the ZAP and monitor sockets (after serve_zap has ended)."""
-        for sock, _ in self._monitors:
-            sock.close(linger=0)
+        super().close()
         for sock in self._zap.values():
             sock.close(linger=0)
-        self._monitors.clear()
         self._zap.clear()
 
     # ----------------------------------------------------------------------- internals
@@ -314,10 +402,8 @@ class Curve:
         self._zap[id(ctx)] = zap
         self._adopt(zap, "")
 
-    def _adopt(self, sock: zmq.asyncio.Socket, server: str) -> None:
-        self._unserved.append((sock, server))
-        if self._wakeup is not None:
-            self._wakeup.set()
+    async def _serve_one(self, sock: zmq.asyncio.Socket, server: str) -> None:
+        await (self._watch(sock, server) if server else self._answer(sock))
 
     async def _answer(self, zap: zmq.asyncio.Socket) -> None:
         while True:
@@ -341,13 +427,8 @@ class Curve:
         # user_id becomes the "User-Id" property of every frame this peer sends.
         return [b"1.0", request_id, b"200", b"OK", peer.encode(), b""]
 
-    async def _watch(self, monitor: zmq.asyncio.Socket, server: str) -> None:
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            if event["event"] & _HANDSHAKE_FAILED:
-                self._refuse(server, "handshake_failed", event["endpoint"].decode(errors="replace"))
-            elif event["event"] == zmq.EVENT_MONITOR_STOPPED:
-                return
+    def _handshake_failed(self, socket: str, where: str) -> None:
+        self._refuse(socket, "handshake_failed", where)
 
     def _refuse(self, socket: str, reason: str, where: str) -> None:
         self.metrics.auth_failures.labels(socket, reason).inc()
@@ -361,7 +442,9 @@ class Curve:
 
 def socket_options_for(topo: Any, name: str, key_dir: str | Path | None, metrics: Metrics) -> SocketOptions:
     """Socket options of process ``name`` (a node or "broker"): CURVE when the topology asks for it."""
-    from ravq.transport import SocketOptions  # not at import: `ravq keygen` needs no sockets (nor torch)
+    from ravq.transport import CONTROL_FRAME_BYTES, SocketOptions  # not at import: keygen needs no sockets
 
     curve = Curve.from_topology(topo, name, key_dir, metrics) if topo.security.curve else None
-    return SocketOptions(max_message_bytes=topo.limits.max_message_bytes, curve=curve)
+    monitor = curve if curve is not None else ConnectionMonitor(metrics)
+    return SocketOptions(max_message_bytes=topo.limits.max_message_bytes or CONTROL_FRAME_BYTES, curve=curve,
+                         monitor=monitor)

@@ -54,8 +54,8 @@ async def fetch_status(topology: Topology, timeout_s: float, key_dir: str | None
                               timeout_s, metrics, DecodeLimits(), opts)
         return reply.meta
     finally:
-        if opts.curve is not None:
-            opts.curve.close()
+        if opts.monitor is not None:
+            opts.monitor.close()
         ctx.term()
 
 

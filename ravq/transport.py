@@ -22,6 +22,11 @@ from ravq.wire import DecodeLimits, Message, WireError, decode, encode
 log = logging.getLogger(__name__)
 
 
+CONTROL_FRAME_BYTES = 1 << 20
+"""ZMQ_MAXMSGSIZE of sockets that carry no tensors (broker, status) unless limits.max_message_bytes is set.
+A node raises its data sockets' limit to what its stage can legitimately receive (ravq.limits)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class SocketOptions:
     """Options shared by every socket of a process."""
@@ -34,6 +39,9 @@ class SocketOptions:
     """How long close() may wait to flush queued messages."""
     curve: Any = None
     """A ``ravq.security.Curve`` (keys and ZAP authenticator) or None for plaintext."""
+    monitor: Any = None
+    """A ``ravq.security.ConnectionMonitor`` that counts failed and dropped connections of server sockets
+    (the Curve, with CURVE); None: not watched."""
     copy_threshold_bytes: int = 64 << 10
     """Frames smaller than this are copied into ZeroMQ; larger ones are sent without a copy.
 
@@ -287,6 +295,8 @@ class Inbox:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if opts.curve is not None:
             opts.curve.make_server(sock, name)
+        elif opts.monitor is not None:
+            opts.monitor.watch(sock, name)
         sock.bind(addr)
         return cls(sock, name, metrics, limits, authenticated=opts.curve is not None)
 
@@ -396,6 +406,8 @@ class Publisher:
         _configure(sock, opts)
         if opts.curve is not None:
             opts.curve.make_server(sock, "pub")
+        elif opts.monitor is not None:
+            opts.monitor.watch(sock, "pub")
         sock.bind(addr)
         return cls(sock, metrics)
 

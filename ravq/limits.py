@@ -1,0 +1,42 @@
+"""How large a frame a node accepts: derived from what its stage can legitimately receive.
+
+ZeroMQ allocates a frame of the size its sender announces before a byte of it arrives, and drops the
+connection instead when the size is over ZMQ_MAXMSGSIZE.  A limit far above any real message (1 GiB)
+let any host that can reach a port make a node allocate that much per connection; the limit a node
+sets is twice the largest tensor frame its stage can be sent (activations and model inputs from its
+producers, gradients of its outputs from its consumers, targets for the last stage, ring pieces).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ravq.transport import CONTROL_FRAME_BYTES
+
+MARGIN = 2
+"""Factor over the largest legitimate frame (a task's shapes are fixed per micro-batch size)."""
+
+
+def _nbytes(shape: Any, dtype: Any) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def largest_inbound_frame(specs: list[Any], input_specs: list[list[tuple[Any, Any]]], stage: int,
+                          target_example: Any = None) -> int:
+    """Bytes of the largest tensor frame ``stage`` can receive on its pipeline link.
+
+    ``specs`` are the cluster's StageSpecs, ``input_specs`` every stage's (shape, dtype) inputs from
+    ``ravq.model.stage_input_specs``; a stage's output gradient has the shape of the consumer input it feeds."""
+    sizes = [_nbytes(shape, dtype) for shape, dtype in input_specs[stage]]
+    for s, spec in enumerate(specs):
+        sizes += [_nbytes(shape, dtype) for ref, (shape, dtype) in zip(spec.inputs, input_specs[s]) if ref.stage == stage]
+    if stage == len(specs) - 1 and stage > 0 and target_example is not None:
+        targets = target_example if isinstance(target_example, tuple | list) else (target_example,)
+        sizes += [_nbytes(t.shape, t.dtype) for t in targets]
+    return max(sizes, default=0)
+
+
+def derived_max_message_bytes(largest_frame: int, ring_piece_bytes: int = 0) -> int:
+    """limits.max_message_bytes when the topology leaves it out."""
+    return max(CONTROL_FRAME_BYTES, MARGIN * largest_frame, MARGIN * ring_piece_bytes)
