@@ -69,12 +69,12 @@ def test_every_garbage_connection_is_counted(tmp_path: Path, curve: bool) -> Non
         monitor: ConnectionMonitor = Curve(name="n1", public=public, secret=secret, peers={"n1": public},
                                            metrics=metrics)
         opts = SocketOptions(curve=monitor, monitor=monitor, linger_ms=0)
-        counted = lambda: _value(metrics, "ravq_auth_failures_total", socket="pipeline",  # noqa: E731
+        counted = lambda: _value(metrics, "ravq_auth_failures_total", socket="pipeline",
                                  reason="handshake_failed")
     else:
         monitor = ConnectionMonitor(metrics)
         opts = SocketOptions(monitor=monitor, linger_ms=0)
-        counted = lambda: _value(metrics, "ravq_connections_dropped_total", socket="pipeline",  # noqa: E731
+        counted = lambda: _value(metrics, "ravq_connections_dropped_total", socket="pipeline",
                                  reason="handshake_failed")
     inbox = Inbox.bind(ctx, "tcp://127.0.0.1:*", "pipeline", metrics, DecodeLimits(), opts)
     rng = random.Random(13)
@@ -94,7 +94,7 @@ def test_a_frame_over_the_limit_is_dropped_and_counted() -> None:
     monitor = ConnectionMonitor(metrics)
     inbox = Inbox.bind(ctx, "tcp://127.0.0.1:*", "pipeline", metrics, DecodeLimits(),
                        SocketOptions(monitor=monitor, linger_ms=0, max_message_bytes=CONTROL_FRAME_BYTES))
-    closed = lambda: _value(metrics, "ravq_connections_dropped_total", socket="pipeline",  # noqa: E731
+    closed = lambda: _value(metrics, "ravq_connections_dropped_total", socket="pipeline",
                             reason="closed")
     try:
         asyncio.run(_watch(monitor, inbox, lambda port: [_huge_frame(port) for _ in range(3)], lambda: closed() >= 3))
@@ -106,8 +106,8 @@ def test_a_frame_over_the_limit_is_dropped_and_counted() -> None:
 
 
 def test_the_default_limit_follows_the_model() -> None:
-    from tests import models_for_tests as task
     from ravq.model import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
+    from tests import models_for_tests as task
 
     micro_batch = 64
     model = build_task_model(task, 0)
