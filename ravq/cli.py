@@ -82,12 +82,14 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from ravq.checks import check_device
     from ravq.node import NodeOptions, NotInPlan, run_node
     from ravq.transport import install_uvloop
     from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
     topology.node(args.name)
+    check_device(topology, args.name)
     tune_process()  # before the node allocates its buffers and ZeroMQ its first frames
     install_uvloop()
     from ravq.membership import BrokerUnavailable
@@ -151,7 +153,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from ravq.checks import check_device
     from ravq.profile import profile_main
+
+    topology = load_topology(args.topology)
+    topology.node(args.name)
+    check_device(topology, args.name)
 
     return profile_main(args.topology, args.name, args.out, args.peers_wait)
 

@@ -84,6 +84,8 @@ class TrainingConfig(_UserConfig):
     """Piece size in which ring all-reduce streams a chunk."""
     resume: bool = False
     """Resume every stage from the newest checkpoint in checkpoint_dir."""
+    log_every: int = Field(50, ge=1)
+    """Optimizer steps between a node's progress lines at INFO (loss, samples/s, staleness, waits)."""
 
 
 class TimeoutConfig(_UserConfig):

@@ -45,7 +45,15 @@ class Membership:
     def _apply_state(self, meta: dict[str, Any]) -> None:
         state = meta.get("state") or {}
         self.plan = Plan.model_validate(state["plan"])
-        self.members = dict(state.get("members", {}))
+        members = dict(state.get("members", {}))
+        for node, member_state in members.items():
+            before = self.members.get(node)
+            if node != self.name and member_state != before and (member_state == "lost" or before == "lost"):
+                if member_state == "lost":
+                    log.warning("%s: the broker reports %s lost (no heartbeat for its timeout)", self.name, node)
+                else:
+                    log.info("%s: %s is back (%s)", self.name, node, member_state)
+        self.members = members
         self.run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
         self.seq = int(meta["seq"])
         self.incarnation = meta.get("incarnation")

@@ -33,6 +33,7 @@ from ravq.model import build_task_model, split_model, stage_input_specs
 from ravq.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
 from ravq.security import socket_options_for
 from ravq.transport import Inbox, Outlink, endpoint
+from ravq.tuning import cpu_budget
 from ravq.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,11 @@ class Node:
 
     # ------------------------------------------------------------------ create
     async def create(self, tg: asyncio.TaskGroup) -> None:
-        if self.options.threads:
-            torch.set_num_threads(self.options.threads)
+        threads = self.options.threads or cpu_budget()
+        if self.options.threads or threads < torch.get_num_threads():
+            torch.set_num_threads(threads)  # torch alone sizes its pool by the cores, not the cgroup quota
+        log.info("%s: torch uses %d thread(s)%s", self.name, torch.get_num_threads(),
+                 "" if self.options.threads else " (CPU affinity and cgroup quota)")
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.bind_host or self.config.host)
         self.plan = await self.membership.join()
@@ -193,6 +197,7 @@ class Node:
         tg.create_task(self._compute(loop))
         tg.create_task(self._force_exit_watch())
         tg.create_task(self._watch_peers())
+        tg.create_task(self._log_progress())
         if self.averager is not None:
             tg.create_task(self.averager.serve())
             tg.create_task(self.averager.run_rounds())
@@ -204,9 +209,16 @@ class Node:
             self._force.set()
             return
         self._draining = True
-        log.info("%s: draining (up to %.0fs); send again to force", self.name, self.topology.timeouts.drain_s)
+        log.info("%s: draining %d in-flight micro-batch(es) at step %d (up to %.0fs, timeouts.drain_s); send again "
+                 "to force", self.name, self.worker.stats.inflight, self.worker.version, self.topology.timeouts.drain_s)
         self.worker.stop()
-        asyncio.get_running_loop().call_later(self.topology.timeouts.drain_s, self._force.set)
+        asyncio.get_running_loop().call_later(self.topology.timeouts.drain_s, self._drain_expired)
+
+    def _drain_expired(self) -> None:
+        if not self._force.is_set() and self.worker is not None:
+            log.warning("%s: drain limit of %.0fs reached with %d micro-batch(es) still in flight (a peer is slow or "
+                        "gone); forcing exit", self.name, self.topology.timeouts.drain_s, self.worker.stats.inflight)
+        self._force.set()
 
     async def _force_exit_watch(self) -> None:
         await self._force.wait()
@@ -225,6 +237,10 @@ class Node:
             await self.averager.drain()
             await asyncio.to_thread(worker.run_pending)
         await self.outbound.join()
+        if self._draining and not self._force.is_set():
+            log.info("%s: drained at step %d", self.name, worker.version)
+        elif not self._force.is_set():
+            log.info("%s: training done at step %d (%d micro-batches)", self.name, worker.version, worker.stats.backwards)
         raise _Finished
 
     def _after_update(self, worker: StageWorker) -> None:
@@ -257,6 +273,27 @@ class Node:
                 self.metrics.peer_timeouts.labels("pipeline", "silent").inc()
                 self._force.set()
                 return
+
+    async def _log_progress(self) -> None:
+        """One INFO line every training.log_every optimizer steps, so a person can follow training."""
+        worker, every = self.worker, self.topology.training.log_every
+        assert worker is not None
+        next_at, last_t, last_samples = every, time.monotonic(), 0
+        while True:
+            await asyncio.sleep(0.5)
+            if worker.version < next_at:
+                continue
+            next_at = (worker.version // every + 1) * every
+            st, now = self.stats(), time.monotonic()
+            rate = (st["samples"] - last_samples) / max(now - last_t, 1e-9)
+            last_t, last_samples = now, st["samples"]
+            loss = f"loss {st['loss_recent']:.4f}" if st.get("loss_recent") is not None else "no loss (not last stage)"
+            ring = (f"; averaging {st['allreduce_rounds']} rounds, {st['allreduce_aborts']} aborted, "
+                    f"{st['averaging_waits']} waits ({st['averaging_wait_seconds']:.1f}s)"
+                    if "allreduce_rounds" in st else "")
+            log.info("%s: step %d, micro-batch %d/%d, %s, %.1f samples/s, staleness %.2f (max %d), busy %.0f%%, "
+                     "%d in flight%s", self.name, worker.version, st["backwards"], self.topology.training.steps, loss,
+                     rate, st["staleness_mean"], st["staleness_max"], 100 * st["busy_fraction"], st["inflight"], ring)
 
     async def _send_loop(self) -> None:
         while True:

@@ -516,6 +516,11 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
         print(f"error: {err}")
         return 1
     print(explanation.format())
+    from ravq.checks import override_warnings
+
+    for warning in override_warnings(topology, plan, nodes):
+        log.warning("%s", warning)
+        print(f"warning: {warning}")
     Path(out_path).write_text(yaml.safe_dump({"plan": plan.model_dump(mode="json")}, sort_keys=False))
     print(f"wrote {out_path}")
     return 0

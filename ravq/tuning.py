@@ -15,6 +15,9 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import math
+import os
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -49,3 +52,51 @@ def tune_process() -> bool:
         log.info("malloc tuning not applied (not glibc?); large messages will cost more page faults")
     _tuned = ok
     return ok
+
+
+def cpu_budget(cgroup_fs: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup CPU quota (systemd CPUQuota=,
+    containers).  torch sizes its thread pool by the machine's cores and ignores both, so a node in a
+    2-CPU cgroup on a 16-core PC would run 16 threads that take turns."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota(Path(cgroup_fs), Path(self_cgroup))
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota - 1e-9)))
+    return max(1, cpus)
+
+
+def _cgroup_cpu_quota(root: Path, self_cgroup: Path) -> float | None:
+    """The tightest CPU quota (in CPUs) on this process's cgroup and its ancestors, or None."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":  # cgroup v2: cpu.max = "QUOTA PERIOD" or "max PERIOD"
+            parts = Path(path.lstrip("/")).parts
+            for depth in range(len(parts), -1, -1):
+                text = _read(root / Path(*parts[:depth]) / "cpu.max")
+                if text and not text.startswith("max"):
+                    quota, period = text.split()[:2]
+                    limits.append(int(quota) / int(period))
+        elif "cpu" in controllers.split(","):  # cgroup v1
+            for base in (root / "cpu,cpuacct", root / "cpu"):
+                quota_text = _read(base / path.lstrip("/") / "cpu.cfs_quota_us") or _read(base / "cpu.cfs_quota_us")
+                period_text = _read(base / path.lstrip("/") / "cpu.cfs_period_us") or _read(base / "cpu.cfs_period_us")
+                if quota_text and period_text and int(quota_text) > 0:
+                    limits.append(int(quota_text) / int(period_text))
+                    break
+    return min(limits) if limits else None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, ValueError):
+        return None

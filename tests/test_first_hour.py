@@ -176,3 +176,64 @@ def _keygen_owner(tmp_path: Path) -> None:
     as_nobody = subprocess.run([exe, "-c", check], capture_output=True, text=True, env=env, timeout=120,
                                check=False, user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[], cwd="/")
     assert "permission denied" in as_nobody.stdout and "chown nobody:" in as_nobody.stdout, as_nobody.stdout
+
+
+# --- silent mistakes -----------------------------------------------------------------------------
+
+def test_cuda_on_a_cpu_only_pc_is_a_one_line_config_error(tmp_path: Path) -> None:
+    import torch
+    import yaml
+
+    if torch.cuda.is_available():
+        pytest.skip("this PC has a GPU")
+    data = _topology(curve=False)
+    data["nodes"][1]["device"] = "cuda"
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(data))
+    for command in (["node", "--topology", str(path), "--name", "pc1"],
+                    ["profile", "--topology", str(path), "--name", "pc1", "--peers-wait", "1"]):
+        proc = subprocess.run([sys.executable, "-m", "ravq", *command], capture_output=True, text=True, env=ENV,
+                              timeout=120, check=False)
+        assert proc.returncode == 2, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert "nodes[1].device: 'cuda' for pc1" in line and "set device: cpu" in line
+
+
+def test_cpu_budget_follows_the_cgroup_quota(tmp_path: Path) -> None:
+    from ravq.tuning import cpu_budget
+
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "self").write_text("0::/system.slice/ravq-node@pc1.service\n")
+    unit = tmp_path / "fs" / "system.slice" / "ravq-node@pc1.service"
+    unit.mkdir(parents=True)
+    (tmp_path / "fs" / "system.slice" / "cpu.max").write_text("max 100000\n")
+    (unit / "cpu.max").write_text("150000 100000\n")  # CPUQuota=150%
+    assert cpu_budget(str(tmp_path / "fs"), str(tmp_path / "self")) == min(affinity, 2)
+    (unit / "cpu.max").write_text("50000 100000\n")
+    assert cpu_budget(str(tmp_path / "fs"), str(tmp_path / "self")) == 1
+    (unit / "cpu.max").write_text("max 100000\n")
+    assert cpu_budget(str(tmp_path / "fs"), str(tmp_path / "self")) == affinity
+    # cgroup v1
+    (tmp_path / "self").write_text("1:cpu,cpuacct:/lxc/box\n")
+    v1 = tmp_path / "fs" / "cpu,cpuacct" / "lxc" / "box"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_budget(str(tmp_path / "fs"), str(tmp_path / "self")) == 1
+
+
+def test_an_override_that_idles_the_others_is_warned() -> None:
+    from ravq.checks import override_warnings
+    from ravq.config import Plan
+    from ravq.planner import NodeProfile
+
+    data = _topology(curve=False)
+    data["nodes"].append({"name": "pc2", "host": "127.0.0.1", "pipeline_port": 7010, "ring_port": 7011,
+                          "flops": 2e12})
+    topo = parse_topology(data, resolve_task=False)
+    profiles = [NodeProfile(name=n.name, flops=2e12 if n.name == "pc2" else 5e10, memory_bytes=8 << 30,
+                            bandwidth_bytes_per_s={}, latency_s={}) for n in topo.nodes]
+    (warning,) = override_warnings(topo, Plan(clusters=[{"nodes": ["pc2"]}]), profiles)
+    assert "2 node(s) idle (pc0, pc1)" in warning and "pc2 (flops: 2e+12, 40x the largest other node's)" in warning
+    assert override_warnings(topo, Plan(clusters=[{"nodes": ["pc0", "pc1", "pc2"], "cuts": ["a", "b"]}]),
+                             profiles) == []
