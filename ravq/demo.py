@@ -54,7 +54,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default=None, help="write a JSON report here")
     p.add_argument("--run-dir", default=None, help="where logs, topology and summaries go (default: a temp dir)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per node process")
-    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="give up when no node makes progress for this many seconds (0: never); a long run that "
+                        "keeps training is never stopped")
     p.add_argument("--no-curve", action="store_true", help="plaintext sockets (default: fresh CURVE keys)")
     p.add_argument("--quiet", action="store_true", help="no live display")
     p.add_argument("--topology", default=None,
@@ -209,12 +211,13 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"--- {name} log (last lines) ---\n{swarm.log_tail(name)}", file=sys.stderr)
         for name in failed:
             print(f"ravq demo: {name} failed: {swarm.error_line(name)}", file=sys.stderr)
-        return 1
-    report = summarize(run_dir, data, wall)
-    view.print_summary(report)
-    if args.report:
-        Path(args.report).write_text(json.dumps(report, indent=1))
-    return 0
+    report = summarize(run_dir, data, wall)  # also after a failure: what was trained until then
+    if report is not None:
+        report["completed"] = ok
+        view.print_summary(report)
+        if args.report:
+            Path(args.report).write_text(json.dumps(report, indent=1))
+    return 0 if ok else 1
 
 
 def _user_topology(args: argparse.Namespace) -> tuple[dict[str, Any], Path, Path | None]:

@@ -46,22 +46,26 @@ class LiveView:
         self.steps = topology.training.steps * max(1, len({n.cluster for n in topology.nodes}))
         self.rate = RateMeter()
 
-    def follow(self, swarm: Any, timeout_s: float) -> bool:
-        """Until every node exits; False if one failed or the timeout passed."""
+    def follow(self, swarm: Any, stall_s: float) -> bool:
+        """Until every node exits; False if one failed, or if no node made progress for ``stall_s``
+        seconds (0: wait forever).  A long healthy run is never cut short: only a stalled one is."""
         from ravq.demo import status_once
 
         if self.interactive:
             self.live = Live(self._table(None), console=self.console, refresh_per_second=4)
             self.live.start()
         last_line = 0.0
-        deadline = time.monotonic() + timeout_s
+        progress, progressed_at = -1, time.monotonic()
         while swarm.running():
             if swarm.failed():
                 return False
-            if time.monotonic() > deadline:
-                print(f"ravq demo: timed out after {timeout_s:.0f}s", file=sys.stderr)
-                return False
             status = status_once(self.topology, self.key_dir, timeout_s=1.0)
+            done = _work_done(status)
+            if done > progress:
+                progress, progressed_at = done, time.monotonic()
+            elif stall_s and time.monotonic() - progressed_at > stall_s:
+                print(f"ravq demo: no progress for {stall_s:.0f}s (--timeout); stopping", file=sys.stderr)
+                return False
             if self.live is not None:
                 self.live.update(self._table(status))
             elif not self.quiet and time.monotonic() - last_line > 5.0 and status:
@@ -113,9 +117,12 @@ class LiveView:
 
     def print_summary(self, report: dict[str, Any]) -> None:
         c = self.console
+        def loss(value: float | None) -> str:
+            return "-" if value is None else f"{value:.3f}"
+
         c.print(f"\n[bold]ravq demo finished[/bold] in {report['wall_seconds']:.1f}s: {report['steps']} steps, "
-                f"{report['samples_per_second']:.1f} samples/s; loss {report['initial_loss']:.3f} -> "
-                f"{report['final_loss']:.3f}")
+                f"{report['samples_per_second']:.1f} samples/s; loss {loss(report['initial_loss'])} -> "
+                f"{loss(report['final_loss'])}")
         table = Table()
         for col in ("node", "cluster", "stage", "busy", "staleness", "sent MB", "received MB"):
             table.add_column(col, justify="right")
@@ -128,12 +135,24 @@ class LiveView:
             c.print(f"all-reduce: {report['allreduce_rounds']} rounds, mean {report['allreduce_seconds_mean']:.3f}s")
 
 
-def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, Any]:
-    """The demo report, from the summaries every node wrote at exit."""
+def _work_done(status: dict[str, Any] | None) -> int:
+    """Forwards plus backwards of every node the broker reports: grows while anything trains."""
+    members = (status or {}).get("members", {})
+    return sum(int(st.get("forwards", 0)) + int(st.get("backwards", 0))
+               for st in ((m.get("stats") or {}) for m in members.values()))
+
+
+def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, Any] | None:
+    """The demo report, from the summaries the nodes wrote at exit (None when none did)."""
     nodes = []
     for node in data["nodes"]:
         path = run_dir / f"summary-{node['name']}.json"
-        nodes.append(json.loads(path.read_text()))
+        try:
+            nodes.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # a node that crashed or was killed before writing one
+            continue
+    if not nodes:
+        return None
     per_cluster: dict[int, list[dict[str, Any]]] = {}
     for n in nodes:
         per_cluster.setdefault(n["cluster"], []).append(n)

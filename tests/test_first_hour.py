@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,31 @@ def test_an_override_that_idles_the_others_is_warned() -> None:
     assert "2 node(s) idle (pc0, pc1)" in warning and "pc2 (flops: 2e+12, 40x the largest other node's)" in warning
     assert override_warnings(topo, Plan(clusters=[{"nodes": ["pc0", "pc1", "pc2"], "cuts": ["a", "b"]}]),
                              profiles) == []
+
+
+class _FakeSwarm:
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def running(self) -> list[str]:
+        self.polls -= 1
+        return ["n"] if self.polls > 0 else []
+
+    def failed(self) -> list[str]:
+        return []
+
+
+def test_demo_timeout_stops_a_stalled_run_never_a_progressing_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ravq.demo
+    from ravq.demo_view import LiveView
+
+    topo = parse_topology(_topology(curve=False), resolve_task=False)
+    counter = iter(range(1000))
+    monkeypatch.setattr(ravq.demo, "status_once", lambda *a, **k: {
+        "members": {"n": {"stats": {"forwards": next(counter), "backwards": 0}}}})
+    started = time.monotonic()
+    assert LiveView(topo, quiet=True, key_dir=None).follow(_FakeSwarm(6), 0.8)  # 2.5 s > 0.8 s, progressing
+    assert time.monotonic() - started > 2
+    monkeypatch.setattr(ravq.demo, "status_once", lambda *a, **k: {
+        "members": {"n": {"stats": {"forwards": 5, "backwards": 5}}}})
+    assert not LiveView(topo, quiet=True, key_dir=None).follow(_FakeSwarm(100), 0.8)
