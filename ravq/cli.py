@@ -69,6 +69,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     plan = plan_for(topology, args.plan)
     metrics = Metrics("broker")
+    metrics.set_role("broker")
     if topology.broker.metrics_port is not None:
         metrics.serve(topology.broker.metrics_port, topology.broker.host)
     tune_process()
@@ -163,6 +164,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return profile_main(args.topology, args.name, args.out, args.peers_wait)
 
 
+def cmd_scrape_config(args: argparse.Namespace) -> int:
+    from ravq.scrape import scrape_config
+
+    text = scrape_config(load_topology(args.topology, resolve_task=False), args.topology)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from ravq.profile import plan_main
 
@@ -227,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--profiles", default=".", help="directory with profile-*.json")
     pl.add_argument("--out", required=True)
     pl.set_defaults(func=cmd_plan)
+
+    sc = sub.add_parser("scrape-config", help="print the Prometheus scrape config of a topology")
+    sc.add_argument("--topology", required=True)
+    sc.add_argument("--out", help="write it here instead of stdout")
+    sc.set_defaults(func=cmd_scrape_config)
     return p
 
 

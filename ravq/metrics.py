@@ -207,10 +207,20 @@ class Metrics:
                                         ["reason"], registry=r)
         self.allreduce_bytes = Counter("ravq_allreduce_bytes_total", "Segment bytes sent in rings",
                                        ["ring"], registry=r)
+        self.process_info = Gauge("ravq_process_info", "1: this process's role and, for a node, its cluster and "
+                                  "stage in the current plan (dashboards join on it)", ["role", "cluster", "stage"],
+                                  registry=r)
         # --- broker
-        self.broker_nodes = Gauge("ravq_broker_nodes", "Nodes known to the broker", ["state"], registry=r)
+        self.broker_nodes = Gauge("ravq_broker_nodes", "Nodes known to the broker by state: up, lost, done",
+                                  ["state"], registry=r)
         self.broker_seq = Gauge("ravq_broker_sequence", "Sequence number of the latest update", registry=r)
         self.broker_requests = Counter("ravq_broker_requests_total", "Requests answered", ["type"], registry=r)
+
+    def set_role(self, role: str, cluster: int | None = None, stage: int | None = None) -> None:
+        """Export ravq_process_info for this process (replacing the previous cluster and stage)."""
+        self.process_info.clear()
+        self.process_info.labels(role, "" if cluster is None else str(cluster),
+                                 "" if stage is None else str(stage)).set(1)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serve /metrics over HTTP from a daemon thread."""

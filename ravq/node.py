@@ -98,6 +98,7 @@ class Node:
             self.cluster, self.stage = self.plan.locate(self.name)
         except KeyError:
             raise NotInPlan(f"{self.name} is not in the plan (the planner left it idle); nothing to do") from None
+        self.metrics.set_role("node", self.cluster, self.stage)
         tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
         self.worker = await asyncio.to_thread(self._build_worker, self.plan)
         self._derive_limits()

@@ -154,9 +154,10 @@ def test_dashboard_queries_only_declared_metrics_and_labels(path: Path) -> None:
     for variable in dashboard.get("templating", {}).get("list", []):
         query = variable.get("query", {})
         text = query.get("query", "") if isinstance(query, dict) else query
-        match = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", text)
+        match = re.fullmatch(r"label_values\((\w+)(\{[^}]*\})?,\s*(\w+)\)", text)
         assert match, f"variable {variable['name']}: unexpected query {text!r}"
-        assert match[1] in series and match[2] in series[match[1]] | allowed_extra
+        assert match[1] in series and match[3] in series[match[1]] | allowed_extra
+        assert label_names(match[2] or "") <= series[match[1]] | allowed_extra
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
@@ -351,9 +352,40 @@ def test_promtool_check_config() -> None:
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_prometheus_yml_is_made_by_ravq_scrape_config() -> None:
+    """Labels are never copied by hand: deploy/prometheus.yml is exactly `ravq scrape-config`'s output."""
+    from ravq.config import load_topology
+    from ravq.scrape import scrape_config
+
+    source = "deploy/topologies/local-2x2.yaml"
+    topology = load_topology(REPO / source, resolve_task=False)
+    assert (DEPLOY / "prometheus.yml").read_text() == scrape_config(topology, source)
+
+
+def test_every_target_has_a_node_label_and_the_variable_lists_nodes_only() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    for job in config["scrape_configs"]:
+        for static in job["static_configs"]:
+            assert static["labels"]["node"] and static["labels"]["role"] in ("broker", "node")
+    (variable,) = load_dashboard(GRAFANA / "dashboards" / "ravq.json")["templating"]["list"]
+    assert 'role="node"' in variable["query"]["query"]
+
+
+def test_per_cluster_panels_and_zero_instead_of_no_data() -> None:
+    dashboard = load_dashboard(GRAFANA / "dashboards" / "ravq.json")
+    by_title = {panel["title"]: panel for panel in panels(dashboard)}
+    for title in ("Throughput per cluster (samples/s)", "Loss per cluster", "Slowest stage per cluster (busy fraction)"):
+        assert all("by (cluster)" in t["expr"] for t in by_title[title]["targets"]), title
+    for panel in panels(dashboard):
+        for target in panel["targets"]:
+            if "increase(" in target["expr"] and "_total" in target["expr"]:
+                assert target["expr"].endswith("or on () vector(0)"), (panel["title"], target["expr"])
+    assert 'state="up"' in by_title["Nodes up (broker)"]["targets"][0]["expr"]
+
+
 def test_prometheus_scrapes_every_process_of_local_2x2(examples: dict[str, Topology]) -> None:
     topo = examples["local-2x2.yaml"]
-    expected: dict[str, str | None] = {f"{topo.broker.host}:{topo.broker.metrics_port}": None}
+    expected: dict[str, str | None] = {f"{topo.broker.host}:{topo.broker.metrics_port}": "broker"}
     expected |= {f"{node.host}:{node.metrics_port}": node.name for node in topo.nodes}
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     scraped: dict[str, str | None] = {}
