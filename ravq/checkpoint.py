@@ -77,6 +77,16 @@ def _write_atomic(path: Path, write: Any) -> None:
     os.replace(tmp, path)
 
 
+def _umask() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -86,7 +96,10 @@ def _sha256(path: Path) -> str:
 
 
 def _tensor_file_id(path: Path) -> str | None:
-    """The checkpoint id in a safetensors file's metadata (None: missing, unreadable or not ours)."""
+    """The checkpoint id in a safetensors file's metadata (None: missing, torn or not ours)."""
+    if path.exists() and not os.access(path, os.R_OK):
+        raise CheckpointError(f"{path}: permission denied (owner uid {path.stat().st_uid}, mode "
+                              f"{path.stat().st_mode & 0o777:04o}); make it readable by the user running ravq")
     try:
         with safe_open(str(path), framework="pt") as f:
             return (f.metadata() or {}).get("checkpoint_id")
@@ -152,6 +165,7 @@ def save_stage(root: str | Path, *, cluster: int, stage: int, num_stages: int, n
     try:
         save_file(tensors, str(tmp_tensors), metadata={"format": str(FORMAT), "checkpoint_id": checkpoint_id,
                                                        "run_id": run_id or ""})
+        os.chmod(tmp_tensors, 0o666 & ~_umask())  # safetensors makes it 0600; the JSON follows the umask
         _fsync(tmp_tensors)
         meta = {
             "format": FORMAT, "checkpoint_id": checkpoint_id, "run_id": run_id, "node": node, "cluster": cluster,

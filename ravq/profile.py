@@ -372,13 +372,15 @@ async def profile_links(topology: Topology, name: str, *, wait_s: float, config:
     me = topology.node(name)
     peers = {n.name: endpoint(n.host, n.pipeline_port) for n in topology.nodes if n.name != name}
     metrics = Metrics(name)
-    options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0)
+    # probes stream CHUNK_BYTES tensors: more than a control socket's default frame limit
+    options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0,
+                                  max_message_bytes=topology.limits.max_message_bytes or 2 * CHUNK_BYTES)
     ctx = zmq.asyncio.Context()
     stop, finished = asyncio.Event(), set[str]()
     gate = LinkGate(lease_s=config.reply_timeout_s)
     try:
         async with asyncio.TaskGroup() as group:
-            zap = group.create_task(options.curve.serve_zap()) if options.curve else None
+            zap = group.create_task(options.monitor.serve()) if options.monitor else None
             group.create_task(serve_probes(ctx, endpoint(me.bind_host or me.host, me.pipeline_port), name,
                                            stop=stop, finished=finished, metrics=metrics, options=options,
                                            gate=gate))
@@ -393,8 +395,8 @@ async def profile_links(topology: Topology, name: str, *, wait_s: float, config:
                 if zap is not None:
                     zap.cancel()
     finally:
-        if options.curve:
-            options.curve.close()
+        if options.monitor:
+            options.monitor.close()
         ctx.destroy(linger=0)
     return links
 

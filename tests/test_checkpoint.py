@@ -204,3 +204,15 @@ def test_export_names_a_stage_that_was_not_copied_here(tmp_path: Path) -> None:
 def test_checkpoint_module_never_unpickles() -> None:
     text = Path(checkpoint.__file__).read_text()
     assert "torch.load" not in text and "pickle" not in text.replace("never pickle", "")
+
+
+def test_tensor_files_follow_the_umask_like_their_json(tmp_path: Path) -> None:
+    """A copied stage (gathered for export by another user) must be as readable as its JSON."""
+    old = os.umask(0o027)
+    try:
+        _save(tmp_path, 1)
+    finally:
+        os.umask(old)
+    d = tmp_path / "cluster0"
+    assert (d / "stage0.safetensors").stat().st_mode & 0o777 == 0o640
+    assert (d / "stage0.json").stat().st_mode & 0o777 == 0o640

@@ -1,0 +1,328 @@
+"""deploy/README.md's walkthrough on four namespaced "PCs": every step as a new user would run it.
+
+Four network namespaces on one bridge stand for four PCs.  On each, as the unprivileged user the units
+run as (``nobody`` here, ``ravq`` in the README): keys made with ``ravq keygen --owner``, profiles taken
+on every PC at once and gathered for ``ravq plan``, the broker and nodes started with the systemd units'
+own ExecStart lines (every PC's /etc/ravq, /var/lib/ravq and /var/cache/ravq moved under a temporary
+root of its own, in the command lines and the topology's key_dir and checkpoint_dir), ``ravq status`` from a node's PC, a real
+Prometheus (Debian's) scraping the targets ``ravq scrape-config`` makes and answering every dashboard
+query while the swarm trains, ``systemctl stop`` (SIGTERM: drain and final checkpoint), then the
+checkpoints gathered on one PC and exported.
+
+Needs root, iproute2, setpriv and prometheus; skipped with the reason otherwise.  Namespaces are made
+by benchmarks/_netns.py (deleted on every exit path); every process started here is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pwd
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from benchmarks import _netns
+from tests.service_user import USER, python_for, traversable_tmp
+
+pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
+
+REPO = Path(__file__).resolve().parents[1]
+UNITS = REPO / "deploy" / "systemd"
+DASHBOARD = REPO / "grafana" / "dashboards" / "ravq.json"
+PCS = ["pc1", "pc2", "pc3", "pc4"]
+CLUSTERS = {"pc1": 0, "pc2": 0, "pc3": 1, "pc4": 1}
+PROM_PORT = 9390
+RATE_MBIT = 1000
+DOCUMENTED_ZERO = "Zero is normal"
+"""Panels whose description carries this may read 0 while the swarm trains."""
+
+
+def _unit_exec(unit: str) -> tuple[list[str], dict[str, str], str]:
+    """(ExecStart argv, Environment, WorkingDirectory) of a unit file, as systemd would run them."""
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    cwd = "/"
+    for line in (UNITS / unit).read_text().splitlines():
+        key, _, value = line.strip().partition("=")
+        if key == "ExecStart" and value:
+            argv = shlex.split(value)
+        elif key == "Environment":
+            name, _, val = value.partition("=")
+            env[name] = val
+        elif key == "WorkingDirectory":
+            cwd = value
+    return argv, env, cwd
+
+
+class Site:
+    """The four PCs: namespaces, file trees under one root, and the processes started on them."""
+
+    def __init__(self, root: Path, links: list[_netns.Link], python: tuple[str, str]) -> None:
+        self.root, self.python, self.procs = root, python, []
+        self.ns = {pc: link.netns for pc, link in zip(PCS, links)}
+        self.addr = {pc: link.address for pc, link in zip(PCS, links)}
+        user = pwd.getpwnam(USER)
+        self.uid, self.gid = user.pw_uid, user.pw_gid
+        for pc in PCS:  # what the README's install step makes: /etc/ravq and the units' state directories
+            for d in ("etc/ravq", "var/lib/ravq/checkpoints", "var/cache/ravq"):
+                (self.path(pc, "/" + d)).mkdir(parents=True, exist_ok=True)
+            for d in ("var/lib/ravq", "var/lib/ravq/checkpoints", "var/cache/ravq"):
+                os.chown(self.path(pc, "/" + d), self.uid, self.gid)
+
+    def path(self, pc: str, absolute: str) -> Path:
+        """Where PC ``pc``'s file ``absolute`` lives in this test."""
+        return self.root / pc / absolute.lstrip("/")
+
+    def _move(self, pc: str, arg: str) -> str:
+        for prefix in ("/etc/ravq", "/var/lib/ravq", "/var/cache/ravq"):
+            if arg.startswith(prefix):
+                return str(self.path(pc, arg))
+        return arg
+
+    def command(self, pc: str, argv: list[str], as_user: bool = True) -> list[str]:
+        """``argv`` (starting with ``ravq``) run on ``pc`` as the service user."""
+        exe, _ = self.python
+        assert Path(argv[0]).name == "ravq", argv
+        args = [exe, "-m", "ravq", *(self._move(pc, a) for a in argv[1:])]
+        drop = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--"] if as_user else []
+        return ["ip", "netns", "exec", self.ns[pc], *drop, *args]
+
+    def env(self, pc: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+        moved = {k: self._move(pc, v) for k, v in (extra or {}).items()}
+        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": self.python[1], "OMP_NUM_THREADS": "1",
+                "HOME": "/nonexistent", **moved}
+
+    def run(self, pc: str, *argv: str, timeout: float = 120, as_user: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.command(pc, ["ravq", *argv], as_user), capture_output=True, text=True,
+                              env=self.env(pc), timeout=timeout, check=False, cwd=self.root)
+
+    def start_unit(self, pc: str, unit: str, instance: str = "") -> subprocess.Popen[bytes]:
+        argv, env, cwd = _unit_exec(unit)
+        argv = [a.replace("%i", instance) for a in argv]
+        env = {k: v.replace("%i", instance) for k, v in env.items()}
+        log = open(self.root / f"{pc}-{unit.split('@')[0].split('.')[0]}.log", "wb")  # noqa: SIM115 - the process keeps it
+        proc = subprocess.Popen(self.command(pc, argv), stdout=log, stderr=subprocess.STDOUT, env=self.env(pc, env),
+                                cwd=self.path(pc, cwd))
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+        """systemctl stop: SIGTERM (KillMode=mixed: the main process), then SIGKILL after the timeout."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def site() -> Iterator[Site]:
+    if reason := _netns.unavailable_reason():
+        pytest.skip(reason)
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus is not installed (make system-deps)")
+    if shutil.which("curl") is None:
+        pytest.skip("curl not found (asks Prometheus from inside the namespace)")
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) not found")
+    python = python_for(USER)
+    if python is None:
+        pytest.skip(f"no Python that user {USER} can run with this venv's packages")
+    with traversable_tmp("rq13-walk-") as root, _netns.shaped_links(len(PCS), RATE_MBIT) as links:
+        s = Site(root, links, python)
+        try:
+            yield s
+        finally:
+            s.kill_all()
+
+
+def _topology(site: Site, keys: dict[str, str]) -> str:
+    """The topology every PC gets at /etc/ravq/topology.yaml (README step 2), with the keys pasted in."""
+    nodes = [{"name": pc, "host": site.addr[pc], "pipeline_port": 5560, "ring_port": 5561, "metrics_port": 9101,
+              "device": "cpu", "cluster": CLUSTERS[pc], "public_key": keys[pc]} for pc in PCS]
+    data = {"task": "ravq.tasks.charlm", "seed": 13,
+            "training": {"micro_batch": 8, "steps": 100000, "sync_every": 5, "checkpoint_every": 10, "log_every": 10,
+                         "checkpoint_dir": "/var/lib/ravq/checkpoints"},
+            "timeouts": {"drain_s": 10, "connect_s": 60},
+            "security": {"curve": True, "key_dir": "/etc/ravq/keys"},
+            "broker": {"host": site.addr["pc1"], "pub_port": 5550, "router_port": 5551, "metrics_port": 9100,
+                       "public_key": keys["broker"]},
+            "nodes": nodes}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _promql(expr: str) -> str:
+    return expr.replace("$__rate_interval", "10s").replace("$node", ".*")
+
+
+def _query(site: Site, expr: str) -> list[dict[str, Any]]:
+    url = f"http://{site.addr['pc1']}:{PROM_PORT}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    out = subprocess.run(["ip", "netns", "exec", site.ns["pc1"], "curl", "-s", "--max-time", "5", url],
+                         capture_output=True, text=True, timeout=20, check=False).stdout
+    reply = json.loads(out or "{}")
+    assert reply.get("status") == "success", f"{expr}: {out[:300]}"
+    return reply["data"]["result"]
+
+
+def _dashboard_queries() -> list[tuple[str, str, bool]]:
+    """(where, PromQL, zero documented) of every panel query."""
+    found = []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for inner in [panel, *panel.get("panels", [])]:
+            for target in inner.get("targets", []):
+                found.append((f"panel {inner['title']!r} {target['refId']}", _promql(target["expr"]),
+                              DOCUMENTED_ZERO in inner.get("description", "")))
+    return found
+
+
+def _unanswered(site: Site) -> list[str]:
+    """Dashboard queries that return nothing, or only zeros their panel does not document."""
+    problems = []
+    for where, expr, zero_ok in _dashboard_queries():
+        values = [float(r["value"][1]) for r in _query(site, expr)]
+        finite = [v for v in values if math.isfinite(v)]
+        if not finite:
+            problems.append(f"{where}: no data ({expr})")
+        elif not zero_ok and not any(v != 0 for v in finite):
+            problems.append(f"{where}: only zeros, undocumented ({expr})")
+    return problems
+
+
+def _wait_for(what: str, check: Any, timeout_s: float, interval_s: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(interval_s)
+
+
+def test_walkthrough_from_empty_pcs_to_an_exported_model(site: Site) -> None:
+    # Step 2: keys, made by root for the service user; only public halves leave a PC.
+    keys = {}
+    for pc, name in [*((pc, pc) for pc in PCS), ("pc1", "broker")]:
+        made = site.run(pc, "keygen", name, "--key-dir", "/etc/ravq/keys", "--owner", USER, as_user=False)
+        assert made.returncode == 0, made.stderr
+        keys[name] = yaml.safe_load(made.stdout)["public_key"]
+    topology = _topology(site, keys)
+    for pc in PCS:  # the same file everywhere, but for the two paths that live under this PC's root here
+        text = topology.replace("/etc/ravq/keys", str(site.path(pc, "/etc/ravq/keys")))
+        text = text.replace("/var/lib/ravq/checkpoints", str(site.path(pc, "/var/lib/ravq/checkpoints")))
+        site.path(pc, "/etc/ravq/topology.yaml").write_text(text)
+
+    # Step 3: profile every PC at once (within profile's --peers-wait), gather the files on the broker's PC.
+    profile_dir = {pc: site.path(pc, "/var/lib/ravq") for pc in PCS}
+    profiling = [subprocess.Popen(site.command(pc, ["ravq", "profile", "--topology", "/etc/ravq/topology.yaml",
+                                                    "--name", pc, "--out", "/var/lib/ravq", "--peers-wait", "60"]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=site.env(pc), cwd=site.root)
+                 for pc in PCS]
+    site.procs += profiling
+    deadline = time.monotonic() + 90
+    outputs = {}
+    for pc, proc in zip(PCS, profiling):
+        try:
+            outputs[pc] = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0].decode()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            outputs[pc] = "(timed out) " + proc.communicate()[0].decode()
+    assert all(p.returncode == 0 for p in profiling), "\n".join(f"--- {k}:\n{v}" for k, v in outputs.items())
+    gathered = site.path("pc1", "/etc/ravq/profiles")
+    gathered.mkdir()
+    for pc in PCS:
+        shutil.copy(profile_dir[pc] / f"profile-{pc}.json", gathered)
+
+    # Step 4: the plan, where the broker unit reads it.
+    planned = site.run("pc1", "plan", "--topology", "/etc/ravq/topology.yaml", "--profiles", "/etc/ravq/profiles",
+                       "--out", "/etc/ravq/plan.yaml", as_user=False)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    plan = yaml.safe_load(site.path("pc1", "/etc/ravq/plan.yaml").read_text())["plan"]
+    assert sorted(sorted(c["nodes"]) for c in plan["clusters"]) == [["pc1", "pc2"], ["pc3", "pc4"]]
+
+    # Step 7 (started first: it must see training): Prometheus with `ravq scrape-config`'s targets.
+    scrape = site.run("pc1", "scrape-config", "--topology", "/etc/ravq/topology.yaml")
+    assert scrape.returncode == 0, scrape.stderr
+    prom_yml = site.root / "prometheus.yml"
+    prom_yml.write_text(scrape.stdout.replace("scrape_interval: 5s", "scrape_interval: 1s"))
+    prometheus = subprocess.Popen(["ip", "netns", "exec", site.ns["pc1"], "prometheus", f"--config.file={prom_yml}",
+                                   f"--storage.tsdb.path={site.root / 'tsdb'}",
+                                   f"--web.listen-address={site.addr['pc1']}:{PROM_PORT}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    site.procs.append(prometheus)
+
+    # Step 5: the units, with their own command lines, as the service user.
+    broker = site.start_unit("pc1", "ravq-broker.service")
+    nodes = {pc: site.start_unit(pc, "ravq-node@.service", pc) for pc in PCS}
+
+    # Step 6: `ravq status` from a node's PC (pc3 holds only its own key).
+    def all_training() -> str | None:
+        got = site.run("pc3", "status", "--topology", "/etc/ravq/topology.yaml", timeout=60)
+        lines = got.stdout.splitlines()
+        rows = [line.split() for line in lines[2:] if line.split() and line.split()[0] in PCS]
+        ok = got.returncode == 0 and len(rows) == 4 and all(r[1] == "up" and r[3] not in ("-", "0") for r in rows)
+        return got.stdout if ok else None
+
+    status = _wait_for("all four nodes training (ravq status from pc3)", all_training, 120, 2)
+    assert "pc1 -> pc2" in status or "pc2 -> pc1" in status
+
+    # Step 7: every dashboard query answers while the swarm trains.
+    problems: list[str] = []
+
+    def answered() -> bool:
+        problems[:] = _unanswered(site)
+        return not problems
+
+    deadline = time.monotonic() + 45
+    while not answered() and time.monotonic() < deadline:
+        time.sleep(3)
+    assert not problems, "\n".join(problems)
+    assert broker.poll() is None and all(p.poll() is None for p in nodes.values())
+
+    # Step 8: systemctl stop: every node drains and writes a final checkpoint.
+    codes = {pc: site.stop(proc) for pc, proc in nodes.items()}
+    assert codes == dict.fromkeys(PCS, 0), codes
+    assert site.stop(broker) == 0
+    for pc in PCS:
+        text = (site.root / f"{pc}-ravq-node.log").read_text()
+        assert "draining" in text and "micro-batch" in text and "samples/s" in text, text[-2000:]
+
+    # Step 9: export cluster 0 on pc1: first without pc2's stage (named), then with it copied over.
+    export_dir = site.path("pc1", "/var/lib/ravq/checkpoints")
+    out = site.path("pc1", "/var/lib/ravq/model.safetensors")
+    first = site.run("pc1", "export", "--checkpoint-dir", "/var/lib/ravq/checkpoints", "--cluster", "0",
+                     "--out", "/var/lib/ravq/model.safetensors")
+    stage_of = {n: s for s, n in enumerate(next(c["nodes"] for c in plan["clusters"] if "pc1" in c["nodes"]))}
+    missing = 1 - stage_of["pc1"]  # pc1 alone lacks the stage pc2 trained
+    assert first.returncode == 2 and f"stage {missing} (node pc2)" in first.stderr, first.stderr
+    for f in site.path("pc2", "/var/lib/ravq/checkpoints").glob("cluster0/stage*"):
+        shutil.copy(f, export_dir / "cluster0")
+    done = site.run("pc1", "export", "--checkpoint-dir", "/var/lib/ravq/checkpoints", "--cluster", "0",
+                    "--out", "/var/lib/ravq/model.safetensors")
+    assert done.returncode == 0, done.stderr
+    assert "2 stages" in done.stdout
+    from safetensors.torch import load_file
+
+    from ravq.tasks import charlm
+    assert set(load_file(str(out))) == set(charlm.build_model().state_dict())
