@@ -294,7 +294,7 @@ class ConnectionMonitor:
                     established.discard(value)
                     self.metrics.connections_dropped.labels(server, "closed").inc()
                     self._note(server, "closed", where, "a connection closed (peer gone, or dropped for a frame "
-                                                        "over limits.max_message_bytes)")
+                                                        "over limits.max_message_bytes)", logging.INFO)
             elif kind == zmq.EVENT_MONITOR_STOPPED:
                 return
 
@@ -302,13 +302,13 @@ class ConnectionMonitor:
         self.metrics.connections_dropped.labels(socket, "handshake_failed").inc()
         self._note(socket, "handshake_failed", where, "refused a connection (handshake_failed)")
 
-    def _note(self, socket: str, reason: str, where: str, what: str) -> None:
+    def _note(self, socket: str, reason: str, where: str, what: str, level: int = logging.WARNING) -> None:
         key = (socket, reason, where)
         if key in self._warned or len(self._warned) >= _MAX_WARNED:
             log.debug("%s: %s at %s", socket, what, where)
             return
         self._warned.add(key)
-        log.warning("%s: %s at %s; further ones are only counted", socket, what, where)
+        log.log(level, "%s: %s at %s; further ones are only counted", socket, what, where)
 
 
 class Curve(ConnectionMonitor):
