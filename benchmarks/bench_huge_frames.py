@@ -32,7 +32,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ravq.demo import free_ports  # noqa: E402
+from ravq.demo import free_ports
 
 GIB = 1 << 30
 
@@ -63,7 +63,7 @@ def _attack(port: int, seconds: float, stop: threading.Event) -> None:
 
 def _metric(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(m[1]) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(float(m[1]) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
 def run(limit: int | None, connections: int, attack_s: float, work: Path) -> dict[str, float]:
