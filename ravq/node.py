@@ -128,8 +128,7 @@ class Node:
         """Data sockets accept frames up to what this stage can legitimately receive (ravq.limits)."""
         if self.topology.limits.max_message_bytes is not None:
             return
-        assert self.plan is not None
-        ring = self.topology.training.ring_chunk_bytes if len(self.plan.clusters) > 1 else 0
+        ring = self.topology.training.ring_chunk_bytes  # also with one cluster: a re-plan may add rings
         limit = derived_max_message_bytes(self.largest_frame, ring)
         self.sock_opts.max_message_bytes = limit
         self.limits = dataclasses.replace(self.limits, max_tensor_bytes=limit)
