@@ -19,7 +19,6 @@ Key files are plain Z85 text; nothing here unpickles or evaluates anything.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
@@ -32,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
+from ravq.connections import MAX_WARNED, ConnectionMonitor
 from ravq.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -50,12 +49,6 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_KEY_FILE_BYTES = 4096
-# Failed handshakes a server's monitor reports.  A ZAP denial also raises
-# EVENT_HANDSHAKE_FAILED_AUTH; it is not counted again because the ZAP handler already counted it.
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-_MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-              | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
-_MAX_WARNED = 256
 
 
 class KeyFileError(ValueError):
@@ -214,103 +207,6 @@ def keygen_main(name: str, key_dir: str, owner: str | None = None) -> int:
 # --------------------------------------------------------------------------- authentication
 
 
-class ConnectionMonitor:
-    """Watches the connections of a process's server sockets (ROUTERs, PUB) and counts those that fail.
-
-    libzmq reports a garbage or broken greeting with a handshake-failed event only sometimes (under
-    CURVE a connection that sends garbage is just accepted and disconnected), so connections are
-    followed from EVENT_ACCEPTED (keyed by file descriptor) to their end: one that disconnects before
-    a handshake succeeded failed it.  libzmq's handshake events carry no descriptor; with one I/O thread
-    they come in order, and each settles the oldest pending connection (counts stay exact; which
-    descriptor is marked may swap between two handshakes running at once).
-
-    Lifecycle: ``watch`` server sockets as they are made, run ``serve()`` in the process's TaskGroup,
-    ``close()`` after it ended and before the zmq context is terminated.
-    """
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self._monitors: list[tuple[zmq.asyncio.Socket, str]] = []
-        self._unserved: list[tuple[zmq.asyncio.Socket, str]] = []  # (socket, "" for ZAP or server name)
-        self._wakeup: asyncio.Event | None = None
-        self._warned: set[tuple[str, str, str]] = set()
-
-    def watch(self, sock: zmq.asyncio.Socket, name: str) -> None:
-        """Follow the connections of server socket ``sock`` (before it binds)."""
-        monitor = sock.get_monitor_socket(_MONITORED)
-        monitor.linger = 0
-        self._monitors.append((monitor, name))
-        self._adopt(monitor, name)
-
-    async def serve(self) -> None:
-        """Watch every server socket (and answer ZAP requests, for CURVE), until cancelled."""
-        self._wakeup = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
-            while True:
-                while self._unserved:
-                    sock, server = self._unserved.pop()
-                    tg.create_task(self._serve_one(sock, server))
-                await self._wakeup.wait()
-                self._wakeup.clear()
-
-    def close(self) -> None:
-        """Close the monitor sockets (after serve has ended)."""
-        for sock, _ in self._monitors:
-            sock.close(linger=0)
-        self._monitors.clear()
-
-    def _adopt(self, sock: zmq.asyncio.Socket, server: str) -> None:
-        self._unserved.append((sock, server))
-        if self._wakeup is not None:
-            self._wakeup.set()
-
-    async def _serve_one(self, sock: zmq.asyncio.Socket, server: str) -> None:
-        await self._watch(sock, server)
-
-    async def _watch(self, monitor: zmq.asyncio.Socket, server: str) -> None:
-        pending: dict[int, None] = {}  # accepted, handshake not settled (in order)
-        established: set[int] = set()
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            kind, value = event["event"], int(event["value"])
-            where = event["endpoint"].decode(errors="replace")
-            if kind == zmq.EVENT_ACCEPTED:
-                pending[value] = None
-            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if pending:
-                    fd = next(iter(pending))
-                    del pending[fd]
-                    established.add(fd)
-            elif kind & (_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
-                if pending:
-                    pending.pop(next(iter(pending)))
-                if kind & _HANDSHAKE_FAILED:
-                    self._handshake_failed(server, where)
-            elif kind == zmq.EVENT_DISCONNECTED:
-                if value in pending:  # ended before its handshake did: garbage, or a client that gave up
-                    del pending[value]
-                    self._handshake_failed(server, where)
-                elif value in established:
-                    established.discard(value)
-                    self.metrics.connections_dropped.labels(server, "closed").inc()
-                    self._note(server, "closed", where, "a connection closed (peer gone, or dropped for a frame "
-                                                        "over limits.max_message_bytes)", logging.INFO)
-            elif kind == zmq.EVENT_MONITOR_STOPPED:
-                return
-
-    def _handshake_failed(self, socket: str, where: str) -> None:
-        self.metrics.connections_dropped.labels(socket, "handshake_failed").inc()
-        self._note(socket, "handshake_failed", where, "refused a connection (handshake_failed)")
-
-    def _note(self, socket: str, reason: str, where: str, what: str, level: int = logging.WARNING) -> None:
-        key = (socket, reason, where)
-        if key in self._warned or len(self._warned) >= _MAX_WARNED:
-            log.debug("%s: %s at %s", socket, what, where)
-            return
-        self._warned.add(key)
-        log.log(level, "%s: %s at %s; further ones are only counted", socket, what, where)
-
-
 class Curve(ConnectionMonitor):
     """One process's CURVE identity and its ZAP authenticator; the ``curve`` of ``SocketOptions``.
 
@@ -433,7 +329,7 @@ class Curve(ConnectionMonitor):
     def _refuse(self, socket: str, reason: str, where: str) -> None:
         self.metrics.auth_failures.labels(socket, reason).inc()
         key = (socket, reason, where)
-        if key in self._warned or len(self._warned) >= _MAX_WARNED:
+        if key in self._warned or len(self._warned) >= MAX_WARNED:
             log.debug("%s: refused a connection (%s) at %s", socket, reason, where)
             return
         self._warned.add(key)

@@ -14,9 +14,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from ravq.connections import ConnectionMonitor
 from ravq.limits import derived_max_message_bytes, largest_inbound_frame
 from ravq.metrics import Metrics
-from ravq.security import ConnectionMonitor, Curve, keygen
+from ravq.security import Curve, keygen
 from ravq.transport import CONTROL_FRAME_BYTES, Inbox, SocketOptions
 from ravq.wire import DecodeLimits
 

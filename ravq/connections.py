@@ -1,0 +1,127 @@
+"""Following the connections of a process's server sockets, to count the ones that fail.
+
+``ConnectionMonitor`` watches every server socket (pipeline and ring ROUTERs, the broker's ROUTER and
+PUB) through ZeroMQ's socket monitor and counts, in ``ravq_connections_dropped_total{socket,reason}``,
+connections that fail their handshake (``handshake_failed``: garbage, a wrong protocol, a client
+that gives up) and established ones that close (``closed``: a peer that went away, or one ZeroMQ
+dropped for announcing a frame over ``limits.max_message_bytes``).  ``ravq.security.Curve`` is one
+that also authenticates, and counts failed handshakes as authentication failures instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from ravq.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# Failed handshakes a server's monitor reports.  A ZAP denial also raises
+# EVENT_HANDSHAKE_FAILED_AUTH; it is not counted again because the ZAP handler already counted it.
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+              | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
+MAX_WARNED = 256
+"""Distinct (socket, reason, endpoint) a process logs at WARNING; later ones only at DEBUG."""
+
+
+class ConnectionMonitor:
+    """Watches the connections of a process's server sockets (ROUTERs, PUB) and counts those that fail.
+
+    libzmq reports a garbage or broken greeting with a handshake-failed event only sometimes (under
+    CURVE a connection that sends garbage is just accepted and disconnected), so connections are
+    followed from EVENT_ACCEPTED (keyed by file descriptor) to their end: one that disconnects before
+    a handshake succeeded failed it.  libzmq's handshake events carry no descriptor; with one I/O thread
+    they come in order, and each settles the oldest pending connection (counts stay exact; which
+    descriptor is marked may swap between two handshakes running at once).
+
+    Lifecycle: ``watch`` server sockets as they are made, run ``serve()`` in the process's TaskGroup,
+    ``close()`` after it ended and before the zmq context is terminated.
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._monitors: list[tuple[zmq.asyncio.Socket, str]] = []
+        self._unserved: list[tuple[zmq.asyncio.Socket, str]] = []  # (socket, "" for ZAP or server name)
+        self._wakeup: asyncio.Event | None = None
+        self._warned: set[tuple[str, str, str]] = set()
+
+    def watch(self, sock: zmq.asyncio.Socket, name: str) -> None:
+        """Follow the connections of server socket ``sock`` (before it binds)."""
+        monitor = sock.get_monitor_socket(_MONITORED)
+        monitor.linger = 0
+        self._monitors.append((monitor, name))
+        self._adopt(monitor, name)
+
+    async def serve(self) -> None:
+        """Watch every server socket (and answer ZAP requests, for CURVE), until cancelled."""
+        self._wakeup = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                while self._unserved:
+                    sock, server = self._unserved.pop()
+                    tg.create_task(self._serve_one(sock, server))
+                await self._wakeup.wait()
+                self._wakeup.clear()
+
+    def close(self) -> None:
+        """Close the monitor sockets (after serve has ended)."""
+        for sock, _ in self._monitors:
+            sock.close(linger=0)
+        self._monitors.clear()
+
+    def _adopt(self, sock: zmq.asyncio.Socket, server: str) -> None:
+        self._unserved.append((sock, server))
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _serve_one(self, sock: zmq.asyncio.Socket, server: str) -> None:
+        await self._watch(sock, server)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket, server: str) -> None:
+        pending: dict[int, None] = {}  # accepted, handshake not settled (in order)
+        established: set[int] = set()
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            kind, value = event["event"], int(event["value"])
+            where = event["endpoint"].decode(errors="replace")
+            if kind == zmq.EVENT_ACCEPTED:
+                pending[value] = None
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if pending:
+                    fd = next(iter(pending))
+                    del pending[fd]
+                    established.add(fd)
+            elif kind & (HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+                if pending:
+                    pending.pop(next(iter(pending)))
+                if kind & HANDSHAKE_FAILED:
+                    self._handshake_failed(server, where)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                if value in pending:  # ended before its handshake did: garbage, or a client that gave up
+                    del pending[value]
+                    self._handshake_failed(server, where)
+                elif value in established:
+                    established.discard(value)
+                    self.metrics.connections_dropped.labels(server, "closed").inc()
+                    self._note(server, "closed", where, "a connection closed (peer gone, or dropped for a frame "
+                                                        "over limits.max_message_bytes)", logging.INFO)
+            elif kind == zmq.EVENT_MONITOR_STOPPED:
+                return
+
+    def _handshake_failed(self, socket: str, where: str) -> None:
+        self.metrics.connections_dropped.labels(socket, "handshake_failed").inc()
+        self._note(socket, "handshake_failed", where, "refused a connection (handshake_failed)")
+
+    def _note(self, socket: str, reason: str, where: str, what: str, level: int = logging.WARNING) -> None:
+        key = (socket, reason, where)
+        if key in self._warned or len(self._warned) >= MAX_WARNED:
+            log.debug("%s: %s at %s", socket, what, where)
+            return
+        self._warned.add(key)
+        log.log(level, "%s: %s at %s; further ones are only counted", socket, what, where)
