@@ -471,3 +471,37 @@ def test_lan_example_explains_every_field() -> None:
     # task and seed carry their comment on the line above
     assert fields - {"task", "seed"} <= commented, sorted(fields - {"task", "seed"} - commented)
     assert "# Importable Python module" in text and "# Seed for" in text
+
+
+def _installed_root(root: Path, with_binary: bool = True) -> Path:
+    """A file system root laid out as deploy/README.md installs ravq: the venv's ravq at the path the
+    units run, the units in /etc/systemd/system, and this system's own units (targets the units name)."""
+    binary = root / "opt/ravq/venv/bin/ravq"
+    binary.parent.mkdir(parents=True)
+    if with_binary:
+        binary.write_text("#!/bin/sh\nexit 0\n")
+        binary.chmod(0o755)
+    units = root / "etc/systemd/system"
+    units.mkdir(parents=True)
+    for path in UNITS.values():
+        shutil.copy(path, units / path.name)
+    system = Path("/usr/lib/systemd/system")
+    shutil.copytree(system, root / "usr/lib/systemd/system", symlinks=True)
+    return root
+
+
+@NEEDS_SYSTEMD
+@pytest.mark.skipif(not Path("/usr/lib/systemd/system/sysinit.target").exists(), reason="no systemd unit tree here")
+def test_systemd_analyze_verify_with_the_readme_install_path(tmp_path: Path) -> None:
+    """The units as installed by deploy/README.md (ExecStart=/opt/ravq/venv/bin/ravq, unmodified)."""
+    root = _installed_root(tmp_path / "root")
+    units = [f"/etc/systemd/system/{path.name}" for path in UNITS.values()]
+    command = [SYSTEMD_ANALYZE, "verify", f"--root={root}", *units]
+    env = {"PATH": "/usr/bin:/bin", "SYSTEMD_LOG_COLOR": "0"}
+    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0 and not complaints(result), result.stdout + result.stderr
+    # and it notices when ravq is not where the units look for it
+    missing = _installed_root(tmp_path / "missing", with_binary=False)
+    result = subprocess.run([SYSTEMD_ANALYZE, "verify", f"--root={missing}", *units], check=False,
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert "/opt/ravq/venv/bin/ravq is not executable" in result.stdout + result.stderr
