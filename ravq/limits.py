@@ -30,11 +30,22 @@ def largest_inbound_frame(specs: list[Any], input_specs: list[list[tuple[Any, An
     ``ravq.model.stage_input_specs``; a stage's output gradient has the shape of the consumer input it feeds."""
     sizes = [_nbytes(shape, dtype) for shape, dtype in input_specs[stage]]
     for s, spec in enumerate(specs):
-        sizes += [_nbytes(shape, dtype) for ref, (shape, dtype) in zip(spec.inputs, input_specs[s]) if ref.stage == stage]
-    if stage == len(specs) - 1 and stage > 0 and target_example is not None:
-        targets = target_example if isinstance(target_example, tuple | list) else (target_example,)
-        sizes += [_nbytes(t.shape, t.dtype) for t in targets]
+        sizes += [_nbytes(shape, dtype)
+                  for ref, (shape, dtype) in zip(spec.received, input_specs[s]) if ref.stage == stage]
+    if stage == len(specs) - 1 and stage > 0:
+        sizes += [_nbytes(t.shape, t.dtype) for t in _tensors(target_example)]
     return max(sizes, default=0)
+
+
+def _tensors(value: Any) -> list[Any]:
+    """The tensors in a (nested) tuple, list or dict of targets."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def derived_max_message_bytes(largest_frame: int, ring_piece_bytes: int = 0) -> int:
