@@ -66,7 +66,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     plan = plan_for(topology, args.plan)
     metrics = Metrics("broker")
     if topology.broker.metrics_port is not None:
-        metrics.serve(topology.broker.metrics_port, topology.broker.host)
+        metrics.serve(topology.broker.metrics_port, topology.broker.bind_host or topology.broker.host)
     tune_process()
     install_uvloop()
     try:
