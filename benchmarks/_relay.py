@@ -14,7 +14,7 @@ time has come.  Buffered bytes are at most rate x delay.  Threads, not asyncio: 
 ``recv``/``sendall`` system calls that release the GIL, and a sleeping writer wakes within ~0.1 ms.
 
     python benchmarks/_relay.py serve CONFIG.json   # prints "ready" once every port listens
-    python benchmarks/_relay.py ping HOST PORT N    # N round trips to an echo port; prints JSON seconds
+    python benchmarks/_relay.py ping PORT N HOST...  # N round trips to each host's echo port; JSON seconds
 
 CONFIG: {"address": "10.14.3.2", "ports": [5560, ...], "echo_port": 5999,
          "delays_s": {"10.14.3.3": [in_s, out_s], ...}, "default_s": [in_s, out_s]}
@@ -182,8 +182,9 @@ def main(argv: list[str]) -> int:
         with open(argv[1]) as f:
             serve(json.load(f))
         return 0
-    if argv[:1] == ["ping"] and len(argv) == 4:
-        print(json.dumps(ping(argv[1], int(argv[2]), int(argv[3]))))
+    if argv[:1] == ["ping"] and len(argv) >= 4:
+        port, count = int(argv[1]), int(argv[2])
+        print(json.dumps({host: ping(host, port, count) for host in argv[3:]}))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

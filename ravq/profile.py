@@ -164,31 +164,31 @@ class ComputeSample:
     """Training FLOP/s measured over several windows, and how much the windows disagree."""
 
     flops: float
-    """Total FLOPs over total time of every window (not a mean of rates: long windows weigh more)."""
+    """The median window's FLOP/s: one window disturbed by other work does not move it."""
     window_flops: list[float]
     spread: float
     """(max - min) / flops over the windows: 0.05 means the windows were within 5% of each other."""
 
 
-def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_s: float = 1.0,
-                    windows: int = 3, warmup_s: float = 0.3) -> ComputeSample:
+def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_s: float = 1.2,
+                    windows: int = 5, warmup_s: float = 0.3) -> ComputeSample:
     """``measure_model_flops`` done so that two runs on the same PC agree: a warm-up (first calls,
-    allocator, lazy initialisation) that is not counted, then ``windows`` windows of ``window_s`` each.
+    allocator, lazy initialisation) that is not counted, then ``windows`` windows of ``window_s`` each,
+    and the median window kept.
 
-    One short window misjudges a PC whose CPU time comes in slices (a cgroup quota runs a process for
+    One short sample misjudges a PC whose CPU time comes in slices (a cgroup quota runs a process for
     its share of every 100 ms period, then stops it; another process may take the core for a while):
-    a 1.5 s sample judged one PC 2.2x off.  Windows of a second or more hold several such periods, their
-    total gives the rate, and their spread says how far to trust it."""
+    a single 1.5 s sample judged one PC 2.2x off.  Windows of a second or more hold several such
+    periods, the median ignores a window that other work disturbed, and the spread says how far to
+    trust the figure."""
     step, flops = _training_step(task, micro_batch, device, optimizer=True)
     _timed_steps(step, warmup_s)
-    counts, times = [], []
+    rates = []
     for _ in range(max(1, windows)):
         count, elapsed = _timed_steps(step, window_s)
-        counts.append(count)
-        times.append(elapsed)
-    rates = [flops * c / t for c, t in zip(counts, times)]
-    total = flops * sum(counts) / sum(times)
-    return ComputeSample(flops=total, window_flops=rates, spread=(max(rates) - min(rates)) / total)
+        rates.append(flops * count / elapsed)
+    middle = statistics.median(rates)
+    return ComputeSample(flops=middle, window_flops=rates, spread=(max(rates) - min(rates)) / middle)
 
 
 def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo",
@@ -531,7 +531,7 @@ def load_profiles(topology: Topology, profiles_dir: str | Path) -> list[NodeProf
 
 
 def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
-                 compute_s: float = 3.0, windows: int = 3) -> Measurement:
+                 compute_s: float = 6.0, windows: int = 5) -> Measurement:
     """Compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), memory, links."""
     me = topology.node(name)
     task = resolve_task_module(topology.task)
@@ -557,7 +557,7 @@ def compute_confidence(measurement: Measurement) -> str:
         return "from matmuls only (the task's model did not run)"
     n, spread = len(measurement.flops_windows), measurement.flops_spread
     verdict = "steady" if spread <= 0.1 else "unsteady: other work on this PC? profile again when it is idle"
-    return f"{n} windows within {spread:.0%} of each other ({verdict})"
+    return f"median of {n} windows, which were within {spread:.0%} of each other ({verdict})"
 
 
 def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s: float = 120.0) -> int:

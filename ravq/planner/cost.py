@@ -12,10 +12,17 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   sum over its segments) through its ring links.  Ring neighbours depend on every cluster's cuts, so the
   planner charges the node's slowest link to any node of another cluster (the worst ring order).  The
   round lasts as long as its slowest node: T_avg.
-- samples/s = micro_batch * sum over clusters of r * duty, with duty = (S/r) / (S/r + T_avg) when
-  averaging pauses training (S = sync_every).  When it overlaps with training a stage trains on for
-  L = ``averaging_lead`` steps past a round's snapshot and then waits for the round, and rounds run one
-  after another: duty = (S/r) / max(S/r, T_avg, S/r + T_avg - L/r) (L = S: no wait before the next round).
+- Averaging ties the clusters together.  A round needs every cluster's snapshot at the same version,
+  and a stage that is L = ``averaging_lead`` steps past an unfinished round's snapshot waits for it
+  (with averaging that pauses training, every round waits for everyone), so no cluster gets more than
+  about L steps ahead of the slowest: in the long run every cluster makes optimizer steps at the
+  slowest cluster's pace.  One cluster's period for S = ``sync_every`` steps is P(r) = S/r + T_avg when
+  averaging pauses training, and P(r) = max(S/r, T_avg, S/r + T_avg - L/r) when it overlaps (rounds
+  run one after another; L = S: no wait before the next round).  With C clusters,
+  samples/s = micro_batch * C * S / max over clusters of P(r).
+  (Until issue #14 the model summed every cluster's own S / P(r), as if clusters were independent; on
+  emulated PCs with a 2.5x faster cluster the fast one waited 55-61% of the time, and the plan ran at
+  0.56x its prediction.)
 
 A cluster's best cuts for a given node order come from an exact dynamic programme on the bottleneck time
 under every node's memory limit (``Problem.partition``).
@@ -212,16 +219,20 @@ class Problem:
         return 2 * (clusters - 1) / clusters
 
     def samples_per_s(self, rates: Sequence[float], averaging_s: float) -> float:
-        s, lead, total = self.sync_every, self.averaging_lead, 0.0
-        for r in rates:
-            if r > 0:
-                period = s / r
-                if self.overlap_averaging:  # rounds run one after another; a stage waits lead steps in
-                    period = max(period, averaging_s, period + averaging_s - lead / r)
-                else:
-                    period += averaging_s
-                total += s / period
-        return self.micro_batch * total
+        """micro_batch * C * S / (the slowest cluster's period of S steps): see the module docstring."""
+        live = [r for r in rates if r > 0]
+        if not live:
+            return 0.0
+        if len(live) == 1:  # nothing to average with: the cluster runs at its own rate
+            return self.micro_batch * live[0]
+        s, lead = self.sync_every, self.averaging_lead
+        slowest = min(live)
+        period = s / slowest
+        if self.overlap_averaging:  # rounds run one after another; a stage waits lead steps in
+            period = max(period, averaging_s, period + averaging_s - lead / slowest)
+        else:
+            period += averaging_s
+        return self.micro_batch * len(live) * s / period
 
 
 def _spans(values: np.ndarray) -> np.ndarray:
