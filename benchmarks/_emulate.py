@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,7 +174,7 @@ class World:
         """Run ``argv`` inside PC ``name``: its namespace and (``limited``) its cgroups."""
         pc = self.pcs[name]
         joins = "".join(f'echo $$ > "{g}/cgroup.procs" && ' for g in pc.cgroups) if limited else ""
-        wrapper = ["sh", "-c", joins + 'exec "$@"', "sh", "ip", "netns", "exec", pc.netns, *argv]
+        wrapper = ["sh", "-c", joins + 'exec "$@"', "sh", *enter_netns(pc.netns), *argv]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(wrapper, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=dict(env) if env is not None else None, start_new_session=True)
@@ -257,19 +258,26 @@ class World:
         self.procs.clear()
 
 
-def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL it after ``grace_s``."""
-    if proc.poll() is None:
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0, term: bool = True) -> None:
+    """SIGTERM the process group (unless ``term`` is False: already sent), then SIGKILL it after
+    ``grace_s``."""
+    if proc.poll() is None and term:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
+
+
+def enter_netns(netns: str) -> list[str]:
+    """The command prefix that runs a program in ``netns``.  nsenter rather than ``ip netns exec``,
+    which remounts /sys and so hides /sys/fs/cgroup: a PC's processes must see their memory limit."""
+    if shutil.which("nsenter"):
+        return ["nsenter", f"--net={os.path.join(_netns.NETNS_DIR, netns)}"]
+    return ["ip", "netns", "exec", netns]
 
 
 def unavailable_reason() -> str | None:

@@ -259,7 +259,7 @@ def _stop_all(procs: Sequence[Any], grace_s: float = 15.0) -> None:
                 pass
     deadline = time.monotonic() + grace_s
     for proc in procs:
-        _emulate.stop(proc, grace_s=max(0.0, deadline - time.monotonic()))
+        _emulate.stop(proc, grace_s=max(0.0, deadline - time.monotonic()), term=False)
 
 
 def measure(first: dict[str, Any], end: dict[str, Any], nodes: Sequence[str], last: set[str],
