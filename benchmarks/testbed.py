@@ -143,8 +143,9 @@ class Testbed:
         return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads,
                 "XDG_CACHE_HOME": str(self.run_dir / "cache" / name)}
 
-    def ravq(self, name: str, *args: str, timeout_s: float = 120) -> str:
-        return self.world.run(name, [sys.executable, "-m", "ravq", *args], timeout_s, env=self.env(name))
+    def ravq(self, name: str, *args: str, timeout_s: float = 120, limited: bool = True) -> str:
+        return self.world.run(name, [sys.executable, "-m", "ravq", *args], timeout_s, env=self.env(name),
+                              limited=limited)
 
     def check(self) -> dict[str, Any]:
         """Round trips, link rates and CPU quotas really in force (RuntimeError when not)."""
@@ -162,7 +163,7 @@ class Testbed:
         keys = self.run_dir / "keys"
         public = {}
         for name in ["broker", *(p["name"] for p in self.scenario.pcs)]:
-            out = self.ravq(name, "keygen", name, "--key-dir", str(keys), timeout_s=60)
+            out = self.ravq(name, "keygen", name, "--key-dir", str(keys), timeout_s=60, limited=False)  # setup
             public[name] = yaml.safe_load(next(ln for ln in out.splitlines() if ln.startswith("public_key")))["public_key"]
         pcs = self.world.pcs
         training = {"steps": 1_000_000, "checkpoint_every": 0, **self.scenario.training}
@@ -194,7 +195,7 @@ class Testbed:
 
     def status(self) -> dict[str, Any]:
         out = self.ravq("broker", "status", "--topology", str(self.topology_path), "--json", "--timeout", "10",
-                        timeout_s=90)
+                        timeout_s=90, limited=False)
         return json.loads(out[out.index("{"):])
 
     def plan_file(self, kind: str) -> tuple[Path, dict[str, Any]]:
@@ -220,12 +221,19 @@ class Testbed:
             procs += [self.world.spawn(n, unit_command("ravq-node@.service", self.topology_path, n),
                                        self.run_dir / f"{tag}-{n}.log", env=self.env(n)) for n in nodes]
             first = self._wait_training(nodes, procs, tag)
+            cpu0, t0 = {n: process_cpu_s(p.pid) for n, p in zip(nodes, procs[1:])}, time.monotonic()
             time.sleep(train_s)
             end = self.status()
+            cpu1, t1 = {n: process_cpu_s(p.pid) for n, p in zip(nodes, procs[1:])}, time.monotonic()
             self._check_alive(procs, tag)
         finally:
             _stop_all(procs)
-        return measure(first, end, nodes, last, plan)
+        result = measure(first, end, nodes, last, plan)
+        quotas = {p["name"]: p.get("cpu") for p in self.scenario.pcs}
+        for n in nodes:  # what each PC really got: under its quota when the machine is oversubscribed
+            result["nodes"][n]["cpu_cores"] = round((cpu1[n] - cpu0[n]) / (t1 - t0), 3)
+            result["nodes"][n]["cpu_quota"] = quotas[n]
+        return result
 
     def _wait_training(self, nodes: Sequence[str], procs: Sequence[Any], tag: str,
                        timeout_s: float = 600) -> dict[str, Any]:
@@ -248,6 +256,13 @@ class Testbed:
             if proc.poll() is not None:
                 raise RuntimeError(f"{tag}: a process exited early ({proc.args[-6:]}, status {proc.returncode});"
                                    f" logs in {self.run_dir}")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) of a live process."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stop_all(procs: Sequence[Any], grace_s: float = 15.0) -> None:
@@ -365,6 +380,10 @@ def report_lines(result: dict[str, Any]) -> Iterator[str]:
         pred = r.get("predicted_samples_per_s")
         yield (f"  {kind:<8} measured {r['samples_per_s']:8.1f} samples/s, predicted "
                f"{'?' if pred is None else f'{pred:.1f}'}, loss {loss}, clusters {r['clusters']}")
+        nodes = r.get("nodes", {})
+        yield "           busy / waiting / cpu got of quota: " + "; ".join(
+            f"{n} {v['busy_fraction']:.2f} / {sum(v['wait_fraction'].values()):.2f} / "
+            f"{v.get('cpu_cores', float('nan')):.2f} of {v.get('cpu_quota')}" for n, v in nodes.items())
 
 
 if __name__ == "__main__":
