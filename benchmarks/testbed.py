@@ -224,11 +224,15 @@ class Testbed:
             cpu0, t0 = {n: process_cpu_s(p.pid) for n, p in zip(nodes, procs[1:])}, time.monotonic()
             time.sleep(train_s)
             end = self.status()
+            shown = self.ravq("broker", "status", "--topology", str(self.topology_path), "--timeout", "10",
+                              timeout_s=90, limited=False)  # what an operator sees
+            (self.run_dir / f"{tag}-status.txt").write_text(shown)
             cpu1, t1 = {n: process_cpu_s(p.pid) for n, p in zip(nodes, procs[1:])}, time.monotonic()
             self._check_alive(procs, tag)
         finally:
             _stop_all(procs)
         result = measure(first, end, nodes, last, plan)
+        result["status_text"] = shown
         quotas = {p["name"]: p.get("cpu") for p in self.scenario.pcs}
         for n in nodes:  # what each PC really got: under its quota when the machine is oversubscribed
             result["nodes"][n]["cpu_cores"] = round((cpu1[n] - cpu0[n]) / (t1 - t0), 3)
