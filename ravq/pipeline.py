@@ -257,10 +257,17 @@ class StageWorker:
         if self.metrics is not None:
             self.metrics.wait_seconds.labels(reason).inc(seconds)
 
-    def _idle_reason(self) -> str:
-        if self.is_first and len(self._stash) >= self.options.max_inflight:
-            return "credits"
-        return "input"
+    def _idle_wait(self) -> None:
+        """Wait (holding ``_cond``) for work, counted as "credits" when stage 0 is at ``max_inflight``,
+        else as "input"; not counted before training starts or while draining."""
+        if self.stats.started_at is None or self._stopping:
+            self._cond.wait(timeout=0.5)
+            return
+        reason = "credits" if self.is_first and len(self._stash) >= self.options.max_inflight else "input"
+        t0 = time.monotonic()
+        self._cond.wait(timeout=0.5)
+        self.waited(reason, time.monotonic() - t0)
+        self._waited_in_op = 0.0  # between operations: nothing to take out
 
     def _take(self, should_abort: Callable[[], bool]) -> Callable[[Callable[[Outbound], None]], None] | None:
         with self._cond:
@@ -282,13 +289,7 @@ class StageWorker:
                     return self._run_first_forward
                 if self.done or (self._stopping and not self._stash):
                     return None
-                if self.stats.started_at is None or self._stopping:  # not training yet, or draining
-                    self._cond.wait(timeout=0.5)
-                    continue
-                reason, t0 = self._idle_reason(), time.monotonic()
-                self._cond.wait(timeout=0.5)
-                self.waited(reason, time.monotonic() - t0)
-                self._waited_in_op = 0.0  # between operations: nothing to take out
+                self._idle_wait()
 
     def _ready(self, parts: OrderedDict[MicroBatch, dict[int, Any]], sources: list[int]) -> MicroBatch | None:
         for mb, got in parts.items():
