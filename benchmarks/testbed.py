@@ -237,6 +237,7 @@ class Testbed:
         for n in nodes:  # what each PC really got: under its quota when the machine is oversubscribed
             result["nodes"][n]["cpu_cores"] = round((cpu1[n] - cpu0[n]) / (t1 - t0), 3)
             result["nodes"][n]["cpu_quota"] = quotas[n]
+        result["quota_received"] = quota_received(result["nodes"])
         return result
 
     def _wait_training(self, nodes: Sequence[str], procs: Sequence[Any], tag: str,
@@ -260,6 +261,16 @@ class Testbed:
             if proc.poll() is not None:
                 raise RuntimeError(f"{tag}: a process exited early ({proc.args[-6:]}, status {proc.returncode});"
                                    f" logs in {self.run_dir}")
+
+
+def quota_received(nodes: dict[str, dict[str, Any]]) -> float | None:
+    """The share of their CPU quota the PCs got while they computed: CPU seconds used over quota x busy
+    time, summed over the plan's PCs.  1.0 on a machine with cores to spare; below when other work
+    competes for the cores, and the PCs then compute that much slower than their profiles say (a
+    prediction scaled by it is the "load-adjusted" one).  None without quotas."""
+    used = sum(v["cpu_cores"] for v in nodes.values() if v.get("cpu_quota"))
+    entitled = sum(v["cpu_quota"] * v["busy_fraction"] for v in nodes.values() if v.get("cpu_quota"))
+    return min(1.0, used / entitled) if entitled > 0 else None
 
 
 def process_cpu_s(pid: int) -> float:
@@ -346,6 +357,7 @@ def run_scenario(path: str | Path, plans: Sequence[str] = ("planner",), *, train
                 result["plans"][kind] = {**info, **measured}
     finally:
         signal.signal(signal.SIGTERM, previous)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -384,6 +396,9 @@ def report_lines(result: dict[str, Any]) -> Iterator[str]:
         pred = r.get("predicted_samples_per_s")
         yield (f"  {kind:<8} measured {r['samples_per_s']:8.1f} samples/s, predicted "
                f"{'?' if pred is None else f'{pred:.1f}'}, loss {loss}, clusters {r['clusters']}")
+        if r.get("quota_received") is not None:
+            yield (f"           the PCs got {r['quota_received']:.0%} of their CPU quota while computing; "
+                   f"load-adjusted prediction {pred * r['quota_received']:.1f}" if pred else "")
         nodes = r.get("nodes", {})
         yield "           busy / waiting / cpu got of quota: " + "; ".join(
             f"{n} {v['busy_fraction']:.2f} / {sum(v['wait_fraction'].values()):.2f} / "
