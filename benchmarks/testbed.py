@@ -238,6 +238,7 @@ class Testbed:
             result["nodes"][n]["cpu_cores"] = round((cpu1[n] - cpu0[n]) / (t1 - t0), 3)
             result["nodes"][n]["cpu_quota"] = quotas[n]
         result["quota_received"] = quota_received(result["nodes"])
+        result["load_average"] = os.getloadavg()[0]  # the machine's, over the last minute of the window
         return result
 
     def _wait_training(self, nodes: Sequence[str], procs: Sequence[Any], tag: str,
@@ -345,6 +346,7 @@ def run_scenario(path: str | Path, plans: Sequence[str] = ("planner",), *, train
             result["profiles"] = {n: {"gflops": p["flops"] / 1e9, "flops_spread": p.get("flops_spread"),
                                       "memory_gib": p["memory_bytes"] / (1 << 30)}
                                   for n, p in bed.profile().items()}
+            result["profile_load_average"] = os.getloadavg()[0]
             result["plans"] = {}
             for kind in plans:
                 plan_path, info = bed.plan_file(kind) if kind in PLANS else (Path(kind), {"kind": "file"})
