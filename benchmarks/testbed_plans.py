@@ -63,3 +63,22 @@ def make_plans(topology_path: Path, profiles_dir: Path, kind: str, out: Path) ->
     return {"kind": kind, "predicted_samples_per_s": explanation.samples_per_s,
             "predicted_without_averaging": explanation.samples_per_s_without_averaging,
             "explanation": explanation.format()}
+
+
+def rescore(run_dir: Path) -> dict[str, float]:
+    """The current cost model's prediction for every plan-*.yaml of a testbed run (same profiles):
+    to judge a changed cost model against runs already measured."""
+    topology = load_topology(run_dir / "topology.yaml")
+    nodes = load_profiles(topology, run_dir / "profiles")
+    task = resolve_task_module(topology.task)
+    blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=topology.training.max_inflight or 1)
+    return {path.stem.removeprefix("plan-"): evaluate_plan(load_plan(path), nodes, blocks,
+                                                           **_settings(topology)).samples_per_s
+            for path in sorted(run_dir.glob("plan-*.yaml"))}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps({arg: rescore(Path(arg)) for arg in sys.argv[1:]}, indent=1))

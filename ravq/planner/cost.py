@@ -7,7 +7,13 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   stashes k micro-batches (the pipeline's default); each block's ``inflight_bytes`` scales with that.
 - The link from stage a to stage b (cut before block e) carries the activations crossing the cut one way
   and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds.
-- A cluster runs r = 1 / max(slowest stage, slowest link) micro-batches per second.
+- A cluster runs r = min(1 / max(slowest stage, slowest link), m / cycle) micro-batches per second.
+  The first term is the steady state of a pipeline that always has work; the second is Little's law:
+  with m = ``max_inflight`` micro-batches in flight (default: one per stage), each taking ``cycle`` =
+  every stage's forward and backward plus every link both ways (transfer and latency each way), no
+  more than m / cycle finish per second.  Without it the model missed the bubbles that message delays
+  leave when m is the number of stages (issue #14: 3-stage pipelines on emulated PCs waited 20-33% of
+  the time for inputs or credits and ran at 0.57-0.69x the bottleneck-only prediction).
 - Averaging, every ``sync_every`` steps: each node sends 2(C-1)/C of the parameter bytes it holds (the
   sum over its segments) through its ring links.  Ring neighbours depend on every cluster's cuts, so the
   planner charges the node's slowest link to any node of another cluster (the worst ring order).  The
@@ -297,6 +303,26 @@ class Layout:
     bottleneck: float
 
 
+def cycle_s(p: Problem, lay: Layout) -> float:
+    """One micro-batch's round trip through a cluster: every stage's forward and backward, and every
+    link's activations forward, gradients back and its latency both ways."""
+    total = 0.0
+    for j, node in enumerate(lay.order):
+        s, e = lay.bounds[j], lay.bounds[j + 1]
+        total += float(p.work_span[s, e] / p.flops[node])
+        if j < len(lay.order) - 1:
+            nxt = lay.order[j + 1]
+            total += float(p.act[e] * p.fwd_s_per_byte[node, nxt] + p.grad[e] * p.bwd_s_per_byte[node, nxt]
+                           + 2 * p.lat[node, nxt])
+    return total
+
+
+def cluster_rate(p: Problem, lay: Layout) -> float:
+    """Micro-batches per second of one cluster: the bottleneck's rate, capped by Little's law."""
+    rate = 1.0 / max(lay.bottleneck, 1e-12)
+    return min(rate, p.inflight_for(len(lay.order)) / max(cycle_s(p, lay), 1e-12))
+
+
 def averaging_round_s(p: Problem, layouts: Sequence[Layout]) -> float:
     """T_avg: the slowest node's 2(C-1)/C x held parameter bytes over its slowest cross-cluster link."""
     if len(layouts) < 2:
@@ -313,7 +339,7 @@ def averaging_round_s(p: Problem, layouts: Sequence[Layout]) -> float:
 
 def score(p: Problem, layouts: Sequence[Layout]) -> float:
     """Predicted samples/s of these clusters."""
-    rates = [1.0 / max(lay.bottleneck, 1e-12) for lay in layouts]
+    rates = [cluster_rate(p, lay) for lay in layouts]
     return p.samples_per_s(rates, averaging_round_s(p, layouts))
 
 
