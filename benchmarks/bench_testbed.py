@@ -41,12 +41,13 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
         k: v["samples_per_s"] / v["predicted_samples_per_s"] for k, v in plans.items()}}
     verdict["prediction_met"] = all(abs(r - 1) <= TARGET_PREDICTION
                                     for r in verdict["measured_over_predicted"].values())
-    # The PCs share this machine's cores with other work: scaled by the share of quota they really got
-    # (testbed.quota_received), a prediction says what the cost model would have said of that machine.
-    received = {k: v.get("quota_received") or testbed.quota_received(v["nodes"]) for k, v in plans.items()}
-    verdict["quota_received"] = received
+    # The PCs share this machine's cores with other work, which changes between profiling and training:
+    # the load-adjusted prediction re-scores the plan with each PC's speed scaled by the CPU share it
+    # got in the window over the share it got while profiled (testbed.Testbed.speed_vs_profile).
+    verdict["quota_received"] = {k: v.get("quota_received") for k, v in plans.items()}
     verdict["measured_over_load_adjusted"] = {
-        k: v["samples_per_s"] / (v["predicted_samples_per_s"] * received[k]) for k, v in plans.items() if received[k]}
+        k: v["samples_per_s"] / v["predicted_load_adjusted"] for k, v in plans.items()
+        if v.get("predicted_load_adjusted")}
     verdict["load_adjusted_prediction_met"] = all(abs(r - 1) <= TARGET_PREDICTION
                                                   for r in verdict["measured_over_load_adjusted"].values())
     if "planner" in measured and "ravnest" in measured:

@@ -238,8 +238,27 @@ class Testbed:
             result["nodes"][n]["cpu_cores"] = round((cpu1[n] - cpu0[n]) / (t1 - t0), 3)
             result["nodes"][n]["cpu_quota"] = quotas[n]
         result["quota_received"] = quota_received(result["nodes"])
+        scale = self.speed_vs_profile(result["nodes"])
+        if scale:
+            from testbed_plans import predict  # torch tracing only when planning
+
+            result["speed_vs_profile"] = scale
+            result["predicted_load_adjusted"] = predict(self.topology_path, self.run_dir / "profiles", plan_path,
+                                                        scale)
         result["load_average"] = os.getloadavg()[0]  # the machine's, over the last minute of the window
         return result
+
+    def speed_vs_profile(self, nodes: dict[str, dict[str, Any]]) -> dict[str, float]:
+        """Per PC: the CPU share it got while computing in the window (CPU seconds over busy seconds)
+        over the share its compute profile got.  Other work on the machine changes between the two;
+        a prediction with each PC's FLOP/s scaled by this is what the cost model would have said of
+        the machine as it was during the window."""
+        scale = {}
+        for name, v in nodes.items():
+            profile = json.loads((self.run_dir / "profiles" / f"profile-{name}.json").read_text())
+            if profile.get("cpu_share") and v["busy_fraction"] > 0.05:
+                scale[name] = round(min(1.0, v["cpu_cores"] / v["busy_fraction"]) / profile["cpu_share"], 3)
+        return scale
 
     def _wait_training(self, nodes: Sequence[str], procs: Sequence[Any], tag: str,
                        timeout_s: float = 600) -> dict[str, Any]:
@@ -399,8 +418,11 @@ def report_lines(result: dict[str, Any]) -> Iterator[str]:
         yield (f"  {kind:<8} measured {r['samples_per_s']:8.1f} samples/s, predicted "
                f"{'?' if pred is None else f'{pred:.1f}'}, loss {loss}, clusters {r['clusters']}")
         if r.get("quota_received") is not None:
-            yield (f"           the PCs got {r['quota_received']:.0%} of their CPU quota while computing; "
-                   f"load-adjusted prediction {pred * r['quota_received']:.1f}" if pred else "")
+            yield f"           the PCs got {r['quota_received']:.0%} of their CPU quota while computing"
+        if r.get("predicted_load_adjusted") is not None:
+            yield (f"           load-adjusted prediction {r['predicted_load_adjusted']:.1f} (each PC's speed scaled by "
+                   f"its CPU share in the window over its share while profiled: "
+                   + ", ".join(f"{n} {f:.2f}" for n, f in r["speed_vs_profile"].items()) + ")")
         nodes = r.get("nodes", {})
         yield "           busy / waiting / cpu got of quota: " + "; ".join(
             f"{n} {v['busy_fraction']:.2f} / {sum(v['wait_fraction'].values()):.2f} / "

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,17 @@ def make_plans(topology_path: Path, profiles_dir: Path, kind: str, out: Path) ->
     return {"kind": kind, "predicted_samples_per_s": explanation.samples_per_s,
             "predicted_without_averaging": explanation.samples_per_s_without_averaging,
             "explanation": explanation.format()}
+
+
+def predict(topology_path: Path, profiles_dir: Path, plan_path: Path, flops_scale: dict[str, float]) -> float:
+    """The cost model's samples/s for a plan with every node's profiled FLOP/s scaled by ``flops_scale``
+    (e.g. the CPU share a PC got while it trained over the share it got while it was profiled)."""
+    topology = load_topology(topology_path)
+    nodes = [dataclasses.replace(n, flops=n.flops * flops_scale.get(n.name, 1.0))
+             for n in load_profiles(topology, profiles_dir)]
+    task = resolve_task_module(topology.task)
+    blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=topology.training.max_inflight or 1)
+    return evaluate_plan(load_plan(plan_path), nodes, blocks, **_settings(topology)).samples_per_s
 
 
 def rescore(run_dir: Path) -> dict[str, float]:

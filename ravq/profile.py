@@ -91,6 +91,8 @@ class Measurement:
     """The model FLOP/s of each measurement window (``measure_compute``)."""
     flops_spread: float | None = None
     """(max - min) / flops over those windows: how far to trust ``flops`` (None: not measured)."""
+    cpu_share: float | None = None
+    """CPU seconds per wall second the compute measurement got (see ``ComputeSample.cpu_share``)."""
 
 
 # ------------------------------------------------------------------ compute and memory
@@ -168,6 +170,9 @@ class ComputeSample:
     window_flops: list[float]
     spread: float
     """(max - min) / flops over the windows: 0.05 means the windows were within 5% of each other."""
+    cpu_share: float
+    """CPU seconds this process got per wall second over the windows: 1.0 for a core to itself, less
+    under a CPU quota or when other work shares the core (then the figure holds only while it does)."""
 
 
 def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_s: float = 1.2,
@@ -184,11 +189,14 @@ def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_
     step, flops = _training_step(task, micro_batch, device, optimizer=True)
     _timed_steps(step, warmup_s)
     rates = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(max(1, windows)):
         count, elapsed = _timed_steps(step, window_s)
         rates.append(flops * count / elapsed)
+    share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     middle = statistics.median(rates)
-    return ComputeSample(flops=middle, window_flops=rates, spread=(max(rates) - min(rates)) / middle)
+    return ComputeSample(flops=middle, window_flops=rates, spread=(max(rates) - min(rates)) / middle,
+                         cpu_share=share)
 
 
 def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo",
@@ -548,7 +556,8 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
         model_flops=sample.flops if sample else None, memory_bytes=usable_memory_bytes(me.device),
         bandwidth_bytes_per_s={p: link.bandwidth_bytes_per_s for p, link in links.items()},
         latency_s={p: link.latency_s for p, link in links.items()},
-        flops_windows=sample.window_flops if sample else [], flops_spread=sample.spread if sample else None)
+        flops_windows=sample.window_flops if sample else [], flops_spread=sample.spread if sample else None,
+        cpu_share=sample.cpu_share if sample else None)
 
 
 def compute_confidence(measurement: Measurement) -> str:
@@ -557,7 +566,8 @@ def compute_confidence(measurement: Measurement) -> str:
         return "from matmuls only (the task's model did not run)"
     n, spread = len(measurement.flops_windows), measurement.flops_spread
     verdict = "steady" if spread <= 0.1 else "unsteady: other work on this PC? profile again when it is idle"
-    return f"median of {n} windows, which were within {spread:.0%} of each other ({verdict})"
+    cpu = "" if measurement.cpu_share is None else f"; it got {measurement.cpu_share:.2f} CPU seconds per second"
+    return f"median of {n} windows, which were within {spread:.0%} of each other ({verdict}){cpu}"
 
 
 def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s: float = 120.0) -> int:

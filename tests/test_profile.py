@@ -92,10 +92,13 @@ def test_compute_is_measured_in_windows_and_says_how_steady_it_was() -> None:
     sample = measure_compute(skipnet, 64, window_s=0.1, windows=3, warmup_s=0.05)
     assert len(sample.window_flops) == 3
     assert sample.flops == sorted(sample.window_flops)[1]  # the median window
+    assert 0 < sample.cpu_share <= 1.2  # one thread (a little more: the measuring process's other threads)
     assert sample.spread == pytest.approx((max(sample.window_flops) - min(sample.window_flops)) / sample.flops)
     steady = Measurement(name="a", device="cpu", flops=1e9, matmul_flops=2e9, model_flops=1e9, memory_bytes=GIB,
                          flops_windows=[0.98e9, 1e9, 1.02e9], flops_spread=0.04)
     assert "median of 3 windows, which were within 4% of each other (steady)" in compute_confidence(steady)
+    steady.cpu_share = 0.25
+    assert compute_confidence(steady).endswith("; it got 0.25 CPU seconds per second")
     shaky = Measurement(name="a", device="cpu", flops=1e9, matmul_flops=2e9, model_flops=1e9, memory_bytes=GIB,
                         flops_windows=[0.6e9, 1.4e9], flops_spread=0.8)
     assert "unsteady" in compute_confidence(shaky)
