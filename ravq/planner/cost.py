@@ -135,14 +135,76 @@ class Problem:
         return t
 
     def bottleneck(self, order: Sequence[int], limit: float = INF) -> float:
-        """Smallest achievable max(stage time, link time) for this node order; inf if it does not fit in
-        memory or cannot beat ``limit``."""
-        return self._dp(order, limit, None, want_bounds=False)[0]
+        """Smallest achievable time per micro-batch, max(stage time, link time, cycle / in-flight), for
+        this node order; inf if it does not fit in memory or cannot beat ``limit``."""
+        value = self._dp(order, limit, None, want_bounds=False)[0]
+        if len(order) == 1 or not math.isfinite(value):
+            return value
+        return self._with_cycle(order, value, None)[0]
 
     def partition(self, order: Sequence[int], caps: np.ndarray | None = None) -> tuple[float, list[int]]:
-        """The bottleneck and stage bounds [0, b1, ..., B] achieving it (``caps[node]``: most parameter
-        bytes the node may hold); bounds are empty when nothing fits."""
-        return self._dp(order, INF, caps, want_bounds=True)
+        """That time per micro-batch and stage bounds [0, b1, ..., B] achieving it (``caps[node]``: most
+        parameter bytes the node may hold); bounds are empty when nothing fits."""
+        value, bounds = self._dp(order, INF, caps, want_bounds=True)
+        if len(order) == 1 or not bounds:
+            return value, bounds
+        return self._with_cycle(order, value, caps)
+
+    CYCLE_SLACK = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0)
+    """Stage-time limits tried, as multiples of the smallest bottleneck, when the in-flight cap binds."""
+
+    def _with_cycle(self, order: Sequence[int], bottleneck: float,
+                    caps: np.ndarray | None) -> tuple[float, list[int]]:
+        """Cuts minimising max(bottleneck, cycle / in-flight): for a few limits on the stage and link
+        times (the smallest bottleneck and multiples of it), the cuts of the shortest cycle within the
+        limit; a shorter cycle may be worth a slower slowest stage when few micro-batches are in flight."""
+        m = self.inflight_for(len(order))
+        best: tuple[float, list[int]] = (INF, [])
+        for slack in self.CYCLE_SLACK:
+            limit = bottleneck * slack
+            if limit >= best[0]:
+                break
+            cycle, bounds = self._min_cycle(order, limit, caps)
+            if bounds:
+                value = max(self._bounds_bottleneck(order, bounds), cycle / m)
+                if value < best[0]:
+                    best = (value, bounds)
+                if cycle / m <= limit:  # the cap no longer binds: a larger limit cannot do better
+                    break
+        return best
+
+    def _min_cycle(self, order: Sequence[int], limit: float, caps: np.ndarray | None) -> tuple[float, list[int]]:
+        """Shortest cycle (every stage's time plus every link's time with its latency both ways) over
+        cuts whose stage and link times are all within ``limit``; its bounds (empty: none)."""
+        k = len(order)
+        first = self._capped(order[0], k, caps)[0]
+        best = np.where(first <= limit, first, INF)
+        args = []
+        for j in range(1, k):
+            self.ops += 1
+            a, b = order[j - 1], order[j]
+            link = self.link_times(a, b)
+            reach = np.where(link <= limit, best + link + self.lat[a, b], INF)
+            t = self._capped(b, k, caps)
+            cand = reach[:, None] + np.where(t <= limit, t, INF)
+            args.append(cand.argmin(axis=0))
+            best = cand[args[-1], np.arange(self.B + 1)]
+        value = float(best[self.B])
+        if not math.isfinite(value):
+            return INF, []
+        bounds = [self.B]
+        for arg in reversed(args):
+            bounds.append(int(arg[bounds[-1]]))
+        return value, [0, *bounds[::-1]]
+
+    def _bounds_bottleneck(self, order: Sequence[int], bounds: Sequence[int]) -> float:
+        k = len(order)
+        worst = 0.0
+        for j, node in enumerate(order):
+            worst = max(worst, float(self.stage_times(node, k)[bounds[j], bounds[j + 1]]))
+            if j < k - 1:
+                worst = max(worst, float(self.link_times(node, order[j + 1])[bounds[j + 1]]))
+        return worst
 
     def _dp(self, order: Sequence[int], limit: float, caps: np.ndarray | None,
             want_bounds: bool) -> tuple[float, list[int]]:
