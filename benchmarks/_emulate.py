@@ -156,6 +156,16 @@ def throttled_s(pc: PC) -> float:
     return 0.0
 
 
+def cpu_quota_cores(pc: PC) -> float | None:
+    """The CPU quota in force on the PC's cgroup, read back from the kernel (None: unlimited)."""
+    group = pc.cgroups[0]
+    if (group / "cpu.cfs_quota_us").exists():
+        quota = int((group / "cpu.cfs_quota_us").read_text())
+        return None if quota < 0 else quota / int((group / "cpu.cfs_period_us").read_text())
+    quota_text, period = (group / "cpu.max").read_text().split()
+    return None if quota_text == "max" else int(quota_text) / int(period)
+
+
 # ---------------------------------------------------------------------------------------------- the world
 
 
