@@ -56,8 +56,8 @@ def test_emulated_pcs_have_their_links_latency_and_cpu_and_leave_nothing(availab
         for name, pc in world.pcs.items():
             assert _emulate.tc_rate_bits(pc) == UPLOAD_MBIT[name] * 1e6
         for name in UPLOAD_MBIT:  # a ceiling, whatever else runs on the machine
-            share = world.cpu_share(name, seconds=1.0)
-            assert 0 < share <= CPU[name] * 1.15, f"{name}: a busy loop got {share:.3f} cores, quota {CPU[name]}"
+            share = world.cpu_share(name, seconds=2.0)
+            assert 0 < share <= CPU[name] * 1.25, f"{name}: a busy loop got {share:.3f} cores, quota {CPU[name]}"
             assert _emulate.cpu_quota_cores(world.pcs[name]) == CPU[name]
 
         topology = tmp_path / "topology.yaml"
@@ -83,7 +83,7 @@ def test_emulated_pcs_have_their_links_latency_and_cpu_and_leave_nothing(availab
             for b, measured in prof["latency_s"].items():
                 if not 0.9 * one_way_s(a, b) <= measured <= 1.5 * one_way_s(a, b) + 2e-3:
                     errors.append(f"{a}->{b}: {measured * 1e3:.1f} ms, configured {one_way_s(a, b) * 1e3:.0f} ms")
-            if not 0 < prof["cpu_share"] <= CPU[a] * 1.15:  # the profile ran under the quota
+            if not 0 < prof["cpu_share"] <= CPU[a] * 1.25:  # the profile ran under the quota
                 errors.append(f"{a}: compute measured with {prof['cpu_share']:.3f} cores, quota {CPU[a]}")
         assert not errors, "\n".join(errors)
         assert profiles["c"]["memory_bytes"] < MEMORY["c"] < profiles["a"]["memory_bytes"]
