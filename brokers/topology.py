@@ -163,8 +163,9 @@ class Broker:
     async def run(self) -> None:
         ctx = zmq.asyncio.Context()
         b = self.topology.broker
-        pub = Publisher.bind(ctx, endpoint(b.host, b.pub_port), self.metrics, self.opts)
-        inbox = Inbox.bind(ctx, endpoint(b.host, b.router_port), "broker", self.metrics, self.limits, self.opts)
+        bind = b.bind_host or b.host
+        pub = Publisher.bind(ctx, endpoint(bind, b.pub_port), self.metrics, self.opts)
+        inbox = Inbox.bind(ctx, endpoint(bind, b.router_port), "broker", self.metrics, self.limits, self.opts)
         log.info("broker up: pub %d, router %d, %d nodes in plan", b.pub_port, b.router_port,
                  sum(len(c.nodes) for c in self.plan.clusters))
         try:

@@ -187,7 +187,10 @@ class Averager:
         queued = asyncio.run_coroutine_threadsafe(self.rounds.put((round_id, snapshots, segments, done)), self.loop)
         queued.result(timeout=self._round_limit_s())
         if not self.overlap:
-            if self._wait_round(worker, done, round_id):
+            t0 = time.monotonic()
+            finished = self._wait_round(worker, done, round_id)
+            worker.waited("averaging", time.monotonic() - t0)
+            if finished:
                 self._apply(named, segments, snapshots, done.result())
             return
         self._pending.append(_Pending(round_id, worker.version, done, segments, snapshots))
@@ -210,6 +213,7 @@ class Averager:
                     continue
                 self.hold_backs += 1
                 self.held_s += time.monotonic() - t0
+                worker.waited("averaging", time.monotonic() - t0)
             self._apply_finished()
 
     def _wait_round(self, worker: StageWorker, done: concurrent.futures.Future[RoundResult], round_id: int) -> bool:

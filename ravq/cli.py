@@ -71,7 +71,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     metrics = Metrics("broker")
     metrics.set_role("broker")
     if topology.broker.metrics_port is not None:
-        metrics.serve(topology.broker.metrics_port, topology.broker.host)
+        metrics.serve(topology.broker.metrics_port, topology.broker.bind_host or topology.broker.host)
     tune_process()
     install_uvloop()
     try:

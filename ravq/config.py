@@ -117,7 +117,9 @@ class LimitConfig(_UserConfig):
 
 class BrokerConfig(_UserConfig):
     host: str = Field("127.0.0.1", min_length=1)
-    """Address the broker binds and nodes connect to."""
+    """Address the nodes connect to (and the broker binds, unless bind_host says otherwise)."""
+    bind_host: str | None = Field(None, min_length=1)
+    """Address the broker binds (default: host), e.g. 0.0.0.0 behind a port forward."""
     pub_port: Port
     """PUB socket: plan and membership updates."""
     router_port: Port

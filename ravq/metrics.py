@@ -185,8 +185,11 @@ class Metrics:
         # --- the stage
         self.compute_seconds = Histogram("ravq_stage_compute_seconds", "Stage compute time per phase",
                                          ["phase"], buckets=_COMPUTE_BUCKETS, registry=r)
-        self.busy_seconds = Counter("ravq_stage_busy_seconds_total", "Time in forward and backward",
-                                    registry=r)
+        self.busy_seconds = Counter("ravq_stage_busy_seconds_total",
+                                    "Time computing forward and backward (waits inside them excluded)", registry=r)
+        self.wait_seconds = Counter("ravq_stage_wait_seconds_total",
+                                    "Time the stage waited instead of computing, by reason (input, credits, "
+                                    "averaging, checkpoint)", ["reason"], registry=r)
         self.queue_depth = Gauge("ravq_queue_depth", "Work items waiting", ["queue"], registry=r)
         self.inflight = Gauge("ravq_inflight_micro_batches", "Micro-batches between forward and backward",
                               registry=r)

@@ -249,7 +249,9 @@ class Node:
             self.averager.on_update(worker)
         every, root = self.topology.training.checkpoint_every, self.topology.training.checkpoint_dir
         if every and root and worker.version % every == 0:
+            t0 = time.monotonic()
             self._save_checkpoint()
+            worker.waited("checkpoint", time.monotonic() - t0)
 
     def _current_plan(self) -> Plan:
         return self.membership.plan or self.plan  # type: ignore[return-value]

@@ -57,6 +57,11 @@ class StageStats:
     updates: int = 0
     samples: int = 0
     busy_s: float = 0.0
+    """Forward and backward compute only: waits inside them (``wait_s``) are taken out."""
+    wait_s: dict[str, float] = field(default_factory=dict)
+    """Seconds waited instead of computing, by reason: "input" (no activations or gradients to work
+    on), "credits" (stage 0 at ``max_inflight``), "averaging" (held back for an averaging round),
+    "checkpoint" (writing one)."""
     forward_s: float = 0.0
     backward_s: float = 0.0
     staleness_sum: int = 0
@@ -78,7 +83,7 @@ class StageStats:
         return {
             "forwards": self.forwards, "backwards": self.backwards, "updates": self.updates,
             "samples": self.samples, "busy_s": self.busy_s, "wall_s": wall,
-            "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
+            "busy_fraction": self.busy_s / wall if wall > 0 else 0.0, "wait_s": dict(self.wait_s),
             "staleness_mean": self.staleness_sum / self.backwards if self.backwards else 0.0,
             "staleness_max": self.staleness_max, "loss": self.loss_last, "loss_first": self.loss_first,
             "loss_initial": _mean(self.loss_head), "loss_recent": _mean(self.loss_tail),
@@ -148,6 +153,8 @@ class StageWorker:
         self._stopping = False
         self._next_seq = 0
         self.on_update: Callable[[StageWorker], None] | None = None
+        self._waited_in_op = 0.0
+        """Seconds of the current forward or backward spent waiting (``waited``), not computing."""
         self.should_abort: Callable[[], bool] = lambda: False
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
         self._fwd_sources = self._forward_sources()
@@ -241,6 +248,27 @@ class StageWorker:
             work(emit)
         self._flush_update()
 
+    def waited(self, reason: str, seconds: float) -> None:
+        """Count ``seconds`` the compute thread waited for ``reason`` (compute thread only).  A wait
+        inside a forward or backward (an update hook held back for an averaging round) is taken out of
+        that phase's time, so ``busy_s`` stays compute."""
+        self.stats.wait_s[reason] = self.stats.wait_s.get(reason, 0.0) + seconds
+        self._waited_in_op += seconds
+        if self.metrics is not None:
+            self.metrics.wait_seconds.labels(reason).inc(seconds)
+
+    def _idle_wait(self) -> None:
+        """Wait (holding ``_cond``) for work, counted as "credits" when stage 0 is at ``max_inflight``,
+        else as "input"; not counted before training starts or while draining."""
+        if self.stats.started_at is None or self._stopping:
+            self._cond.wait(timeout=0.5)
+            return
+        reason = "credits" if self.is_first and len(self._stash) >= self.options.max_inflight else "input"
+        t0 = time.monotonic()
+        self._cond.wait(timeout=0.5)
+        self.waited(reason, time.monotonic() - t0)
+        self._waited_in_op = 0.0  # between operations: nothing to take out
+
     def _take(self, should_abort: Callable[[], bool]) -> Callable[[Callable[[Outbound], None]], None] | None:
         with self._cond:
             while True:
@@ -261,7 +289,7 @@ class StageWorker:
                     return self._run_first_forward
                 if self.done or (self._stopping and not self._stash):
                     return None
-                self._cond.wait(timeout=0.5)
+                self._idle_wait()
 
     def _ready(self, parts: OrderedDict[MicroBatch, dict[int, Any]], sources: list[int]) -> MicroBatch | None:
         for mb, got in parts.items():
@@ -514,7 +542,8 @@ class StageWorker:
             self.metrics.losses.inc(value)
 
     def _account(self, phase: str, t0: float) -> None:
-        dt = time.monotonic() - t0
+        dt = max(0.0, time.monotonic() - t0 - self._waited_in_op)
+        self._waited_in_op = 0.0
         self.stats.busy_s += dt
         if phase == "forward":
             self.stats.forward_s += dt

@@ -28,6 +28,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,12 @@ class Measurement:
     memory_bytes: int
     bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)
     latency_s: dict[str, float] = field(default_factory=dict)
+    flops_windows: list[float] = field(default_factory=list)
+    """The model FLOP/s of each measurement window (``measure_compute``)."""
+    flops_spread: float | None = None
+    """(max - min) / flops over those windows: how far to trust ``flops`` (None: not measured)."""
+    cpu_share: float | None = None
+    """CPU seconds per wall second the compute measurement got (see ``ComputeSample.cpu_share``)."""
 
 
 # ------------------------------------------------------------------ compute and memory
@@ -109,12 +116,9 @@ def measure_matmul_flops(device: str = "cpu", seconds: float = 1.0, size: int = 
     return 2 * size ** 3 * count / (time.perf_counter() - t0)
 
 
-def measure_model_flops(task: Any, micro_batch: int, device: str = "cpu", seconds: float = 1.5,
-                        optimizer: bool = True) -> float:
-    """Achieved FLOP/s of training the task's whole model on one real micro-batch: the forward + backward
-    FLOPs (counted as the block profile counts them) over the time of forward, backward and, with
-    ``optimizer``, the task's optimizer step, which every stage also runs per micro-batch (it counts no
-    FLOPs but takes time: about a tenth of a step for the demo's model on a CPU)."""
+def _training_step(task: Any, micro_batch: int, device: str, optimizer: bool) -> tuple[Callable[[], None], float]:
+    """One training step of the task's whole model on one real micro-batch, and its forward + backward
+    FLOPs (counted as the block profile counts them)."""
     torch.manual_seed(0)
     model = task.build_model().to(device)
     inputs, targets = next(iter(task.train_batches(micro_batch, 0, 1, 0)))
@@ -130,27 +134,113 @@ def measure_model_flops(task: Any, micro_batch: int, device: str = "cpu", second
         forward_backward()
         if update is not None:
             update.step()
+        _sync(device)
 
     with FlopCounterMode(display=False) as counter:
         forward_backward()
     _sync(device)
+    return step, float(counter.get_total_flops())
+
+
+def _timed_steps(step: Callable[[], None], seconds: float) -> tuple[int, float]:
     count, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds or count < 2:
         step()
         count += 1
-        _sync(device)
-    return counter.get_total_flops() * count / (time.perf_counter() - t0)
+    return count, time.perf_counter() - t0
 
 
-def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo") -> int:
-    """Free device memory (cuda) or MemAvailable (otherwise), less MEMORY_HEADROOM."""
+def measure_model_flops(task: Any, micro_batch: int, device: str = "cpu", seconds: float = 1.5,
+                        optimizer: bool = True) -> float:
+    """Achieved FLOP/s of training the task's whole model on one real micro-batch: the forward + backward
+    FLOPs (counted as the block profile counts them) over the time of forward, backward and, with
+    ``optimizer``, the task's optimizer step, which every stage also runs per micro-batch (it counts no
+    FLOPs but takes time: about a tenth of a step for the demo's model on a CPU)."""
+    step, flops = _training_step(task, micro_batch, device, optimizer)
+    count, elapsed = _timed_steps(step, seconds)
+    return flops * count / elapsed
+
+
+@dataclass(kw_only=True, slots=True)
+class ComputeSample:
+    """Training FLOP/s measured over several windows, and how much the windows disagree."""
+
+    flops: float
+    """The median window's FLOP/s: one window disturbed by other work does not move it."""
+    window_flops: list[float]
+    spread: float
+    """(max - min) / flops over the windows: 0.05 means the windows were within 5% of each other."""
+    cpu_share: float
+    """CPU seconds this process got per wall second over the windows: 1.0 for a core to itself, less
+    under a CPU quota or when other work shares the core (then the figure holds only while it does)."""
+
+
+def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_s: float = 1.2,
+                    windows: int = 5, warmup_s: float = 0.3) -> ComputeSample:
+    """``measure_model_flops`` done so that two runs on the same PC agree: a warm-up (first calls,
+    allocator, lazy initialisation) that is not counted, then ``windows`` windows of ``window_s`` each,
+    and the median window kept.
+
+    One short sample misjudges a PC whose CPU time comes in slices (a cgroup quota runs a process for
+    its share of every 100 ms period, then stops it; another process may take the core for a while):
+    a single 1.5 s sample judged one PC 2.2x off.  Windows of a second or more hold several such
+    periods, the median ignores a window that other work disturbed, and the spread says how far to
+    trust the figure."""
+    step, flops = _training_step(task, micro_batch, device, optimizer=True)
+    _timed_steps(step, warmup_s)
+    rates = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for _ in range(max(1, windows)):
+        count, elapsed = _timed_steps(step, window_s)
+        rates.append(flops * count / elapsed)
+    share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    middle = statistics.median(rates)
+    return ComputeSample(flops=middle, window_flops=rates, spread=(max(rates) - min(rates)) / middle,
+                         cpu_share=share)
+
+
+def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo",
+                        cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """Free device memory (cuda) or MemAvailable (otherwise), less MEMORY_HEADROOM.  On a CPU the memory
+    cgroup's limit less its usage caps it when lower (a container or a systemd MemoryMax= limit)."""
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free * (1 - MEMORY_HEADROOM))
+    available = None
     for line in Path(meminfo).read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(int(line.split()[1]) * 1024 * (1 - MEMORY_HEADROOM))
-    raise RuntimeError(f"{meminfo} has no MemAvailable line")
+            available = int(line.split()[1]) * 1024
+    if available is None:
+        raise RuntimeError(f"{meminfo} has no MemAvailable line")
+    limited = cgroup_memory_free(cgroup_root, proc_cgroup)
+    return int(min(available, limited if limited is not None else available) * (1 - MEMORY_HEADROOM))
+
+
+def cgroup_memory_free(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Limit less usage of this process's memory cgroup (v1 ``memory.limit_in_bytes`` or v2
+    ``memory.max``), or None when it has no limit or no such file can be read."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            group, limit_file, usage_file = Path(cgroup_root, "memory", path.lstrip("/")), "memory.limit_in_bytes", \
+                "memory.usage_in_bytes"
+        elif controllers == "":
+            group, limit_file, usage_file = Path(cgroup_root, path.lstrip("/")), "memory.max", "memory.current"
+        else:
+            continue
+        try:
+            limit_text = (group / limit_file).read_text().strip()
+            usage = int((group / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or int(limit_text) >= 1 << 60:  # v1 reports "no limit" as a huge number
+            continue
+        return max(0, int(limit_text) - usage)
+    return None
 
 
 # ------------------------------------------------------------------ links
@@ -451,21 +541,35 @@ def load_profiles(topology: Topology, profiles_dir: str | Path) -> list[NodeProf
 
 
 def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
-                 compute_s: float = 1.5) -> Measurement:
+                 compute_s: float = 6.0, windows: int = 5) -> Measurement:
+    """Compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), memory, links."""
     me = topology.node(name)
     task = resolve_task_module(topology.task)
-    matmul = measure_matmul_flops(me.device, seconds=compute_s / 2)
+    matmul = measure_matmul_flops(me.device, seconds=0.5)
     try:
-        model: float | None = measure_model_flops(task, topology.training.micro_batch, me.device, compute_s)
+        sample: ComputeSample | None = measure_compute(task, topology.training.micro_batch, me.device,
+                                                       window_s=compute_s / windows, windows=windows)
     except (RuntimeError, ValueError, TypeError) as err:  # a model that cannot run here: matmuls only
         log.warning("profile: forward + backward of the task's model failed (%s); using matmul FLOP/s", err)
-        model = None
+        sample = None
     links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
     return Measurement(
-        name=name, device=me.device, flops=model or matmul, matmul_flops=matmul, model_flops=model,
-        memory_bytes=usable_memory_bytes(me.device),
+        name=name, device=me.device, flops=sample.flops if sample else matmul, matmul_flops=matmul,
+        model_flops=sample.flops if sample else None, memory_bytes=usable_memory_bytes(me.device),
         bandwidth_bytes_per_s={p: link.bandwidth_bytes_per_s for p, link in links.items()},
-        latency_s={p: link.latency_s for p, link in links.items()})
+        latency_s={p: link.latency_s for p, link in links.items()},
+        flops_windows=sample.window_flops if sample else [], flops_spread=sample.spread if sample else None,
+        cpu_share=sample.cpu_share if sample else None)
+
+
+def compute_confidence(measurement: Measurement) -> str:
+    """How sure the compute figure is, in words a user can act on."""
+    if measurement.flops_spread is None:
+        return "from matmuls only (the task's model did not run)"
+    n, spread = len(measurement.flops_windows), measurement.flops_spread
+    verdict = "steady" if spread <= 0.1 else "unsteady: other work on this PC? profile again when it is idle"
+    cpu = "" if measurement.cpu_share is None else f"; it got {measurement.cpu_share:.2f} CPU seconds per second"
+    return f"median of {n} windows, which were within {spread:.0%} of each other ({verdict}){cpu}"
 
 
 def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s: float = 120.0) -> int:
@@ -482,6 +586,7 @@ def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s
     missing = sorted({n.name for n in topology.nodes} - {name} - set(measurement.bandwidth_bytes_per_s))
     print(f"{name}: {measurement.flops / 1e9:.3g} GFLOP/s (matmul {measurement.matmul_flops / 1e9:.3g}), "
           f"{measurement.memory_bytes / (1 << 30):.3g} GiB usable")
+    print(f"  compute: {compute_confidence(measurement)}")
     for peer in sorted(measurement.bandwidth_bytes_per_s):
         print(f"  -> {peer}: {measurement.bandwidth_bytes_per_s[peer] * 8 / 1e6:.4g} Mbit/s, "
               f"{measurement.latency_s[peer] * 1e3:.3g} ms")

@@ -70,13 +70,25 @@ def format_status(status: dict[str, Any]) -> str:
     clusters = status.get("plan", {}).get("clusters", [])
     lines = [f"broker sequence {status.get('seq')}; run {status.get('run_id', '?')}; clusters: "
              + " | ".join(" -> ".join(c.get("nodes", [])) for c in clusters)]
-    lines.append(f"{'node':<16}{'state':<7}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}")
+    lines.append(f"{'node':<16}{'state':<7}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}"
+                 "  waiting")
     for name, m in sorted(status.get("members", {}).items()):
         st = m.get("stats") or {}
         where = f"{st.get('cluster', '?')}/{st.get('stage', '?')}"
         lines.append(f"{name:<16}{m.get('state', '?'):<7}{where:<6}{_num(st.get('version'), 'd', 8)}"
                      f"{_num(st.get('samples'), 'd', 9)}{_num(st.get('busy_fraction'), '.2f', 7)}"
-                     f"{_num(st.get('staleness_mean'), '.2f', 7)}{_num(st.get('loss'), '.3f', 8)}")
+                     f"{_num(st.get('staleness_mean'), '.2f', 7)}{_num(st.get('loss'), '.3f', 8)}"
+                     f"  {waiting_text(st)}")
         if st.get("failure"):
             lines.append(f"{'':<16}failure: {st['failure']}")
     return "\n".join(lines)
+
+
+def waiting_text(stats: dict[str, Any]) -> str:
+    """Share of the stage's time spent waiting, by reason, largest first ("averaging 0.55 input 0.10"):
+    busy is compute only, so busy plus these is about 1."""
+    wall, waits = stats.get("wall_s") or 0.0, stats.get("wait_s") or {}
+    if wall <= 0:
+        return "-"
+    shares = sorted(((s / wall, r) for r, s in waits.items() if s / wall >= 0.005), reverse=True)
+    return " ".join(f"{r} {share:.2f}" for share, r in shares) or "-"

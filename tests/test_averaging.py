@@ -138,7 +138,9 @@ def test_a_stage_waits_for_its_oldest_round_once_it_is_lead_steps_past_it() -> N
     avg = _averager(1.0, torch.zeros(NUMEL))
     avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = 2, 1.0, "c0", 0, 0.0, False
     live = torch.full((NUMEL,), 3.0)  # the snapshot was 1.0; two local steps since
-    avg.worker = SimpleNamespace(version=5, params={"w": live}, buffers={}, should_abort=lambda: False)
+    waits: list[tuple[str, float]] = []
+    avg.worker = SimpleNamespace(version=5, params={"w": live}, buffers={}, should_abort=lambda: False,
+                                 waited=lambda reason, s: waits.append((reason, s)))
     done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
     avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))
     avg.worker.version = 6
@@ -149,6 +151,7 @@ def test_a_stage_waits_for_its_oldest_round_once_it_is_lead_steps_past_it() -> N
     t0 = time.monotonic()
     avg._hold_back(avg.worker)
     assert time.monotonic() - t0 >= 0.15 and avg.hold_backs == 1 and not avg._pending
+    assert [r for r, _ in waits] == ["averaging"] and waits[0][1] >= 0.15  # reported as waiting, not compute
     torch.testing.assert_close(live, torch.full((NUMEL,), 2.0))  # average 0 + local progress 2
 
 
@@ -164,7 +167,8 @@ def test_a_held_stage_lets_go_when_the_process_gives_up() -> None:
     avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = 1, 100.0, "c0", 0, 0.0, False
     live = torch.full((NUMEL,), 3.0)
     abort = threading.Event()
-    avg.worker = SimpleNamespace(version=6, params={"w": live}, buffers={}, should_abort=abort.is_set)
+    avg.worker = SimpleNamespace(version=6, params={"w": live}, buffers={}, should_abort=abort.is_set,
+                                 waited=lambda reason, s: None)
     done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()  # the round never ends
     avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))
     threading.Timer(0.3, abort.set).start()

@@ -190,6 +190,7 @@ def test_dashboard_covers_what_operators_need() -> None:
         "ravq_loss",                       # loss
         "ravq_staleness_bucket",           # staleness quantiles
         "ravq_stage_busy_seconds_total",   # busy fraction
+        "ravq_stage_wait_seconds_total",   # waiting, by reason (not counted as busy)
         "ravq_bytes_sent_total", "ravq_bytes_received_total",  # link bandwidth
         "ravq_queue_depth", "ravq_inflight_micro_batches",
         "ravq_allreduce_seconds_bucket", "ravq_allreduce_rounds_total", "ravq_allreduce_aborts_total",

@@ -94,5 +94,8 @@ def test_measured_links_match_shaping_and_fast_nodes_cluster(shaped_nodes: dict[
     blocks = [BlockProfile(name=f"b{i}", param_bytes=1 << 20, fwd_flops=3e11, bwd_flops=7e11,
                            act_bytes_out=20_000_000, memory_bytes=GIB) for i in range(4)]
     plan, explanation = make_plan(nodes, blocks, micro_batch=8, sync_every=10)
-    assert sorted(sorted(c.nodes) for c in plan.clusters) == [["fast1", "fast2"], ["slow1", "slow2"]], \
-        explanation.format()
+    # The fast pair is one cluster and no slow node joins it.  Averaging holds every cluster to the
+    # slowest one's pace (issue #14), so the slow pair forms its own cluster or is left idle.
+    clusters = sorted(sorted(c.nodes) for c in plan.clusters)
+    assert ["fast1", "fast2"] in clusters, explanation.format()
+    assert all(set(c) <= {"slow1", "slow2"} for c in clusters if c != ["fast1", "fast2"]), explanation.format()

@@ -87,3 +87,36 @@ def test_update_every_accumulates() -> None:
     workers = make_workers(skipnet, 2, steps=12, max_inflight=1, update_every=3)
     run_workers(workers)
     assert all(w.version == 4 for w in workers)
+
+
+def test_waiting_is_not_busy_and_is_counted_by_reason() -> None:
+    """Honest busy: a stage held back in its update hook (as for an averaging round) waits 0.1 s per
+    update; that time is counted as "averaging" waiting and left out of busy_s, and stage 1, starved
+    meanwhile, counts "input" waiting while stage 0 at max_inflight counts "credits"."""
+    import time
+
+    from ravq.metrics import Metrics
+
+    workers = make_workers(skipnet, 2, steps=6, max_inflight=1)
+    metrics = Metrics("s0")
+    workers[0].metrics = metrics
+    held = 0.1
+
+    def hold(worker) -> None:  # what Averager._hold_back does while a round is unfinished
+        t0 = time.monotonic()
+        time.sleep(held)
+        worker.waited("averaging", time.monotonic() - t0)
+
+    workers[0].on_update = hold
+    run_workers(workers)
+    s0, s1 = workers[0].stats, workers[1].stats
+    assert s0.updates == 6 and s0.wait_s["averaging"] >= 6 * held * 0.95
+    assert s0.busy_s < s0.wait_s["averaging"], "hook waits must not count as backward compute"
+    assert s0.busy_s == pytest.approx(s0.forward_s + s0.backward_s)
+    assert s0.wait_s.get("credits", 0) > 0 and s1.wait_s.get("input", 0) > 0
+    snap = s0.snapshot()
+    assert snap["wait_s"] == s0.wait_s and snap["busy_fraction"] == pytest.approx(s0.busy_s / snap["wall_s"], rel=0.2)
+    exported = {s.labels["reason"]: s.value for m in metrics.registry.collect() if m.name == "ravq_stage_wait_seconds"
+                for s in m.samples if s.name.endswith("_total")}
+    assert exported["averaging"] == pytest.approx(s0.wait_s["averaging"])
+    assert exported["credits"] == pytest.approx(s0.wait_s["credits"])

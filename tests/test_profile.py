@@ -23,8 +23,10 @@ from ravq.profile import (
     Measurement,
     ProbeClient,
     ProbeConfig,
+    compute_confidence,
     load_profile,
     load_profiles,
+    measure_compute,
     measure_links,
     measure_matmul_flops,
     measure_model_flops,
@@ -53,11 +55,55 @@ def write_topology(path: Path, nodes: list[dict[str, object]], task: str = "test
 def test_usable_memory_is_mem_available_less_headroom(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000 kB\nMemAvailable:    8000000 kB\n")
-    assert usable_memory_bytes("cpu", str(meminfo)) == int(8_000_000 * 1024 * 0.9)
+    no_cgroup = str(tmp_path / "no-such-cgroup-file")
+    assert usable_memory_bytes("cpu", str(meminfo), proc_cgroup=no_cgroup) == int(8_000_000 * 1024 * 0.9)
     meminfo.write_text("MemTotal:       16000000 kB\n")
     with pytest.raises(RuntimeError, match="MemAvailable"):
         usable_memory_bytes("cpu", str(meminfo))
     assert 0 < usable_memory_bytes() < 1 << 50
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_usable_memory_is_capped_by_the_memory_cgroup(tmp_path: Path, version: str) -> None:
+    """An emulated or containerised PC: the cgroup's limit less its usage, when below MemAvailable."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:    8000000 kB\n")
+    proc = tmp_path / "cgroup"
+    if version == "v1":
+        proc.write_text("5:cpu,cpuacct:/\n4:memory:/box/pc1\n0::/\n")
+        group = tmp_path / "memory" / "box" / "pc1"
+        group.mkdir(parents=True)
+        limit, usage = group / "memory.limit_in_bytes", group / "memory.usage_in_bytes"
+    else:
+        proc.write_text("0::/box/pc1\n")
+        group = tmp_path / "box" / "pc1"
+        group.mkdir(parents=True)
+        limit, usage = group / "memory.max", group / "memory.current"
+    limit.write_text(str(512 << 20))
+    usage.write_text(str(200 << 20))
+    got = usable_memory_bytes("cpu", str(meminfo), cgroup_root=str(tmp_path), proc_cgroup=str(proc))
+    assert got == int((312 << 20) * 0.9)
+    limit.write_text("max\n" if version == "v2" else str(1 << 62))  # no limit: MemAvailable decides
+    got = usable_memory_bytes("cpu", str(meminfo), cgroup_root=str(tmp_path), proc_cgroup=str(proc))
+    assert got == int(8_000_000 * 1024 * 0.9)
+
+
+def test_compute_is_measured_in_windows_and_says_how_steady_it_was() -> None:
+    sample = measure_compute(skipnet, 64, window_s=0.1, windows=3, warmup_s=0.05)
+    assert len(sample.window_flops) == 3
+    assert sample.flops == sorted(sample.window_flops)[1]  # the median window
+    assert 0 < sample.cpu_share <= 1.2  # one thread (a little more: the measuring process's other threads)
+    assert sample.spread == pytest.approx((max(sample.window_flops) - min(sample.window_flops)) / sample.flops)
+    steady = Measurement(name="a", device="cpu", flops=1e9, matmul_flops=2e9, model_flops=1e9, memory_bytes=GIB,
+                         flops_windows=[0.98e9, 1e9, 1.02e9], flops_spread=0.04)
+    assert "median of 3 windows, which were within 4% of each other (steady)" in compute_confidence(steady)
+    steady.cpu_share = 0.25
+    assert compute_confidence(steady).endswith("; it got 0.25 CPU seconds per second")
+    shaky = Measurement(name="a", device="cpu", flops=1e9, matmul_flops=2e9, model_flops=1e9, memory_bytes=GIB,
+                        flops_windows=[0.6e9, 1.4e9], flops_spread=0.8)
+    assert "unsteady" in compute_confidence(shaky)
+    old = Measurement(name="a", device="cpu", flops=1e9, matmul_flops=2e9, model_flops=None, memory_bytes=GIB)
+    assert "matmuls only" in compute_confidence(old)
 
 
 def test_compute_measurements_are_plausible() -> None:

@@ -174,13 +174,14 @@ def _layout_chunks(p: Problem, members: tuple[int, ...],
         o = perms[lo:lo + per_chunk]                                         # (orders, k)
         t = work[None] / p.flops[o][:, None, :]
         fits = (memory[None] <= p.mem[o][:, None, :]).all(axis=2)
-        worst = t.max(axis=2)
+        worst, cycle = t.max(axis=2), t.sum(axis=2)
         if k > 1:
             a, b = o[:, :-1], o[:, 1:]
-            link = (act[None] * p.fwd_s_per_byte[a, b][:, None, :] + grad[None] * p.bwd_s_per_byte[a, b][:, None, :]
-                    + p.lat[a, b][:, None, :])
-            worst = np.maximum(worst, link.max(axis=2))
-        rates = np.where(fits, 1.0 / np.maximum(worst, 1e-12), 0.0)
+            transfer = act[None] * p.fwd_s_per_byte[a, b][:, None, :] + grad[None] * p.bwd_s_per_byte[a, b][:, None, :]
+            worst = np.maximum(worst, (transfer + p.lat[a, b][:, None, :]).max(axis=2))
+            cycle = cycle + (transfer + 2 * p.lat[a, b][:, None, :]).sum(axis=2)
+        rate = np.minimum(1.0 / np.maximum(worst, 1e-12), p.inflight_for(k) / np.maximum(cycle, 1e-12))
+        rates = np.where(fits, rate, 0.0)
         yield rates.ravel(), (np.repeat(o, len(cuts), axis=0), np.tile(bounds, (len(o), 1)))
 
 

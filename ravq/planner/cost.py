@@ -7,15 +7,28 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   stashes k micro-batches (the pipeline's default); each block's ``inflight_bytes`` scales with that.
 - The link from stage a to stage b (cut before block e) carries the activations crossing the cut one way
   and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds.
-- A cluster runs r = 1 / max(slowest stage, slowest link) micro-batches per second.
+- A cluster runs r = min(1 / max(slowest stage, slowest link), m / cycle) micro-batches per second.
+  The first term is the steady state of a pipeline that always has work; the second is Little's law:
+  with m = ``max_inflight`` micro-batches in flight (default: one per stage), each taking ``cycle`` =
+  every stage's forward and backward plus every link both ways (transfer and latency each way), no
+  more than m / cycle finish per second.  Without it the model missed the bubbles that message delays
+  leave when m is the number of stages (issue #14: 3-stage pipelines on emulated PCs waited 20-33% of
+  the time for inputs or credits and ran at 0.57-0.69x the bottleneck-only prediction).
 - Averaging, every ``sync_every`` steps: each node sends 2(C-1)/C of the parameter bytes it holds (the
   sum over its segments) through its ring links.  Ring neighbours depend on every cluster's cuts, so the
   planner charges the node's slowest link to any node of another cluster (the worst ring order).  The
   round lasts as long as its slowest node: T_avg.
-- samples/s = micro_batch * sum over clusters of r * duty, with duty = (S/r) / (S/r + T_avg) when
-  averaging pauses training (S = sync_every).  When it overlaps with training a stage trains on for
-  L = ``averaging_lead`` steps past a round's snapshot and then waits for the round, and rounds run one
-  after another: duty = (S/r) / max(S/r, T_avg, S/r + T_avg - L/r) (L = S: no wait before the next round).
+- Averaging ties the clusters together.  A round needs every cluster's snapshot at the same version,
+  and a stage that is L = ``averaging_lead`` steps past an unfinished round's snapshot waits for it
+  (with averaging that pauses training, every round waits for everyone), so no cluster gets more than
+  about L steps ahead of the slowest: in the long run every cluster makes optimizer steps at the
+  slowest cluster's pace.  One cluster's period for S = ``sync_every`` steps is P(r) = S/r + T_avg when
+  averaging pauses training, and P(r) = max(S/r, T_avg, S/r + T_avg - L/r) when it overlaps (rounds
+  run one after another; L = S: no wait before the next round).  With C clusters,
+  samples/s = micro_batch * C * S / max over clusters of P(r).
+  (Until issue #14 the model summed every cluster's own S / P(r), as if clusters were independent; on
+  emulated PCs with a 2.5x faster cluster the fast one waited 55-61% of the time, and the plan ran at
+  0.56x its prediction.)
 
 A cluster's best cuts for a given node order come from an exact dynamic programme on the bottleneck time
 under every node's memory limit (``Problem.partition``).
@@ -122,14 +135,76 @@ class Problem:
         return t
 
     def bottleneck(self, order: Sequence[int], limit: float = INF) -> float:
-        """Smallest achievable max(stage time, link time) for this node order; inf if it does not fit in
-        memory or cannot beat ``limit``."""
-        return self._dp(order, limit, None, want_bounds=False)[0]
+        """Smallest achievable time per micro-batch, max(stage time, link time, cycle / in-flight), for
+        this node order; inf if it does not fit in memory or cannot beat ``limit``."""
+        value = self._dp(order, limit, None, want_bounds=False)[0]
+        if len(order) == 1 or not math.isfinite(value):
+            return value
+        return self._with_cycle(order, value, None)[0]
 
     def partition(self, order: Sequence[int], caps: np.ndarray | None = None) -> tuple[float, list[int]]:
-        """The bottleneck and stage bounds [0, b1, ..., B] achieving it (``caps[node]``: most parameter
-        bytes the node may hold); bounds are empty when nothing fits."""
-        return self._dp(order, INF, caps, want_bounds=True)
+        """That time per micro-batch and stage bounds [0, b1, ..., B] achieving it (``caps[node]``: most
+        parameter bytes the node may hold); bounds are empty when nothing fits."""
+        value, bounds = self._dp(order, INF, caps, want_bounds=True)
+        if len(order) == 1 or not bounds:
+            return value, bounds
+        return self._with_cycle(order, value, caps)
+
+    CYCLE_SLACK = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0)
+    """Stage-time limits tried, as multiples of the smallest bottleneck, when the in-flight cap binds."""
+
+    def _with_cycle(self, order: Sequence[int], bottleneck: float,
+                    caps: np.ndarray | None) -> tuple[float, list[int]]:
+        """Cuts minimising max(bottleneck, cycle / in-flight): for a few limits on the stage and link
+        times (the smallest bottleneck and multiples of it), the cuts of the shortest cycle within the
+        limit; a shorter cycle may be worth a slower slowest stage when few micro-batches are in flight."""
+        m = self.inflight_for(len(order))
+        best: tuple[float, list[int]] = (INF, [])
+        for slack in self.CYCLE_SLACK:
+            limit = bottleneck * slack
+            if limit >= best[0]:
+                break
+            cycle, bounds = self._min_cycle(order, limit, caps)
+            if bounds:
+                value = max(self._bounds_bottleneck(order, bounds), cycle / m)
+                if value < best[0]:
+                    best = (value, bounds)
+                if cycle / m <= limit:  # the cap no longer binds: a larger limit cannot do better
+                    break
+        return best
+
+    def _min_cycle(self, order: Sequence[int], limit: float, caps: np.ndarray | None) -> tuple[float, list[int]]:
+        """Shortest cycle (every stage's time plus every link's time with its latency both ways) over
+        cuts whose stage and link times are all within ``limit``; its bounds (empty: none)."""
+        k = len(order)
+        first = self._capped(order[0], k, caps)[0]
+        best = np.where(first <= limit, first, INF)
+        args = []
+        for j in range(1, k):
+            self.ops += 1
+            a, b = order[j - 1], order[j]
+            link = self.link_times(a, b)
+            reach = np.where(link <= limit, best + link + self.lat[a, b], INF)
+            t = self._capped(b, k, caps)
+            cand = reach[:, None] + np.where(t <= limit, t, INF)
+            args.append(cand.argmin(axis=0))
+            best = cand[args[-1], np.arange(self.B + 1)]
+        value = float(best[self.B])
+        if not math.isfinite(value):
+            return INF, []
+        bounds = [self.B]
+        for arg in reversed(args):
+            bounds.append(int(arg[bounds[-1]]))
+        return value, [0, *bounds[::-1]]
+
+    def _bounds_bottleneck(self, order: Sequence[int], bounds: Sequence[int]) -> float:
+        k = len(order)
+        worst = 0.0
+        for j, node in enumerate(order):
+            worst = max(worst, float(self.stage_times(node, k)[bounds[j], bounds[j + 1]]))
+            if j < k - 1:
+                worst = max(worst, float(self.link_times(node, order[j + 1])[bounds[j + 1]]))
+        return worst
 
     def _dp(self, order: Sequence[int], limit: float, caps: np.ndarray | None,
             want_bounds: bool) -> tuple[float, list[int]]:
@@ -212,16 +287,20 @@ class Problem:
         return 2 * (clusters - 1) / clusters
 
     def samples_per_s(self, rates: Sequence[float], averaging_s: float) -> float:
-        s, lead, total = self.sync_every, self.averaging_lead, 0.0
-        for r in rates:
-            if r > 0:
-                period = s / r
-                if self.overlap_averaging:  # rounds run one after another; a stage waits lead steps in
-                    period = max(period, averaging_s, period + averaging_s - lead / r)
-                else:
-                    period += averaging_s
-                total += s / period
-        return self.micro_batch * total
+        """micro_batch * C * S / (the slowest cluster's period of S steps): see the module docstring."""
+        live = [r for r in rates if r > 0]
+        if not live:
+            return 0.0
+        if len(live) == 1:  # nothing to average with: the cluster runs at its own rate
+            return self.micro_batch * live[0]
+        s, lead = self.sync_every, self.averaging_lead
+        slowest = min(live)
+        period = s / slowest
+        if self.overlap_averaging:  # rounds run one after another; a stage waits lead steps in
+            period = max(period, averaging_s, period + averaging_s - lead / slowest)
+        else:
+            period += averaging_s
+        return self.micro_batch * len(live) * s / period
 
 
 def _spans(values: np.ndarray) -> np.ndarray:
@@ -286,6 +365,26 @@ class Layout:
     bottleneck: float
 
 
+def cycle_s(p: Problem, lay: Layout) -> float:
+    """One micro-batch's round trip through a cluster: every stage's forward and backward, and every
+    link's activations forward, gradients back and its latency both ways."""
+    total = 0.0
+    for j, node in enumerate(lay.order):
+        s, e = lay.bounds[j], lay.bounds[j + 1]
+        total += float(p.work_span[s, e] / p.flops[node])
+        if j < len(lay.order) - 1:
+            nxt = lay.order[j + 1]
+            total += float(p.act[e] * p.fwd_s_per_byte[node, nxt] + p.grad[e] * p.bwd_s_per_byte[node, nxt]
+                           + 2 * p.lat[node, nxt])
+    return total
+
+
+def cluster_rate(p: Problem, lay: Layout) -> float:
+    """Micro-batches per second of one cluster: the bottleneck's rate, capped by Little's law."""
+    rate = 1.0 / max(lay.bottleneck, 1e-12)
+    return min(rate, p.inflight_for(len(lay.order)) / max(cycle_s(p, lay), 1e-12))
+
+
 def averaging_round_s(p: Problem, layouts: Sequence[Layout]) -> float:
     """T_avg: the slowest node's 2(C-1)/C x held parameter bytes over its slowest cross-cluster link."""
     if len(layouts) < 2:
@@ -302,7 +401,7 @@ def averaging_round_s(p: Problem, layouts: Sequence[Layout]) -> float:
 
 def score(p: Problem, layouts: Sequence[Layout]) -> float:
     """Predicted samples/s of these clusters."""
-    rates = [1.0 / max(lay.bottleneck, 1e-12) for lay in layouts]
+    rates = [cluster_rate(p, lay) for lay in layouts]
     return p.samples_per_s(rates, averaging_round_s(p, layouts))
 
 

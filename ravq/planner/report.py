@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ravq.config import ClusterPlan, Plan
-from ravq.planner.cost import Layout, Problem, averaging_round_s
+from ravq.planner.cost import Layout, Problem, averaging_round_s, cluster_rate
 from ravq.planner.types import GIB, ClusterReport, Explanation, PlanError, StageReport, size_text
 
 
@@ -29,7 +29,7 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str]) -> tupl
                 memory_bytes=int(p.mem_span(k)[s, e]), memory_available=int(p.mem[node]),
                 param_bytes=int(p.param_span[s, e])))
         reports.append(ClusterReport(nodes=[p.names[i] for i in lay.order], stages=stages,
-                                     rate_micro_batches_per_s=1.0 / max(lay.bottleneck, 1e-12)))
+                                     rate_micro_batches_per_s=cluster_rate(p, lay)))
     averaging = averaging_round_s(p, layouts)
     rates = [r.rate_micro_batches_per_s for r in reports]
     explanation = Explanation(

@@ -113,7 +113,8 @@ class Explanation:
         if slowest_link is not None:
             lines.append(f"slowest link: {slowest_link[0]} {_ms(slowest_link[1])}")
         lines.append(f"averaging: {_ms(self.averaging_s)} per round every {self.sync_every} steps, "
-                     f"costs {self.averaging_cost_samples_per_s:.4g} samples/s")
+                     f"costs {self.averaging_cost_samples_per_s:.4g} samples/s (rounds, and every cluster "
+                     "held to the slowest one's pace)")
         lines.append(f"predicted: {self.samples_per_s:.4g} samples/s "
                      f"({self.samples_per_s_without_averaging:.4g} without averaging, "
                      f"micro_batch {self.micro_batch})")

@@ -1,0 +1,433 @@
+"""Try a deployment before buying it: unequal PCs on slow, distant links, emulated on this machine.
+
+    python benchmarks/testbed.py benchmarks/scenarios/link_bound.yaml                 # the planner's plan
+    python benchmarks/testbed.py SCENARIO.yaml --plans planner,ravnest,naive --json   # plans compared
+    python benchmarks/testbed.py SCENARIO.yaml --check-only   # build the PCs, check them, tear down
+
+A scenario (YAML, see benchmarks/scenarios/) names PCs with a region, an upload rate, a CPU quota and
+optionally a memory limit, and a one-way latency between regions.  The testbed builds one emulated PC
+per entry (benchmarks/_emulate.py: network namespace, tc tbf, delay relays, cgroups), checks that the
+round trips through the relays are within 10% of the configuration and every quota holds, then runs
+the real deployment flow:
+
+1. ``ravq keygen`` for the broker and every PC (CURVE on every socket);
+2. ``ravq profile`` on every PC at once, inside its namespace and cgroup;
+3. ``ravq plan`` (the planner's plan); Ravnest's rule (GA clusters, equal parameter splits,
+   ``ravnest_plan(split="equal")``) and a naive plan (clusters and stages in listing order, even cuts)
+   are made from the same profiles for comparison;
+4. for each plan: the broker and the plan's nodes started with the command lines of
+   deploy/systemd/ravq-broker.service and ravq-node@.service (the broker gets ``--plan``, as a drop-in
+   would add), ``ravq status`` polled until every node trains, then a window of ``train_s`` seconds
+   measured from the last stages' heartbeat statistics: samples/s, loss, busy and waiting time;
+5. everything stopped and removed, even on Ctrl-C or SIGTERM.
+
+``run_scenario(path, plans=...)`` does the same from Python and returns the figures as a dict (for
+the simulator's validation).  Needs root, iproute2, the tbf qdisc and a cgroup cpu controller.
+
+The machine's cores are shared by every emulated PC: keep the sum of a scenario's CPU quotas well
+under the core count (the scenarios here stay at or under 1.5 of 2 cores), or the PCs slow each
+other down and the emulation no longer says what separate PCs would do.  Other work on the machine
+has the same effect; the report shows each PC's quota check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+import _emulate
+
+_common.use_repo_checkout()
+
+REPO = _common.REPO
+UNITS = REPO / "deploy" / "systemd"
+PIPELINE_PORT, RING_PORT, PUB_PORT, ROUTER_PORT = 5560, 5561, 5550, 5551
+PLANS = ("planner", "ravnest", "naive")
+
+
+@dataclass(kw_only=True)
+class Scenario:
+    name: str
+    task: str
+    training: dict[str, Any]
+    regions: dict[str, dict[str, float]]
+    """One-way latency in ms from region a to region b (both directions listed, or taken as symmetric)."""
+    pcs: list[dict[str, Any]]
+    broker_region: str
+    train_s: float = 60.0
+    seed: int = 1234
+    description: str = ""
+
+    def one_way_ms(self, a: str, b: str) -> float:
+        if b in self.regions.get(a, {}):
+            return float(self.regions[a][b])
+        if a in self.regions.get(b, {}):
+            return float(self.regions[b][a])
+        raise ValueError(f"regions: no latency between {a!r} and {b!r}")
+
+    def specs(self) -> list[_emulate.PCSpec]:
+        return [_emulate.PCSpec(name=p["name"], upload_mbit=float(p["upload_mbit"]), cpu_quota=p.get("cpu"),
+                                memory_bytes=int(p["memory_mb"]) << 20 if p.get("memory_mb") else None)
+                for p in self.pcs] + [_emulate.PCSpec(name="broker", upload_mbit=1000.0)]
+
+    def region_of(self, name: str) -> str:
+        return self.broker_region if name == "broker" else next(p["region"] for p in self.pcs if p["name"] == name)
+
+    def latency_s(self) -> dict[str, dict[str, float]]:
+        names = [p["name"] for p in self.pcs] + ["broker"]
+        return {a: {b: self.one_way_ms(self.region_of(a), self.region_of(b)) / 1e3 for b in names if b != a}
+                for a in names}
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    data = yaml.safe_load(Path(path).read_text())
+    pcs = data.get("pcs") or []
+    if len(pcs) < 2:
+        raise ValueError(f"{path}: pcs: at least 2 PCs, got {len(pcs)}")
+    for i, pc in enumerate(pcs):
+        for key in ("name", "region", "upload_mbit"):
+            if key not in pc:
+                raise ValueError(f"{path}: pcs[{i}]: {key} missing")
+        if pc["region"] not in data["regions"]:
+            raise ValueError(f"{path}: pcs[{i}].region: {pc['region']!r} is not in regions")
+    scenario = Scenario(name=data.get("name", Path(path).stem), task=data["task"], training=data.get("training", {}),
+                        regions=data["regions"], pcs=pcs, broker_region=data.get("broker_region", pcs[0]["region"]),
+                        train_s=float(data.get("train_s", 60)), seed=int(data.get("seed", 1234)),
+                        description=data.get("description", ""))
+    scenario.latency_s()  # every pair has a latency
+    return scenario
+
+
+# ---------------------------------------------------------------------------------------------- the flow
+
+
+def unit_command(unit: str, topology: Path, name: str | None = None) -> list[str]:
+    """ExecStart of a deploy/systemd unit, run from this checkout: the venv's ``ravq`` becomes
+    ``python -m ravq``, /etc/ravq/topology.yaml the testbed's topology and %i the node's name."""
+    for line in (UNITS / unit).read_text().splitlines():
+        if line.startswith("ExecStart="):
+            argv = shlex.split(line.removeprefix("ExecStart="))
+            assert argv[0].endswith("/bin/ravq"), argv
+            return [sys.executable, "-m", "ravq", *(str(topology) if a == "/etc/ravq/topology.yaml" else
+                                                     a.replace("%i", name or "") for a in argv[1:])]
+    raise RuntimeError(f"{unit}: no ExecStart line")
+
+
+@dataclass
+class Testbed:
+    """One scenario's emulated PCs and the deployment on them."""
+
+    scenario: Scenario
+    world: _emulate.World
+    run_dir: Path
+    topology_path: Path = field(init=False)
+    checks: dict[str, Any] = field(default_factory=dict)
+
+    def env(self, name: str) -> dict[str, str]:
+        cpu = next((p.get("cpu") for p in self.scenario.pcs if p["name"] == name), None)
+        threads = str(max(1, math.ceil(cpu))) if cpu else "1"
+        return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads,
+                "XDG_CACHE_HOME": str(self.run_dir / "cache" / name)}
+
+    def ravq(self, name: str, *args: str, timeout_s: float = 120, limited: bool = True) -> str:
+        return self.world.run(name, [sys.executable, "-m", "ravq", *args], timeout_s, env=self.env(name),
+                              limited=limited)
+
+    def check(self) -> dict[str, Any]:
+        """Round trips, link rates and CPU quotas really in force (RuntimeError when not)."""
+        rtt = self.world.check_rtt()
+        rates = {n: _emulate.tc_rate_bits(pc) / 1e6 for n, pc in self.world.pcs.items()}
+        shares: dict[str, float] = {}
+        for p in self.scenario.pcs:
+            if p.get("cpu"):
+                shares[p["name"]] = self.world.cpu_share(p["name"], seconds=1.5)
+        self.checks = {"rtt_ms": {a: {b: round(v * 1e3, 2) for b, v in row.items()} for a, row in rtt.items()},
+                       "tbf_mbit": rates, "cpu_share": shares}
+        return self.checks
+
+    def write_topology(self) -> Path:
+        keys = self.run_dir / "keys"
+        public = {}
+        for name in ["broker", *(p["name"] for p in self.scenario.pcs)]:
+            out = self.ravq(name, "keygen", name, "--key-dir", str(keys), timeout_s=60, limited=False)  # setup
+            public[name] = yaml.safe_load(next(ln for ln in out.splitlines() if ln.startswith("public_key")))["public_key"]
+        pcs = self.world.pcs
+        training = {"steps": 1_000_000, "checkpoint_every": 0, **self.scenario.training}
+        topology = {
+            "task": self.scenario.task, "seed": self.scenario.seed, "training": training,
+            "timeouts": {"connect_s": 300, "peer_s": 300, "ring_step_s": 120, "drain_s": 10},
+            "security": {"curve": True, "key_dir": str(keys)},
+            "broker": {"host": pcs["broker"].address, "bind_host": "127.0.0.1", "pub_port": PUB_PORT,
+                       "router_port": ROUTER_PORT, "public_key": public["broker"]},
+            "nodes": [{"name": p["name"], "host": pcs[p["name"]].address, "bind_host": "127.0.0.1",
+                       "pipeline_port": PIPELINE_PORT, "ring_port": RING_PORT, "device": "cpu",
+                       "public_key": public[p["name"]]} for p in self.scenario.pcs],
+        }
+        self.topology_path = self.run_dir / "topology.yaml"
+        self.topology_path.write_text(yaml.safe_dump(topology, sort_keys=False))
+        return self.topology_path
+
+    def profile(self) -> dict[str, Any]:
+        """``ravq profile`` on every PC at once; the profiles as written."""
+        out = self.run_dir / "profiles"
+        names = [p["name"] for p in self.scenario.pcs]
+        procs = {n: self.world.spawn(n, [sys.executable, "-m", "ravq", "profile", "--topology", str(self.topology_path),
+                                         "--name", n, "--out", str(out), "--peers-wait", "240"],
+                                     self.run_dir / f"profile-{n}.log", env=self.env(n)) for n in names}
+        for n, proc in procs.items():
+            if proc.wait(timeout=600) != 0:
+                raise RuntimeError(f"ravq profile on {n} failed:\n{(self.run_dir / f'profile-{n}.log').read_text()}")
+        return {n: json.loads((out / f"profile-{n}.json").read_text()) for n in names}
+
+    def status(self) -> dict[str, Any]:
+        out = self.ravq("broker", "status", "--topology", str(self.topology_path), "--json", "--timeout", "10",
+                        timeout_s=90, limited=False)
+        return json.loads(out[out.index("{"):])
+
+    def plan_file(self, kind: str) -> tuple[Path, dict[str, Any]]:
+        """The plan of ``kind`` as a plan file, with the cost model's prediction for it."""
+        from testbed_plans import make_plans  # torch tracing only when planning
+
+        path = self.run_dir / f"plan-{kind}.yaml"
+        if kind == "planner":
+            self.ravq("broker", "plan", "--topology", str(self.topology_path), "--profiles",
+                      str(self.run_dir / "profiles"), "--out", str(path), timeout_s=600)
+        info = make_plans(self.topology_path, self.run_dir / "profiles", kind, path)
+        return path, info
+
+    def train(self, plan_path: Path, train_s: float, tag: str) -> dict[str, Any]:
+        """Broker and the plan's nodes under the units' command lines; measured over ``train_s``."""
+        plan = yaml.safe_load(plan_path.read_text())["plan"]
+        nodes = [n for c in plan["clusters"] for n in c["nodes"]]
+        last = {c["nodes"][-1] for c in plan["clusters"]}
+        procs = [self.world.spawn("broker", [*unit_command("ravq-broker.service", self.topology_path), "--plan",
+                                             str(plan_path)], self.run_dir / f"{tag}-broker.log",
+                                  env=self.env("broker"))]
+        try:
+            procs += [self.world.spawn(n, unit_command("ravq-node@.service", self.topology_path, n),
+                                       self.run_dir / f"{tag}-{n}.log", env=self.env(n)) for n in nodes]
+            first = self._wait_training(nodes, procs, tag)
+            cpu0, t0 = {n: process_cpu_s(p.pid) for n, p in zip(nodes, procs[1:])}, time.monotonic()
+            time.sleep(train_s)
+            end = self.status()
+            shown = self.ravq("broker", "status", "--topology", str(self.topology_path), "--timeout", "10",
+                              timeout_s=90, limited=False)  # what an operator sees
+            (self.run_dir / f"{tag}-status.txt").write_text(shown)
+            cpu1, t1 = {n: process_cpu_s(p.pid) for n, p in zip(nodes, procs[1:])}, time.monotonic()
+            self._check_alive(procs, tag)
+        finally:
+            _stop_all(procs)
+        result = measure(first, end, nodes, last, plan)
+        result["status_text"] = shown
+        quotas = {p["name"]: p.get("cpu") for p in self.scenario.pcs}
+        for n in nodes:  # what each PC really got: under its quota when the machine is oversubscribed
+            result["nodes"][n]["cpu_cores"] = round((cpu1[n] - cpu0[n]) / (t1 - t0), 3)
+            result["nodes"][n]["cpu_quota"] = quotas[n]
+        result["quota_received"] = quota_received(result["nodes"])
+        scale = self.speed_vs_profile(result["nodes"])
+        if scale:
+            from testbed_plans import predict  # torch tracing only when planning
+
+            result["speed_vs_profile"] = scale
+            result["predicted_load_adjusted"] = predict(self.topology_path, self.run_dir / "profiles", plan_path,
+                                                        scale)
+        result["load_average"] = os.getloadavg()[0]  # the machine's, over the last minute of the window
+        return result
+
+    def speed_vs_profile(self, nodes: dict[str, dict[str, Any]]) -> dict[str, float]:
+        """Per PC: the CPU share it got while computing in the window (CPU seconds over busy seconds)
+        over the share its compute profile got.  Other work on the machine changes between the two;
+        a prediction with each PC's FLOP/s scaled by this is what the cost model would have said of
+        the machine as it was during the window."""
+        scale = {}
+        for name, v in nodes.items():
+            profile = json.loads((self.run_dir / "profiles" / f"profile-{name}.json").read_text())
+            if profile.get("cpu_share") and v["busy_fraction"] > 0.05:
+                scale[name] = round(min(1.0, v["cpu_cores"] / v["busy_fraction"]) / profile["cpu_share"], 3)
+        return scale
+
+    def _wait_training(self, nodes: Sequence[str], procs: Sequence[Any], tag: str,
+                       timeout_s: float = 600) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive(procs, tag)
+            try:
+                status = self.status()
+            except RuntimeError:
+                time.sleep(2)
+                continue
+            members = status.get("members", {})
+            if all(members.get(n, {}).get("stats", {}).get("backwards", 0) >= 2 for n in nodes):
+                return status
+            time.sleep(2)
+        raise RuntimeError(f"{tag}: nodes did not all start training within {timeout_s:.0f} s")
+
+    def _check_alive(self, procs: Sequence[Any], tag: str) -> None:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{tag}: a process exited early ({proc.args[-6:]}, status {proc.returncode});"
+                                   f" logs in {self.run_dir}")
+
+
+def quota_received(nodes: dict[str, dict[str, Any]]) -> float | None:
+    """The share of their CPU quota the PCs got while they computed: CPU seconds used over quota x busy
+    time, summed over the plan's PCs.  1.0 on a machine with cores to spare; below when other work
+    competes for the cores, and the PCs then compute that much slower than their profiles say (a
+    prediction scaled by it is the "load-adjusted" one).  None without quotas."""
+    used = sum(v["cpu_cores"] for v in nodes.values() if v.get("cpu_quota"))
+    entitled = sum(v["cpu_quota"] * v["busy_fraction"] for v in nodes.values() if v.get("cpu_quota"))
+    return min(1.0, used / entitled) if entitled > 0 else None
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) of a live process."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stop_all(procs: Sequence[Any], grace_s: float = 15.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        _emulate.stop(proc, grace_s=max(0.0, deadline - time.monotonic()), term=False)
+
+
+def measure(first: dict[str, Any], end: dict[str, Any], nodes: Sequence[str], last: set[str],
+            plan: dict[str, Any]) -> dict[str, Any]:
+    """Samples/s of the window between two status answers: per cluster, its last stage's samples over
+    that stage's own wall clock (both from one heartbeat), summed over clusters."""
+    a, b = first["members"], end["members"]
+    rate, losses = 0.0, []
+    for n in last:
+        s0, s1 = a[n]["stats"], b[n]["stats"]
+        wall = s1["wall_s"] - s0["wall_s"]
+        if wall > 0:
+            rate += (s1["samples"] - s0["samples"]) / wall
+        if s1.get("loss_recent") is not None:
+            losses.append(s1["loss_recent"])
+    per_node = {}
+    for n in nodes:
+        s0, s1 = a[n]["stats"], b[n]["stats"]
+        wall = max(s1["wall_s"] - s0["wall_s"], 1e-9)
+        waits0, waits1 = s0.get("wait_s", {}), s1.get("wait_s", {})
+        per_node[n] = {"busy_fraction": round((s1["busy_s"] - s0["busy_s"]) / wall, 3),
+                       "wait_fraction": {r: round((waits1[r] - waits0.get(r, 0.0)) / wall, 3) for r in waits1},
+                       "cluster": s1.get("cluster"), "stage": s1.get("stage")}
+    return {"samples_per_s": rate, "loss": sum(losses) / len(losses) if losses else None,
+            "window_s": max(b[n]["stats"]["wall_s"] - a[n]["stats"]["wall_s"] for n in last),
+            "clusters": [c["nodes"] for c in plan["clusters"]], "nodes": per_node}
+
+
+def _sigterm_to_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_scenario(path: str | Path, plans: Sequence[str] = ("planner",), *, train_s: float | None = None,
+                 run_dir: Path | None = None, check_only: bool = False) -> dict[str, Any]:
+    """Build the scenario's PCs, profile, plan and train each of ``plans`` ("planner", "ravnest",
+    "naive" or a plan file's path) for ``train_s`` seconds; the figures as a dict.  Tears everything
+    down on the way out."""
+    scenario = load_scenario(path)
+    if reason := _emulate.unavailable_reason():
+        raise RuntimeError(f"cannot emulate PCs here: {reason}")
+    run_dir = run_dir or Path("/tmp") / f"rq14-testbed-{scenario.name}-{os.getpid()}"
+    previous = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    result: dict[str, Any] = {"scenario": scenario.name, "run_dir": str(run_dir)}
+    try:
+        with _emulate.emulated_pcs(scenario.specs(), scenario.latency_s(), run_dir) as world:
+            ports = {p["name"]: [PIPELINE_PORT, RING_PORT] for p in scenario.pcs}
+            world.start_relays({**ports, "broker": [PUB_PORT, ROUTER_PORT]})
+            bed = Testbed(scenario, world, run_dir)
+            result["checks"] = bed.check()
+            if check_only:
+                return result
+            bed.write_topology()
+            result["profiles"] = {n: {"gflops": p["flops"] / 1e9, "flops_spread": p.get("flops_spread"),
+                                      "memory_gib": p["memory_bytes"] / (1 << 30)}
+                                  for n, p in bed.profile().items()}
+            result["profile_load_average"] = os.getloadavg()[0]
+            result["plans"] = {}
+            for kind in plans:
+                plan_path, info = bed.plan_file(kind) if kind in PLANS else (Path(kind), {"kind": "file"})
+                if info.get("error"):
+                    result["plans"][kind] = info
+                    continue
+                measured = bed.train(plan_path, train_s or scenario.train_s, tag=kind)
+                if info.get("predicted_samples_per_s"):
+                    measured["predicted_over_measured"] = info["predicted_samples_per_s"] / measured["samples_per_s"]
+                result["plans"][kind] = {**info, **measured}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario")
+    parser.add_argument("--plans", default="planner", help="comma-separated: planner, ravnest, naive, or plan files")
+    parser.add_argument("--train-s", type=float, help="measured training window per plan (default: the scenario's)")
+    parser.add_argument("--run-dir", type=Path, help="where logs, keys, profiles and plans go")
+    parser.add_argument("--check-only", action="store_true", help="build and check the PCs, run nothing")
+    parser.add_argument("--json", action="store_true", help="last line: the figures as one JSON object")
+    args = parser.parse_args(argv)
+    result = run_scenario(args.scenario, [p for p in args.plans.split(",") if p], train_s=args.train_s,
+                          run_dir=args.run_dir, check_only=args.check_only)
+    for line in report_lines(result):
+        print(line)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def report_lines(result: dict[str, Any]) -> Iterator[str]:
+    checks = result.get("checks", {})
+    yield f"scenario {result['scenario']} (logs in {result['run_dir']})"
+    for name, share in checks.get("cpu_share", {}).items():
+        yield f"  cpu check {name}: {share:.3f} cores"
+    for name, prof in result.get("profiles", {}).items():
+        spread = prof["flops_spread"]
+        yield (f"  profile {name}: {prof['gflops']:.3g} GFLOP/s (windows within "
+               f"{'?' if spread is None else f'{spread:.0%}'}), {prof['memory_gib']:.2f} GiB")
+    for kind, r in result.get("plans", {}).items():
+        if r.get("error"):
+            yield f"  {kind}: {r['error']}"
+            continue
+        loss = "?" if r.get("loss") is None else f"{r['loss']:.3f}"
+        pred = r.get("predicted_samples_per_s")
+        yield (f"  {kind:<8} measured {r['samples_per_s']:8.1f} samples/s, predicted "
+               f"{'?' if pred is None else f'{pred:.1f}'}, loss {loss}, clusters {r['clusters']}")
+        if r.get("quota_received") is not None:
+            yield f"           the PCs got {r['quota_received']:.0%} of their CPU quota while computing"
+        if r.get("predicted_load_adjusted") is not None:
+            yield (f"           load-adjusted prediction {r['predicted_load_adjusted']:.1f} (each PC's speed scaled by "
+                   f"its CPU share in the window over its share while profiled: "
+                   + ", ".join(f"{n} {f:.2f}" for n, f in r["speed_vs_profile"].items()) + ")")
+        nodes = r.get("nodes", {})
+        yield "           busy / waiting / cpu got of quota: " + "; ".join(
+            f"{n} {v['busy_fraction']:.2f} / {sum(v['wait_fraction'].values()):.2f} / "
+            f"{v.get('cpu_cores', float('nan')):.2f} of {v.get('cpu_quota')}" for n, v in nodes.items())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

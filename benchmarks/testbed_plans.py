@@ -1,0 +1,96 @@
+"""The plans the testbed compares, all from the same profiles, each with the cost model's prediction.
+
+- "planner": what ``ravq plan`` wrote (the testbed runs the command; this only scores the file);
+- "ravnest": Ravnest's rule as its code does it: the genetic algorithm over RAM and bandwidth for the
+  clusters, then equal parameter splits in listing order (``ravnest_plan(split="equal")``);
+- "naive": clusters and stages in listing order with even cuts: the fewest stages per cluster whose
+  even cuts fit every node's memory, consecutive PCs forming each cluster (PCs left over stay idle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ravq.blocks import profile_blocks
+from ravq.config import load_plan, load_topology, resolve_task_module
+from ravq.planner import PlanError, evaluate_plan, even_plan, ravnest_plan
+from ravq.profile import load_profiles
+
+
+def _settings(topology: Any) -> dict[str, Any]:
+    t = topology.training
+    return {"micro_batch": t.micro_batch, "sync_every": t.sync_every, "max_inflight": t.max_inflight,
+            "overlap_averaging": t.overlap_averaging, "averaging_lead": t.averaging_lead}
+
+
+def naive_plan(names: list[str], block_names: list[str], nodes: Any, blocks: Any, settings: dict[str, Any]) -> Any:
+    for stages in range(1, len(names) + 1):
+        groups = [names[i:i + stages] for i in range(0, len(names) - stages + 1, stages)]
+        plan = even_plan(groups, block_names[1:])
+        try:
+            evaluate_plan(plan, nodes, blocks, **settings)
+            return plan
+        except PlanError:
+            continue
+    raise PlanError("naive plan: even cuts fit no cluster size in listing order")
+
+
+def make_plans(topology_path: Path, profiles_dir: Path, kind: str, out: Path) -> dict[str, Any]:
+    """Write plan ``kind`` to ``out`` (the planner's is already there) and return its prediction, or
+    ``{"error": ...}`` when the rule's plan does not fit in memory."""
+    topology = load_topology(topology_path)
+    nodes = load_profiles(topology, profiles_dir)
+    task = resolve_task_module(topology.task)
+    settings = _settings(topology)
+    blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=topology.training.max_inflight or 1)
+    try:
+        if kind == "planner":
+            plan = load_plan(out)
+        elif kind == "ravnest":
+            plan, _ = ravnest_plan(nodes, blocks, split="equal", **settings)
+        elif kind == "naive":
+            plan = naive_plan([n.name for n in topology.nodes], [b.name for b in blocks], nodes, blocks, settings)
+        else:
+            raise ValueError(f"plan kind: {kind!r} is not planner, ravnest or naive")
+        explanation = evaluate_plan(plan, nodes, blocks, **settings)
+    except PlanError as err:
+        return {"kind": kind, "error": f"does not fit: {err}"}
+    if kind != "planner":
+        out.write_text(yaml.safe_dump({"plan": plan.model_dump(mode="json")}, sort_keys=False))
+    return {"kind": kind, "predicted_samples_per_s": explanation.samples_per_s,
+            "predicted_without_averaging": explanation.samples_per_s_without_averaging,
+            "explanation": explanation.format()}
+
+
+def predict(topology_path: Path, profiles_dir: Path, plan_path: Path, flops_scale: dict[str, float]) -> float:
+    """The cost model's samples/s for a plan with every node's profiled FLOP/s scaled by ``flops_scale``
+    (e.g. the CPU share a PC got while it trained over the share it got while it was profiled)."""
+    topology = load_topology(topology_path)
+    nodes = [dataclasses.replace(n, flops=n.flops * flops_scale.get(n.name, 1.0))
+             for n in load_profiles(topology, profiles_dir)]
+    task = resolve_task_module(topology.task)
+    blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=topology.training.max_inflight or 1)
+    return evaluate_plan(load_plan(plan_path), nodes, blocks, **_settings(topology)).samples_per_s
+
+
+def rescore(run_dir: Path) -> dict[str, float]:
+    """The current cost model's prediction for every plan-*.yaml of a testbed run (same profiles):
+    to judge a changed cost model against runs already measured."""
+    topology = load_topology(run_dir / "topology.yaml")
+    nodes = load_profiles(topology, run_dir / "profiles")
+    task = resolve_task_module(topology.task)
+    blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=topology.training.max_inflight or 1)
+    return {path.stem.removeprefix("plan-"): evaluate_plan(load_plan(path), nodes, blocks,
+                                                           **_settings(topology)).samples_per_s
+            for path in sorted(run_dir.glob("plan-*.yaml"))}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps({arg: rescore(Path(arg)) for arg in sys.argv[1:]}, indent=1))

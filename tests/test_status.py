@@ -1,0 +1,19 @@
+"""`ravq status` output: busy is compute only, waiting is shown next to it by reason."""
+
+from __future__ import annotations
+
+from ravq.status import format_status, waiting_text
+
+
+def test_status_shows_waiting_by_reason_next_to_compute_busy() -> None:
+    status = {"seq": 3, "plan": {"clusters": [{"nodes": ["a", "b"]}]},
+              "members": {"a": {"state": "up", "stats": {"cluster": 0, "stage": 0, "version": 40, "samples": 1280,
+                                                         "busy_fraction": 0.4, "staleness_mean": 1.0, "loss": 2.5,
+                                                         "wall_s": 10.0,
+                                                         "wait_s": {"averaging": 5.5, "input": 0.3, "credits": 0.01}}},
+                          "b": {"state": "up", "stats": {"cluster": 0, "stage": 1, "wall_s": 0.0}}}}
+    text = format_status(status)
+    row_a = next(line for line in text.splitlines() if line.startswith("a "))
+    assert row_a.split()[5] == "0.40" and row_a.endswith("averaging 0.55 input 0.03")  # 0.001 share hidden
+    assert "waiting" in text.splitlines()[1]
+    assert waiting_text({"wall_s": 0.0}) == "-" and waiting_text({"wall_s": 5.0, "wait_s": {}}) == "-"
