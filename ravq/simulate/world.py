@@ -1,0 +1,217 @@
+"""What the simulator runs on: clusters of stages with their compute times and message sizes, the
+network between nodes, the hosts whose cores nodes share, and ravq's training settings.
+
+``build_world`` makes one from what the planner has (node and block profiles) and a plan; stage
+compute times come from each node's FLOP/s, or from measured per-stage times when given.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ravq.config import Plan
+from ravq.planner import BlockProfile, NodeProfile
+
+INF = math.inf
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StageSpec:
+    node: str
+    fwd_s: float
+    """Compute seconds of one micro-batch's forward on this node (alone on its cores)."""
+    bwd_s: float
+    """Compute seconds of its backward, optimizer step included."""
+    act_bytes: float
+    """Bytes sent to the next stage per micro-batch (0 on the last stage)."""
+    grad_bytes: float
+    """Bytes sent back to the previous stage per micro-batch (0 on the first stage)."""
+    param_bytes: float
+    blocks: tuple[int, int]
+    """Blocks [first, end) this stage holds."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SegmentSpec:
+    """A run of blocks held by the same node in every cluster: one ring."""
+
+    blocks: tuple[int, int]
+    nbytes: float
+    holders: tuple[str, ...]
+    """The holder in each cluster, in cluster order."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Settings:
+    steps: int = 200
+    """Micro-batches each cluster trains on (training.steps)."""
+    micro_batch: int = 16
+    max_inflight: int | None = None
+    """Micro-batches in flight per cluster; None: its number of stages."""
+    update_every: int = 1
+    sync_every: int = 10
+    overlap_averaging: bool = True
+    averaging_lead: int = 1
+    piece_bytes: int = 4 << 20
+    """ring_chunk_bytes: the piece size rings stream in."""
+    pending_rounds: int = 2
+    """Rounds a node queues behind the running one before its compute thread waits (averaging.PENDING_ROUNDS)."""
+    ring_timeout_s: float = 30.0
+    """timeouts.ring_step_s: a ring with a dead member aborts after this long."""
+    churn_per_hour: float = 0.0
+    """Failures per node per hour (exponential); 0: none."""
+    restart_s: float = 30.0
+    """From a failure to the node process running again (systemd restart, start-up)."""
+    jitter: float = 0.0
+    """Coefficient of variation of compute times (lognormal); 0: every micro-batch takes the same time."""
+    seed: int = 0
+    fluid_ring_pieces: int = 20_000
+    """Rings whose round would move more pieces than this are simulated as flows, not piece by piece."""
+    state_factor: float = 1.0
+    """Averaged bytes per parameter byte (1 + optimizer state when that is averaged)."""
+    message_overhead_s: float = 0.0
+    """Compute-thread seconds each forward and backward spends besides the model (snapshots, calls)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch", "update_every", "sync_every", "averaging_lead", "piece_bytes",
+                     "pending_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
+        for name in ("churn_per_hour", "restart_s", "jitter", "ring_timeout_s", "message_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Network:
+    """Per node: upload capacity; per pair: the path's bandwidth (a cap per stream) and one-way latency."""
+
+    nodes: Mapping[str, NodeProfile]
+    uplink: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, n in self.nodes.items():
+            if name not in self.uplink:
+                self.uplink[name] = max(n.bandwidth_bytes_per_s.values(), default=INF)
+
+    def bandwidth(self, a: str, b: str) -> float:
+        bw = self.nodes[a].bandwidth_bytes_per_s.get(b)
+        if bw is None:
+            bw = self.nodes[b].bandwidth_bytes_per_s.get(a)
+        return INF if bw is None or bw <= 0 else float(bw)
+
+    def latency(self, a: str, b: str) -> float:
+        lat = self.nodes[a].latency_s.get(b)
+        if lat is None:
+            lat = self.nodes[b].latency_s.get(a, 0.0)
+        return float(lat)
+
+
+@dataclass(kw_only=True, slots=True)
+class World:
+    clusters: list[list[StageSpec]]
+    segments: list[SegmentSpec]
+    network: Network
+    settings: Settings
+    hosts: dict[str, str] = field(default_factory=dict)
+    """Node -> host, for nodes that share a host's cores (all others have their own)."""
+    host_cores: dict[str, float] = field(default_factory=dict)
+    """Host -> cores its nodes share (processor sharing, one core at most per node)."""
+    block_names: list[str] = field(default_factory=list)
+
+
+def plan_bounds(plan: Plan, blocks: Sequence[BlockProfile]) -> list[tuple[int, ...]]:
+    """Stage bounds [0, b1, ..., B] of every cluster of the plan; ValueError naming a bad cut."""
+    index = {b.name: i for i, b in enumerate(blocks)}
+    out = []
+    for c, cluster in enumerate(plan.clusters):
+        unknown = [cut for cut in cluster.cuts if cut not in index]
+        if unknown:
+            raise ValueError(f"plan.clusters[{c}].cuts: {unknown[0]!r} is not a block of the model "
+                             f"(blocks: {', '.join(b.name for b in blocks[:8])}{', ...' if len(blocks) > 8 else ''})")
+        bounds = (0, *(index[cut] for cut in cluster.cuts), len(blocks))
+        if any(a >= b for a, b in itertools.pairwise(bounds)) or len(bounds) != len(cluster.nodes) + 1:
+            raise ValueError(f"plan.clusters[{c}]: {len(cluster.nodes)} nodes need {len(cluster.nodes) - 1} "
+                             f"increasing cuts, got {cluster.cuts}")
+        out.append(bounds)
+    return out
+
+
+def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], settings: Settings, *,
+                stage_times: Mapping[str, tuple[float, float]] | None = None, hosts: Mapping[str, str] | None = None,
+                host_cores: Mapping[str, float] | None = None, uplink: Mapping[str, float] | None = None) -> World:
+    """The world of ``plan`` on these profiles.  ``stage_times``: node -> (forward s, backward s) measured,
+    instead of block FLOPs over the node's FLOP/s.  ``hosts``/``host_cores``: nodes that share cores."""
+    if not plan.clusters:
+        raise ValueError("plan: no clusters")
+    by_name = {n.name: n for n in nodes}
+    seen: set[str] = set()
+    for c, cluster in enumerate(plan.clusters):
+        for name in cluster.nodes:
+            if name not in by_name:
+                raise ValueError(f"plan.clusters[{c}]: no profile for node {name!r}")
+            if name in seen:
+                raise ValueError(f"plan.clusters[{c}]: node {name!r} appears twice in the plan")
+            seen.add(name)
+            if not by_name[name].flops > 0 and not (stage_times and name in stage_times):
+                raise ValueError(f"node {name}: flops must be > 0, got {by_name[name].flops}")
+    all_bounds = plan_bounds(plan, blocks)
+    clusters = []
+    for cluster, bounds in zip(plan.clusters, all_bounds):
+        stages = []
+        for j, name in enumerate(cluster.nodes):
+            s, e = bounds[j], bounds[j + 1]
+            fwd = sum(b.fwd_flops for b in blocks[s:e])
+            bwd = sum(b.bwd_flops for b in blocks[s:e])
+            if stage_times and name in stage_times:
+                fwd_s, bwd_s = stage_times[name]
+            else:
+                fwd_s, bwd_s = fwd / by_name[name].flops, bwd / by_name[name].flops
+            last = e == len(blocks)
+            act = 0.0 if last else float(blocks[e - 1].act_bytes_out)
+            grad = 0.0 if s == 0 else float(_grad_bytes(blocks[s - 1]))
+            stages.append(StageSpec(node=name, fwd_s=fwd_s, bwd_s=bwd_s, act_bytes=act, grad_bytes=grad,
+                                    param_bytes=float(sum(b.param_bytes for b in blocks[s:e])), blocks=(s, e)))
+        clusters.append(stages)
+    segments = ring_segments(clusters, blocks, settings.state_factor)
+    network = Network(nodes=by_name, uplink=dict(uplink or {}))
+    hosts = dict(hosts or {})
+    cores = dict(host_cores or {})
+    for node, host in hosts.items():
+        if host not in cores:
+            raise ValueError(f"hosts: node {node} is on host {host!r}, which has no core count")
+        if not cores[host] > 0:
+            raise ValueError(f"host_cores[{host!r}]: must be > 0, got {cores[host]}")
+    return World(clusters=clusters, segments=segments, network=network, settings=settings, hosts=hosts,
+                 host_cores=cores, block_names=[b.name for b in blocks])
+
+
+def _grad_bytes(block: BlockProfile) -> int:
+    return block.act_bytes_out if block.grad_bytes_out is None else block.grad_bytes_out
+
+
+def ring_segments(clusters: Sequence[Sequence[StageSpec]], blocks: Sequence[BlockProfile],
+                  state_factor: float = 1.0) -> list[SegmentSpec]:
+    """Runs of blocks with the same holder in every cluster (the union of all clusters' cuts), as
+    ``allreduce.plan_segments`` groups named tensors; one ring each (none with one cluster)."""
+    if len(clusters) < 2:
+        return []
+    holder = [[""] * len(blocks) for _ in clusters]
+    for c, stages in enumerate(clusters):
+        for st in stages:
+            for b in range(*st.blocks):
+                holder[c][b] = st.node
+    segments: list[SegmentSpec] = []
+    start = 0
+    for b in range(1, len(blocks) + 1):
+        if b == len(blocks) or any(h[b] != h[start] for h in holder):
+            nbytes = state_factor * sum(x.param_bytes for x in blocks[start:b])
+            segments.append(SegmentSpec(blocks=(start, b), nbytes=float(nbytes),
+                                        holders=tuple(h[start] for h in holder)))
+            start = b
+    return segments
