@@ -177,9 +177,21 @@ def cmd_scrape_config(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.simulate:
+        from ravq.simulate.cli import plan_simulate_main
+
+        return plan_simulate_main(args.topology, args.profiles, args.out, candidates=args.candidates,
+                                  steps=args.sim_steps, host_cores=args.host_cores)
     from ravq.profile import plan_main
 
     return plan_main(args.topology, args.profiles, args.out)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from ravq.simulate.cli import simulate_main
+
+    return simulate_main(args.topology, args.profiles, args.plan, steps=args.steps, churn_per_hour=args.churn,
+                         json_path=args.json, host_cores=args.host_cores, jitter=args.jitter, seed=args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,12 +251,30 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--topology", required=True)
     pl.add_argument("--profiles", default=".", help="directory with profile-*.json")
     pl.add_argument("--out", required=True)
+    pl.add_argument("--simulate", action="store_true",
+                    help="rank the planner's best candidates by simulated samples/s (ravq simulate)")
+    pl.add_argument("--candidates", type=int, default=4, help="with --simulate: candidates simulated")
+    pl.add_argument("--sim-steps", type=int, help="with --simulate: micro-batches per cluster (default: training.steps)")
+    pl.add_argument("--host-cores", type=float, help="with --simulate: nodes on one host address share this many cores")
     pl.set_defaults(func=cmd_plan)
 
     sc = sub.add_parser("scrape-config", help="print the Prometheus scrape config of a topology")
     sc.add_argument("--topology", required=True)
     sc.add_argument("--out", help="write it here instead of stdout")
     sc.set_defaults(func=cmd_scrape_config)
+
+    sm = sub.add_parser("simulate", help="simulate a plan on profiled PCs: samples/s, busy, links, averaging")
+    sm.add_argument("--topology", required=True)
+    sm.add_argument("--profiles", default=".", help="directory with profile-*.json")
+    sm.add_argument("--plan", required=True, help="plan YAML from `ravq plan`")
+    sm.add_argument("--steps", type=int, help="micro-batches per cluster (default: training.steps)")
+    sm.add_argument("--churn", type=float, default=0.0, help="failures per node per hour (exponential)")
+    sm.add_argument("--json", help="write the results as JSON here")
+    sm.add_argument("--host-cores", type=float,
+                    help="nodes on the same host address share this many cores (default: each node its own PC)")
+    sm.add_argument("--jitter", type=float, default=0.0, help="coefficient of variation of compute times")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.set_defaults(func=cmd_simulate)
     return p
 
 

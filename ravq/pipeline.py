@@ -64,6 +64,9 @@ class StageStats:
     "checkpoint" (writing one)."""
     forward_s: float = 0.0
     backward_s: float = 0.0
+    forward_sq_s: float = 0.0
+    """Sum of squared forward durations (with forward_s and forwards: their spread, for ``ravq simulate``)."""
+    backward_sq_s: float = 0.0
     staleness_sum: int = 0
     staleness_max: int = 0
     loss_last: float | None = None
@@ -87,7 +90,8 @@ class StageStats:
             "staleness_mean": self.staleness_sum / self.backwards if self.backwards else 0.0,
             "staleness_max": self.staleness_max, "loss": self.loss_last, "loss_first": self.loss_first,
             "loss_initial": _mean(self.loss_head), "loss_recent": _mean(self.loss_tail),
-            "inflight": self.inflight,
+            "inflight": self.inflight, "forward_s": self.forward_s, "backward_s": self.backward_s,
+            "forward_sq_s": self.forward_sq_s, "backward_sq_s": self.backward_sq_s,
         }
 
 
@@ -547,8 +551,10 @@ class StageWorker:
         self.stats.busy_s += dt
         if phase == "forward":
             self.stats.forward_s += dt
+            self.stats.forward_sq_s += dt * dt
         else:
             self.stats.backward_s += dt
+            self.stats.backward_sq_s += dt * dt
         if self.metrics is not None:
             self.metrics.compute_seconds.labels(phase).observe(dt)
             self.metrics.busy_seconds.inc(dt)

@@ -13,7 +13,14 @@ sockets, no torch.  Read in this order:
 """
 
 from ravq.planner.baselines import optimum_plan, ravnest_plan
-from ravq.planner.plans import cut_plan, evaluate_plan, even_plan, make_plan, topology_clusters
+from ravq.planner.plans import (
+    cut_plan,
+    evaluate_plan,
+    even_plan,
+    make_plan,
+    plan_candidates,
+    topology_clusters,
+)
 from ravq.planner.types import (
     BlockProfile,
     ClusterReport,
@@ -35,6 +42,7 @@ __all__ = [
     "even_plan",
     "make_plan",
     "optimum_plan",
+    "plan_candidates",
     "ravnest_plan",
     "topology_clusters",
 ]

@@ -29,6 +29,53 @@ def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, m
     scales the search budget (about one second at 1.0).  Deterministic.  Raises PlanError, saying how
     much memory is missing, when nothing fits.
     """
+    p, search, results, usable, idle = _search(nodes, blocks, micro_batch=micro_batch, sync_every=sync_every,
+                                               max_clusters=max_clusters, max_inflight=max_inflight,
+                                               overlap_averaging=overlap_averaging, averaging_lead=averaging_lead,
+                                               allow_idle=allow_idle, effort=effort)
+    return _explained(p, search, results, usable, idle, 1)[0]
+
+
+def plan_candidates(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, count: int, micro_batch: int,
+                    sync_every: int, max_clusters: int | None = None, max_inflight: int | None = None,
+                    overlap_averaging: bool = False, averaging_lead: int | None = None, allow_idle: bool = True,
+                    effort: float = 1.0) -> list[tuple[Plan, Explanation]]:
+    """The ``count`` best distinct plans the search found, best predicted first (the first is
+    ``make_plan``'s); for judging them another way, e.g. by simulation (``ravq plan --simulate``)."""
+    if count < 1:
+        raise PlanError(f"count: must be >= 1, got {count}")
+    p, search, results, usable, idle = _search(nodes, blocks, micro_batch=micro_batch, sync_every=sync_every,
+                                               max_clusters=max_clusters, max_inflight=max_inflight,
+                                               overlap_averaging=overlap_averaging, averaging_lead=averaging_lead,
+                                               allow_idle=allow_idle, effort=effort)
+    return _explained(p, search, results, usable, idle, count)
+
+
+def _explained(p: Problem, search: Search, results: list[tuple[float, list[tuple[int, ...]]]], usable: list[int],
+               idle: dict[int, str], count: int) -> list[tuple[Plan, Explanation]]:
+    ranked = sorted(results, key=lambda r: (r[0], [(-len(c), c) for c in r[1]]), reverse=True)
+    if not ranked or ranked[0][0] <= 0:
+        raise memory_error(p)
+    out, seen = [], set()
+    for value, clusters in ranked:
+        key = tuple(sorted(tuple(sorted(c)) for c in clusters))
+        if value <= 0 or key in seen:
+            continue
+        seen.add(key)
+        layouts = search.tune_averaging(clusters)
+        used = {i for lay in layouts for i in lay.order}
+        left = dict(idle)
+        left.update({i: "leaving it out predicts more samples/s" for i in usable if i not in used})
+        out.append(explain(p, layouts, left))
+        if len(out) == count:
+            break
+    return out
+
+
+def _search(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int, sync_every: int,
+            max_clusters: int | None, max_inflight: int | None, overlap_averaging: bool,
+            averaging_lead: int | None, allow_idle: bool, effort: float
+            ) -> tuple[Problem, Search, list[tuple[float, list[tuple[int, ...]]]], list[int], dict[int, str]]:
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
                  overlap_averaging=overlap_averaging, averaging_lead=averaging_lead)
     usable, idle = _usable_nodes(p)
@@ -49,13 +96,7 @@ def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, m
     else:
         search = Search(p, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=1.5 * effort)
         results = explore(search)
-    value, clusters = max(results, key=lambda r: (r[0], [(-len(c), c) for c in r[1]]))
-    if value <= 0:
-        raise memory_error(p)
-    layouts = search.tune_averaging(clusters)
-    used = {i for lay in layouts for i in lay.order}
-    idle.update({i: "leaving it out predicts more samples/s" for i in usable if i not in used})
-    return explain(p, layouts, idle)
+    return p, search, results, usable, idle
 
 
 _COARSE_BLOCKS = 24

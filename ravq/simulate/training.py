@@ -255,12 +255,21 @@ class Simulation:
 
     # ------------------------------------------------------------------ running
     def run(self, until: float = INF) -> None:
+        for node in self.nodes.values():
+            ready = self.world.start_at.get(node.name, 0.0)
+            if ready > 0:
+                node.blocked = "start"
+                self.q.at(ready, self._ready, node)
         for stages in self.clusters:
             self._dispatch(stages[0])
         if self.settings.churn_per_hour > 0:
             for node in self.nodes.values():
                 self._schedule_failure(node)
         self.q.run(until)
+
+    def _ready(self, node: Node) -> None:
+        node.blocked = None
+        self._dispatch(node)
 
     # ------------------------------------------------------------------ transfers
     def _conn(self, a: str, b: str, kind: str) -> Connection:
@@ -295,11 +304,15 @@ class Simulation:
 
     def _compute(self, node: Node, kind: str, mb: int) -> None:
         st, s = node.spec, self.settings
-        seconds = (st.fwd_s if kind == "fwd" else st.bwd_s if kind == "bwd" else st.fwd_s + st.bwd_s)
-        seconds += s.message_overhead_s * (2 if kind == "last" else 1)
-        if s.jitter > 0:
-            sigma = math.sqrt(math.log1p(s.jitter ** 2))
-            seconds *= self.rng.lognormvariate(-sigma * sigma / 2, sigma)
+        parts = (st.fwd_s,) if kind == "fwd" else (st.bwd_s,) if kind == "bwd" else (st.fwd_s, st.bwd_s)
+        cv = s.jitter if st.cv is None else st.cv
+        seconds = 0.0
+        for part in parts:
+            part += s.message_overhead_s
+            if cv > 0:                      # lognormal with mean ``part``
+                sigma = math.sqrt(math.log1p(cv * cv))
+                part *= self.rng.lognormvariate(-sigma * sigma / 2, sigma)
+            seconds += part
         node.busy = True
         now = self.q.now
         if node.first_work is None:

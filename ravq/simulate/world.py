@@ -32,6 +32,8 @@ class StageSpec:
     param_bytes: float
     blocks: tuple[int, int]
     """Blocks [first, end) this stage holds."""
+    cv: float | None = None
+    """Coefficient of variation of this stage's compute times; None: ``Settings.jitter``."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -123,6 +125,8 @@ class World:
     host_cores: dict[str, float] = field(default_factory=dict)
     """Host -> cores its nodes share (processor sharing, one core at most per node)."""
     block_names: list[str] = field(default_factory=list)
+    start_at: dict[str, float] = field(default_factory=dict)
+    """Node -> when it is ready to compute (default 0): nodes of a real run start at different times."""
 
 
 def plan_bounds(plan: Plan, blocks: Sequence[BlockProfile]) -> list[tuple[int, ...]]:
@@ -143,10 +147,12 @@ def plan_bounds(plan: Plan, blocks: Sequence[BlockProfile]) -> list[tuple[int, .
 
 
 def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], settings: Settings, *,
-                stage_times: Mapping[str, tuple[float, float]] | None = None, hosts: Mapping[str, str] | None = None,
-                host_cores: Mapping[str, float] | None = None, uplink: Mapping[str, float] | None = None) -> World:
+                stage_times: Mapping[str, tuple[float, float]] | None = None,
+                stage_cv: Mapping[str, float] | None = None, hosts: Mapping[str, str] | None = None,
+                host_cores: Mapping[str, float] | None = None, uplink: Mapping[str, float] | None = None,
+                start_at: Mapping[str, float] | None = None) -> World:
     """The world of ``plan`` on these profiles.  ``stage_times``: node -> (forward s, backward s) measured,
-    instead of block FLOPs over the node's FLOP/s.  ``hosts``/``host_cores``: nodes that share cores."""
+    instead of block FLOPs over the node's FLOP/s; ``stage_cv``: node -> measured spread of its compute times.  ``hosts``/``host_cores``: nodes that share cores."""
     if not plan.clusters:
         raise ValueError("plan: no clusters")
     by_name = {n.name: n for n in nodes}
@@ -176,7 +182,8 @@ def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Block
             act = 0.0 if last else float(blocks[e - 1].act_bytes_out)
             grad = 0.0 if s == 0 else float(_grad_bytes(blocks[s - 1]))
             stages.append(StageSpec(node=name, fwd_s=fwd_s, bwd_s=bwd_s, act_bytes=act, grad_bytes=grad,
-                                    param_bytes=float(sum(b.param_bytes for b in blocks[s:e])), blocks=(s, e)))
+                                    param_bytes=float(sum(b.param_bytes for b in blocks[s:e])), blocks=(s, e),
+                                    cv=(stage_cv or {}).get(name)))
         clusters.append(stages)
     segments = ring_segments(clusters, blocks, settings.state_factor)
     network = Network(nodes=by_name, uplink=dict(uplink or {}))
@@ -188,7 +195,7 @@ def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Block
         if not cores[host] > 0:
             raise ValueError(f"host_cores[{host!r}]: must be > 0, got {cores[host]}")
     return World(clusters=clusters, segments=segments, network=network, settings=settings, hosts=hosts,
-                 host_cores=cores, block_names=[b.name for b in blocks])
+                 host_cores=cores, block_names=[b.name for b in blocks], start_at=dict(start_at or {}))
 
 
 def _grad_bytes(block: BlockProfile) -> int:

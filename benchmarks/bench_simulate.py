@@ -1,0 +1,222 @@
+"""The simulator against real runs: simulated samples/s and busy fractions over measured ones.
+
+Local part: real ``ravq demo`` runs (broker + one process per node on 127.0.0.1, the demo task
+``ravq.tasks.charlm``, plaintext sockets, one torch thread per node) of several layouts: "CxS" (C
+clusters of S stages) or "a+b+..." (clusters of a, b, ... stages, uneven), cut as the demo cuts them
+(even cuts).  Each run's node summaries give the measured samples/s (last stages' samples over the
+longest node wall time, as ``ravq demo`` reports) and each node's busy fraction.
+
+Sharing the CPU, honestly.  All node processes share this machine's 2 cores, and other work runs
+too, so a node computes far slower than alone, by an amount that varies with what else runs.  The
+simulator is therefore given each stage's compute time per micro-batch *measured in the run itself*:
+(busy seconds - averaging wait seconds) / backwards, split into forward and backward by the blocks'
+FLOPs.  What it has to get right is everything else: the schedule (credits, backward first, the last
+stage's fused forward+backward), bubbles from message delays, the averaging rounds and the hold-back
+that ties clusters together.  Busy fractions are compared without the averaging wait, which ravq
+counts as busy (compute only on both sides).  Loopback links are given LOOPBACK_BYTES_PER_S and
+LOOPBACK_LATENCY_S (below); on this machine compute, not the links, sets the pace.
+
+Emulated-WAN part (the testbed of issue #14): pending until that testbed is on main.
+
+    python benchmarks/bench_simulate.py                      # 5 layouts, 200 micro-batches each; ~6 min
+    python benchmarks/bench_simulate.py --configs 1x3 --steps 100
+    python benchmarks/bench_simulate.py --json               # last line: one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _common
+
+_common.use_repo_checkout()
+
+import yaml
+
+from ravq.blocks import profile_blocks
+from ravq.cli import plan_for
+from ravq.config import load_topology, resolve_task_module
+from ravq.demo import free_ports
+from ravq.planner import BlockProfile, NodeProfile
+from ravq.simulate import Settings, build_world, simulate
+from ravq.simulate.cli import settings_for
+
+TASK = "ravq.tasks.charlm"
+TARGET = 0.15
+LOOPBACK_BYTES_PER_S = 1.0e9
+"""Per-stream loopback rate given to the simulator (ravq moves 1 MiB messages at 5-6 GB/s here; less for
+the demo's 256 KiB activations with a busy receiver)."""
+LOOPBACK_LATENCY_S = 2e-4
+"""One-way delivery delay of a pipeline message between two node processes on a busy machine."""
+DEFAULT_CONFIGS = ["1x3", "2x2", "1+2", "3x1", "1+3"]
+
+
+def shape(config: str) -> list[int]:
+    """Stages per cluster of a layout "CxS" or "a+b+..."."""
+    try:
+        if "x" in config:
+            clusters, stages = (int(x) for x in config.split("x"))
+            out = [stages] * clusters
+        else:
+            out = [int(x) for x in config.split("+")]
+    except ValueError:
+        raise SystemExit(f"--configs: {config!r} is neither CxS (e.g. 2x2) nor a+b (e.g. 1+2)") from None
+    if not out or min(out) < 1:
+        raise SystemExit(f"--configs: {config!r} needs at least one cluster of at least one stage")
+    return out
+
+
+def write_topology(path: Path, stages: list[int], steps: int, sync_every: int) -> None:
+    count = sum(stages)
+    ports = iter(free_ports(3 * count + 2))
+    nodes, i = [], 0
+    for c, k in enumerate(stages):
+        for s in range(k):
+            nodes.append({"name": f"n{i}", "host": "127.0.0.1", "pipeline_port": next(ports),
+                          "ring_port": next(ports), "metrics_port": next(ports), "cluster": c, "stage": s})
+            i += 1
+    data = {"task": TASK, "seed": 0,
+            "training": {"micro_batch": 16, "steps": steps, "sync_every": sync_every},
+            "timeouts": {"connect_s": 180.0, "ring_step_s": 60.0, "drain_s": 15.0, "peer_s": 3600.0},
+            "broker": {"host": "127.0.0.1", "pub_port": next(ports), "router_port": next(ports)},
+            "nodes": nodes}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def ready_times(run_dir: Path, names: list[str]) -> dict[str, float]:
+    """When each node logged "ready" (plan received, stage built, peers connected), in seconds after the
+    first: a node that starts late holds up its cluster, in the run as in the simulation."""
+    stamps = {}
+    for name in names:
+        for line in (run_dir / f"{name}.log").read_text(errors="replace").splitlines():
+            if f"{name}: cluster" in line and " ready " in line:
+                stamps[name] = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                break
+    first = min(stamps.values(), default=0.0)
+    return {n: t - first for n, t in stamps.items()}
+
+
+def run_demo(run_dir: Path, topology: Path, timeout_s: float) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(_common.REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ravq", "demo", "--topology", str(topology), "--quiet", "--threads", "1",
+           "--run-dir", str(run_dir), "--report", str(run_dir / "report.json"), "--timeout", str(timeout_s)]
+    done = subprocess.run(cmd, check=False, cwd=_common.REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout_s + 60)
+    if done.returncode != 0:
+        raise RuntimeError(f"ravq demo failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    report = json.loads((run_dir / "report.json").read_text())
+    report["summaries"] = {p.stem.removeprefix("summary-"): json.loads(p.read_text())
+                           for p in run_dir.glob("summary-*.json")}
+    return report
+
+
+def stage_times(summaries: dict[str, Any]) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """Per node, as measured in the run: (forward s, backward s) per micro-batch, and the coefficient of
+    variation of its forwards' durations.  Backward time is busy time less forward time and less the
+    averaging wait (which ravq counts inside the backward that triggered it), per backward."""
+    times, cvs = {}, {}
+    for name, s in summaries.items():
+        fwd = s["forward_s"] / max(1, s["forwards"])
+        compute = s["busy_s"] - (s.get("averaging_wait_seconds") or 0.0)
+        times[name] = (fwd, (compute - s["forward_s"]) / max(1, s["backwards"]))
+        variance = s["forward_sq_s"] / max(1, s["forwards"]) - fwd * fwd
+        cvs[name] = math.sqrt(max(0.0, variance)) / fwd if fwd > 0 else 0.0
+    return times, cvs
+
+
+def honest_busy(s: dict[str, Any]) -> float:
+    wall = s["wall_s"]
+    return (s["busy_s"] - (s.get("averaging_wait_seconds") or 0.0)) / wall if wall > 0 else 0.0
+
+
+def validate(config: str, steps: int, sync_every: int, work: Path, blocks: list[BlockProfile]) -> dict[str, Any]:
+    run_dir = work / f"run-{config}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    topo_path = run_dir / "topology.yaml"
+    write_topology(topo_path, shape(config), steps, sync_every)
+    topology = load_topology(topo_path)
+    plan = plan_for(topology, None)
+    t0 = time.monotonic()
+    report = run_demo(run_dir, topo_path, timeout_s=1200.0)
+    run_s = time.monotonic() - t0
+    summaries = report["summaries"]
+    names = [n.name for n in topology.nodes]
+    profiles = [NodeProfile(name=n, flops=1.0, memory_bytes=1 << 30,
+                            bandwidth_bytes_per_s={m: LOOPBACK_BYTES_PER_S for m in names if m != n},
+                            latency_s={m: LOOPBACK_LATENCY_S for m in names if m != n}) for n in names]
+    settings: Settings = settings_for(topology)
+    t1 = time.perf_counter()
+    times, cvs = stage_times(summaries)
+    start = ready_times(run_dir, names)
+    result = simulate(build_world(plan, profiles, blocks, settings, stage_times=times, stage_cv=cvs, start_at=start))
+    sim_s = time.perf_counter() - t1
+    measured = report["samples_per_second"]
+    busy_measured = {n: honest_busy(summaries[n]) for n in names}
+    busy_sim = {n.name: n.busy_fraction for n in result.nodes}
+    worst_busy = max(abs(busy_sim[n] / busy_measured[n] - 1) for n in names)
+    ratio = result.samples_per_s / measured
+    return {"config": config, "stages": shape(config), "steps": steps, "sync_every": sync_every,
+            "measured_samples_per_s": measured, "simulated_samples_per_s": result.samples_per_s, "ratio": ratio,
+            "busy_measured": busy_measured, "busy_simulated": busy_sim,
+            "busy_mean_measured": statistics.fmean(busy_measured.values()),
+            "busy_mean_simulated": statistics.fmean(busy_sim.values()), "busy_worst_error": worst_busy,
+            "allreduce_seconds_measured": report.get("allreduce_seconds_mean", 0.0),
+            "allreduce_seconds_simulated": result.allreduce_seconds_mean,
+            "averaging_wait_measured": {n: summaries[n].get("averaging_wait_seconds", 0.0) for n in names},
+            "averaging_wait_simulated": {n.name: n.averaging_wait_s for n in result.nodes},
+            "stage_compute_s": {n: sum(v) for n, v in times.items()}, "stage_cv": cvs, "ready_s": start,
+            "within_target": bool(abs(ratio - 1) <= TARGET and worst_busy <= TARGET),
+            "run_s": run_s, "simulate_s": sim_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", type=lambda v: v.split(","), default=DEFAULT_CONFIGS,
+                        help="comma-separated layouts: CxS or a+b+... (default: " + ",".join(DEFAULT_CONFIGS) + ")")
+    parser.add_argument("--steps", type=int, default=200, help="micro-batches per cluster")
+    parser.add_argument("--sync-every", type=int, default=2, help="the demo's default: 2")
+    parser.add_argument("--work-dir", help="keep topologies, logs and summaries here (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args(argv)
+    for config in args.configs:
+        shape(config)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="ravq-bench-simulate-"))
+    work.mkdir(parents=True, exist_ok=True)
+    blocks = profile_blocks(resolve_task_module(TASK), 16, max_inflight=1)
+    runs = []
+    for config in args.configs:
+        runs.append(validate(config, args.steps, args.sync_every, work, blocks))
+        r = runs[-1]
+        print(f"{config}: measured {r['measured_samples_per_s']:.1f} samples/s, simulated "
+              f"{r['simulated_samples_per_s']:.1f} ({r['ratio']:.3f}); busy {r['busy_mean_measured']:.2f} / "
+              f"{r['busy_mean_simulated']:.2f} (worst node {r['busy_worst_error']:.1%})", flush=True)
+    rows = [(r["config"], f"{r['measured_samples_per_s']:.1f}", f"{r['simulated_samples_per_s']:.1f}",
+             f"{r['ratio']:.3f}", f"{r['busy_mean_measured']:.2f}", f"{r['busy_mean_simulated']:.2f}",
+             f"{r['busy_worst_error']:.1%}", f"{r['allreduce_seconds_measured'] * 1e3:.1f}",
+             f"{r['allreduce_seconds_simulated'] * 1e3:.1f}", "yes" if r["within_target"] else "NO") for r in runs]
+    print()
+    print(_common.table(["layout", "measured samples/s", "simulated", "sim/measured", "busy measured",
+                         "busy simulated", "worst node busy error", "all-reduce ms measured", "simulated",
+                         f"within {TARGET:.0%}"], rows))
+    print("emulated-WAN scenarios (issue #14 testbed): pending, the testbed is not on main")
+    print(f"work dir: {work}")
+    if args.json:
+        _common.emit_json({"benchmark": "simulate", "task": TASK, "cores": os.cpu_count(), "target": TARGET,
+                           "loopback_bytes_per_s": LOOPBACK_BYTES_PER_S, "loopback_latency_s": LOOPBACK_LATENCY_S,
+                           "met": all(r["within_target"] for r in runs), "wan": "pending", "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
