@@ -48,8 +48,6 @@ def _inputs(topology_path: str, profiles_dir: str) -> tuple[Topology, list[NodeP
     from ravq.blocks import profile_blocks
     from ravq.profile import load_profiles  # reads profile JSON; imported here, not by the simulator
 
-    if not Path(profiles_dir).is_dir():
-        raise ConfigError(f"--profiles: {profiles_dir} is not a directory")
     topology = load_topology(topology_path)
     nodes = load_profiles(topology, profiles_dir)
     task = resolve_task_module(topology.task)

@@ -495,10 +495,10 @@ class Simulation:
             return
         node.failures += 1
         self.up[c] = False
+        self._schedule_failure(node)                    # each node's failures are one Poisson process
         stages = self.clusters[c]
         first = stages[0]
-        lost = len(first.stash)
-        first.started -= lost
+        first.started = first.backwards                 # everything in flight is lost and redone
         for n in stages:
             n.epoch += 1
             if n.busy:
@@ -541,6 +541,4 @@ class Simulation:
                 n.version = max(n.version, version // s.sync_every * s.sync_every)
             n.accumulated = 0
             n.pending_staleness.clear()
-        for n in self.clusters[c]:
-            self._schedule_failure(n)
         self._dispatch(self.clusters[c][0])
