@@ -123,15 +123,18 @@ def run_demo(run_dir: Path, topology: Path, timeout_s: float) -> dict[str, Any]:
 
 def stage_times(summaries: dict[str, Any]) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
     """Per node, as measured in the run: (forward s, backward s) per micro-batch, and the coefficient of
-    variation of its forwards' durations.  Backward time is busy time less forward time and less the
+    variation of its forwards' durations from one micro-batch to the next.  Backward time is busy time less forward time and less the
     averaging wait (which ravq counts inside the backward that triggered it), per backward."""
     times, cvs = {}, {}
     for name, s in summaries.items():
         fwd = s["forward_s"] / max(1, s["forwards"])
         compute = s["busy_s"] - (s.get("averaging_wait_seconds") or 0.0)
         times[name] = (fwd, (compute - s["forward_s"]) / max(1, s["backwards"]))
-        variance = s["forward_sq_s"] / max(1, s["forwards"]) - fwd * fwd
-        cvs[name] = math.sqrt(max(0.0, variance)) / fwd if fwd > 0 else 0.0
+        # half the mean squared successive difference: the variance of what changes from one forward to
+        # the next, independently on each node; the machine's load drifting over the run slows every node
+        # alike and leaves no bubbles, so it is left out
+        variance = s["forward_step_sq_s"] / (2 * max(1, s["forwards"] - 1))
+        cvs[name] = math.sqrt(variance) / fwd if fwd > 0 else 0.0
     return times, cvs
 
 

@@ -67,6 +67,10 @@ class StageStats:
     forward_sq_s: float = 0.0
     """Sum of squared forward durations (with forward_s and forwards: their spread, for ``ravq simulate``)."""
     backward_sq_s: float = 0.0
+    forward_step_sq_s: float = 0.0
+    """Sum of squared differences of consecutive forward durations: the part of their spread that changes
+    from one micro-batch to the next (the machine's slow drift cancels out)."""
+    forward_last_s: float | None = None
     staleness_sum: int = 0
     staleness_max: int = 0
     loss_last: float | None = None
@@ -92,6 +96,7 @@ class StageStats:
             "loss_initial": _mean(self.loss_head), "loss_recent": _mean(self.loss_tail),
             "inflight": self.inflight, "forward_s": self.forward_s, "backward_s": self.backward_s,
             "forward_sq_s": self.forward_sq_s, "backward_sq_s": self.backward_sq_s,
+            "forward_step_sq_s": self.forward_step_sq_s,
         }
 
 
@@ -552,6 +557,9 @@ class StageWorker:
         if phase == "forward":
             self.stats.forward_s += dt
             self.stats.forward_sq_s += dt * dt
+            if self.stats.forward_last_s is not None:
+                self.stats.forward_step_sq_s += (dt - self.stats.forward_last_s) ** 2
+            self.stats.forward_last_s = dt
         else:
             self.stats.backward_s += dt
             self.stats.backward_sq_s += dt * dt
