@@ -132,3 +132,28 @@ def utilisation(flops_used: float, nodes: list[NodeProfile]) -> float:
     """Share of all PCs' FLOP/s a run uses (model FLOPs per second over the sum of the PCs' FLOP/s)."""
     total = sum(n.flops for n in nodes)
     return flops_used / total if total > 0 and math.isfinite(flops_used) else 0.0
+
+
+def regional_plan(nodes: list[NodeProfile], regions: list[str], blocks: list[BlockProfile], *, micro_batch: int,
+                  sync_every: int, max_inflight: int | None, overlap_averaging: bool, averaging_lead: int,
+                  effort: float = 1.0) -> Plan:
+    """The planner made tractable for many PCs: ``make_plan`` on each region's PCs alone, then the union
+    of the regions' clusters, or the best region's plan alone when the cost model scores that higher
+    (the rings then cross regions: the union pays for that in its averaging time)."""
+    from ravq.planner import PlanError, evaluate_plan, make_plan
+
+    settings = {"micro_batch": micro_batch, "sync_every": sync_every, "max_inflight": max_inflight,
+                "overlap_averaging": overlap_averaging, "averaging_lead": averaging_lead}
+    parts: list[Plan] = []
+    for region in dict.fromkeys(regions):
+        members = [n for n, r in zip(nodes, regions) if r == region]
+        try:
+            parts.append(make_plan(members, blocks, effort=effort, **settings)[0])
+        except PlanError:
+            continue
+    if not parts:
+        raise PlanError("no region's PCs can hold the model")
+    candidates = [Plan(epoch=0, clusters=[c for p in parts for c in p.clusters]), *parts]
+    scored = [(evaluate_plan(p, nodes, blocks, **settings).samples_per_s, i) for i, p in enumerate(candidates)]
+    best = max(scored)[1]
+    return candidates[best].model_copy(update={"predicted_samples_per_s": max(scored)[0]})

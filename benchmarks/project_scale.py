@@ -1,0 +1,140 @@
+"""Projections for 64, 256 and 1,024 PCs worldwide: the planner's plan, Ravnest's rule and a naive plan,
+each simulated by ``ravq simulate``'s model.
+
+The world: PCs spread evenly over the 8 AWS regions of DT-FM's worldwide case, with DT-FM's published
+inter-region delays and bandwidths (``ravq/simulate/data/aws_regions.json``, cited there); each PC's
+access uplink and hardware are drawn from the distribution stated in ``ravq/simulate/worldwide.py``
+(35% CPU-only at 0.2 TFLOP/s with 16 GiB, 35% mid-range GPUs at 6 TFLOP/s with 12 GiB, 22% high-end
+at 30 TFLOP/s with 24 GiB, 8% workstations at 45 TFLOP/s with 48 GiB, each x U(0.8, 1.25); uplinks 20 /
+100 / 1000 Mbit/s at 30 / 40 / 30%).  The model: a GPT-like transformer of 32 layers, d_model 2560
+(about 2.7 B parameters, float32 weights with Adam: ~43 GB before activations), 2,048 tokens per
+micro-batch, micro_batch 4; ravq's defaults otherwise (max_inflight = stages, overlapped averaging,
+averaging_lead 1) with sync_every 50.
+
+Plans:
+- planner: ``make_plan`` on all PCs up to 256; above that ``regional_plan`` (``make_plan`` per region,
+  then the union of the regions' clusters or the best region, whichever the cost model scores higher),
+  because the full search takes minutes there (measured below with --full-planner);
+- ravnest: Ravnest's rule (``ravnest_plan``: its genetic algorithm over RAM and bandwidth, splits in
+  proportion to RAM), with max_clusters = PCs / 16 so that clusters can split the model's 34 blocks
+  (Ravnest's default of 5 clusters cannot at this scale), population 100 and 200 generations above 256 PCs;
+- naive: clusters and stages in listing order (region by region), even cuts.
+
+Each plan is simulated for ``--steps`` micro-batches per cluster; "utilisation" is the model FLOP/s
+achieved over the sum of all PCs' FLOP/s.
+
+    python benchmarks/project_scale.py                     # 64, 256, 1024 PCs
+    python benchmarks/project_scale.py --sizes 64 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import _common
+
+_common.use_repo_checkout()
+
+from ravq.config import Plan
+from ravq.planner import BlockProfile, NodeProfile, PlanError, evaluate_plan, make_plan, ravnest_plan
+from ravq.simulate import Settings, build_world, simulate
+from ravq.simulate.worldwide import (
+    naive_plan,
+    regional_plan,
+    transformer_blocks,
+    utilisation,
+    worldwide_nodes,
+)
+
+MICRO_BATCH = 4
+SYNC_EVERY = 50
+SCORE: dict[str, Any] = {"micro_batch": MICRO_BATCH, "sync_every": SYNC_EVERY, "max_inflight": None,
+                         "overlap_averaging": True, "averaging_lead": 1}
+
+
+def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], steps: int) -> dict[str, Any]:
+    settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=SYNC_EVERY)
+    t0 = time.perf_counter()
+    world = build_world(plan, nodes, blocks, settings)
+    result = simulate(world)
+    seconds = time.perf_counter() - t0
+    work = sum(b.fwd_flops + b.bwd_flops for b in blocks) / MICRO_BATCH      # FLOPs per sample
+    used = [n for n in result.nodes]
+    try:
+        predicted = evaluate_plan(plan, nodes, blocks, **SCORE).samples_per_s
+    except PlanError as err:
+        predicted = None
+        print(f"  (cost model: {err})")
+    return {"clusters": len(plan.clusters), "pcs_used": len(used),
+            "stages_per_cluster": statistics.median(len(c.nodes) for c in plan.clusters),
+            "predicted_samples_per_s": predicted, "simulated_samples_per_s": result.samples_per_s,
+            "busy_mean": result.busy_fraction_mean, "utilisation": utilisation(result.samples_per_s * work, nodes),
+            "allreduce_seconds_mean": result.allreduce_seconds_mean,
+            "averaging_wait_share": statistics.fmean(n.averaging_wait_s / n.wall_s if n.wall_s else 0.0 for n in used),
+            "events": result.events, "simulate_s": seconds}
+
+
+def project(count: int, steps: int, seed: int, full_planner: bool) -> dict[str, Any]:
+    nodes, regions = worldwide_nodes(count, seed)
+    blocks = transformer_blocks(layers=32, d_model=2560, max_inflight=1)
+    out: dict[str, Any] = {"pcs": count, "total_tflops": sum(n.flops for n in nodes) / 1e12}
+    t0 = time.perf_counter()
+    if count <= 256 or full_planner:
+        plan = make_plan(nodes, blocks, **SCORE)[0]
+        out["planner_kind"] = "make_plan"
+    else:
+        plan = regional_plan(nodes, regions, blocks, **SCORE)
+        out["planner_kind"] = "regional_plan"
+    out["planner_s"] = time.perf_counter() - t0
+    out["planner"] = simulated(plan, nodes, blocks, steps)
+    t0 = time.perf_counter()
+    big = count > 256
+    try:
+        rplan = ravnest_plan(nodes, blocks, max_clusters=max(5, count // 16), population=100 if big else 200,
+                             generations=200 if big else 500, **SCORE)[0]
+        out["ravnest_s"] = time.perf_counter() - t0
+        out["ravnest"] = simulated(rplan, nodes, blocks, steps)
+    except PlanError as err:
+        out["ravnest_s"] = time.perf_counter() - t0
+        out["ravnest"] = {"error": str(err)}
+    out["naive"] = simulated(naive_plan(nodes, blocks, None), nodes, blocks, steps)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=100, help="micro-batches per cluster")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--full-planner", action="store_true", help="make_plan on all PCs at every size")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args(argv)
+    results = []
+    for count in args.sizes:
+        r = project(count, args.steps, args.seed, args.full_planner)
+        results.append(r)
+        print(f"{count} PCs ({r['total_tflops']:.0f} TFLOP/s in all): planner ({r['planner_kind']}) took "
+              f"{r['planner_s']:.1f} s, Ravnest's rule {r['ravnest_s']:.1f} s", flush=True)
+        rows = []
+        for name in ("planner", "ravnest", "naive"):
+            x = r[name]
+            if "error" in x:
+                rows.append((name, "-", "-", "-", "-", "-", "-", "-", "-", x["error"][:60]))
+                continue
+            rows.append((name, x["clusters"], x["pcs_used"], f"{x['stages_per_cluster']:.0f}",
+                         "-" if x["predicted_samples_per_s"] is None else f"{x['predicted_samples_per_s']:.3g}",
+                         f"{x['simulated_samples_per_s']:.3g}", f"{x['busy_mean']:.2f}", f"{x['utilisation']:.1%}",
+                         f"{x['averaging_wait_share']:.0%}", f"{x['simulate_s']:.1f} s ({x['events']} events)"))
+        print(_common.table(["plan", "clusters", "PCs used", "stages", "predicted samples/s", "simulated",
+                             "busy", "utilisation", "averaging wait", "simulation took"], rows))
+        print()
+    if args.json:
+        _common.emit_json({"benchmark": "project_scale", "steps": args.steps, "seed": args.seed, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
