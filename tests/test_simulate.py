@@ -283,3 +283,13 @@ def test_plan_simulate_ranks_candidates_by_simulation(tmp_path: Path, capsys: py
     assert plan.predicted_samples_per_s == pytest.approx(rates[0], rel=1e-3)
     assert main(["plan", "--topology", str(topo), "--profiles", str(tmp_path / "none"), "--out",
                  str(tmp_path / "x.yaml"), "--simulate", "--candidates", "0"]) == 2
+
+
+def test_a_long_fluid_ring_round_is_not_taken_for_a_dead_one() -> None:
+    """A round streaming for longer than ring_timeout_s makes progress all along: it must finish."""
+    segment = SegmentSpec(blocks=(0, 1), nbytes=1e8, holders=("a", "b"))
+    r = simulate(world([[stage("a", 0.0, 0.0)], [stage("b", 0.0, 0.0)]],
+                       Settings(steps=1, sync_every=1, fluid_ring_pieces=1, ring_timeout_s=30.0), bandwidth=1e6,
+                       segments=[segment]))
+    assert [n.allreduce_rounds for n in r.nodes] == [1, 1] and not any(n.allreduce_aborts for n in r.nodes)
+    assert r.allreduce_seconds_mean == pytest.approx(1e8 / 1e6, rel=1e-3)

@@ -186,7 +186,8 @@ class Ring:
         """A ring step waits at most ``ring_timeout_s`` for its piece: no progress that long aborts."""
         if self.aborted or len(self.finished) == self.size:
             return
-        if self.progress == seen:
+        streaming = self.fluid and len(self.opened) == self.size     # flows make progress all along
+        if self.progress == seen and not streaming:
             self.abort()
         else:
             self.sim.q.after(self.sim.settings.ring_timeout_s, self._watch, self.progress)
