@@ -44,7 +44,7 @@ import _common
 
 _common.use_repo_checkout()
 
-from ravq.config import Plan
+from ravq.config import ClusterPlan, Plan
 from ravq.planner import (
     BlockProfile,
     NodeProfile,
@@ -129,6 +129,24 @@ def project(count: int, steps: int, seed: int, full_planner: bool) -> dict[str, 
     return out
 
 
+def speed_check(count: int, steps: int, seed: int) -> dict[str, Any]:
+    """The simulator's own speed with every PC busy: all ``count`` PCs in clusters of 17 stages in listing
+    order (even cuts, memory not checked), averaging every 10 steps so that rings run too."""
+    nodes, _ = worldwide_nodes(count, seed)
+    blocks = transformer_blocks(layers=32, d_model=2560, max_inflight=1)
+    k = 17
+    bounds = [round(j * len(blocks) / k) for j in range(k + 1)]
+    clusters = [ClusterPlan(nodes=[n.name for n in nodes[i:i + k]], cuts=[blocks[b].name for b in bounds[1:-1]])
+                for i in range(0, count - k + 1, k)]
+    settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=10)
+    t0 = time.perf_counter()
+    result = simulate(build_world(Plan(epoch=0, clusters=clusters), nodes, blocks, settings))
+    seconds = time.perf_counter() - t0
+    return {"pcs": k * len(clusters), "clusters": len(clusters), "steps": steps, "seconds": seconds,
+            "events": result.events, "allreduce_rounds": max(n.allreduce_rounds for n in result.nodes),
+            "simulated_samples_per_s": result.samples_per_s}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256, 1024])
@@ -160,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                              "sum of clusters", "slowest cluster", "busy", "utilisation", "averaging wait",
                              "simulation took"], rows))
         print()
+    speed = speed_check(max(args.sizes), args.steps, args.seed)
+    print(f"simulator speed: {speed['pcs']} PCs busy ({speed['clusters']} clusters of 17 stages, averaging every "
+          f"10 steps: {speed['allreduce_rounds']} rounds), {speed['steps']} micro-batches per cluster: "
+          f"{speed['seconds']:.1f} s, {speed['events']} events")
     if args.json:
-        _common.emit_json({"benchmark": "project_scale", "steps": args.steps, "seed": args.seed, "results": results})
+        _common.emit_json({"benchmark": "project_scale", "steps": args.steps, "seed": args.seed, "results": results,
+                           "speed": speed})
     return 0
 
 
