@@ -293,3 +293,17 @@ def test_a_long_fluid_ring_round_is_not_taken_for_a_dead_one() -> None:
                        segments=[segment]))
     assert [n.allreduce_rounds for n in r.nodes] == [1, 1] and not any(n.allreduce_aborts for n in r.nodes)
     assert r.allreduce_seconds_mean == pytest.approx(1e8 / 1e6, rel=1e-3)
+
+
+def test_plan_candidates_start_with_make_plans_choice() -> None:
+    from ravq.planner import make_plan, plan_candidates
+
+    nodes = [NodeProfile(name=f"n{i}", flops=f, memory_bytes=GIB, bandwidth_bytes_per_s={f"n{j}": 1e8 for j in range(5)
+                                                                                            if j != i})
+             for i, f in enumerate((1e11, 2e11, 4e11, 1e11, 3e11))]
+    settings = {"micro_batch": 4, "sync_every": 5}
+    best, explanation = make_plan(nodes, blocks(), **settings)
+    found = plan_candidates(nodes, blocks(), count=3, **settings)
+    assert found[0][0] == best and found[0][1].samples_per_s == explanation.samples_per_s
+    keys = [tuple(sorted(tuple(sorted(c.nodes)) for c in p.clusters)) for p, _ in found]
+    assert len(set(keys)) == len(keys)

@@ -34,17 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ravq.simulate.engine import INF, Connection, EventQueue, SharedResource
+from ravq.simulate.rings import NodeRound, Ring
 from ravq.simulate.world import SegmentSpec, StageSpec, World
-
-
-@dataclass(eq=False, slots=True)
-class _NodeRound:
-    round_id: int
-    version: int
-    done: bool = False
-    started_at: float = 0.0
-    rings_left: int = 0
-    aborted: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -56,7 +47,7 @@ class Node:
     epoch: int = 0
     busy: bool = False
     blocked: Any = None
-    """What the compute thread waits for: a _NodeRound, "queue", or None."""
+    """What the compute thread waits for: a NodeRound, "queue", or None."""
     blocked_since: float = 0.0
     fwd_queue: deque[int] = field(default_factory=deque)
     bwd_queue: deque[int] = field(default_factory=deque)
@@ -64,7 +55,7 @@ class Node:
     """Micro-batch -> version its forward used (stage 0: its in-flight micro-batches)."""
     started: int = 0
     backwards: int = 0
-    """Backwards that count towards ``steps`` (reset to stage 0's on a failure)."""
+    """Backwards done (stage 0's: the cluster's trained micro-batches, lost ones excluded)."""
     version: int = 0
     accumulated: int = 0
     pending_staleness: list[int] = field(default_factory=list)
@@ -78,10 +69,10 @@ class Node:
     end: float = 0.0
     wait_s: float = 0.0
     """Compute thread waiting for averaging (hold-back, full round queue, or the round itself)."""
-    pending: list[_NodeRound] = field(default_factory=list)
+    pending: list[NodeRound] = field(default_factory=list)
     snapshot_version: int = -1
-    queued: deque[_NodeRound] = field(default_factory=deque)
-    running: _NodeRound | None = None
+    queued: deque[NodeRound] = field(default_factory=deque)
+    running: NodeRound | None = None
     rounds_done: int = 0
     rounds_aborted: int = 0
     round_s_sum: float = 0.0
@@ -93,139 +84,6 @@ class Node:
     @property
     def name(self) -> str:
         return self.spec.node
-
-
-class Ring:
-    """One round of one segment's ring.  Piece by piece (exact), or, when that would be more than
-    ``fluid_ring_pieces`` transfers, as flows: once every member has started, each member sends its
-    2(C-1)/C share of the segment as one message over its ring stream, and the round ends when the
-    last of them has arrived, or no sooner than 2(C-1) piece-and-latency hops after the start."""
-
-    def __init__(self, sim: Simulation, seg: SegmentSpec, round_id: int, members: list[Node]) -> None:
-        self.sim, self.seg, self.round_id, self.members = sim, seg, round_id, members
-        self.size = len(members)
-        c = self.size
-        self.steps = 2 * (c - 1)
-        bounds = [seg.nbytes * i / c for i in range(c + 1)]
-        self.chunk = [bounds[i + 1] - bounds[i] for i in range(c)]
-        piece = float(sim.settings.piece_bytes)
-        self.pieces = [max(1, math.ceil(x / piece)) if x > 0 else 1 for x in self.chunk]
-        self.fluid = c * self.steps * max(self.pieces) > sim.settings.fluid_ring_pieces
-        self.opened: dict[int, bool] = {}
-        self.rounds: dict[int, tuple[_NodeRound | None, int]] = {}
-        """Member rank -> (its node's round, the node's epoch) when it opened."""
-        self.progress = 0
-        self.received: dict[int, list[tuple[int, int]]] = {i: [] for i in range(c)}
-        self.recv_count = [0] * c
-        self.total_recv = [sum(self.pieces[(r - t - 1) % c] for t in range(self.steps)) for r in range(c)]
-        self.finished: set[int] = set()
-        self.aborted = False
-        self.started_at = 0.0
-        self.flows_left = c
-
-    def rank(self, node: Node) -> int:
-        return self.members.index(node)
-
-    def open(self, r: int) -> None:
-        node = self.members[r]
-        self.opened[r] = True
-        self.rounds[r] = (node.running, node.epoch)
-        self.progress += 1
-        self.sim.q.after(self.sim.settings.ring_timeout_s, self._watch, self.progress)
-        if self.aborted:
-            self._finish(r)
-            return
-        if self.fluid:
-            if len(self.opened) == self.size:
-                self._start_flows()
-            return
-        for j in range(self.pieces[r % self.size]):
-            self._send(r, 0, j)
-        for t, j in self.received[r]:
-            if t + 1 < self.steps:
-                self._send(r, t + 1, j)
-        self.received[r].clear()
-
-    def _piece_bytes(self, chunk: int) -> float:
-        return self.chunk[chunk] / self.pieces[chunk]
-
-    def _send(self, r: int, t: int, j: int) -> None:
-        k = (r - t) % self.size
-        succ = (r + 1) % self.size
-        self.sim.ring_send(self.members[r], self.members[succ], self._piece_bytes(k), self._arrive, succ, t, j)
-
-    def _arrive(self, r: int, t: int, j: int) -> None:
-        if self.aborted or r in self.finished:
-            return
-        self.progress += 1
-        self.recv_count[r] += 1
-        if self.opened.get(r):
-            if t + 1 < self.steps:
-                self._send(r, t + 1, j)
-        else:
-            self.received[r].append((t, j))
-        if self.recv_count[r] == self.total_recv[r] and self.opened.get(r):
-            self._finish(r)
-
-    def _start_flows(self) -> None:
-        sim = self.sim
-        self.started_at = sim.q.now
-        hops = 0.0
-        for r, node in enumerate(self.members):
-            succ = self.members[(r + 1) % self.size]
-            nbytes = sum(self.chunk) * 2 - self.chunk[(r + 1) % self.size] - self.chunk[(r + 2) % self.size]
-            piece = max(self._piece_bytes(k) for k in range(self.size))
-            link = sim.world.network
-            hop = link.latency(node.name, succ.name) + piece / min(link.bandwidth(node.name, succ.name),
-                                                                    sim.world.network.uplink[node.name])
-            hops = max(hops, hop)
-            sim.ring_send(node, succ, nbytes, self._flow_done)
-        self.earliest = self.started_at + self.steps * hops
-
-    def _watch(self, seen: int) -> None:
-        """A ring step waits at most ``ring_timeout_s`` for its piece: no progress that long aborts."""
-        if self.aborted or len(self.finished) == self.size:
-            return
-        streaming = self.fluid and len(self.opened) == self.size     # flows make progress all along
-        if self.progress == seen and not streaming:
-            self.abort()
-        else:
-            self.sim.q.after(self.sim.settings.ring_timeout_s, self._watch, self.progress)
-
-    def _flow_done(self) -> None:
-        self.progress += 1
-        self.flows_left -= 1
-        if self.flows_left == 0 and not self.aborted:
-            self.sim.q.at(self.earliest, self._finish_all)
-
-    def _finish_all(self) -> None:
-        for r in range(self.size):
-            if r not in self.finished:
-                self._finish(r)
-
-    def _finish(self, r: int) -> None:
-        if r in self.finished:
-            return
-        self.finished.add(r)
-        nr, epoch = self.rounds.get(r, (None, -1))
-        node = self.members[r]
-        if nr is not None and node.epoch == epoch:
-            self.sim.member_done(node, nr, self.aborted)
-        if len(self.finished) == self.size:
-            self.sim.ring_closed(self)
-
-    def abort(self) -> None:
-        """A member died: every member still in the round gives up (its ring step timed out)."""
-        if self.aborted:
-            return
-        self.aborted = True
-        for r in range(self.size):
-            if r not in self.finished and self.opened.get(r):
-                self._finish(r)
-            elif not self.sim.up[self.members[r].cluster]:
-                self.finished.add(r)
-        if len(self.finished) == self.size:
-            self.sim.ring_closed(self)
 
 
 class Simulation:
@@ -399,7 +257,7 @@ class Simulation:
         if len(node.queued) >= s.pending_rounds:
             self._block(node, "queue")
             return False
-        nr = _NodeRound(round_id=node.version // s.sync_every, version=node.version)
+        nr = NodeRound(round_id=node.version // s.sync_every, version=node.version)
         node.snapshot_version = node.version
         node.pending.append(nr)
         node.queued.append(nr)
@@ -452,7 +310,7 @@ class Simulation:
         if epoch == node.epoch and node.blocked == "queue":
             self._resume(node)
 
-    def member_done(self, node: Node, nr: _NodeRound, aborted: bool) -> None:
+    def member_done(self, node: Node, nr: NodeRound, aborted: bool) -> None:
         if node.running is not nr:
             return
         nr.rings_left -= 1
@@ -460,7 +318,7 @@ class Simulation:
         if nr.rings_left == 0:
             self._round_done(node, nr, nr.aborted, node.epoch)
 
-    def _round_done(self, node: Node, nr: _NodeRound, aborted: bool, epoch: int) -> None:
+    def _round_done(self, node: Node, nr: NodeRound, aborted: bool, epoch: int) -> None:
         if epoch != node.epoch or node.running is not nr:
             return
         nr.done = True

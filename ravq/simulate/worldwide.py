@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -142,7 +143,7 @@ def regional_plan(nodes: list[NodeProfile], regions: list[str], blocks: list[Blo
     (the rings then cross regions: the union pays for that in its averaging time)."""
     from ravq.planner import PlanError, evaluate_plan, make_plan
 
-    settings = {"micro_batch": micro_batch, "sync_every": sync_every, "max_inflight": max_inflight,
+    settings: dict[str, Any] = {"micro_batch": micro_batch, "sync_every": sync_every, "max_inflight": max_inflight,
                 "overlap_averaging": overlap_averaging, "averaging_lead": averaging_lead}
     parts: list[Plan] = []
     for region in dict.fromkeys(regions):
