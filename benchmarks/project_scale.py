@@ -129,22 +129,28 @@ def project(count: int, steps: int, seed: int, full_planner: bool) -> dict[str, 
     return out
 
 
-def speed_check(count: int, steps: int, seed: int) -> dict[str, Any]:
+def speed_check(count: int, steps: int, seed: int, churn_per_hour: float = 0.0) -> dict[str, Any]:
     """The simulator's own speed with every PC busy: all ``count`` PCs in clusters of 17 stages in listing
-    order (even cuts, memory not checked), averaging every 10 steps so that rings run too."""
+    order (even cuts, memory not checked), averaging every 10 steps so that rings run too; with
+    ``churn_per_hour`` failures per PC per hour."""
     nodes, _ = worldwide_nodes(count, seed)
     blocks = transformer_blocks(layers=32, d_model=2560, max_inflight=1)
     k = 17
     bounds = [round(j * len(blocks) / k) for j in range(k + 1)]
     clusters = [ClusterPlan(nodes=[n.name for n in nodes[i:i + k]], cuts=[blocks[b].name for b in bounds[1:-1]])
                 for i in range(0, count - k + 1, k)]
-    settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=10)
+    settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=10, churn_per_hour=churn_per_hour,
+                        seed=seed)
     t0 = time.perf_counter()
     result = simulate(build_world(Plan(epoch=0, clusters=clusters), nodes, blocks, settings))
     seconds = time.perf_counter() - t0
     return {"pcs": k * len(clusters), "clusters": len(clusters), "steps": steps, "seconds": seconds,
             "events": result.events, "allreduce_rounds": max(n.allreduce_rounds for n in result.nodes),
-            "simulated_samples_per_s": result.samples_per_s}
+            "simulated_samples_per_s": result.samples_per_s, "churn_per_hour": churn_per_hour,
+            "sum_of_clusters": sum(c.samples_per_s for c in result.clusters),
+            "failures": sum(n.failures for n in result.nodes), "wall_s": result.wall_s,
+            "allreduce_aborts": sum(n.allreduce_aborts for n in result.nodes),
+            "down_share": sum(n.down_s for n in result.nodes) / sum(n.wall_s for n in result.nodes)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="micro-batches per cluster")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--full-planner", action="store_true", help="make_plan on all PCs at every size")
+    parser.add_argument("--churn", type=lambda v: [float(x) for x in v.split(",")], default=[],
+                        help="failures per PC per hour for the churn runs of the speed-check layout")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     results = []
@@ -182,9 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"simulator speed: {speed['pcs']} PCs busy ({speed['clusters']} clusters of 17 stages, averaging every "
           f"10 steps: {speed['allreduce_rounds']} rounds), {speed['steps']} micro-batches per cluster: "
           f"{speed['seconds']:.1f} s, {speed['events']} events")
+    churn = [speed_check(max(args.sizes), args.steps, args.seed, rate) for rate in args.churn]
+    for c in churn:
+        print(f"churn {c['churn_per_hour']:g} failures per PC per hour, same layout: {c['simulated_samples_per_s']:.3g} "
+              f"samples/s ({c['simulated_samples_per_s'] / speed['simulated_samples_per_s']:.2f} of no churn; sum of "
+              f"clusters' rates {c['sum_of_clusters'] / speed['sum_of_clusters']:.2f}), "
+              f"{c['failures']} failures in {c['wall_s'] / 3600:.2f} h, clusters down {c['down_share']:.0%} of the "
+              f"time, {c['allreduce_aborts']} aborted node rounds; simulated in {c['seconds']:.1f} s")
     if args.json:
         _common.emit_json({"benchmark": "project_scale", "steps": args.steps, "seed": args.seed, "results": results,
-                           "speed": speed})
+                           "speed": speed, "churn": churn})
     return 0
 
 
