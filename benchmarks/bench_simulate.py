@@ -46,7 +46,7 @@ import yaml
 
 from ravq.blocks import profile_blocks
 from ravq.cli import plan_for
-from ravq.config import load_topology, resolve_task_module
+from ravq.config import load_plan, load_topology, resolve_task_module
 from ravq.demo import free_ports
 from ravq.planner import BlockProfile, NodeProfile
 from ravq.simulate import Settings, build_world, simulate
@@ -183,6 +183,51 @@ def validate(config: str, steps: int, sync_every: int, work: Path, blocks: list[
             "run_s": run_s, "simulate_s": sim_s}
 
 
+def validate_testbed(run_dir: Path, steps: int) -> list[dict[str, Any]]:
+    """The simulator against a recorded run of the emulated-WAN testbed (issue #14's ``testbed.py``: its
+    run directory with ``result.json``, ``topology.yaml``, ``profiles/`` and ``plan-KIND.yaml``).  Each
+    PC's FLOP/s is its profile's scaled by the CPU share it got in the measured window over the share
+    its profile got (``speed_vs_profile``, as the testbed's load-adjusted prediction does); links are
+    the profiles' measured bandwidths and latencies (through the testbed's shaping and delay relays).
+    The testbed measures a steady window (each cluster's last-stage samples over its own wall time,
+    summed), so the simulation's figure is each cluster's samples/s over its own run, summed.  No
+    per-micro-batch spread is recorded there, so compute times do not vary."""
+    result = json.loads((run_dir / "result.json").read_text())
+    topo = yaml.safe_load((run_dir / "topology.yaml").read_text())
+    t = topo.get("training", {})
+    task = resolve_task_module(topo["task"])
+    blocks = profile_blocks(task, t.get("micro_batch", 16), max_inflight=1)
+    measured_profiles = {p.stem.removeprefix("profile-"): json.loads(p.read_text())
+                         for p in (run_dir / "profiles").glob("profile-*.json")}
+    settings = Settings(steps=steps, micro_batch=t.get("micro_batch", 16), max_inflight=t.get("max_inflight"),
+                        update_every=t.get("update_every", 1), sync_every=t.get("sync_every", 10),
+                        overlap_averaging=t.get("overlap_averaging", True), averaging_lead=t.get("averaging_lead", 1),
+                        piece_bytes=t.get("ring_chunk_bytes", 4 << 20),
+                        ring_timeout_s=topo.get("timeouts", {}).get("ring_step_s", 30.0))
+    runs = []
+    for kind, measured in result.get("plans", {}).items():
+        if not measured.get("samples_per_s") or not (run_dir / f"plan-{kind}.yaml").exists():
+            continue
+        plan = load_plan(run_dir / f"plan-{kind}.yaml")
+        scale = measured.get("speed_vs_profile") or {}
+        nodes = [NodeProfile(name=n, flops=p["flops"] * scale.get(n, 1.0), memory_bytes=p["memory_bytes"],
+                             bandwidth_bytes_per_s=p["bandwidth_bytes_per_s"], latency_s=p["latency_s"])
+                 for n, p in measured_profiles.items()]
+        sim = simulate(build_world(plan, nodes, blocks, settings))
+        simulated = sum(c.samples_per_s for c in sim.clusters)
+        busy_m = {n: v["busy_fraction"] for n, v in measured["nodes"].items()}
+        busy_s = {n.name: n.busy_fraction for n in sim.nodes}
+        runs.append({"scenario": result["scenario"], "plan": kind, "clusters": [c.nodes for c in plan.clusters],
+                     "measured_samples_per_s": measured["samples_per_s"], "simulated_samples_per_s": simulated,
+                     "ratio": simulated / measured["samples_per_s"],
+                     "cost_model_predicted": measured.get("predicted_samples_per_s"),
+                     "cost_model_load_adjusted": measured.get("predicted_load_adjusted"),
+                     "busy_measured": busy_m, "busy_simulated": busy_s,
+                     "busy_worst_error": max(abs(busy_s[n] - busy_m[n]) for n in busy_m),
+                     "within_target": bool(abs(simulated / measured["samples_per_s"] - 1) <= TARGET)})
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=lambda v: v.split(","), default=DEFAULT_CONFIGS,
@@ -190,8 +235,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="micro-batches per cluster")
     parser.add_argument("--sync-every", type=int, default=2, help="the demo's default: 2")
     parser.add_argument("--work-dir", help="keep topologies, logs and summaries here (default: a temp dir)")
+    parser.add_argument("--testbed", nargs="*", default=[], help="run directories of the emulated-WAN testbed "
+                        "(issue #14) to simulate and compare; with this, the local runs are skipped")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
+    if args.testbed:
+        wan = [r for d in args.testbed for r in validate_testbed(Path(d), max(args.steps, 400))]
+        rows = [(r["scenario"], r["plan"], " | ".join("->".join(c) for c in r["clusters"]),
+                 f"{r['measured_samples_per_s']:.1f}", f"{r['simulated_samples_per_s']:.1f}", f"{r['ratio']:.3f}",
+                 "-" if r["cost_model_load_adjusted"] is None else
+                 f"{r['cost_model_load_adjusted'] / r['measured_samples_per_s']:.3f}",
+                 f"{r['busy_worst_error']:.2f}", "yes" if r["within_target"] else "NO") for r in wan]
+        print(_common.table(["scenario", "plan", "clusters", "measured samples/s", "simulated", "sim/measured",
+                             "cost model (load-adjusted)/measured", "worst node busy error (abs)",
+                             f"within {TARGET:.0%}"], rows))
+        if args.json:
+            _common.emit_json({"benchmark": "simulate", "part": "wan", "target": TARGET,
+                               "met": all(r["within_target"] for r in wan), "runs": wan})
+        return 0
     for config in args.configs:
         shape(config)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="ravq-bench-simulate-"))
