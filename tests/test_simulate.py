@@ -307,3 +307,11 @@ def test_plan_candidates_start_with_make_plans_choice() -> None:
     assert found[0][0] == best and found[0][1].samples_per_s == explanation.samples_per_s
     keys = [tuple(sorted(tuple(sorted(c.nodes)) for c in p.clusters)) for p, _ in found]
     assert len(set(keys)) == len(keys)
+
+
+def test_update_every_and_sync_every_count_versions() -> None:
+    """An optimizer step every 2 backwards; a round every 3 versions: 12 micro-batches -> 6 versions, 2 rounds."""
+    segment = SegmentSpec(blocks=(0, 1), nbytes=1e3, holders=("a", "b"))
+    r = simulate(world([[stage("a", 0.01, 0.01)], [stage("b", 0.01, 0.01)]],
+                       Settings(steps=12, update_every=2, sync_every=3), bandwidth=1e9, segments=[segment]))
+    assert [(n.updates, n.version, n.allreduce_rounds) for n in r.nodes] == [(6, 6, 2), (6, 6, 2)]
