@@ -130,7 +130,7 @@ def stage_times(summaries: dict[str, Any]) -> tuple[dict[str, tuple[float, float
     times, cvs = {}, {}
     for name, s in summaries.items():
         fwd = s["forward_s"] / max(1, s["forwards"])
-        compute = s["busy_s"] - (s.get("averaging_wait_seconds") or 0.0)
+        compute = s["busy_s"] - _wait_in_busy(s)
         times[name] = (fwd, (compute - s["forward_s"]) / max(1, s["backwards"]))
         # half the mean squared successive difference: the variance of what changes from one forward to
         # the next, independently on each node; the machine's load drifting over the run slows every node
@@ -140,9 +140,15 @@ def stage_times(summaries: dict[str, Any]) -> tuple[dict[str, tuple[float, float
     return times, cvs
 
 
+def _wait_in_busy(s: dict[str, Any]) -> float:
+    """Averaging wait counted inside busy_s: all of it, unless the node reports its waits apart
+    ("wait_s" by reason: then busy_s is compute only)."""
+    return 0.0 if isinstance(s.get("wait_s"), dict) else (s.get("averaging_wait_seconds") or 0.0)
+
+
 def honest_busy(s: dict[str, Any]) -> float:
     wall = s["wall_s"]
-    return (s["busy_s"] - (s.get("averaging_wait_seconds") or 0.0)) / wall if wall > 0 else 0.0
+    return (s["busy_s"] - _wait_in_busy(s)) / wall if wall > 0 else 0.0
 
 
 def validate(config: str, steps: int, sync_every: int, work: Path, blocks: list[BlockProfile]) -> dict[str, Any]:
