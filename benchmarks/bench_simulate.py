@@ -135,7 +135,7 @@ def stage_times(summaries: dict[str, Any]) -> tuple[dict[str, tuple[float, float
         # half the mean squared successive difference: the variance of what changes from one forward to
         # the next, independently on each node; the machine's load drifting over the run slows every node
         # alike and leaves no bubbles, so it is left out
-        variance = s["forward_step_sq_s"] / (2 * max(1, s["forwards"] - 1))
+        variance = s["forward_step_sq_s"] / (2 * max(1, s["forwards"] - 2))     # differences after the first
         cvs[name] = math.sqrt(variance) / fwd if fwd > 0 else 0.0
     return times, cvs
 

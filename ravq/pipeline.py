@@ -68,8 +68,8 @@ class StageStats:
     """Sum of squared forward durations (with forward_s and forwards: their spread, for ``ravq simulate``)."""
     backward_sq_s: float = 0.0
     forward_step_sq_s: float = 0.0
-    """Sum of squared differences of consecutive forward durations: the part of their spread that changes
-    from one micro-batch to the next (the machine's slow drift cancels out)."""
+    """Sum of squared differences of consecutive forward durations from the second on (the first warms
+    up): the part of their spread that changes from one micro-batch to the next (slow drift cancels)."""
     forward_last_s: float | None = None
     staleness_sum: int = 0
     staleness_max: int = 0
@@ -557,7 +557,7 @@ class StageWorker:
         if phase == "forward":
             self.stats.forward_s += dt
             self.stats.forward_sq_s += dt * dt
-            if self.stats.forward_last_s is not None:
+            if self.stats.forward_last_s is not None and self.stats.forwards > 2:   # not the warm-up forward
                 self.stats.forward_step_sq_s += (dt - self.stats.forward_last_s) ** 2
             self.stats.forward_last_s = dt
         else:
