@@ -15,10 +15,15 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
+
+from ravq.compress import Packed
+
+if TYPE_CHECKING:
+    from ravq.ring_compression import RingCompression
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +115,37 @@ def ring_bytes_sent(numel: int, element_size: int, ring_size: int, rank: int) ->
     return element_size * (2 * numel - size[(rank + 1) % ring_size] - size[(rank + 2) % ring_size])
 
 
+@dataclass(frozen=True, slots=True)
+class CompressedPiece:
+    """A piece of a compressed round (``ravq.ring_compression``) as received: packed, or raw where the
+    sender could not pack it (a non-finite value), with the round id of the sender's anchor."""
+
+    base: int
+    value: Tensor | Packed
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.nbytes if isinstance(self.value, Tensor) else self.value.wire_bytes
+
+
+Piece = Tensor | CompressedPiece
+
+
+def received_piece(meta: Mapping[str, Any], tensors: Mapping[str, Tensor], packed: Mapping[str, Packed]
+                   ) -> Piece | None:
+    """The piece a decoded RING_CHUNK carries, or None if it is not one: exactly one tensor "piece",
+    raw in a plain round; raw or packed, with an int ``base`` in meta, in a compressed round."""
+    if len(tensors) + len(packed) != 1:
+        return None
+    base = meta.get("base")
+    if base is None:
+        return tensors.get("piece")
+    value = tensors.get("piece", packed.get("piece"))
+    if type(base) is not int or value is None:
+        return None
+    return CompressedPiece(base, value)
+
+
 class RingAborted(Exception):
     """A ring round that cannot finish: a silent peer, a peer's abort, or a piece that does not fit."""
 
@@ -123,8 +159,9 @@ class RingAborted(Exception):
 class RingLink(Protocol):
     """Sending side of ring traffic; the node implements it over its ring DEALER sockets."""
 
-    async def send(self, peer: str, meta: dict[str, int], tensor: Tensor) -> None:
-        """Send one RING_CHUNK piece; ``meta`` holds ring, round, step and piece (all int).
+    async def send(self, peer: str, meta: dict[str, int], tensor: Tensor | Packed) -> None:
+        """Send one RING_CHUNK piece; ``meta`` holds ring, round, step and piece (all int), and for a
+        compressed round ``base`` (see ``ravq.ring_compression``), with ``tensor`` packed or raw.
 
         It may send without copying and return before the bytes have left: ``ring_allreduce`` never
         writes to a sent tensor until the ring proves it arrived (see ``_RingRun``).
@@ -143,10 +180,10 @@ class _Round:
     predecessor: str
     members: frozenset[str]
     pieces_per_step: list[int]
-    pieces: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    pieces: dict[tuple[int, int], Piece] = field(default_factory=dict)
     taken: tuple[int, int] = (-1, -1)
     want: tuple[int, int] | None = None
-    waiter: asyncio.Future[Tensor] | None = None
+    waiter: asyncio.Future[Piece] | None = None
     aborted: RingAborted | None = None
 
     def expects(self, step: int, piece: int) -> bool:
@@ -161,7 +198,7 @@ class _Round:
             self.waiter.set_exception(error)
 
 
-Buffered = tuple[str, int, int, Tensor]  # sender, step, piece, tensor of a round not open yet
+Buffered = tuple[str, int, int, Piece]  # sender, step, piece, tensor of a round not open yet
 
 
 class Mailbox:
@@ -192,7 +229,7 @@ class Mailbox:
     def _is_stale(self, ring_id: int, round_id: int) -> bool:
         return round_id < self._newest_round or round_id <= self._closed.get(ring_id, -1)
 
-    def deliver(self, sender: str, meta: Mapping[str, Any], tensor: Tensor) -> None:
+    def deliver(self, sender: str, meta: Mapping[str, Any], tensor: Piece) -> None:
         """Accept one RING_CHUNK piece (meta already validated by ``ravq.wire``).
 
         The round takes ``tensor`` over: it adds into it and sends it on, so it must be writable and
@@ -212,7 +249,7 @@ class Mailbox:
             self.future_bytes += tensor.nbytes
             self.future_messages += 1
 
-    def _put(self, rnd: _Round, sender: str, step: int, piece: int, tensor: Tensor) -> None:
+    def _put(self, rnd: _Round, sender: str, step: int, piece: int, tensor: Piece) -> None:
         if sender != rnd.predecessor or not rnd.expects(step, piece):
             self.unexpected_dropped += 1
         elif rnd.waiter is not None and rnd.want == (step, piece) and not rnd.waiter.done():
@@ -265,7 +302,7 @@ class Mailbox:
         self.stale_dropped += len(rnd.pieces)
         rnd.pieces.clear()
 
-    async def take(self, rnd: _Round, step: int, piece: int, timeout_s: float) -> Tensor:
+    async def take(self, rnd: _Round, step: int, piece: int, timeout_s: float) -> Piece:
         """The given piece of an open round; RingAborted on a peer's abort or after ``timeout_s``."""
         if rnd.aborted is not None:
             raise rnd.aborted
@@ -338,7 +375,7 @@ class _RingRun:
         for step, plan in enumerate(self.recv_plan):
             for j, (a, b) in enumerate(plan):
                 piece = await mailbox.take(rnd, step, j, timeout_s)
-                if piece.dtype != self.out.dtype or piece.numel() != b - a:
+                if not isinstance(piece, Tensor) or piece.dtype != self.out.dtype or piece.numel() != b - a:
                     raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
                 piece = piece.reshape(-1)
                 if step <= last_reduce:
@@ -410,17 +447,19 @@ class RoundResult:
     aborted: dict[int, RingAborted] = field(default_factory=dict)
     """ring_id -> why, for the rings that did not; those segments keep their unaveraged weights."""
     bytes_sent: dict[int, int] = field(default_factory=dict)
-    """ring_id -> segment bytes this node sent, for the rings that finished."""
+    """ring_id -> segment bytes this node sent, for the rings that finished (compressed: on the wire)."""
     seconds: float = 0.0
 
 
 async def average_segments(flats: Mapping[int, Tensor], segments: Sequence[Segment], *, me: str,
                            round_id: int, link: RingLink, mailbox: Mailbox, piece_bytes: int,
-                           timeout_s: float, inplace: bool = False) -> RoundResult:
+                           timeout_s: float, inplace: bool = False,
+                           compression: RingCompression | None = None) -> RoundResult:
     """Run every ring of ``segments`` (this node's, ``flats`` keyed by ring id) at once.
 
     A ring that aborts does not stop the others: each finishes or aborts on its own, and the caller
-    keeps the unaveraged weights of the aborted segments.
+    keeps the unaveraged weights of the aborted segments.  With ``compression`` the rings send their
+    pieces compressed, with error feedback kept in it from round to round (``ravq.ring_compression``).
     """
     result = RoundResult()
     t0 = time.perf_counter()
@@ -429,14 +468,20 @@ async def average_segments(flats: Mapping[int, Tensor], segments: Sequence[Segme
         flat = flats[seg.ring_id]
         assert flat.numel() == seg.numel, f"ring {seg.ring_id}: {flat.numel()} elements, plan says {seg.numel}"
         try:
-            result.averaged[seg.ring_id] = await ring_allreduce(
-                flat, ring_id=seg.ring_id, round_id=round_id, members=seg.ring, me=me, link=link,
-                mailbox=mailbox, piece_bytes=piece_bytes, timeout_s=timeout_s, inplace=inplace)
+            if compression is not None:
+                result.averaged[seg.ring_id] = await compression.average(
+                    flat, seg, round_id=round_id, me=me, link=link, mailbox=mailbox, piece_bytes=piece_bytes,
+                    timeout_s=timeout_s)
+            else:
+                result.averaged[seg.ring_id] = await ring_allreduce(
+                    flat, ring_id=seg.ring_id, round_id=round_id, members=seg.ring, me=me, link=link,
+                    mailbox=mailbox, piece_bytes=piece_bytes, timeout_s=timeout_s, inplace=inplace)
         except RingAborted as err:
             result.aborted[seg.ring_id] = err
         else:
-            result.bytes_sent[seg.ring_id] = ring_bytes_sent(
-                seg.numel, flat.element_size(), len(seg.ring), seg.ring.index(me))
+            per_element = compression.wire_bytes_per_element if compression is not None else flat.element_size()
+            result.bytes_sent[seg.ring_id] = int(ring_bytes_sent(seg.numel, 1, len(seg.ring), seg.ring.index(me))
+                                                 * per_element)
 
     async with asyncio.TaskGroup() as tg:
         for seg in segments:

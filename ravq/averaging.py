@@ -27,11 +27,13 @@ import zmq.asyncio
 
 from ravq import allreduce
 from ravq.allreduce import Mailbox, RoundResult, Segment
+from ravq.compress import Format, Packed
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
 from ravq.model import build_task_model, split_model
 from ravq.optim import set_clusters
 from ravq.pipeline import StageWorker
+from ravq.ring_compression import RingCompression
 from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
 from ravq.wire import DecodeLimits, Message, MsgType
 
@@ -48,9 +50,8 @@ class RingLinks:
         self.me, self.outlinks = me, outlinks
         self._kill_round = int(fault.split(":")[1]) if fault and fault.startswith("kill_in_round:") else None
 
-    async def send(self, peer: str, meta: dict[str, int], tensor: torch.Tensor) -> None:
-        await self.outlinks[peer].send(Message(type=MsgType.RING_CHUNK, sender=self.me, meta=meta,
-                                               tensors={"piece": tensor}))
+    async def send(self, peer: str, meta: dict[str, int], tensor: torch.Tensor | Packed) -> None:
+        await self.outlinks[peer].send(ring_chunk(self.me, meta, tensor))
         if self._kill_round is not None and meta["round"] >= self._kill_round:
             # Fault injection for tests (RAVQ_FAULT=kill_in_round:N): die mid-round, as a crash would.
             os.kill(os.getpid(), signal.SIGKILL)
@@ -58,6 +59,13 @@ class RingLinks:
     async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
         await self.outlinks[peer].send(Message(type=MsgType.RING_ABORT, sender=self.me,
                                                meta={"ring": ring_id, "round": round_id, "reason": reason}))
+
+
+def ring_chunk(sender: str, meta: dict[str, int], piece: torch.Tensor | Packed) -> Message:
+    """The RING_CHUNK message of one piece (a plain tensor or a packed one)."""
+    if isinstance(piece, Packed):
+        return Message(type=MsgType.RING_CHUNK, sender=sender, meta=meta, packed={"piece": piece})
+    return Message(type=MsgType.RING_CHUNK, sender=sender, meta=meta, tensors={"piece": piece})
 
 
 def stage_owners(build: Callable[[], torch.nn.Module], example: tuple[Any, ...], plan: Plan,
@@ -115,6 +123,10 @@ class Averager:
         self.with_state = t.average_optimizer_state
         self.outer_lr = t.outer_lr
         self.lead = t.averaging_lead
+        ring_format = Format(t.compress.ring)
+        self.compression = (RingCompression(ring_format, t.compress.int8_block)
+                            if ring_format is not Format.NONE else None)
+        """Compressed rings with error feedback (ravq.ring_compression); None sends float32 as it is."""
         self.anchors: dict[tuple[str, ...], torch.Tensor] = {}
         self._pending: list[_Pending] = []
         """Overlapped rounds snapshotted and not applied yet, oldest first (compute thread only)."""
@@ -303,8 +315,9 @@ class Averager:
         self.loop = asyncio.get_running_loop()
         while True:
             _, msg = await self.inbox.recv()
-            if msg.type == MsgType.RING_CHUNK and "piece" in msg.tensors and len(msg.tensors) == 1:
-                self.mailbox.deliver(msg.sender, msg.meta, msg.tensors["piece"])
+            piece = allreduce.received_piece(msg.meta, msg.tensors, msg.packed)
+            if msg.type == MsgType.RING_CHUNK and piece is not None:
+                self.mailbox.deliver(msg.sender, msg.meta, piece)
             elif msg.type == MsgType.RING_ABORT:
                 self.mailbox.deliver_abort(msg.sender, msg.meta["ring"], msg.meta["round"],
                                            str(msg.meta.get("reason", ""))[:64])
@@ -318,7 +331,7 @@ class Averager:
             try:
                 result = await allreduce.average_segments(
                     snapshots, segments, me=self.me, round_id=round_id, link=self.link, mailbox=self.mailbox,
-                    piece_bytes=self.piece_bytes, timeout_s=self.timeout_s)
+                    piece_bytes=self.piece_bytes, timeout_s=self.timeout_s, compression=self.compression)
                 self._account(round_id, result)
                 done.set_result(result)
             finally:

@@ -46,6 +46,18 @@ PREDICT_WEIGHTS = 2.0
 """Default horizon factor of weight prediction (measured on the demo task: bench_convergence.py)."""
 
 
+class CompressConfig(_UserConfig):
+    pipeline: Literal["none", "bf16", "fp16", "int8"] = "none"
+    """How activations and gradients cross pipeline links: as they are, cast to bf16/fp16, or int8 with
+    one scale per int8_block values; restored to the stage's dtype on arrival.  Integer tensors, masks
+    and targets are never compressed."""
+    ring: Literal["none", "bf16", "int8"] = "none"
+    """How all-reduce pieces cross ring links: as they are (results bit for bit as uncompressed), or
+    compressed with error feedback (ravq.ring_compression)."""
+    int8_block: int = Field(128, ge=64, le=256)
+    """Values per int8 scale (64-256): smaller blocks are more precise and add more scale bytes."""
+
+
 class TrainingConfig(_UserConfig):
     micro_batch: int = Field(16, ge=1)
     """Samples per micro-batch."""
@@ -86,6 +98,8 @@ class TrainingConfig(_UserConfig):
     """Resume every stage from the newest checkpoint in checkpoint_dir."""
     log_every: int = Field(50, ge=1)
     """Optimizer steps between a node's progress lines at INFO (loss, samples/s, staleness, waits)."""
+    compress: CompressConfig = CompressConfig()
+    """Compression of pipeline and ring traffic (fewer bytes on slow links)."""
 
 
 class TimeoutConfig(_UserConfig):

@@ -172,6 +172,13 @@ class Metrics:
         self.receive_seconds = HopHistogram("ravq_receive_seconds",
                                             "Sender timestamp to decoded on receipt (includes clock offset)",
                                             hop, buckets=_LATENCY_BUCKETS, registry=r)
+        payload = ["socket", "direction", "format"]
+        self.payload_wire_bytes = HopCounter(
+            "ravq_payload_wire_bytes_total", "Tensor bytes on the wire (compressed: payload and scales), "
+            "by compression format (none: plain tensors)", payload, registry=r)
+        self.payload_logical_bytes = HopCounter(
+            "ravq_payload_logical_bytes_total", "Bytes of the uncompressed tensors those wire bytes stand for",
+            payload, registry=r)
         self.bad_messages = Counter("ravq_bad_messages_total", "Malformed messages dropped",
                                     ["socket", "reason"], registry=r)
         self.auth_failures = Counter("ravq_auth_failures_total", "Connections refused by authentication",

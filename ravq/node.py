@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from ravq import checkpoint
 from ravq.averaging import Averager
+from ravq.compress import Format, Packed
 from ravq.config import Plan, Topology, resolve_task_module
 from ravq.limits import derived_max_message_bytes, largest_inbound_frame
 from ravq.membership import Membership
@@ -146,7 +147,8 @@ class Node:
         in_specs = stage_input_specs(specs, example)
         options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                                update_every=training.update_every, micro_batch=training.micro_batch,
-                               predict_weights=training.predict_weights)
+                               predict_weights=training.predict_weights,
+                               compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block)
         batches = None
         if self.stage == 0:
             batches = iter(self.task.train_batches(training.micro_batch, self.cluster, len(plan.clusters), seed))
@@ -302,8 +304,10 @@ class Node:
             out = await self.outbound.get()
             try:
                 kind = MsgType.FORWARD if out.kind == "fwd" else MsgType.BACKWARD
+                tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
+                packed = {n: t for n, t in out.tensors.items() if isinstance(t, Packed)}
                 msg = Message(type=kind, sender=self.name, micro_batch=out.micro_batch, version=out.version,
-                              tensors=out.tensors)
+                              tensors=tensors, packed=packed)
                 await self.links[out.dest].send(msg)
             finally:
                 self.outbound.task_done()
@@ -317,7 +321,7 @@ class Node:
                 self.metrics.bad_messages.labels("pipeline", "unexpected_message").inc()
                 continue
             kind = "fwd" if msg.type == MsgType.FORWARD else "bwd"
-            reason = self.worker.deliver(kind, msg.micro_batch, source, msg.tensors)
+            reason = self.worker.deliver(kind, msg.micro_batch, source, {**msg.tensors, **msg.packed})
             if reason is not None:
                 self.metrics.bad_messages.labels("pipeline", reason).inc()
             depths = self.worker.queue_depths()

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ravq import compress
+from ravq.compress import DEFAULT_BLOCK, Format, Packed
 from ravq.model import StageSpec, model_output
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ class Outbound:
     dest: int
     micro_batch: MicroBatch
     version: int
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | Packed]
+    """Activations and gradients packed when the stage compresses (``StageOptions.compress``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,6 +116,10 @@ class StageOptions:
     update and the staleness window are not checkpointed: after a resume the forwards run unpredicted
     until the first update, so with staleness > 0 a resume is not bit-exact (an asynchronous resume is
     not anyway: the micro-batches in flight start over).  With max_inflight 1 it stays exact."""
+    compress: Format = Format.NONE
+    """How activations and gradients leave this stage (``ravq.compress``); model inputs and targets never
+    are compressed, and what arrives compressed is restored to the dtype this stage expects."""
+    int8_block: int = DEFAULT_BLOCK
 
 
 @dataclass(slots=True)
@@ -155,8 +162,8 @@ class StageWorker:
         self._stash: dict[MicroBatch, _Stash] = {}
         self._pending_staleness: list[int] = []
         self._accumulated = 0
-        self._forward_parts: OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor]]] = OrderedDict()
-        self._backward_parts: OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor]]] = OrderedDict()
+        self._forward_parts: OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor | Packed]]] = OrderedDict()
+        self._backward_parts: OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor | Packed]]] = OrderedDict()
         self._control: list[Callable[[StageWorker], None]] = []
         self._cond = threading.Condition()
         self._stopping = False
@@ -172,9 +179,11 @@ class StageWorker:
 
     # ----------------------------------------------------------------- called from the event loop
     def deliver(self, kind: str, micro_batch: MicroBatch, source: int,
-                tensors: dict[str, torch.Tensor]) -> str | None:
+                tensors: dict[str, torch.Tensor | Packed]) -> str | None:
         """Hand over an arrived message.  Returns None if accepted, else why it was refused (the
-        caller counts and drops it): nothing unexpected ever reaches torch."""
+        caller counts and drops it): nothing unexpected ever reaches torch.  A packed tensor is checked
+        by the shape and dtype it restores to (its descriptor's, sizes verified by ``ravq.wire``) and
+        restored in the compute thread."""
         forward = kind == "fwd"
         parts = self._forward_parts if forward else self._backward_parts
         sources = self._fwd_sources if forward else self.spec.consumer_stages
@@ -375,14 +384,19 @@ class StageWorker:
             self.buffers[name] = fresh[name] = copy
         return fresh
 
-    def _gather_inputs(self, parts: dict[int, dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def _gather_inputs(self, parts: dict[int, dict[str, Any]]) -> list[torch.Tensor]:
         args = []
         for ref in self.spec.received:
             if ref.stage < 0:
-                args.append(parts[0][f"x{ref.index}"])
+                args.append(compress.unpack(parts[0][f"x{ref.index}"]))
             else:
-                args.append(parts[ref.stage][f"o{ref.index}"])
+                args.append(compress.unpack(parts[ref.stage][f"o{ref.index}"]))
         return args
+
+    def _pack(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | Packed]:
+        """Activations or gradients as they leave this stage: compressed unless ``compress`` is none."""
+        fmt, block = self.options.compress, self.options.int8_block
+        return {name: compress.pack(t, fmt, block) for name, t in tensors.items()}
 
     def _run_first_forward(self, emit: Callable[[Outbound], None]) -> None:
         assert self.batches is not None
@@ -399,7 +413,8 @@ class StageWorker:
         outputs = self._forward(mb, self._gather_inputs(parts))
         self._account("forward", t0)
         for dest in self._first_destinations():
-            tensors = {f"o{i}": outputs[i].detach() for i, users in self.spec.consumers.items() if dest in users}
+            tensors = self._pack({f"o{i}": outputs[i].detach() for i, users in self.spec.consumers.items()
+                                  if dest in users})
             tensors.update(self._data_for(dest, inputs, targets))
             emit(Outbound("fwd", dest, mb, self.version, tensors))
 
@@ -422,7 +437,7 @@ class StageWorker:
                 tensors["t"] = tensors.pop("t0")
         return tensors
 
-    def _run_forward(self, mb: MicroBatch, parts: dict[int, dict[str, torch.Tensor]],
+    def _run_forward(self, mb: MicroBatch, parts: dict[int, dict[str, Any]],
                      emit: Callable[[Outbound], None]) -> None:
         if self.is_last:
             self._run_last(mb, self._gather_inputs(parts), _targets(parts[0]), emit)
@@ -432,7 +447,7 @@ class StageWorker:
         self._account("forward", t0)
         for dest in self.spec.consumer_stages:
             tensors = {f"o{i}": outputs[i].detach() for i, users in self.spec.consumers.items() if dest in users}
-            emit(Outbound("fwd", dest, mb, self.version, tensors))
+            emit(Outbound("fwd", dest, mb, self.version, self._pack(tensors)))
 
     def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any,
                   emit: Callable[[Outbound], None]) -> None:
@@ -451,15 +466,15 @@ class StageWorker:
         self._backward_from(mb, stash, [loss], [None], emit)
         self._account("backward", t1)
 
-    def _run_backward(self, mb: MicroBatch, parts: dict[int, dict[str, torch.Tensor]],
+    def _run_backward(self, mb: MicroBatch, parts: dict[int, dict[str, Any]],
                       emit: Callable[[Outbound], None]) -> None:
         t0 = time.monotonic()
         stash = self._stash[mb]
         grads: list[torch.Tensor | None] = [None] * len(stash.outputs)
         for tensors in parts.values():
-            for name, g in tensors.items():
+            for name, packed in tensors.items():
                 i = int(name[1:])
-                g = g.to(self.device)
+                g = compress.unpack(packed, stash.outputs[i].dtype).to(self.device)
                 grads[i] = g if grads[i] is None else grads[i] + g
         pairs = [(o, g) for o, g in zip(stash.outputs, grads) if g is not None and o.requires_grad]
         self._backward_from(mb, stash, [o for o, _ in pairs], [g for _, g in pairs], emit)
@@ -504,7 +519,7 @@ class StageWorker:
                 prev = per_producer[ref.stage].get(name)
                 per_producer[ref.stage][name] = g if prev is None else prev + g
         for producer, tensors in per_producer.items():
-            emit(Outbound("bwd", producer, mb, self.version, tensors))
+            emit(Outbound("bwd", producer, mb, self.version, self._pack(tensors)))
 
     def _step(self) -> None:
         for used in self._pending_staleness:
@@ -569,13 +584,15 @@ class StageWorker:
             self.metrics.inflight.set(len(self._stash))
 
 
-def _check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[torch.Size, torch.dtype]],
+def _check_tensors(tensors: dict[str, torch.Tensor | Packed], expected: dict[str, tuple[torch.Size, torch.dtype]],
                    exact: bool) -> str | None:
     if exact and set(tensors) != set(expected):
         return "unexpected_tensors"
     for name, t in tensors.items():
         want = expected.get(name)
         if want is None:
+            return "unexpected_tensors"
+        if isinstance(t, Packed) and name[0] not in "og":  # model inputs and targets go uncompressed
             return "unexpected_tensors"
         if t.shape != want[0] or t.dtype != want[1]:
             return "bad_tensor_shape"

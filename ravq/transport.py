@@ -70,6 +70,7 @@ class _HopMetrics:
         self.metrics, self.socket = metrics, socket
         self._sent: dict[tuple[str, str], tuple[HopObservations, HopCount, HopCount]] = {}
         self._received: dict[tuple[str, str], tuple[HopCount, HopCount, HopObservations]] = {}
+        self._payload_bytes: dict[tuple[str, str], tuple[HopCount, HopCount]] = {}
 
     def sent(self, peer: str, msg: Message, frames: list[Any], t0: float) -> None:
         key = (peer, msg.type)
@@ -80,6 +81,28 @@ class _HopMetrics:
         series[0].observe(time.perf_counter() - t0)
         series[1].inc()
         series[2].inc(_nbytes(frames))
+        if msg.tensors or msg.packed:
+            self._payload("sent", msg)
+
+    def _payload(self, direction: str, msg: Message) -> None:
+        """Tensor bytes on the wire and the uncompressed bytes they stand for, per compression format."""
+        if msg.tensors:
+            wire, logical = self._payload_series(direction, "none")
+            nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+            wire.inc(nbytes)
+            logical.inc(nbytes)
+        for p in msg.packed.values():
+            wire, logical = self._payload_series(direction, p.format)
+            wire.inc(p.wire_bytes)
+            logical.inc(p.logical_bytes)
+
+    def _payload_series(self, direction: str, fmt: str) -> tuple[HopCount, HopCount]:
+        key = (direction, fmt)
+        if (series := self._payload_bytes.get(key)) is None:
+            labels = (self.socket, direction, fmt)
+            series = self._payload_bytes[key] = (self.metrics.payload_wire_bytes.labels(*labels),
+                                                 self.metrics.payload_logical_bytes.labels(*labels))
+        return series
 
     def received(self, peer: str, msg: Message, frames: list[Any], latency: bool = False) -> None:
         """Count a decoded message; with ``latency``, observe sender timestamp -> now."""
@@ -91,6 +114,8 @@ class _HopMetrics:
                                             m.receive_seconds.labels(*labels))
         series[0].inc()
         series[1].inc(_nbytes(frames))
+        if msg.tensors or msg.packed:
+            self._payload("received", msg)
         if latency:
             series[2].observe(max(0.0, time.time() - msg.sent_at))
 

@@ -5,6 +5,13 @@ the JSON, every field's type, the dtype against an allowlist, the frame count an
 length before a single tensor is made, and raises ``WireError`` with a short ``reason`` (used as a
 metric label) otherwise.  Tensor frames are sent without a copy (a memoryview over the tensor's
 storage) and received without a copy (``torch.frombuffer`` over the frame).
+
+Compressed tensors (``ravq.compress.Packed``, in ``Message.packed``) are frames of their own kinds,
+named in the descriptor's ``kind``: ``cast`` (a bf16/fp16 frame standing for a wider float tensor,
+``to`` naming it), ``q8`` (int8 values of a float tensor, ``to`` and ``block`` as sent) always followed
+by its ``q8_scale`` frame (one float32 scale per block).  They are validated like every frame and
+more: kinds, ``to`` and ``block`` from allowlists, a q8 frame's scale frame present and of exactly its
+block count, every scale finite and not negative.  A frame without ``kind`` is a plain tensor.
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import orjson
 
 if TYPE_CHECKING:
     import torch
+
+from ravq.compress import FLOAT_DTYPES, MAX_BLOCK, MIN_BLOCK, Format, Packed, num_blocks
 
 PROTOCOL_VERSION = 1
 
@@ -112,6 +122,8 @@ class Message:
     sent_at: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    packed: dict[str, Packed] = field(default_factory=dict)
+    """Compressed tensors (see ``ravq.compress``); their names differ from those in ``tensors``."""
 
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
@@ -142,12 +154,27 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         assert dtype is not None, f"dtype {t.dtype} of {name!r} is not sendable"
         descriptors.append({"name": name, "dtype": dtype, "shape": list(t.shape)})
         frames.append(tensor_frame(t))
+    for name, p in msg.packed.items():
+        assert name not in msg.tensors, f"{name!r} is both a tensor and a packed tensor"
+        descriptors.extend(_packed_descriptors(name, p))
+        frames.append(tensor_frame(p.data))
+        if p.scales is not None:
+            frames.append(tensor_frame(p.scales))
     header = {
         "v": PROTOCOL_VERSION, "type": str(msg.type), "sender": msg.sender,
         "mb": list(msg.micro_batch) if msg.micro_batch is not None else None,
         "ver": msg.version, "ts": msg.sent_at or time.time(), "meta": msg.meta, "tensors": descriptors,
     }
     return [orjson.dumps(header), *frames]
+
+
+def _packed_descriptors(name: str, p: Packed) -> list[dict[str, Any]]:
+    shape, to = list(p.shape), _DTYPE_NAMES[p.dtype]
+    if p.format is Format.INT8:
+        assert p.scales is not None and p.scales.dtype == torch.float32
+        return [{"name": name, "dtype": "int8", "shape": shape, "kind": "q8", "to": to, "block": p.block},
+                {"name": name, "dtype": "float32", "shape": [p.scales.numel()], "kind": "q8_scale"}]
+    return [{"name": name, "dtype": _DTYPE_NAMES[p.data.dtype], "shape": shape, "kind": "cast", "to": to}]
 
 
 _MISSING = object()
@@ -255,15 +282,87 @@ def decode(frames: Sequence[Any], limits: DecodeLimits = DecodeLimits()) -> Mess
     if len(descriptors) != len(frames) - 1:
         raise WireError("frame_count", f"{len(descriptors)} descriptors, {len(frames) - 1} frames")
     checked: dict[str, tuple[memoryview, str, list[int]]] = {}
+    packed: dict[str, _PackedFrames] = {}
+    q8: _PackedFrames | None = None  # a q8 frame waiting for its scale frame
     for i, d in enumerate(descriptors, 1):
         name, dtype, shape, nbytes = _check_descriptor(d, limits)
         buf = memoryview(frames[i])
         if nbytes != len(buf):
             raise WireError("frame_size", f"{name}: expected {nbytes} bytes, got {len(buf)}")
-        if name in checked:
+        kind = d.get("kind", _MISSING)
+        if q8 is not None:
+            _check_scales(q8, kind, name, shape, dtype, buf)
+            q8.scales = buf
+            q8 = None
+            continue
+        if name in checked or name in packed:
             raise WireError("bad_descriptor", "duplicate name")
-        checked[name] = (buf, dtype, shape)
+        if kind is _MISSING:
+            checked[name] = (buf, dtype, shape)
+            continue
+        entry = packed[name] = _packed_frames(name, d, kind, dtype, shape, buf, limits)
+        if entry.format is Format.INT8:
+            q8 = entry
+    if q8 is not None:
+        raise WireError("bad_codec", "q8 frame without its q8_scale frame")
     # Only a fully validated message reaches torch.
     tensors = {name: _tensor(buf, dtype, shape) for name, (buf, dtype, shape) in checked.items()}
     return Message(type=mtype, sender=sender, micro_batch=(mb[0], mb[1]) if mb else None, version=version,
-                   sent_at=float(sent_at), meta=meta, tensors=tensors)
+                   sent_at=float(sent_at), meta=meta, tensors=tensors,
+                   packed={name: entry.make() for name, entry in packed.items()})
+
+
+@dataclass(slots=True)
+class _PackedFrames:
+    name: str
+    format: Format
+    data: memoryview
+    dtype: str
+    shape: list[int]
+    to: str
+    block: int = 0
+    scales: memoryview | None = None
+
+    def make(self) -> Packed:
+        data = _tensor(self.data, self.dtype, self.shape)
+        if self.format is not Format.INT8:
+            return Packed(self.format, data, DTYPES[self.to], data.shape)
+        assert self.scales is not None
+        scales = _tensor(self.scales, "float32", [len(self.scales) // 4])
+        return Packed(Format.INT8, data.view(-1), DTYPES[self.to], data.shape, scales, self.block)
+
+
+_TO = {name for name, dtype in DTYPES.items() if dtype in FLOAT_DTYPES}
+_CAST_FORMATS = {"bfloat16": Format.BF16, "float16": Format.FP16}
+
+
+def _packed_frames(name: str, d: dict[str, Any], kind: Any, dtype: str, shape: list[int], buf: memoryview,
+                   limits: DecodeLimits) -> _PackedFrames:
+    """The first frame of a compressed tensor: a ``cast`` or a ``q8`` frame."""
+    to = d.get("to")
+    if type(to) is not str or to not in _TO:
+        raise WireError("bad_codec", f"to: {str(to)[:32]}")
+    if math.prod(shape) * _ITEMSIZE[to] > limits.max_tensor_bytes:  # what it restores to is bounded too
+        raise WireError("tensor_too_large", f"{name} restored")
+    if kind == "cast":
+        fmt = _CAST_FORMATS.get(dtype)
+        if fmt is None:
+            raise WireError("bad_codec", f"cast frame of {dtype}")
+        return _PackedFrames(name, fmt, buf, dtype, shape, to)
+    if kind == "q8":
+        block = d.get("block")
+        if dtype != "int8" or type(block) is not int or not MIN_BLOCK <= block <= MAX_BLOCK:
+            raise WireError("bad_codec", f"q8 frame of {dtype}, block {str(block)[:16]}")
+        return _PackedFrames(name, Format.INT8, buf, dtype, shape, to, block)
+    raise WireError("bad_codec", f"kind: {str(kind)[:32]}")
+
+
+def _check_scales(q8: _PackedFrames, kind: Any, name: str, shape: list[int], dtype: str, buf: memoryview) -> None:
+    """The frame after a q8 frame: its scales, one finite, non-negative float32 per block."""
+    numel = len(q8.data)
+    if (kind != "q8_scale" or name != q8.name or dtype != "float32"
+            or shape != [num_blocks(numel, q8.block)]):
+        raise WireError("bad_codec", f"{q8.name}: q8 frame not followed by its q8_scale frame")
+    scales = np.frombuffer(buf, dtype=np.float32)
+    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+        raise WireError("bad_scale", name)

@@ -8,13 +8,16 @@ from typing import Any
 
 import torch
 
+from ravq.compress import Format, Packed
 from ravq.model import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
 from ravq.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
+from ravq.wire import Message, MsgType, decode, encode
 
 
 def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int, micro_batch: int = 4,
                  seed: int = 0, update_every: int = 1, cluster: int = 0,
-                 num_clusters: int = 1, predict_weights: float = 0.0) -> list[StageWorker]:
+                 num_clusters: int = 1, predict_weights: float = 0.0,
+                 compress: Format = Format.NONE) -> list[StageWorker]:
     model = build_task_model(task, seed)
     cuts = even_cuts(candidate_cuts(model, task), stages)
     specs = split_model(model, task.example_inputs(micro_batch), cuts)
@@ -22,7 +25,7 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
     in_specs = stage_input_specs(specs, task.example_inputs(micro_batch))
     _, target_example = next(task.train_batches(micro_batch, 0, 1, seed))
     opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch,
-                        predict_weights=predict_weights)
+                        predict_weights=predict_weights, compress=compress)
     batches = task.train_batches(micro_batch, cluster, num_clusters, seed)
     return [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
                         batches=batches if spec.index == 0 else None, cluster=cluster,
@@ -30,11 +33,18 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
                         target_example=target_example) for spec in specs]
 
 
+def _over_the_wire(packed: Packed) -> Packed:
+    """A packed tensor as a receiver gets it: encoded and decoded by ravq.wire."""
+    msg = Message(type=MsgType.PROBE, sender="harness", packed={"p": packed})
+    return decode([bytes(f) for f in encode(msg)]).packed["p"]
+
+
 def run_workers(workers: list[StageWorker], timeout_s: float = 60.0) -> None:
     def emit_from(src: int):
         def emit(out: Outbound) -> None:
             # clone: like the wire, the receiver gets its own copy
-            tensors = {k: v.detach().clone() for k, v in out.tensors.items()}
+            tensors = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _over_the_wire(v)
+                       for k, v in out.tensors.items()}
             assert workers[out.dest].deliver(out.kind, out.micro_batch, src, tensors) is None
         return emit
 

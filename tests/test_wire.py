@@ -31,7 +31,7 @@ from ravq.wire import (
 KNOWN_REASONS = {
     "no_frames", "too_many_frames", "header_too_large", "bad_json", "bad_version", "bad_type",
     "missing_field", "bad_field", "bad_descriptor", "bad_dtype", "bad_shape", "tensor_too_large",
-    "frame_count", "frame_size",
+    "frame_count", "frame_size", "bad_codec", "bad_scale",
 }
 _SAMPLE_BY_KIND: dict[type, Any] = {int: 3, str: "s", float: 0.5, bool: True, dict: {}, list: []}
 
