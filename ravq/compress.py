@@ -26,6 +26,9 @@ DEFAULT_BLOCK = 128
 QMAX = 127
 """int8 values lie in [-127, 127]: symmetric, so -x packs to the negation of x."""
 
+_LARGEST = torch.finfo(torch.float32).max * (1 - 1e-6)
+"""Beyond this 127 x (value / 127) may round to inf in float32: such a tensor goes uncompressed."""
+
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 """The dtypes a packed tensor may restore to."""
 
@@ -111,7 +114,7 @@ def _quantize(t: Tensor, block: int) -> Tensor | Packed:
         flat = torch.nn.functional.pad(flat, (0, nb * block - n))
     blocks = flat.view(nb, block)
     amax = blocks.abs().amax(dim=1, keepdim=True)
-    if not torch.isfinite(amax).all():
+    if not torch.isfinite(amax).all() or float(amax.max()) > _LARGEST:
         return t
     scales = amax / QMAX
     inverse = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))

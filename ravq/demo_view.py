@@ -173,6 +173,7 @@ def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, A
         "allreduce_seconds_mean": sum(ar_means) / len(ar_means) if ar_means else 0.0,
         "nodes": [{k: n.get(k) for k in ("name", "cluster", "stage", "busy_fraction", "staleness_mean",
                                           "bytes_sent", "bytes_received", "version", "samples",
-                                          "allreduce_rounds", "allreduce_seconds_mean", "bad_messages")}
+                                          "allreduce_rounds", "allreduce_seconds_mean", "bad_messages",
+                                          "payload_wire_bytes_sent", "payload_logical_bytes_sent")}
                   for n in nodes],
     }

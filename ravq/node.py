@@ -356,6 +356,9 @@ class Node:
                 "bytes_sent": _total(self.metrics, "ravq_bytes_sent_total"),
                 "bytes_received": _total(self.metrics, "ravq_bytes_received_total"),
                 "ring_bytes_sent": _total(self.metrics, "ravq_bytes_sent_total", socket="ring"),
+                "payload_wire_bytes_sent": _total(self.metrics, "ravq_payload_wire_bytes_total", direction="sent"),
+                "payload_logical_bytes_sent": _total(self.metrics, "ravq_payload_logical_bytes_total",
+                                                     direction="sent"),
                 "bad_messages": _total(self.metrics, "ravq_bad_messages_total")}
 
     async def shutdown(self) -> None:

@@ -333,6 +333,10 @@ class _PackedFrames:
 
 
 _TO = {name for name, dtype in DTYPES.items() if dtype in FLOAT_DTYPES}
+_MAX_SCALE = {name: torch.finfo(DTYPES[name]).max / 127 * (1 + 1e-6) if DTYPES[name].itemsize == 2
+              else torch.finfo(torch.float32).max / 127 * (1 - 1e-6) for name in _TO}
+"""Largest int8 scale per restored dtype: 127 x scale stays finite (restoring multiplies in float32, then
+casts; a 2-byte dtype's largest value rounds to itself, not to inf, up to half an ulp above it)."""
 _CAST_FORMATS = {"bfloat16": Format.BF16, "float16": Format.FP16}
 
 
@@ -346,8 +350,8 @@ def _packed_frames(name: str, d: dict[str, Any], kind: Any, dtype: str, shape: l
         raise WireError("tensor_too_large", f"{name} restored")
     if kind == "cast":
         fmt = _CAST_FORMATS.get(dtype)
-        if fmt is None:
-            raise WireError("bad_codec", f"cast frame of {dtype}")
+        if fmt is None or _ITEMSIZE[to] <= _ITEMSIZE[dtype]:  # a cast only ever narrows
+            raise WireError("bad_codec", f"cast frame of {dtype} to {to}")
         return _PackedFrames(name, fmt, buf, dtype, shape, to)
     if kind == "q8":
         block = d.get("block")
@@ -364,5 +368,6 @@ def _check_scales(q8: _PackedFrames, kind: Any, name: str, shape: list[int], dty
             or shape != [num_blocks(numel, q8.block)]):
         raise WireError("bad_codec", f"{q8.name}: q8 frame not followed by its q8_scale frame")
     scales = np.frombuffer(buf, dtype=np.float32)
-    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+    # finite and not negative, and small enough that 127 x scale is finite in what it restores to
+    if not (np.isfinite(scales).all() and (scales >= 0).all() and (scales <= _MAX_SCALE[q8.to]).all()):
         raise WireError("bad_scale", name)

@@ -99,3 +99,26 @@ def test_matches_gloo(gloo_results: dict[tuple[int, int, int], torch.Tensor], ri
             else:
                 torch.testing.assert_close(ring[rank], gloo, rtol=1e-6, atol=1e-6)
             assert not torch.equal(ring[rank], inputs(ring_size, numel, rank))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ring_size", RING_SIZES)
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_compressed_ring_matches_gloo_within_the_format_bound(
+        gloo_results: dict[tuple[int, int, int], torch.Tensor], ring_size: int, fmt: str) -> None:
+    """ravq.ring_compression against gloo's float32 average: within the format's bound, same bits on
+    every member (the all-gather restores the same bytes everywhere)."""
+    from ravq.compress import Format
+    from tests.test_ring_compression import compressed_average, ring_bound
+
+    for numel in SIZES[1:]:
+        flats = [inputs(ring_size, numel, r) for r in range(ring_size)]
+        results, _, _ = compressed_average(flats, Format(fmt), piece_bytes=max(256, 4 * numel // 16))
+        bound = ring_bound(flats, Format(fmt))
+        for rank in range(ring_size):
+            gloo = gloo_results[ring_size, numel, rank]
+            assert torch.equal(results[rank], results[0])
+            # gloo's own float32 rounding is within the bound's rounding allowance
+            assert ((results[rank] - gloo).abs() <= bound).all(), float(((results[rank] - gloo).abs() - bound).max())
+            if numel >= 1000:
+                assert not torch.equal(results[rank], gloo), "compressed: not the exact average"

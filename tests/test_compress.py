@@ -222,6 +222,10 @@ def malformed() -> list[tuple[str, list[bytes], str]]:
          "bad_codec"),
         ("cast-of-int8", with_descriptors(bf[0], [{**cast, "dtype": "int8", "shape": [260]}], bf[1]), "bad_codec"),
         ("cast-to-bool", with_descriptors(bf[0], [{**cast, "to": "bool"}], bf[1]), "bad_codec"),
+        ("cast-to-float16", with_descriptors(bf[0], [{**cast, "to": "float16"}], bf[1]), "bad_codec"),
+        ("scale-overflows-float32", with_descriptors(h, [q8, scale], [q, _scales([0.1, 3e36, 0.1])]), "bad_scale"),
+        ("scale-overflows-float16", with_descriptors(h, [{**q8, "to": "float16"}, scale],
+                                                     [q, _scales([0.1, 600.0, 0.1])]), "bad_scale"),
     ]
 
 

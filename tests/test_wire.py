@@ -73,6 +73,14 @@ def assert_same(got: Message, want: Message) -> None:
         g = got.tensors[name]
         assert (g.dtype, g.shape) == (t.dtype, t.shape), name
         assert raw_bytes(g) == raw_bytes(t), name
+    assert list(got.packed) == list(want.packed)
+    for name, p in want.packed.items():
+        q = got.packed[name]
+        assert (q.format, q.dtype, q.shape, q.block) == (p.format, p.dtype, p.shape, p.block), name
+        assert raw_bytes(q.data) == raw_bytes(p.data), name
+        assert (q.scales is None) == (p.scales is None), name
+        if p.scales is not None and q.scales is not None:
+            assert raw_bytes(q.scales) == raw_bytes(p.scales), name
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

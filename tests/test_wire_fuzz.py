@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ravq.compress import FLOAT_DTYPES, MAX_BLOCK, MIN_BLOCK, Format, Packed, pack, unpack
 from ravq.wire import DTYPES, REQUIRED_META, DecodeLimits, Message, MsgType, WireError, decode, encode
 from tests.test_wire import KNOWN_REASONS, assert_same, raw_bytes
 
@@ -50,8 +51,23 @@ def check_invariants(msg: Message, frames: Sequence[Any], limits: DecodeLimits) 
     assert isinstance(msg.meta, dict)
     for key, kind in REQUIRED_META.get(msg.type, {}).items():
         assert isinstance(msg.meta[key], kind) and not isinstance(msg.meta[key], bool), key
-    assert len(msg.tensors) == len(frames) - 1 <= limits.max_frames - 1
-    for (name, t), frame in zip(msg.tensors.items(), frames[1:]):
+    packed_frames = sum(1 if p.scales is None else 2 for p in msg.packed.values())
+    assert len(msg.tensors) + packed_frames == len(frames) - 1 <= limits.max_frames - 1
+    assert not set(msg.tensors) & set(msg.packed)
+    for p in msg.packed.values():  # what a receiver restores: the shape and dtype it was told, finite scales
+        assert p.dtype in FLOAT_DTYPES and math.prod(p.shape) == p.data.numel()
+        if p.format is Format.INT8:
+            assert p.data.dtype == torch.int8 and p.scales is not None and MIN_BLOCK <= p.block <= MAX_BLOCK
+            assert p.scales.numel() == -(-p.data.numel() // p.block)
+            assert bool(torch.isfinite(p.scales).all()) and bool((p.scales >= 0).all())
+            assert bool(torch.isfinite(unpack(p)).all())
+        else:
+            assert p.data.dtype in (torch.bfloat16, torch.float16) and p.scales is None
+        restored = unpack(p)
+        assert restored.shape == p.shape and restored.dtype == p.dtype
+    descriptors = orjson.loads(bytes(memoryview(frames[0])))["tensors"]
+    plain_frames = [f for d, f in zip(descriptors, frames[1:]) if "kind" not in d]  # frames of plain tensors
+    for (name, t), frame in zip(msg.tensors.items(), plain_frames, strict=True):
         assert isinstance(name, str) and len(name) <= 256
         assert t.dtype in DTYPES.values() and t.dim() <= 16 and t.device.type == "cpu"
         nbytes = t.numel() * t.element_size()
@@ -104,10 +120,30 @@ def messages(draw: st.DrawFn) -> Message:
                        else st.none() | st.tuples(non_negative, non_negative))
     meta = draw(st.dictionaries(st.text(max_size=8), json_values, max_size=4))
     meta.update({key: draw(st.integers(-(2**63), 2**63 - 1)) for key in REQUIRED_META.get(mtype, {})})
+    plain = draw(st.dictionaries(names, tensors(), max_size=4))
+    packed = {name: p for name, p in draw(st.dictionaries(names, packed_tensors(), max_size=3)).items()
+              if name not in plain}
     return Message(type=mtype, sender=draw(st.text(st.characters(codec="utf-8"), min_size=1, max_size=128)),
                    micro_batch=micro_batch, version=draw(st.integers(-(2**63), 2**63 - 1)),
                    sent_at=draw(st.floats(min_value=1e-6, max_value=1e12)), meta=meta,
-                   tensors=draw(st.dictionaries(names, tensors(), max_size=4)))
+                   tensors=plain, packed=packed)
+
+
+@st.composite
+def packed_tensors(draw: st.DrawFn) -> Packed:
+    """A compressed tensor as ravq.compress makes it (from finite values of any size and scale)."""
+    fmt = draw(st.sampled_from([Format.BF16, Format.FP16, Format.INT8]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    shape = draw(st.lists(st.integers(1, 70), min_size=1, max_size=3))
+    values = draw(st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=16))
+    block = draw(st.integers(MIN_BLOCK, MAX_BLOCK))
+    numel = math.prod(shape)  # the drawn values, tiled (hypothesis draws lists of a few thousand slowly)
+    t = torch.tensor(values, dtype=dtype).repeat(-(-numel // len(values)))[:numel].reshape(shape)
+    packed = pack(t, fmt, block)
+    if not isinstance(packed, Packed):  # int8 of one value, or a cast that would not narrow
+        packed = pack(torch.cat([t.reshape(-1), t.reshape(-1)]).reshape(2, *shape), Format.BF16)
+    assert isinstance(packed, Packed)
+    return packed
 
 
 def as_buffers(frames: list[bytes], kind: str) -> list[Any]:
@@ -190,6 +226,12 @@ def test_near_valid_messages_only_raise_wire_error(frames: list[bytes], small: b
 # -------------------------------------------------------------------------------- mutation loop
 
 
+def _packed(t: torch.Tensor, fmt: Format, block: int) -> Packed:
+    packed = pack(t, fmt, block)
+    assert isinstance(packed, Packed)
+    return packed
+
+
 def corpus() -> list[list[bytes]]:
     gen = torch.Generator().manual_seed(0)
     msgs = [
@@ -208,12 +250,21 @@ def corpus() -> list[list[bytes]]:
                 tensors={"empty": torch.empty(0, 3), "scalar": torch.tensor(2.0, dtype=torch.float64),
                          "mask": torch.tensor([True, False, True]), "u8": torch.arange(5, dtype=torch.uint8)}),
         Message(type=MsgType.HEARTBEAT, sender="node-7", sent_at=6.0, meta={"loss": 1.25, "ok": True}),
+        # compressed frames (ravq.compress): int8 payload + scales, and a bf16 cast, beside a plain tensor
+        Message(type=MsgType.FORWARD, sender="stage-0", micro_batch=(0, 18), version=3, sent_at=13.5,
+                tensors={"t": torch.randint(0, 50, (4,), generator=gen)},
+                packed={"o0": _packed(torch.randn(3, 70, generator=gen), Format.INT8, 64),
+                        "o1": _packed(torch.randn(5, generator=gen), Format.BF16, 64)}),
+        Message(type=MsgType.RING_CHUNK, sender="n2", sent_at=7.0,
+                meta={"ring": 1, "round": 5, "step": 0, "piece": 1, "base": 4},
+                packed={"piece": _packed(torch.randn(300, generator=gen), Format.INT8, 128)}),
     ]
     return [[bytes(f) for f in encode(m)] for m in msgs]
 
 
 _INTERESTING = [None, True, False, 0, -1, 1, 2, 17, 2**31, 2**63 - 1, 2**64 - 1, -(2**63), 1.5, -0.0, 1e308,
                 "", "x" * 300, "float32", "bool", "fwd", "ring_chunk", [], {}, [0, 0], [0, -1], [1] * 17,
+                "int8", "bfloat16", "q8", "q8_scale", "cast", 63, 64, 256, 257,
                 [0, 2**40, 2**40], {"name": "x"}, {"name": "x", "dtype": "int8", "shape": []}]
 _JSON_BYTES = b'{}[]",:0123456789-eE.tfnul \\'
 
