@@ -73,16 +73,16 @@ def tbf_burst_bytes(rate_mbit: float) -> int:
 
 
 @contextmanager
-def shaped_links(n: int, rate_mbit: float | Sequence[float]) -> Iterator[list[Link]]:
+def shaped_links(n: int, rate_mbit: float | Sequence[float], prefix: str = "rqb") -> Iterator[list[Link]]:
     """``n`` namespaces on one bridge, each one's upload shaped to ``rate_mbit`` (one rate for all, or
-    one per namespace); deleted on exit."""
+    one per namespace); deleted on exit.  Their names start with ``prefix`` (and hold the process id)."""
     rates = [float(rate_mbit)] * n if isinstance(rate_mbit, (int, float)) else [float(r) for r in rate_mbit]
     if len(rates) != n:
         raise ValueError(f"rate_mbit: {len(rates)} rates for {n} links")
     tag = os.getpid()
     subnet = f"10.{150 + tag % 50}.{tag // 50 % 250}"
-    hub = f"rqbhub{tag}"
-    links = [Link(f"rqb{i}n{tag}", f"{subnet}.{i + 1}", f"v{i}") for i in range(n)]
+    hub = f"{prefix}hub{tag}"
+    links = [Link(f"{prefix}{i}n{tag}", f"{subnet}.{i + 1}", f"v{i}") for i in range(n)]
     created: list[str] = []
     try:
         for ns in [hub, *(link.netns for link in links)]:

@@ -44,8 +44,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _netns
 import torch
 
-from ravq.allreduce import Mailbox, average_segments, plan_segments, ring_allreduce, segments_for
+from ravq.allreduce import (
+    Mailbox,
+    average_segments,
+    plan_segments,
+    received_piece,
+    ring_allreduce,
+    segments_for,
+)
+from ravq.compress import Format
 from ravq.config import TrainingConfig
+from ravq.ring_compression import compressed_ring_allreduce
 
 WORLD = 4
 DEFAULT_MB, DEFAULT_REPEATS, MIN_SHAPED_REPEATS = 100.0, 5, 3
@@ -77,10 +86,9 @@ class ZmqRingLink:
     def __init__(self, me: str, outlinks: dict[str, Any]) -> None:
         self.me, self.outlinks = me, outlinks
 
-    async def send(self, peer: str, meta: dict[str, int], tensor: torch.Tensor) -> None:
-        from ravq.wire import Message, MsgType
-        await self.outlinks[peer].send(Message(type=MsgType.RING_CHUNK, sender=self.me, meta=meta,
-                                               tensors={"piece": tensor}))
+    async def send(self, peer: str, meta: dict[str, int], tensor: Any) -> None:
+        from ravq.averaging import ring_chunk
+        await self.outlinks[peer].send(ring_chunk(self.me, meta, tensor))
 
     async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
         from ravq.wire import Message, MsgType
@@ -94,7 +102,9 @@ async def pump(inbox: Any, mailbox: Mailbox) -> None:
     while True:
         _, msg = await inbox.recv()
         if msg.type is MsgType.RING_CHUNK:
-            mailbox.deliver(msg.sender, msg.meta, msg.tensors["piece"])
+            piece = received_piece(msg.meta, msg.tensors, msg.packed)
+            assert piece is not None
+            mailbox.deliver(msg.sender, msg.meta, piece)
         elif msg.type is MsgType.RING_ABORT:
             mailbox.deliver_abort(msg.sender, msg.meta["ring"], msg.meta["round"], str(msg.meta.get("reason", "")))
 
@@ -125,6 +135,16 @@ class Bench:
                              timeout_s=60.0, inplace=True)
         return time.perf_counter() - t0, cpu_seconds() - c0, busy_since(m0)
 
+    async def time_compressed(self, fmt: Format) -> tuple[float, float, float, torch.Tensor]:
+        """As time_ring, with pieces sent compressed (ravq.ring_compression; a first round: no residual)."""
+        self.buf.copy_(self.x)
+        self.dist.barrier()
+        m0, t0, c0 = machine_ticks(), time.perf_counter(), cpu_seconds()
+        out, _ = await compressed_ring_allreduce(
+            self.buf, ring_id=0, round_id=self.next_round(), members=self.members, me=self.me, link=self.link,
+            mailbox=self.mailbox, piece_bytes=self.piece_bytes, timeout_s=60.0, fmt=fmt)
+        return time.perf_counter() - t0, cpu_seconds() - c0, busy_since(m0), out
+
     def time_gloo(self, divide: bool) -> tuple[float, float, float]:
         self.buf.copy_(self.x)
         self.dist.barrier()
@@ -137,9 +157,21 @@ class Bench:
     async def phase_a(self) -> dict[str, Any]:
         await self.time_ring(self.members)  # warm-up: connections, allocations
         self.time_gloo(True)
-        out: dict[str, list[float]] = {k: [] for k in ("ravq", "gloo", "gloo_avg", "ravq_cpu", "gloo_cpu",
-                                                       "ravq_busy", "gloo_busy")}
+        formats = [Format(f) for f in self.args.compress]
+        for fmt in formats:
+            await self.time_compressed(fmt)
+        out: dict[str, Any] = {k: [] for k in ("ravq", "gloo", "gloo_avg", "ravq_cpu", "gloo_cpu",
+                                               "ravq_busy", "gloo_busy")}
+        results: dict[str, torch.Tensor] = {}
+        for fmt in formats:
+            out.update({fmt.value: [], f"{fmt.value}_cpu": [], f"{fmt.value}_busy": []})
         for _ in range(self.args.repeats):
+            for fmt in formats:  # compressed rounds first: the plain ring's result is kept below
+                wall, cpu, busy, result = await self.time_compressed(fmt)
+                out[fmt.value].append(wall)
+                out[f"{fmt.value}_cpu"].append(cpu)
+                out[f"{fmt.value}_busy"].append(busy)
+                results[fmt.value] = result.clone()
             wall, cpu, busy = self.time_gloo(False)
             out["gloo"].append(wall)
             out["gloo_cpu"].append(cpu)
@@ -152,6 +184,9 @@ class Bench:
         ravq_result = self.buf.clone()
         self.time_gloo(True)
         diff = float((ravq_result - self.buf).abs().max()) if self.numel else 0.0
+        for name, result in results.items():
+            out[f"{name}_diff"] = float((result - self.buf).abs().max()) if self.numel else 0.0
+        out["average_abs_max"] = float(self.buf.abs().max()) if self.numel else 0.0
         return {**out, "diff": diff}
 
     async def phase_b(self) -> dict[str, Any]:
@@ -279,26 +314,47 @@ def summarize(reports: dict[int, dict[str, Any]], args: argparse.Namespace) -> d
         "single_ring_bytes_per_s": (numel // 2) * 4 / single, "parallel_rings_bytes_per_s": numel * 4 / parallel,
         "parallel_over_single": (numel * 4 / parallel) / ((numel // 2) * 4 / single),
         "stale_dropped": sum(r["stale_dropped"] for r in reports.values()),
+        **compressed_summary(reports, args, gloo, gloo_cpu),
     }
 
 
-def transfer_seconds(mb: float, repeats: int, rate_mbit: float) -> float:
+def compressed_summary(reports: dict[int, dict[str, Any]], args: argparse.Namespace, gloo: float,
+                       gloo_cpu: float) -> dict[str, Any]:
+    """Per compression format: time, ratio to gloo's float32 time, CPU, and how far from gloo's average."""
+    out: dict[str, Any] = {"compress": list(args.compress)}
+    for fmt in args.compress:
+        wall, cpu = slowest_median(reports, fmt), total_median(reports, f"{fmt}_cpu")
+        diff = max(r[f"{fmt}_diff"] for r in reports.values())
+        out.update({f"ravq_{fmt}_s": wall, f"ratio_{fmt}_over_gloo": wall / gloo, f"ravq_{fmt}_cpu_s": cpu,
+                    f"cpu_ratio_{fmt}_over_gloo": cpu / gloo_cpu,
+                    f"machine_busy_{fmt}": statistics.median(reports[0][f"{fmt}_busy"]),
+                    f"max_abs_diff_{fmt}_vs_gloo": diff,
+                    f"max_rel_diff_{fmt}_vs_gloo": diff / max(r["average_abs_max"] for r in reports.values())})
+    return out
+
+
+COMPRESSED_SHARE = {"bf16": 0.5, "int8": (1 + 4 / 128) / 4}
+"""Bytes of a compressed round over a float32 one."""
+
+
+def transfer_seconds(mb: float, repeats: int, rate_mbit: float, compress: tuple[str, ...] = ()) -> float:
     """A run's time on the links alone: each process uploads 2(C-1)/C of the tensor per all-reduce, for
     3 warm-up and final rounds plus 3 per repeat in (a), and 2 of half the tensor on a ring of 2 per
-    repeat (+1 warm-up) in (b): 11/3 all-reduces' worth per repeat + 1."""
+    repeat (+1 warm-up) in (b): 11/3 all-reduces' worth per repeat + 1; and a compressed round per
+    format, its share of one, per repeat + 1."""
     one = 2 * (WORLD - 1) / WORLD * mb * 1e6 * 8 / (rate_mbit * 1e6)
-    return 11 / 3 * one * (repeats + 1)
+    return (11 / 3 + sum(COMPRESSED_SHARE[f] for f in compress)) * one * (repeats + 1)
 
 
 def fit_shaped_run(args: argparse.Namespace) -> str:
     """Choose --repeats (3-5) and, if even 3 would not fit, --mb, unless given: SHAPED_BUDGET_S."""
     if args.repeats is None:
-        fits = int(SHAPED_BUDGET_S / transfer_seconds(args.mb, 0, args.link_mbit)) - 1
+        fits = int(SHAPED_BUDGET_S / transfer_seconds(args.mb, 0, args.link_mbit, args.compress)) - 1
         args.repeats = max(MIN_SHAPED_REPEATS, min(DEFAULT_REPEATS, fits))
         if not args.mb_given and fits < MIN_SHAPED_REPEATS:
             args.mb = float(int(args.mb * SHAPED_BUDGET_S / transfer_seconds(args.mb, args.repeats,
-                                                                             args.link_mbit)))
-    est = transfer_seconds(args.mb, args.repeats, args.link_mbit)
+                                                                             args.link_mbit, args.compress)))
+    est = transfer_seconds(args.mb, args.repeats, args.link_mbit, args.compress)
     return (f"shaped links: {args.link_mbit:g} Mbit/s tbf on each process's uplink (netns + veth + bridge); "
             f"{args.mb:g} MB, {args.repeats} repeats: ~{est:.0f} s of transfers at that rate")
 
@@ -310,7 +366,8 @@ def run(args: argparse.Namespace, links: list[_netns.Link] | None) -> dict[int, 
     procs = [ctx.Process(target=worker, args=(r, args, ports, results, links), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
-    timeout = 600.0 if links is None else max(600.0, 3 * transfer_seconds(args.mb, args.repeats, args.link_mbit))
+    timeout = 600.0 if links is None else max(600.0, 3 * transfer_seconds(args.mb, args.repeats, args.link_mbit,
+                                                                                args.compress))
     done = False
     try:
         reports = dict(results.get(timeout=timeout) for _ in range(WORLD))
@@ -340,6 +397,11 @@ def main() -> None:
     parser.add_argument("--link-mbit", type=float, default=None, metavar="R",
                         help="run every process in its own network namespace, its uplink shaped to R Mbit/s "
                              "(needs root, ip netns, tc tbf)")
+    parser.add_argument("--compress", nargs="*", choices=["bf16", "int8"], default=["bf16", "int8"],
+                        help="also time the ring with its pieces compressed in these formats (ravq.ring_compression; "
+                             "default: bf16 int8; none: only float32)")
+    parser.add_argument("--netns-prefix", default="rqb", help="names of the namespaces made for --link-mbit start "
+                        "with this (and hold the process id)")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (4 MB, 2 repeats)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--no-tuning", action="store_true",
@@ -363,7 +425,7 @@ def main() -> None:
             sys.exit(f"bench_allreduce.py: --link-mbit needs root, ip netns and tc tbf: {reason}")
         print(fit_shaped_run(args), flush=True)
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        with _netns.shaped_links(WORLD, args.link_mbit) as links:
+        with _netns.shaped_links(WORLD, args.link_mbit, args.netns_prefix) as links:
             reports = run(args, links)
     summary = summarize(reports, args)
     mb = summary["tensor_bytes"] / 1e6
@@ -385,6 +447,11 @@ def main() -> None:
         line = args.link_mbit * 1e6 / 8
         print(f"    per-process upload ravq {summary['ravq_bus_bytes_per_s'] / line:.0%} of the link, gloo "
               f"{summary['ravq_bus_bytes_per_s'] * summary['ratio_ravq_over_gloo'] / line:.0%}")
+    for fmt in args.compress:
+        print(f"    ravq ring, {fmt:<4}    {summary[f'ravq_{fmt}_s'] * 1e3:8.1f} ms   / gloo "
+              f"{summary[f'ratio_{fmt}_over_gloo']:.3f}   CPU x{summary[f'cpu_ratio_{fmt}_over_gloo']:.2f} gloo's   "
+              f"max |ravq - gloo| {summary[f'max_abs_diff_{fmt}_vs_gloo']:.2e} "
+              f"({summary[f'max_rel_diff_{fmt}_vs_gloo']:.1e} of the largest average)")
     print(f"(b) 2 clusters x 2 stages, two rings of 2, each on a {mb / 2:.0f} MB half ({where}):")
     print(f"    one ring alone     {summary['single_ring_bytes_per_s'] / 1e9:8.3f} GB/s")
     print(f"    two rings at once  {summary['parallel_rings_bytes_per_s'] / 1e9:8.3f} GB/s aggregate   "

@@ -124,6 +124,8 @@ def ravq_losses(args: argparse.Namespace, steps: int) -> tuple[list[list[float]]
            *(["--max-inflight", str(args.max_inflight)] if args.max_inflight else []),
            *(["--predict-weights", str(args.predict_weights)] if args.predict_weights is not None else []),
            *(["--average-optimizer-state"] if args.average_optimizer_state else []),
+           *(["--compress-pipeline", args.compress_pipeline] if args.compress_pipeline else []),
+           *(["--compress-ring", args.compress_ring] if args.compress_ring else []),
            "--run-dir", str(run), "--report", str(run / "report.json")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
@@ -158,8 +160,7 @@ def sensitivity(smooth: list[list[float]], reached: int | None, clusters: int, b
     return 0.01 / drop_per_step * clusters / budget
 
 
-def run_seed(args: argparse.Namespace, seed: int) -> dict:
-    args.seed = seed
+def references_for(args: argparse.Namespace, seed: int) -> dict[str, dict]:
     budget_samples = args.budget * args.micro_batch
     references = {}
     for name, batch in (("global", args.micro_batch * args.clusters), ("micro", args.micro_batch)):
@@ -167,6 +168,13 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
         losses = one_process_losses(args.task, steps_ref, batch, seed)
         references[name] = {"batch": batch, "steps": steps_ref, "window": window_ref,
                             "target_loss": sum(losses[-window_ref:]) / window_ref}
+    return references
+
+
+def run_seed(args: argparse.Namespace, seed: int, references: dict[str, dict] | None = None) -> dict:
+    args.seed = seed
+    budget_samples = args.budget * args.micro_batch
+    references = references or references_for(args, seed)
     steps = int(args.budget * args.headroom / args.clusters) + 1
     curves, report = ravq_losses(args, steps)
     smooth = [trailing_mean(c, args.window) for c in curves]
@@ -177,7 +185,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
         results[name] = {**ref, "ravq_steps_per_cluster": reached, "ravq_samples": samples,
                          "ratio": samples / budget_samples if samples else None,
                          "ratio_per_0.01_loss": sensitivity(smooth, reached, args.clusters, args.budget)}
-    print(f"seed {seed}: budget {budget_samples} samples; ravq {args.clusters}x{args.stages}, micro-batch "
+    compressed = f", compress pipeline {args.compress_pipeline or 'default'} ring {args.compress_ring or 'default'}"
+    print(f"seed {seed}{compressed}: budget {budget_samples} samples; ravq {args.clusters}x{args.stages}, micro-batch "
           f"{args.micro_batch}, sync_every {args.sync_every}, outer_lr {args.outer_lr}, max_inflight "
           f"{args.max_inflight or args.stages}, trained {steps} steps per cluster")
     for name, r in results.items():
@@ -190,7 +199,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
           + (f"{ratio:.3f}" if ratio else "> headroom")
           + (f" (a target 0.01 lower or higher moves it by ~{moves:.3f})" if moves else ""))
     print(f"  ravq run: {report['samples_per_second']:.1f} samples/s, {report['allreduce_rounds']} averaging rounds")
-    return {"seed": seed, "ratio": ratio, "references": results,
+    return {"seed": seed, "ratio": ratio, "references": results, "ravq_samples": results["global"]["ravq_samples"],
+            "compress_pipeline": args.compress_pipeline, "compress_ring": args.compress_ring,
             "samples_per_second": report["samples_per_second"], "allreduce_rounds": report["allreduce_rounds"]}
 
 
@@ -211,6 +221,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="run these seeds (each: its own reference and ravq run) and report their mean ratio")
+    p.add_argument("--compress-pipeline", choices=["none", "bf16", "fp16", "int8"], default=None,
+                   help="ravq's training.compress.pipeline (default: a topology's default)")
+    p.add_argument("--compress-ring", choices=["none", "bf16", "int8"], default=None,
+                   help="ravq's training.compress.ring (default: a topology's default)")
+    p.add_argument("--compare-compress", nargs="+", metavar="PIPELINE:RING", default=None,
+                   help="per seed, also run ravq with these compression settings (e.g. bf16:bf16 int8:int8) and "
+                        "report the samples each needs over uncompressed ravq's (none:none, run first); target: "
+                        "mean over seeds <= 1.05")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -218,6 +236,9 @@ def main() -> None:
         args.budget, args.window = 120, 20
     t0 = time.monotonic()
     seeds = args.seeds or [args.seed]
+    if args.compare_compress:
+        compare_compression(args, seeds, t0)
+        return
     runs = [run_seed(args, seed) for seed in seeds]
     ratios = [r["ratio"] for r in runs]
     reached = [r for r in ratios if r is not None]
@@ -233,6 +254,44 @@ def main() -> None:
                           "clusters": args.clusters, "stages": args.stages, "micro_batch": args.micro_batch,
                           "sync_every": args.sync_every, "outer_lr": args.outer_lr,
                           "max_inflight": args.max_inflight, "window": args.window, "quick": args.quick}))
+
+
+def compare_compression(args: argparse.Namespace, seeds: list[int], t0: float) -> None:
+    """Per seed: one reference, then ravq uncompressed and with each setting; samples over uncompressed."""
+    settings = ["none:none", *[s for s in args.compare_compress if s != "none:none"]]
+    for setting in settings:
+        pipeline, _, ring = setting.partition(":")
+        if pipeline not in ("none", "bf16", "fp16", "int8") or ring not in ("none", "bf16", "int8"):
+            raise SystemExit(f"--compare-compress: {setting!r} is not PIPELINE:RING (none|bf16|fp16|int8 : none|bf16|int8)")
+    runs: dict[str, list[dict]] = {s: [] for s in settings}
+    for seed in seeds:
+        references = references_for(args, seed)
+        for setting in settings:
+            args.compress_pipeline, _, args.compress_ring = setting.partition(":")
+            runs[setting].append(run_seed(args, seed, references))
+    base = runs["none:none"]
+    summary: dict[str, dict] = {}
+    for setting in settings:
+        over = [r["ravq_samples"] / b["ravq_samples"] if r["ravq_samples"] and b["ravq_samples"] else None
+                for r, b in zip(runs[setting], base)]
+        got = [o for o in over if o is not None]
+        mean = sum(got) / len(got) if got and len(got) == len(over) else None
+        ratios = [r["ratio"] for r in runs[setting]]
+        summary[setting] = {"over_uncompressed": over, "mean_over_uncompressed": mean,
+                            "ratios_to_reference": ratios,
+                            "samples_per_second": [r["samples_per_second"] for r in runs[setting]]}
+        print(f"{setting:<10} samples over uncompressed ravq per seed: "
+              + ", ".join(f"{o:.3f}" if o else "n/a" for o in over)
+              + (f"; mean {mean:.3f}" if mean else "") + "   (to the reference: "
+              + ", ".join(f"{r:.3f}" if r else "n/a" for r in ratios) + ")")
+    print(f"bench took {time.monotonic() - t0:.0f}s")
+    if args.json:
+        print(json.dumps({"benchmark": "convergence_compression", "seeds": seeds, "settings": settings,
+                          "summary": summary, "met": all(v["mean_over_uncompressed"] is not None
+                                                         and v["mean_over_uncompressed"] <= 1.05
+                                                         for v in summary.values()),
+                          "budget_samples": args.budget * args.micro_batch, "sync_every": args.sync_every,
+                          "runs": runs, "quick": args.quick}))
 
 
 if __name__ == "__main__":
