@@ -140,6 +140,9 @@ default = SyntheticTask()
 quick = SyntheticTask(layers=4)
 device = SyntheticTask(layers=1, device_ms=25.0)
 device_quick = SyntheticTask(layers=1, device_ms=12.5)
+link = SyntheticTask(layers=1, blocks=2, device_ms=10.0)
+"""bench_pipeline_link.py: 2 stages of one block each, 10 ms forward + 20 ms backward of simulated device
+time, so a 50 Mbit/s link (a micro-batch of 256: 0.5 MB of activations, ~84 ms) decides the rate."""
 
 # The module itself is a task too (``--task benchmarks.synthetic_task``): the default size.
 build_model = default.build_model

@@ -43,8 +43,8 @@ def test_compressed_sync_training_stays_close_to_one_process(tmp_path: Path) -> 
         exported.append(load_file(str(out)))
     drift = max(float((got[n] - v).abs().max() / (v.abs().max() + 1e-3)) for got in exported for n, v in want.items())
     assert 1e-5 < drift < 0.05, drift  # compressed, so not exact; int8's error, so not far
-    for name in want:  # every cluster applied the same average: the same bits
-        assert torch.equal(exported[0][name], exported[1][name]), name
+    for name in want:  # every cluster moved to the same average (live + (average - snapshot): to rounding)
+        torch.testing.assert_close(exported[0][name], exported[1][name], rtol=0, atol=1e-6, msg=name)
     summaries = [swarm.summary(n) for n in swarm.nodes]
     assert all(s["allreduce_rounds"] == steps for s in summaries)
     assert all(s["bad_messages"] == 0 for s in summaries)
