@@ -289,6 +289,8 @@ class Averager:
         if moved:
             named = {**named, **self.worker.fresh_buffers(moved)}
         deltas = allreduce.apply_round(named, segments, snapshots, result)
+        if self.compression is not None:
+            _keep_non_negative_state(named, segments, snapshots, result)
         for seg in segments:
             if (delta := deltas.get(seg.ring_id)) is None:
                 continue
@@ -376,3 +378,20 @@ class Averager:
 def _accumulate(sums: dict[tuple[str, ...], torch.Tensor], key: tuple[str, ...], value: torch.Tensor) -> None:
     held = sums.get(key)
     sums[key] = value.clone() if held is None else held + value
+
+
+def _keep_non_negative_state(named: dict[str, torch.Tensor], segments: list[Segment],
+                             snapshots: dict[int, torch.Tensor], result: RoundResult) -> None:
+    """Optimizer state that was nowhere negative here (Adam's second moments) stays so after a compressed
+    average: the exact average of non-negative values is, but a compression error near zero need not be,
+    and Adam takes its square root."""
+    for seg in segments:
+        if seg.ring_id not in result.averaged or not any(allreduce.OPTIM_SEP in n for n in seg.names):
+            continue
+        offset = 0
+        for name in seg.names:
+            numel = named[name].numel()
+            part = snapshots[seg.ring_id][offset:offset + numel]
+            if allreduce.OPTIM_SEP in name and numel and float(part.min()) >= 0:
+                named[name].clamp_(min=0)
+            offset += numel

@@ -122,8 +122,10 @@ class Node:
                                      metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits)
         everyone = [n for c in self.plan.clusters for n in c.nodes] if self.averager else cluster.nodes
         await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
-        log.info("%s: cluster %d stage %d/%d ready (%d parameters)", self.name, self.cluster, self.stage,
-                 len(cluster.nodes), sum(p.numel() for p in self.worker.params.values()))
+        compress = self.topology.training.compress
+        log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)", self.name,
+                 self.cluster, self.stage, len(cluster.nodes), sum(p.numel() for p in self.worker.params.values()),
+                 compress.pipeline, compress.ring)
 
     def _derive_limits(self) -> None:
         """Data sockets accept frames up to what this stage can legitimately receive (ravq.limits)."""

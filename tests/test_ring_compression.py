@@ -225,3 +225,18 @@ def test_ring_compression_config_is_checked() -> None:
         RingCompression(Format.FP16)
     with pytest.raises(ValueError, match="int8_block"):
         RingCompression(Format.INT8, block=300)
+
+
+def test_optimizer_state_that_was_non_negative_stays_so() -> None:
+    """A compressed average of Adam's second moments may land a hair below zero; they are clamped back
+    (only optimizer state that was non-negative in the snapshot; weights and first moments stay)."""
+    from ravq.allreduce import RoundResult, Segment
+    from ravq.averaging import _keep_non_negative_state
+
+    named = {"w": torch.tensor([-1.0, 2.0]), "w::exp_avg": torch.tensor([-1e-9, 1.0]),
+             "w::exp_avg_sq": torch.tensor([-1e-9, 3.0])}
+    seg = Segment(ring_id=0, names=("w", "w::exp_avg", "w::exp_avg_sq"), numel=6, ring=("a", "b"))
+    snapshots = {0: torch.tensor([-1.0, 2.0, -0.5, 1.0, 0.0, 3.0])}
+    _keep_non_negative_state(named, [seg], snapshots, RoundResult(averaged={0: torch.zeros(6)}))
+    assert named["w::exp_avg_sq"].tolist() == [0.0, 3.0]
+    assert named["w::exp_avg"][0] == -1e-9 and named["w"][0] == -1.0
