@@ -72,11 +72,12 @@ class _CompressedRun:
         self.progress = asyncio.Event()
         self.forward: dict[tuple[int, int], Tensor | Packed] = {}
 
-    def _pack(self, values: Tensor, a: int, b: int) -> Tensor | Packed:
-        """``values`` (elements [a, b)) compressed; what that lost goes into this member's residual."""
-        packed = compress.pack(values, self.fmt, self.block)
-        torch.sub(values, compress.unpack(packed, torch.float32).view(-1), out=self.residual[a:b])
-        return packed
+    def _keep_residual(self, values: Tensor, packed: Tensor | Packed, a: int, b: int) -> Tensor:
+        """What compressing ``values`` (elements [a, b)) lost goes into this member's residual; returns the
+        restored values.  Called once a piece is on its way: it is not on the ring's critical path."""
+        restored = compress.unpack(packed, torch.float32).view(-1)
+        torch.sub(values, restored, out=self.residual[a:b])
+        return restored
 
     async def send_loop(self, link: RingLink, meta: dict[str, int], timeout_s: float) -> None:
         for step, plan in enumerate(self.send_plan):
@@ -84,14 +85,16 @@ class _CompressedRun:
                 while step > 0 and self.received[step - 1] <= j:
                     self.progress.clear()
                     await self.progress.wait()
-                piece = self.forward.pop((step, j)) if step else self._pack(self.x[a:b], a, b)
+                piece = self.forward.pop((step, j)) if step else compress.pack(self.x[a:b], self.fmt, self.block)
                 try:
                     async with asyncio.timeout(timeout_s):
                         await link.send(self.successor, {**meta, "step": step, "piece": j}, piece)
                 except TimeoutError:
                     raise RingAborted(meta["ring"], meta["round"], "send_timeout", self.successor) from None
+                if step == 0:
+                    self._keep_residual(self.x[a:b], piece, a, b)
 
-    def _restore(self, piece: object, rnd: _Round, numel: int) -> tuple[Tensor, Tensor | Packed]:
+    def _check(self, piece: object, rnd: _Round, numel: int) -> Tensor | Packed:
         if not isinstance(piece, CompressedPiece):
             raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
         if piece.base != self.base:
@@ -100,27 +103,30 @@ class _CompressedRun:
         if (value.dtype != torch.float32 or value.data.numel() != numel
                 or (isinstance(value, Packed) and value.format not in RING_FORMATS)):
             raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
-        return compress.unpack(value, torch.float32).view(-1), value
+        return value
 
     async def recv_loop(self, mailbox: Mailbox, rnd: _Round, timeout_s: float) -> None:
         last_reduce, last = self.size - 2, len(self.recv_plan) - 1
         for step, plan in enumerate(self.recv_plan):
             for j, (a, b) in enumerate(plan):
-                values, received = self._restore(await mailbox.take(rnd, step, j, timeout_s), rnd, b - a)
+                received = self._check(await mailbox.take(rnd, step, j, timeout_s), rnd, b - a)
                 if step <= last_reduce:  # a partial sum: add this member's values in float32, pack again
-                    values = values.add_(self.x[a:b])  # a buffer of this member's own: restored, or received raw
-                    send: Tensor | Packed = self._pack(values, a, b)
-                    if step == last_reduce:  # the full sum: every member restores these same bytes
-                        values = compress.unpack(send, torch.float32).view(-1)
+                    # (a buffer of this member's own: restored, or received raw)
+                    values = compress.unpack(received, torch.float32).view(-1).add_(self.x[a:b])
+                    send = compress.pack(values, self.fmt, self.block)
                 else:
                     send = received  # the all-gather forwards the finished piece as it came
                 if step < last:
                     self.forward[step + 1, j] = send
                     self.received[step] = j + 1
                     self.progress.set()
-                    await asyncio.sleep(0)
-                if step >= last_reduce:
-                    torch.div(values, self.size, out=self.out[a:b])
+                    await asyncio.sleep(0)  # the send loop queues it: it leaves while this member works on
+                if step <= last_reduce:
+                    finished = self._keep_residual(values, send, a, b)
+                else:
+                    finished = compress.unpack(send, torch.float32).view(-1)
+                if step >= last_reduce:  # every member restores the same bytes of the full sum
+                    torch.div(finished, self.size, out=self.out[a:b])
 
 
 async def compressed_ring_allreduce(x: Tensor, *, ring_id: int, round_id: int, members: Sequence[str], me: str,

@@ -80,21 +80,23 @@ class _HopMetrics:
                                         m.bytes_sent.labels(*labels))
         series[0].observe(time.perf_counter() - t0)
         series[1].inc()
-        series[2].inc(_nbytes(frames))
-        if msg.tensors or msg.packed:
-            self._payload("sent", msg)
+        nbytes = _nbytes(frames)
+        series[2].inc(nbytes)
+        if len(frames) > 1:
+            self._payload("sent", msg, nbytes - len(memoryview(frames[0])))
 
-    def _payload(self, direction: str, msg: Message) -> None:
-        """Tensor bytes on the wire and the uncompressed bytes they stand for, per compression format."""
-        if msg.tensors:
-            wire, logical = self._payload_series(direction, "none")
-            nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
-            wire.inc(nbytes)
-            logical.inc(nbytes)
+    def _payload(self, direction: str, msg: Message, tensor_bytes: int) -> None:
+        """Tensor bytes on the wire and the uncompressed bytes they stand for, per compression format
+        (``tensor_bytes``: every frame but the header; plain tensors stand for themselves)."""
         for p in msg.packed.values():
             wire, logical = self._payload_series(direction, p.format)
             wire.inc(p.wire_bytes)
             logical.inc(p.logical_bytes)
+            tensor_bytes -= p.wire_bytes
+        if msg.tensors:
+            wire, logical = self._payload_series(direction, "none")
+            wire.inc(tensor_bytes)
+            logical.inc(tensor_bytes)
 
     def _payload_series(self, direction: str, fmt: str) -> tuple[HopCount, HopCount]:
         key = (direction, fmt)
@@ -113,9 +115,10 @@ class _HopMetrics:
                                             m.bytes_received.labels(*labels),
                                             m.receive_seconds.labels(*labels))
         series[0].inc()
-        series[1].inc(_nbytes(frames))
-        if msg.tensors or msg.packed:
-            self._payload("received", msg)
+        nbytes = _nbytes(frames)
+        series[1].inc(nbytes)
+        if len(frames) > 1:
+            self._payload("received", msg, nbytes - len(memoryview(frames[0])))
         if latency:
             series[2].observe(max(0.0, time.time() - msg.sent_at))
 
