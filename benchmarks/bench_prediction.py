@@ -189,7 +189,8 @@ def write_topology(path: Path, settings: Settings, layout: str) -> Topology:
             node.update(cluster=i // stages, stage=i % stages)
         nodes.append(node)
     data = {"task": TASK, "training": {"micro_batch": settings.micro_batch, "steps": settings.steps,
-                                       "sync_every": settings.sync_every, "max_inflight": settings.max_inflight},
+                                       "sync_every": settings.sync_every, "max_inflight": settings.max_inflight,
+                                       "compress": {"pipeline": "none", "ring": "none"}},  # loopback: bytes are free
             # A loaded machine starts nodes slowly, and a node sends no heartbeat while it starts.  The
             # node's peer-silence watchdog also fires in a one-stage cluster, which has no pipeline
             # peers: keep it beyond any run here (run_timeout_s guards against hangs instead).

@@ -48,10 +48,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predict-weights", type=float, default=PREDICT_WEIGHTS,
                    help="weight prediction horizon, in multiples of a stage's staleness (0: off)")
     p.add_argument("--average-optimizer-state", action="store_true", help="average optimizer state (Adam moments) too")
-    p.add_argument("--compress-pipeline", choices=["none", "bf16", "fp16", "int8"], default=None,
-                   help="activations and gradients on pipeline links (default: training.compress.pipeline's)")
-    p.add_argument("--compress-ring", choices=["none", "bf16", "int8"], default=None,
-                   help="all-reduce pieces on ring links, with error feedback (default: training.compress.ring's)")
+    p.add_argument("--compress-pipeline", choices=["none", "bf16", "fp16", "int8"], default="none",
+                   help="activations and gradients on pipeline links (default none: on loopback bytes are free "
+                        "and compressing only costs CPU; a topology's default is int8)")
+    p.add_argument("--compress-ring", choices=["none", "bf16", "int8"], default="none",
+                   help="all-reduce pieces on ring links, with error feedback (default none, as above)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -99,9 +100,7 @@ def demo_topology(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         "predict_weights": args.predict_weights, "average_optimizer_state": args.average_optimizer_state,
         "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
     }
-    compress = {k: v for k, v in (("pipeline", args.compress_pipeline), ("ring", args.compress_ring)) if v}
-    if compress:
-        training["compress"] = compress
+    training["compress"] = {"pipeline": args.compress_pipeline, "ring": args.compress_ring}
     return {"task": args.task, "seed": args.seed, "training": training,
             "timeouts": {"connect_s": 120.0, "ring_step_s": 30.0, "drain_s": 15.0},
             "broker": {"host": "127.0.0.1", "pub_port": next(ports), "router_port": next(ports),
@@ -187,7 +186,7 @@ def run_demo(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="ravq-demo-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     if args.topology:
-        if args.compress_pipeline or args.compress_ring:
+        if args.compress_pipeline != "none" or args.compress_ring != "none":
             raise ConfigError("--compress-pipeline/--compress-ring: with --topology, set training.compress in the file")
         data, topo_path, key_dir = _user_topology(args)
         shape = f"topology {args.topology}" + (f", plan {args.plan}" if args.plan else "")

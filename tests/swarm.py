@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def local_topology(task: str, clusters: list[int], training: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """``clusters[c]`` stages in cluster c, every node on 127.0.0.1 with free ports."""
+    """``clusters[c]`` stages in cluster c, every node on 127.0.0.1 with free ports.  Uncompressed unless
+    ``training`` says otherwise: tests compare weights and bytes with the exact float32 path."""
+    training = {"compress": {"pipeline": "none", "ring": "none"}, **training}
     n = sum(clusters)
     ports = iter(free_ports(2 * n + 2))
     nodes = [{"name": f"c{c}s{s}", "pipeline_port": next(ports), "ring_port": next(ports), "cluster": c,

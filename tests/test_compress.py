@@ -342,3 +342,22 @@ def test_stage_refuses_packed_targets_and_wrong_restored_shapes() -> None:
     good[a] = pack(parts[a], Format.INT8)
     assert last.deliver("fwd", (0, 0), 0, good) is None
 
+
+
+@pytest.mark.parametrize(("compress", "message"), [
+    ({"pipeline": "int4"}, "training.compress.pipeline"),
+    ({"ring": "fp16"}, "training.compress.ring"),
+    ({"int8_block": 32}, "training.compress.int8_block"),
+    ({"int8_block": 512}, "training.compress.int8_block"),
+    ({"rings": "int8"}, "did you mean 'ring'"),
+])
+def test_compress_config_errors_name_the_field(compress: dict[str, Any], message: str) -> None:
+    from ravq.config import ConfigError, parse_topology
+
+    topo = {"task": "tests.models_for_tests", "training": {"compress": compress},
+            "broker": {"pub_port": 5000, "router_port": 5001},
+            "nodes": [{"name": "a", "pipeline_port": 5002, "ring_port": 5003}]}
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        parse_topology(topo)
+    topo["training"] = {"compress": {"pipeline": "bf16", "ring": "none", "int8_block": 64}}
+    assert parse_topology(topo).training.compress.pipeline == "bf16"
