@@ -7,6 +7,12 @@
 (b) The same 4 processes as 2 clusters x 2 stages: two rings of 2, each averaging half the tensor, run
     at once; their aggregate bytes/s over one ring averaging one half alone.
 
+Compressed rings (``--compress bf16 int8``, the default): in every repeat of (a), after gloo and the
+float32 ring, the same processes average the same tensor with ravq.ring_compression's ring in each format
+(pieces compressed on every hop; a first round, so no residual from an earlier one), timed the same way;
+``ratio_<format>_over_gloo`` is its time over gloo's float32 time, ``max_rel_diff_<format>_vs_gloo`` how
+far its average is from gloo's, over the largest value.
+
 Every process is tuned as a node tunes itself (``ravq.tuning.tune_process``), which helps gloo alike.
 
 By default all traffic crosses loopback, and on a 2-core machine the 4 processes are CPU-bound.  With
@@ -20,7 +26,7 @@ repeats (3-5) and if need be the size are cut so a shaped run's transfers take a
 Busy is the whole machine's (all cores, other jobs included, /proc/stat) during rank 0's rounds.
 
     python benchmarks/bench_allreduce.py [--mb 100] [--repeats 5] [--piece-mb MiB] [--link-mbit R]
-                                         [--quick] [--json]
+                                         [--compress [bf16] [int8]] [--netns-prefix P] [--quick] [--json]
 """
 
 from __future__ import annotations
