@@ -27,6 +27,7 @@ def _averager(outer_lr: float, initial: torch.Tensor) -> Averager:
     avg = Averager.__new__(Averager)
     avg.outer_lr, avg.anchors, avg._pending, avg.initial = outer_lr, {}, [], {"w": initial.clone()}
     avg.worker = SimpleNamespace(buffers={})  # type: ignore[assignment]
+    avg.compression = None  # float32 rings (ravq.ring_compression not in play)
     return avg
 
 
