@@ -54,11 +54,14 @@ class _CompressedRun:
     ``residual`` what this member's compressions lost, both written chunk by chunk."""
 
     def __init__(self, x: Tensor, members: Sequence[str], me: str, piece_bytes: int, fmt: Format, block: int,
-                 base: int) -> None:
+                 base: int, out: Tensor | None, residual: Tensor | None) -> None:
         self.x, self.size, self.rank = x, len(members), list(members).index(me)
         self.fmt, self.block, self.base = fmt, block, base
-        self.out = torch.empty_like(x)
-        self.residual = torch.zeros_like(x)
+        # Every element of both is written (each chunk is compressed once by every member, and every
+        # chunk's average is written once), so buffers from an earlier round serve as they are: fresh
+        # pages for a segment's worth cost more than the round's own work on a slow link's clock.
+        self.out = out if out is not None else torch.empty_like(x)
+        self.residual = residual if residual is not None else torch.empty_like(x)
         self.successor, self.predecessor = members[(self.rank + 1) % self.size], members[self.rank - 1]
         bounds = chunk_bounds(x.numel(), self.size)
         piece_numel = max(1, piece_bytes // 4)  # pieces cover as many elements as uncompressed ones
@@ -132,16 +135,19 @@ class _CompressedRun:
 async def compressed_ring_allreduce(x: Tensor, *, ring_id: int, round_id: int, members: Sequence[str], me: str,
                                     link: RingLink, mailbox: Mailbox, piece_bytes: int, timeout_s: float,
                                     fmt: Format, block: int = compress.DEFAULT_BLOCK, base: int = -1,
+                                    out: Tensor | None = None, residual: Tensor | None = None,
                                     ) -> tuple[Tensor, Tensor]:
     """(average over ``members``, this member's residual) of the float32 ``x``, pieces sent compressed.
 
+    ``out`` and ``residual``, when given, are written (every element) and returned; neither may be ``x``.
     Aborts as ``allreduce.ring_allreduce`` does, and with "base_mismatch" when a peer's anchor differs.
     """
     assert fmt in RING_FORMATS, fmt
     assert x.dim() == 1 and x.dtype == torch.float32, "the compressed ring averages a flat float32 tensor"
     if len(members) == 1:
         return x.clone(), torch.zeros_like(x)
-    run = _CompressedRun(x, members, me, piece_bytes, fmt, block, base)
+    assert out is not x and residual is not x
+    run = _CompressedRun(x, members, me, piece_bytes, fmt, block, base, out, residual)
     rnd = mailbox.open(ring_id, round_id, members=members, me=me, pieces_per_step=[len(p) for p in run.recv_plan])
     meta = {"ring": ring_id, "round": round_id, "base": base}
     failure: RingAborted | None = None
@@ -205,11 +211,13 @@ class RingCompression:
         try:
             average, residual = await compressed_ring_allreduce(
                 x, ring_id=seg.ring_id, round_id=round_id, members=seg.ring, me=me, link=link, mailbox=mailbox,
-                piece_bytes=piece_bytes, timeout_s=timeout_s, fmt=self.fmt, block=self.block, base=state.base)
+                piece_bytes=piece_bytes, timeout_s=timeout_s, fmt=self.fmt, block=self.block, base=state.base,
+                residual=state.residual)  # read into x above: its buffer takes this round's residual
         except RingAborted:
             # Other members may have finished this round and moved their anchors: start again from
-            # absolute values (the residual stays: this round's losses are not known to be in anyone's sum).
-            state.anchor, state.base = None, -1
+            # absolute values.  The residual's buffer was being overwritten: drop it (at most one
+            # round's compression error is lost, once, on an abort).
+            state.anchor, state.base, state.residual = None, -1, None
             raise
         if state.anchor is not None:
             average += state.anchor
