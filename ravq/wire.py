@@ -29,7 +29,7 @@ import orjson
 if TYPE_CHECKING:
     import torch
 
-from ravq.compress import FLOAT_DTYPES, MAX_BLOCK, MIN_BLOCK, Format, Packed, num_blocks
+    from ravq.compress import Packed
 
 PROTOCOL_VERSION = 1
 
@@ -147,7 +147,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     """Frames for ``msg``: header first, then each tensor's raw bytes."""
     descriptors = []
     frames: list[bytes | memoryview] = []
-    if msg.tensors and _torch is None:
+    if (msg.tensors or msg.packed) and _torch is None:
         _load_torch()
     for name, t in msg.tensors.items():
         dtype = _DTYPE_NAMES.get(t.dtype)
@@ -170,8 +170,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
 
 def _packed_descriptors(name: str, p: Packed) -> list[dict[str, Any]]:
     shape, to = list(p.shape), _DTYPE_NAMES[p.dtype]
-    if p.format is Format.INT8:
-        assert p.scales is not None and p.scales.dtype == torch.float32
+    if p.format == "int8":
+        assert p.scales is not None and _DTYPE_NAMES[p.scales.dtype] == "float32"
         return [{"name": name, "dtype": "int8", "shape": shape, "kind": "q8", "to": to, "block": p.block},
                 {"name": name, "dtype": "float32", "shape": [p.scales.numel()], "kind": "q8_scale"}]
     return [{"name": name, "dtype": _DTYPE_NAMES[p.data.dtype], "shape": shape, "kind": "cast", "to": to}]
@@ -301,7 +301,7 @@ def decode(frames: Sequence[Any], limits: DecodeLimits = DecodeLimits()) -> Mess
             checked[name] = (buf, dtype, shape)
             continue
         entry = packed[name] = _packed_frames(name, d, kind, dtype, shape, buf, limits)
-        if entry.format is Format.INT8:
+        if entry.format == "int8":
             q8 = entry
     if q8 is not None:
         raise WireError("bad_codec", "q8 frame without its q8_scale frame")
@@ -315,7 +315,8 @@ def decode(frames: Sequence[Any], limits: DecodeLimits = DecodeLimits()) -> Mess
 @dataclass(slots=True)
 class _PackedFrames:
     name: str
-    format: Format
+    format: str
+    """A ``ravq.compress.Format`` value (that module, and torch, load only once such a frame arrives)."""
     data: memoryview
     dtype: str
     shape: list[int]
@@ -324,20 +325,27 @@ class _PackedFrames:
     scales: memoryview | None = None
 
     def make(self) -> Packed:
-        data = _tensor(self.data, self.dtype, self.shape)
-        if self.format is not Format.INT8:
-            return Packed(self.format, data, DTYPES[self.to], data.shape)
+        from ravq.compress import Format, Packed
+
+        data = _tensor(self.data, self.dtype, self.shape)  # loads torch
+        if self.format != Format.INT8:
+            return Packed(Format(self.format), data, _DTYPES[self.to], data.shape)
         assert self.scales is not None
         scales = _tensor(self.scales, "float32", [len(self.scales) // 4])
-        return Packed(Format.INT8, data.view(-1), DTYPES[self.to], data.shape, scales, self.block)
+        return Packed(Format.INT8, data.view(-1), _DTYPES[self.to], data.shape, scales, self.block)
 
 
-_TO = {name for name, dtype in DTYPES.items() if dtype in FLOAT_DTYPES}
-_MAX_SCALE = {name: torch.finfo(DTYPES[name]).max / 127 * (1 + 1e-6) if DTYPES[name].itemsize == 2
-              else torch.finfo(torch.float32).max / 127 * (1 - 1e-6) for name in _TO}
-"""Largest int8 scale per restored dtype: 127 x scale stays finite (restoring multiplies in float32, then
-casts; a 2-byte dtype's largest value rounds to itself, not to inf, up to half an ulp above it)."""
-_CAST_FORMATS = {"bfloat16": Format.BF16, "float16": Format.FP16}
+Q8_BLOCKS = (64, 256)
+"""Smallest and largest int8 block (ravq.compress.MIN_BLOCK, MAX_BLOCK; a test holds them equal: this
+module does not import torch until a tensor arrives)."""
+_FLOAT32_MAX, _FLOAT16_MAX, _BFLOAT16_MAX = 3.4028234663852886e38, 65504.0, 3.3895313892515355e38
+_MAX_SCALE = {"float32": _FLOAT32_MAX / 127 * (1 - 1e-6), "float64": _FLOAT32_MAX / 127 * (1 - 1e-6),
+              "float16": _FLOAT16_MAX / 127 * (1 + 1e-6), "bfloat16": _BFLOAT16_MAX / 127 * (1 + 1e-6)}
+"""Largest int8 scale per restored dtype (the float dtypes a compressed tensor may restore to): 127 x
+scale stays finite (restoring multiplies in float32, then casts; a 2-byte dtype's largest value rounds
+to itself, not to inf, up to half an ulp above it)."""
+_TO = set(_MAX_SCALE)
+_CAST_FORMATS = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def _packed_frames(name: str, d: dict[str, Any], kind: Any, dtype: str, shape: list[int], buf: memoryview,
@@ -355,9 +363,9 @@ def _packed_frames(name: str, d: dict[str, Any], kind: Any, dtype: str, shape: l
         return _PackedFrames(name, fmt, buf, dtype, shape, to)
     if kind == "q8":
         block = d.get("block")
-        if dtype != "int8" or type(block) is not int or not MIN_BLOCK <= block <= MAX_BLOCK:
+        if dtype != "int8" or type(block) is not int or not Q8_BLOCKS[0] <= block <= Q8_BLOCKS[1]:
             raise WireError("bad_codec", f"q8 frame of {dtype}, block {str(block)[:16]}")
-        return _PackedFrames(name, Format.INT8, buf, dtype, shape, to, block)
+        return _PackedFrames(name, "int8", buf, dtype, shape, to, block)
     raise WireError("bad_codec", f"kind: {str(kind)[:32]}")
 
 
@@ -365,7 +373,7 @@ def _check_scales(q8: _PackedFrames, kind: Any, name: str, shape: list[int], dty
     """The frame after a q8 frame: its scales, one finite, non-negative float32 per block."""
     numel = len(q8.data)
     if (kind != "q8_scale" or name != q8.name or dtype != "float32"
-            or shape != [num_blocks(numel, q8.block)]):
+            or shape != [-(-numel // q8.block)]):
         raise WireError("bad_codec", f"{q8.name}: q8 frame not followed by its q8_scale frame")
     scales = np.frombuffer(buf, dtype=np.float32)
     # finite and not negative, and small enough that 127 x scale is finite in what it restores to

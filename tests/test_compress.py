@@ -361,3 +361,16 @@ def test_compress_config_errors_name_the_field(compress: dict[str, Any], message
         parse_topology(topo)
     topo["training"] = {"compress": {"pipeline": "bf16", "ring": "none", "int8_block": 64}}
     assert parse_topology(topo).training.compress.pipeline == "bf16"
+
+
+def test_wire_knows_the_codec_limits_without_importing_torch() -> None:
+    """ravq.wire checks compressed frames before torch is imported (it loads lazily): its copies of the
+    codec's limits must be the codec's."""
+    from ravq import wire
+
+    assert wire.Q8_BLOCKS == (compress.MIN_BLOCK, compress.MAX_BLOCK)
+    assert wire._TO == {str(d).removeprefix("torch.") for d in compress.FLOAT_DTYPES}
+    for name, limit in wire._MAX_SCALE.items():
+        dtype = getattr(torch, name)
+        largest = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+        assert abs(limit * 127 / largest - 1) < 2e-6, name
