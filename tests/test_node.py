@@ -143,7 +143,7 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     topo = local_topology("tests.models_for_tests", [3], training)
     for steps, resume, sub in ((12, False, "a"), (25, True, "b")):
         (tmp_path / sub).mkdir()
-        topo["training"] = {**training, "steps": steps, "resume": resume}
+        topo["training"] = {**topo["training"], "steps": steps, "resume": resume}
         swarm = Swarm(tmp_path / sub, topo)
         try:
             codes = swarm.wait()
