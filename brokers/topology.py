@@ -1,8 +1,9 @@
 """The topology broker: holds the plan and membership, publishes every change (ZeroMQ clone pattern).
 
-State = the plan plus, per node, its membership state and its latest heartbeat statistics.  Every
-change increments a sequence number and is published on PUB; a node that registers (or notices a
-gap in sequence numbers) asks the ROUTER for a snapshot and applies later updates on top.  The data
+State = the plan plus the membership book (``brokers.book``): per node its state, incarnation and
+phase, per cluster whether it trains, pauses or recovers.  Every change increments a sequence number
+and is published on PUB with the full state, and the full state is re-published every heartbeat
+interval, so a node that missed updates (or saw this broker restart) catches up within one.  The data
 plane never waits on the broker: nodes talk to it at start-up and send heartbeats without waiting.
 """
 
@@ -14,12 +15,12 @@ import logging
 import secrets
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from brokers.book import CLUSTER_STATES, NODE_STATES, PHASES, Book, Member
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
 from ravq.transport import Inbox, Publisher, SocketOptions, endpoint
@@ -30,47 +31,71 @@ log = logging.getLogger(__name__)
 BROKER = "broker"
 
 
-@dataclass(kw_only=True, slots=True)
-class Member:
-    state: str = "up"  # up | lost | done
-    last_seen: float = field(default_factory=time.monotonic)
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    def public(self) -> dict[str, Any]:
-        return {"state": self.state, "age_s": round(time.monotonic() - self.last_seen, 3), "stats": self.stats}
-
-
 class Broker:
     def __init__(self, topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions,
                  heartbeat_timeout_s: float | None = None) -> None:
-        self.topology, self.plan, self.metrics, self.opts = topology, plan, metrics, opts
+        self.topology, self.metrics, self.opts = topology, metrics, opts
         self.limits = DecodeLimits(max_header_bytes=topology.limits.max_header_bytes,
                                    max_frames=topology.limits.max_frames,
                                    max_tensor_bytes=opts.max_message_bytes)
-        self.members: dict[str, Member] = {}
         self.seq = 0
-        self.heartbeat_timeout_s = heartbeat_timeout_s or 10 * topology.timeouts.heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s or topology.timeouts.lost_s
         self.known = {n.name for n in topology.nodes}
         self.incarnation = f"{time.time():.6f}"
         self.run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
         """Names this training run; nodes that start fresh write it into their checkpoints, so `ravq
         export` never merges stages of different runs.  A resumed stage keeps its checkpoint's."""
+        # Ring round ids start from the plan epoch, so epochs must grow across broker restarts too.
+        self.plan = plan.model_copy(update={"epoch": max(plan.epoch, int(time.time() * 1000))})
+        in_plan = {n for c in self.plan.clusters for n in c.nodes}
+        self.book = Book(self.plan, lost_s=self.heartbeat_timeout_s, now=time.monotonic(),
+                         replace_s=topology.timeouts.replace_s,
+                         standbys=[n.name for n in topology.nodes if n.name not in in_plan])
         self._stop = asyncio.Event()
 
+    @property
+    def members(self) -> dict[str, Member]:
+        return self.book.members
+
     def state(self) -> dict[str, Any]:
-        return {"plan": self.plan.model_dump(), "run_id": self.run_id,
-                "members": {k: v.state for k, v in self.members.items()}}
+        now = time.monotonic()
+        return {"plan": self.plan.model_dump(), "run_id": self.run_id, **self.book.public(),
+                "silent_s": {n: round(now - m.last_seen, 3) for n, m in self.members.items()}}
 
     async def _publish(self, pub: Publisher, kind: str, data: dict[str, Any]) -> None:
+        """Publish the full state (every update carries it, so one update is enough to catch up)."""
+        self._sync_plan()
         self.seq += 1
         self.metrics.broker_seq.set(self.seq)
         await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta={
             "seq": self.seq, "incarnation": self.incarnation, "kind": kind, "state": self.state(), **data}))
         self._count_members()
 
+    def _sync_plan(self) -> None:
+        """Keep the plan's excluded clusters equal to those the book says do not train (the book may
+        also have changed the plan: a standby took a lost node's stage)."""
+        if self.book.plan is not self.plan:
+            self.plan = self.book.plan
+        excluded = self.book.excluded()
+        if excluded != list(self.plan.excluded):
+            self.plan = self.plan.model_copy(update={"excluded": excluded, "epoch": self.plan.epoch + 1})
+            self.book.plan = self.plan
+            log.info("rings now exclude clusters %s", excluded or "none")
+
     def _count_members(self) -> None:
-        for state in ("up", "lost", "done"):
+        for state in NODE_STATES:
             self.metrics.broker_nodes.labels(state).set(sum(m.state == state for m in self.members.values()))
+        for phase in PHASES:
+            self.metrics.broker_phases.labels(phase).set(
+                sum(m.state == "up" and m.phase == phase for m in self.members.values()))
+        for c, cs in enumerate(self.book.clusters):
+            for state in CLUSTER_STATES:
+                self.metrics.cluster_state.labels(str(c), state).set(float(cs.state == state))
+
+    def _observe_recoveries(self) -> None:
+        for seconds in self.book.recoveries:
+            self.metrics.recovery_seconds.observe(seconds)
+        self.book.recoveries.clear()
 
     async def _handle(self, inbox: Inbox, pub: Publisher, identity: bytes, msg: Message) -> None:
         self.metrics.broker_requests.labels(msg.type).inc()
@@ -78,40 +103,32 @@ class Broker:
         if msg.type in (MsgType.REGISTER, MsgType.HEARTBEAT) and node not in self.known:
             self.metrics.bad_messages.labels("broker", "unknown_node").inc()
             return
+        now = time.monotonic()
         if msg.type == MsgType.REGISTER:
-            fresh = node not in self.members or self.members[node].state != "up"
-            self.members[node] = Member()
-            self._set_excluded(self._cluster_of(node), False)
+            incarnation = msg.meta.get("incarnation")
+            self.book.register(node, str(incarnation) if incarnation is not None else None, now)
+            self.book.check(now)
             log.info("node %s registered", node)
-            if fresh:
-                await self._publish(pub, "member", {"node": node, "member_state": "up"})
+            await self._publish(pub, "member", {"node": node, "member_state": "up"})
             await self._reply_snapshot(inbox, identity, node)
         elif msg.type == MsgType.HEARTBEAT:
-            if node not in self.members:  # e.g. after a broker restart: heartbeats rebuild membership
-                self.members[node] = Member(state="new")
-            member = self.members[node]
-            member.last_seen = time.monotonic()
-            member.stats = msg.meta.get("stats", {}) if isinstance(msg.meta.get("stats"), dict) else {}
-            new_state = "done" if msg.meta.get("done") else "up"
-            if member.state != new_state:
-                was_lost = member.state == "lost"
-                member.state = new_state
-                if was_lost:
-                    log.info("node %s is back", node)
-                    self._set_excluded(self._cluster_of(node), False)
-                await self._publish(pub, "member", {"node": node, "member_state": new_state})
+            if self.book.heartbeat(node, msg.meta, now) | self.book.check(now):
+                self._observe_recoveries()
+                await self._publish(pub, "member", {"node": node, "member_state": self.members[node].state})
         elif msg.type == MsgType.SNAPSHOT_REQ:
-            if node in self.members:  # a node polling while it starts up is alive
-                self.members[node].last_seen = time.monotonic()
+            if node in self.members and self.members[node].state == "up":  # a node polling at start is alive
+                self.members[node].last_seen = now
             await self._reply_snapshot(inbox, identity, node)
         elif msg.type == MsgType.STATUS_REQ:
             status = {"seq": self.seq, "plan": self.plan.model_dump(), "run_id": self.run_id,
-                      "members": {k: v.public() for k, v in self.members.items()}}
+                      "clusters": [cs.public() for cs in self.book.clusters],
+                      "members": {k: _public(v, now) for k, v in self.members.items()}}
             await inbox.reply(identity, Message(type=MsgType.STATUS, sender=BROKER, meta=status), node)
         else:
             self.metrics.bad_messages.labels("broker", "unexpected_type").inc()
 
     async def _reply_snapshot(self, inbox: Inbox, identity: bytes, node: str) -> None:
+        self._sync_plan()
         reply = Message(type=MsgType.SNAPSHOT, sender=BROKER, meta={"seq": self.seq, "incarnation": self.incarnation,
                                                                        "state": self.state()})
         await inbox.reply(identity, reply, node)
@@ -122,36 +139,13 @@ class Broker:
             await self._handle(inbox, pub, identity, msg)
 
     async def _watch_heartbeats(self, pub: Publisher) -> None:
-        """Mark silent nodes lost (failure handling builds on this)."""
+        """Mark silent nodes lost, move clusters along, and re-publish the full state every heartbeat
+        interval: a node that missed updates (or a restart of this broker) catches up within one."""
         while True:
             await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s)
-            now = time.monotonic()
-            for name, member in self.members.items():
-                if member.state == "up" and now - member.last_seen > self.heartbeat_timeout_s:
-                    member.state = "lost"
-                    self._set_excluded(self._cluster_of(name), True)
-                    log.warning("node %s missed heartbeats for %.1fs: lost", name, now - member.last_seen)
-                    await self._publish(pub, "member", {"node": name, "member_state": "lost"})
-
-    def _cluster_of(self, node: str) -> int | None:
-        try:
-            return self.plan.locate(node)[0]
-        except KeyError:
-            return None
-
-    def _set_excluded(self, cluster: int | None, excluded: bool) -> None:
-        """Drop a cluster with a lost member from the rings until all its members are up again."""
-        if cluster is None:
-            return
-        current = set(self.plan.excluded)
-        if excluded:
-            current.add(cluster)
-        elif all(self.members.get(n, Member(state="lost")).state != "lost"
-                 for n in self.plan.clusters[cluster].nodes):
-            current.discard(cluster)
-        if current != set(self.plan.excluded):
-            self.plan = self.plan.model_copy(update={"excluded": sorted(current), "epoch": self.plan.epoch + 1})
-            log.info("rings now exclude clusters %s", sorted(current) or "none")
+            self.book.check(time.monotonic())
+            self._observe_recoveries()
+            await self._publish(pub, "tick", {})
 
     async def _until_stopped(self) -> None:
         await self._stop.wait()
@@ -188,6 +182,11 @@ class Broker:
 
 class _Stopped(Exception):
     pass
+
+
+def _public(m: Member, now: float) -> dict[str, Any]:
+    return {"state": m.state, "phase": m.phase, "generation": m.gen, "age_s": round(now - m.last_seen, 3),
+            "stats": m.stats}
 
 
 def run_broker(topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions) -> None:

@@ -185,6 +185,13 @@ class _Round:
     want: tuple[int, int] | None = None
     waiter: asyncio.Future[Piece] | None = None
     aborted: RingAborted | None = None
+    arrived: int = 0
+    """Pieces accepted from the predecessor so far."""
+
+    @property
+    def expecting(self) -> bool:
+        """Whether pieces from the predecessor are still to come."""
+        return self.arrived < sum(self.pieces_per_step)
 
     def expects(self, step: int, piece: int) -> bool:
         key = (step, piece)
@@ -239,7 +246,10 @@ class Mailbox:
         current = self._open.get(ring_id)
         if current is not None and current.round_id == round_id:
             self._put(current, sender, step, piece, tensor)
-        elif self._is_stale(ring_id, round_id):
+            return
+        if current is not None and current.round_id < round_id:
+            self._moved_on(current, sender)
+        if self._is_stale(ring_id, round_id):
             self.stale_dropped += 1
         elif (self.future_bytes + tensor.nbytes > self.max_future_bytes
               or self.future_messages >= self.max_future_messages):
@@ -249,10 +259,29 @@ class Mailbox:
             self.future_bytes += tensor.nbytes
             self.future_messages += 1
 
+    @staticmethod
+    def _moved_on(rnd: _Round, sender: str) -> None:
+        """The predecessor sent a piece of a newer round while this one still waits for its pieces.
+
+        Pieces of one link arrive in order, so it left this round unfinished (it aborted or skipped
+        it: a cluster that was away joins at the rounds the others are at): end the round now rather
+        than wait for ``timeout_s``."""
+        if sender == rnd.predecessor and rnd.expecting:
+            rnd.abort(RingAborted(rnd.ring_id, rnd.round_id, "peer_moved_on", sender))
+
+    def abort_open(self, reason: str) -> int:
+        """Abort every open round at once (e.g. the plan dropped a member: no round of the old plan can
+        finish).  Every member sees the same plan change, so none is told; returns how many."""
+        for rnd in self._open.values():
+            rnd.abort(RingAborted(rnd.ring_id, rnd.round_id, reason, from_peer=True))
+        return len(self._open)
+
     def _put(self, rnd: _Round, sender: str, step: int, piece: int, tensor: Piece) -> None:
         if sender != rnd.predecessor or not rnd.expects(step, piece):
             self.unexpected_dropped += 1
-        elif rnd.waiter is not None and rnd.want == (step, piece) and not rnd.waiter.done():
+            return
+        rnd.arrived += 1
+        if rnd.waiter is not None and rnd.want == (step, piece) and not rnd.waiter.done():
             rnd.waiter.set_result(tensor)
         else:
             rnd.pieces[step, piece] = tensor
@@ -293,6 +322,9 @@ class Mailbox:
             sender, reason = self._future_aborts.pop(key)
             if key == (ring_id, round_id):
                 self.deliver_abort(sender, ring_id, round_id, reason)
+        if any(k[0] == ring_id and k[1] > round_id and any(m[0] == rnd.predecessor for m in msgs)
+               for k, msgs in self._future.items()):
+            self._moved_on(rnd, rnd.predecessor)
         return rnd
 
     def close(self, rnd: _Round) -> None:

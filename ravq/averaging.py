@@ -6,8 +6,15 @@ thread later adds (average - snapshot) to its live weights, keeping the updates 
 A stage that is ``averaging_lead`` steps past the snapshot of a round not finished yet (another
 cluster is behind) waits for it there, so no cluster runs further ahead of the others.
 With ``overlap_averaging: false`` the compute thread instead waits for the round (synchronous data
-parallelism; used by the equivalence test).  Rounds are numbered by version, so every member of a
-ring agrees on them without talking to the broker.
+parallelism; used by the equivalence test).
+
+Round ids come from the plan epoch (the broker raises it whenever the rings change, and starts it from
+its clock, so it grows across broker restarts too) and a count of this stage's optimizer steps since
+the stage saw that epoch: ``epoch * ROUNDS_PER_EPOCH + k``.  Every member of a ring agrees on them
+without talking to the broker, and a cluster that was away (or restarted) joins the next round the
+others start, whatever its own version.  When the epoch changes, every open round of the old one is
+abandoned at once on every node (their rings cannot finish), and a stage never holds back for longer
+than a heartbeat on a round that does not finish: a dead member costs the others no training time.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any
 import torch
 import zmq.asyncio
 
-from ravq import allreduce
+from ravq import allreduce, catchup
 from ravq.allreduce import Mailbox, RoundResult, Segment
 from ravq.compress import Format, Packed
 from ravq.config import Plan, Topology
@@ -40,7 +47,12 @@ from ravq.wire import DecodeLimits, Message, MsgType
 log = logging.getLogger(__name__)
 
 PENDING_ROUNDS = 2
-"""Snapshots waiting for their round; a faster cluster is held back when more would queue."""
+"""Snapshots waiting for their round; when more would queue, the new round is skipped (and its ring
+peers told, so they abandon it at once)."""
+ROUNDS_PER_EPOCH = 1 << 20
+FINAL_ROUND = ROUNDS_PER_EPOCH - 1
+"""The last round of a run in which a cluster was disrupted: once every member finished, it brings
+every cluster to the same weights (clusters that were away end at different step counts)."""
 
 
 class RingLinks:
@@ -52,7 +64,7 @@ class RingLinks:
 
     async def send(self, peer: str, meta: dict[str, int], tensor: torch.Tensor | Packed) -> None:
         await self.outlinks[peer].send(ring_chunk(self.me, meta, tensor))
-        if self._kill_round is not None and meta["round"] >= self._kill_round:
+        if self._kill_round is not None and meta["round"] % ROUNDS_PER_EPOCH >= self._kill_round:
             # Fault injection for tests (RAVQ_FAULT=kill_in_round:N): die mid-round, as a crash would.
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -108,6 +120,8 @@ class _Pending:
     shift: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
     """Segment names -> the mean of those deltas over the clusters: the sum of (common point - average)
     of the rounds applied since; nonzero only with outer_lr != 1, and the same on every cluster."""
+    waited: bool = False
+    """The stage held back for it once and trained on: it is not waited for again."""
 
 
 class Averager:
@@ -145,7 +159,22 @@ class Averager:
         self.mailbox = Mailbox()
         self.rounds: asyncio.Queue[tuple[int, dict[int, torch.Tensor], list[Segment],
                                          concurrent.futures.Future[RoundResult]]] = asyncio.Queue(PENDING_ROUNDS)
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self._skips: asyncio.Queue[tuple[int, list[Segment]]] = asyncio.Queue()
+        self._epoch = -1
+        """The plan epoch this stage counts rounds in (compute thread)."""
+        self._steps_in_epoch = 0
+        self._seen_epoch = -1
+        """The newest plan epoch the event loop has acted on (aborting older rounds)."""
+        self.hold_s = 1.5 * topology.timeouts.heartbeat_interval_s
+        """A stage holding back for a round stops waiting once a member of its rings has sent the broker
+        no heartbeat for this long (it is slow to die, not slow to train); it trains on and the round
+        applies if it ends.  A member that is merely behind is waited for, as ``averaging_lead`` asks."""
+        self.silent_s: Callable[[str], float] = lambda node: 0.0
+        """Seconds since a node's last heartbeat reached the broker (set by the node from membership)."""
+        self.skipped = 0
+        self.final_done = False
+        self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        """The node's event loop (the Averager is made in it): rounds queue there from the first step on."""
         self.completed = 0
         self.seconds_total = 0.0
         self.aborts = 0
@@ -156,6 +185,7 @@ class Averager:
         self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts)
         self.outlinks = {p: Outlink.connect(ctx, endpoint(topology.node(p).host, topology.node(p).ring_port), "ring",
                                             p, metrics, limits, sock_opts, identity=me) for p in peers}
+        self.ctx, self.limits, self.sock_opts = ctx, limits, sock_opts
         self.link = RingLinks(me, self.outlinks, os.environ.get("RAVQ_FAULT"))
         set_clusters(worker.optimizer, self.live_clusters())  # before the compute thread's first step
 
@@ -165,9 +195,9 @@ class Averager:
         live = [c for c in range(len(plan.clusters)) if c not in plan.excluded]
         return len(live) if self.cluster in live else 1
 
-    def segments(self) -> list[Segment]:
-        """This node's segments under the current plan (dropped clusters take no part)."""
-        plan = self.plan()
+    def segments(self, plan: Plan | None = None) -> list[Segment]:
+        """This node's segments under the plan (default: current; dropped clusters take no part)."""
+        plan = plan or self.plan()
         if self.live_clusters(plan) < 2:
             return []
         segs = allreduce.plan_segments(self.names, self.numels, self.owners, plan.excluded)
@@ -183,21 +213,22 @@ class Averager:
     # ------------------------------------------------------------ compute thread
     def on_update(self, worker: StageWorker) -> None:
         """Called by the stage after each optimizer step, in the compute thread."""
-        if self.loop is None:
-            return
         self._hold_back(worker)
-        set_clusters(worker.optimizer, self.live_clusters())  # the next step's (a dropped cluster counts no more)
-        if worker.version % self.sync_every:
+        plan = self.plan()
+        set_clusters(worker.optimizer, self.live_clusters(plan))  # the next step's (a dropped cluster counts no more)
+        if plan.epoch != self._epoch:
+            self._epoch, self._steps_in_epoch = plan.epoch, 0
+        self._steps_in_epoch += 1  # every step counts, or this stage's round ids drift from its peers'
+        if self._steps_in_epoch % self.sync_every or self.loop is None:
             return
-        segments = self.segments()
+        segments = self.segments(plan)
         if not segments:
             return
         named = self.tensors()
         snapshots = allreduce.snapshot_segments(named, segments)
         done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
-        round_id = worker.version // self.sync_every
-        queued = asyncio.run_coroutine_threadsafe(self.rounds.put((round_id, snapshots, segments, done)), self.loop)
-        queued.result(timeout=self._round_limit_s())
+        round_id = plan.epoch * ROUNDS_PER_EPOCH + min(self._steps_in_epoch // self.sync_every - 1, FINAL_ROUND - 1)
+        self.loop.call_soon_threadsafe(self._enqueue, (round_id, snapshots, segments, done))
         if not self.overlap:
             t0 = time.monotonic()
             finished = self._wait_round(worker, done, round_id)
@@ -216,23 +247,41 @@ class Averager:
         model the others have not caught up with.  Bounding the lead keeps the clusters within
         ``averaging_lead`` steps of one another; in-flight micro-batches stay where they are."""
         while self._pending and worker.version - self._pending[0].version >= self.lead:
-            oldest = self._pending[0]
+            oldest = next((p for p in self._pending if not p.waited), None)
+            if oldest is None or worker.version - oldest.version < self.lead:
+                break
             assert oldest.done is not None
             if not oldest.done.done():
                 t0 = time.monotonic()
-                if not self._wait_round(worker, oldest.done, oldest.round_id):
+                finished = self._wait_round(worker, oldest.done, oldest.round_id, gone=self._gone(oldest))
+                if worker.should_abort():
                     self._pending.remove(oldest)
                     continue
                 self.hold_backs += 1
                 self.held_s += time.monotonic() - t0
                 worker.waited("averaging", time.monotonic() - t0)
+                if not finished:  # a member is slow or gone: train on; the round applies if it ends
+                    oldest.waited = True
+                    continue
             self._apply_finished()
 
-    def _wait_round(self, worker: StageWorker, done: concurrent.futures.Future[RoundResult], round_id: int) -> bool:
-        """Block the compute thread until the round is done; False if it never finishes or the process
-        gives up meanwhile (a forced stop must not wait for a ring's timeouts)."""
+    def _gone(self, pending: _Pending) -> Callable[[], bool]:
+        """Whether a node of a cluster in the round's rings has been silent (no heartbeat) for ``hold_s``:
+        a dead node stops its whole cluster, so its ring members, alive, would never reach the round."""
+        plan = self.plan()
+        members = {m for seg in pending.segments for m in seg.ring}
+        nodes = {n for cluster in plan.clusters if members & set(cluster.nodes) for n in cluster.nodes} - {self.me}
+        return lambda: any(self.silent_s(n) > self.hold_s for n in nodes)
+
+    def _wait_round(self, worker: StageWorker, done: concurrent.futures.Future[RoundResult], round_id: int,
+                    gone: Callable[[], bool] | None = None) -> bool:
+        """Block the compute thread until the round is done; False if it does not finish within a round's
+        own limit, ``gone()`` says a member went silent, or the process gives up meanwhile (a forced stop
+        must not wait for a ring's timeouts)."""
         deadline = time.monotonic() + self._round_limit_s()
         while not worker.should_abort():
+            if gone is not None and gone():
+                return False
             try:
                 done.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
                 return True
@@ -311,33 +360,159 @@ class Averager:
             if (shift := pending.shift.get(seg.names)) is not None:
                 result.averaged[seg.ring_id] = result.averaged[seg.ring_id] + shift
 
+    def rename(self, renamed: dict[str, str]) -> None:
+        """Event loop: nodes that took over other nodes' stages (standbys) hold their tensors now."""
+        for owners in self.owners:
+            for name, node in owners.items():
+                owners[name] = renamed.get(node, node)
+        for old, new in renamed.items():
+            if old in self.outlinks:
+                self.outlinks.pop(old).close()
+            if new != self.me and new not in self.outlinks and any(new in o.values() for o in self.owners):
+                peer = self.topology.node(new)
+                self.outlinks[new] = Outlink.connect(self.ctx, endpoint(peer.host, peer.ring_port), "ring", new,
+                                                     self.metrics, self.limits, self.sock_opts, identity=self.me)
+
+    def reset(self) -> None:
+        """Compute thread, at a pause: forget rounds not applied yet (the stage may load new weights,
+        and the rounds of the old plan are abandoned anyway)."""
+        self._pending.clear()
+
     # ------------------------------------------------------------ event loop
+    def on_plan(self, plan: Plan) -> None:
+        """A new plan epoch: abandon at once every open round of an older one (their rings changed;
+        queued ones are skipped when their turn comes)."""
+        if plan.epoch > self._seen_epoch:
+            self._seen_epoch = plan.epoch
+            if aborted := self.mailbox.abort_open("plan_changed"):
+                log.info("%s: plan epoch %d: abandoned %d open ring round(s)", self.me, plan.epoch, aborted)
+
+    def _enqueue(self, item: tuple[int, dict[int, torch.Tensor], list[Segment],
+                                   concurrent.futures.Future[RoundResult]]) -> None:
+        """Queue a round without ever blocking the compute thread; when the queue is full (a ring is
+        stuck or a member slow), skip the round and tell its ring peers, who abandon it at once."""
+        round_id, _, segments, done = item
+        try:
+            self.rounds.put_nowait(item)
+        except asyncio.QueueFull:
+            log.warning("%s: round %d skipped: %d rounds already wait for their rings", self.me, round_id,
+                        self.rounds.qsize())
+            self.skipped += 1
+            self._skips.put_nowait((round_id, segments))
+            done.set_result(RoundResult(aborted={s.ring_id: allreduce.RingAborted(s.ring_id, round_id, "skipped")
+                                                 for s in segments}))
+
+    async def send_skips(self) -> None:
+        """Tell ring peers about skipped rounds (best effort: RING_ABORT to every member)."""
+        while True:
+            round_id, segments = await self._skips.get()
+            for seg in segments:
+                for peer in seg.ring:
+                    if peer != self.me:
+                        try:
+                            async with asyncio.timeout(self.hold_s):
+                                await self.link.send_abort(peer, seg.ring_id, round_id, "skipped")
+                        except TimeoutError:
+                            log.debug("%s: skip of round %d not sent to %s", self.me, round_id, peer)
+
     async def serve(self) -> None:
         """The ring socket's one reader."""
         self.loop = asyncio.get_running_loop()
         while True:
-            _, msg = await self.inbox.recv()
+            identity, msg = await self.inbox.recv()
             piece = allreduce.received_piece(msg.meta, msg.tensors, msg.packed)
             if msg.type == MsgType.RING_CHUNK and piece is not None:
                 self.mailbox.deliver(msg.sender, msg.meta, piece)
             elif msg.type == MsgType.RING_ABORT:
                 self.mailbox.deliver_abort(msg.sender, msg.meta["ring"], msg.meta["round"],
                                            str(msg.meta.get("reason", ""))[:64])
+            elif msg.type == MsgType.CATCHUP_REQ:
+                await self._answer_catchup(identity, msg)
             else:
                 self.metrics.bad_messages.labels("ring", "unexpected_message").inc()
+
+    async def _answer_catchup(self, identity: bytes, msg: Message) -> None:
+        """Hand a (re)joining peer our copy of the tensors it asks for, read in the compute thread."""
+        names = catchup.requested_names(msg, self.worker)
+        if names is None:
+            self.metrics.bad_messages.labels("ring", "bad_catchup_request").inc()
+            await self.inbox.reply(identity, catchup.reply_for(self.me, msg, None, "bad request"), msg.sender)
+            return
+        tensors = await self.in_compute(lambda w: catchup.stage_tensors(w, names))
+        await self.inbox.reply(identity, catchup.reply_for(self.me, msg, tensors), msg.sender)
+        log.info("%s: sent %d tensors to %s for its catch-up", self.me, len(tensors), msg.sender)
+
+    async def in_compute(self, fn: Callable[[StageWorker], Any]) -> Any:
+        """Run ``fn(worker)`` in the compute thread (or in a helper thread once that has ended)."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def call(w: StageWorker) -> None:
+            try:
+                future.set_result(fn(w))
+            except Exception as err:  # noqa: BLE001 (handed to the awaiting coroutine, which raises it)
+                future.set_exception(err)
+
+        if not self.worker.call(call):
+            await asyncio.to_thread(call, self.worker)
+        return await asyncio.wrap_future(future)
+
+    async def fetch_catchup(self) -> dict[str, torch.Tensor]:
+        """This stage's tensors from their live holders in another cluster (CatchupError if none)."""
+        plan = self.plan()
+        by_node = catchup.holders(plan, self.cluster, self.owners, list({**self.worker.params, **self.worker.buffers}))
+        t0 = time.monotonic()
+        tensors = await catchup.fetch(self.outlinks, self.me, by_node, self.topology.timeouts.request_s)
+        self.metrics.catchup_seconds.observe(time.monotonic() - t0)
+        log.info("%s: fetched %d tensors from %s in %.2fs", self.me, len(tensors), ", ".join(sorted(by_node)),
+                 time.monotonic() - t0)
+        return tensors
 
     async def run_rounds(self) -> None:
         self.loop = asyncio.get_running_loop()
         while True:
             round_id, snapshots, segments, done = await self.rounds.get()
             try:
-                result = await allreduce.average_segments(
-                    snapshots, segments, me=self.me, round_id=round_id, link=self.link, mailbox=self.mailbox,
-                    piece_bytes=self.piece_bytes, timeout_s=self.timeout_s, compression=self.compression)
+                if round_id // ROUNDS_PER_EPOCH < self.plan().epoch:  # its rings changed: it cannot finish
+                    result = RoundResult(aborted={s.ring_id: allreduce.RingAborted(s.ring_id, round_id, "plan_changed")
+                                                  for s in segments})
+                else:
+                    result = await allreduce.average_segments(
+                        snapshots, segments, me=self.me, round_id=round_id, link=self.link, mailbox=self.mailbox,
+                        piece_bytes=self.piece_bytes, timeout_s=self.timeout_s, compression=self.compression)
                 self._account(round_id, result)
                 done.set_result(result)
             finally:
                 self.rounds.task_done()
+
+    async def final_round(self, wait_s: float) -> bool:
+        """After training, when a cluster was disrupted during the run: one last round over the whole
+        stage, so every training cluster ends with the same weights.  Retried under a new plan when a
+        member is lost meanwhile; True if it finished."""
+        while True:
+            plan = self.plan()
+            segments = self.segments(plan)
+            if not segments:
+                return False
+            outcome = await self._final_once(plan, segments, wait_s)
+            if outcome is None:
+                self.final_done = True
+                log.info("%s: final averaging round done (%d rings)", self.me, len(segments))
+                return True
+            if self.plan().epoch == plan.epoch:
+                log.warning("%s: final averaging round failed: %s", self.me, outcome)
+                return False
+
+    async def _final_once(self, plan: Plan, segments: list[Segment], wait_s: float) -> str | None:
+        """One attempt; None if it finished and was applied, else why not."""
+        named, snapshots = await self.in_compute(
+            lambda w: (named := self.tensors(), allreduce.snapshot_segments(named, segments)))
+        result = await allreduce.average_segments(
+            snapshots, segments, me=self.me, round_id=plan.epoch * ROUNDS_PER_EPOCH + FINAL_ROUND,
+            link=self.link, mailbox=self.mailbox, piece_bytes=self.piece_bytes, timeout_s=wait_s)
+        if result.aborted:
+            return ", ".join(sorted({e.reason for e in result.aborted.values()}))
+        await self.in_compute(lambda w: allreduce.apply_round(named, segments, snapshots, result))
+        return None
 
     def _account(self, round_id: int, result: RoundResult) -> None:
         for ring, nbytes in result.bytes_sent.items():

@@ -84,7 +84,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from ravq.checks import check_device
-    from ravq.node import NodeOptions, NotInPlan, run_node
+    from ravq.node import NodeOptions, run_node
     from ravq.transport import install_uvloop
     from ravq.tuning import tune_process
 
@@ -100,9 +100,6 @@ def cmd_node(args: argparse.Namespace) -> int:
         failure = asyncio.run(run_node(topology, args.name, options))
     except ValueError as err:  # keys that do not match the topology, a plan the model cannot take
         raise ConfigError(str(err)) from None
-    except NotInPlan as err:
-        log.info("%s", err)
-        return 0
     except (BrokerUnavailable, TimeoutError) as err:
         print(f"ravq node {args.name}: {err}", file=sys.stderr)
         return 1

@@ -112,13 +112,26 @@ class TimeoutConfig(_UserConfig):
     request_s: float = Field(5.0, gt=0)
     """Timeout of one request to the broker."""
     peer_s: float = Field(120.0, gt=0)
-    """Longest wait for a pipeline message before the stage reports its peer as silent."""
+    """A node whose cluster has been paused this long logs a warning (it keeps waiting; see give_up_s)."""
     ring_step_s: float = Field(30.0, gt=0)
     """Longest wait for one ring all-reduce step before the round is aborted."""
     drain_s: float = Field(20.0, gt=0)
     """On SIGTERM/SIGINT: how long a node may drain before it is forced to exit."""
     heartbeat_interval_s: float = Field(1.0, gt=0)
     """Interval of node heartbeats (with live statistics) to the broker."""
+    lost_s: float = Field(6.0, gt=0)
+    """A node silent this long is lost: its cluster pauses and leaves the rings (>= 2 heartbeats)."""
+    give_up_s: float | None = Field(None, gt=0)
+    """A node whose cluster has been paused this long exits 1; None: it waits for as long as it takes."""
+    replace_s: float = Field(30.0, gt=0)
+    """A lost node not back this long has its stage handed to a standby node whose memory fits."""
+
+    @model_validator(mode="after")
+    def _lost_after_heartbeats(self) -> TimeoutConfig:
+        if self.lost_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(f"lost_s: must be at least 2 heartbeats (2 x heartbeat_interval_s = "
+                             f"{2 * self.heartbeat_interval_s:g}s), got {self.lost_s:g}")
+        return self
 
 
 class LimitConfig(_UserConfig):

@@ -1,14 +1,18 @@
 """A node's side of the broker protocol (ZeroMQ clone pattern).
 
-Subscribe first, then register and take a snapshot; apply published updates whose sequence number
-follows the snapshot's; on a gap, or when the broker restarted (new incarnation), take a fresh
-snapshot.  Heartbeats are sent without waiting, so a slow or restarting broker never stalls training.
+Subscribe first, then register and take a snapshot; every published update carries the broker's full
+state, so any update newer than the state held (or from a restarted broker: a new incarnation) is
+applied as it is, and the broker re-publishes every heartbeat interval, so a missed update costs at
+most one interval.  Heartbeats are sent without waiting and carry what the broker must know to
+rebuild its book after a restart (this process's incarnation, its cluster generation and phase), so
+a slow or restarting broker never stalls training.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -40,7 +44,16 @@ class Membership:
         self.run_id: str | None = None
         """The broker's run id (checkpoints carry it)."""
         self.members: dict[str, str] = {}
+        self.phases: dict[str, str] = {}
+        self._silent: dict[str, Any] = {}
+        self._silent_at = time.monotonic()
+        self.clusters: list[dict[str, Any]] = []
+        """Per cluster: state (starting, training, paused, recovering, done), generation, trained, catchup."""
         self.changed = asyncio.Event()
+        self.node_incarnation = os.urandom(8).hex()
+        """This process's id: a restarted node has a new one, so the broker knows it lost its state."""
+        self.report: dict[str, Any] = {}
+        """What every heartbeat tells the broker besides statistics (generation, phase, ready, trained)."""
 
     def _apply_state(self, meta: dict[str, Any]) -> None:
         state = meta.get("state") or {}
@@ -55,12 +68,31 @@ class Membership:
                     log.info("%s: %s is back (%s)", self.name, node, member_state)
         self.members = members
         self.run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
+        silent = state.get("silent_s")
+        self._silent = dict(silent) if isinstance(silent, dict) else {}
+        self._silent_at = time.monotonic()
+        self.phases = dict(state.get("phases", {}))
+        clusters = state.get("clusters")
+        self.clusters = list(clusters) if isinstance(clusters, list) else []
         self.seq = int(meta["seq"])
         self.incarnation = meta.get("incarnation")
         self.changed.set()
 
+    def silent_s(self, node: str) -> float:
+        """Seconds since ``node``'s last heartbeat reached the broker, as of the broker's latest state
+        (counted on from then: with the broker away, everyone looks silent)."""
+        seen = self._silent.get(node)
+        return (float(seen) if isinstance(seen, (int, float)) else 0.0) + time.monotonic() - self._silent_at
+
+    def cluster_state(self, cluster: int) -> dict[str, Any]:
+        """The broker's view of one cluster (``starting`` until the broker said otherwise)."""
+        if 0 <= cluster < len(self.clusters) and isinstance(self.clusters[cluster], dict):
+            return self.clusters[cluster]
+        return {"state": "starting", "generation": 0, "trained": 0, "catchup": False, "reason": ""}
+
     async def _request(self, kind: MsgType, timeout_s: float) -> Message:
-        await self.link.send(Message(type=kind, sender=self.name))
+        meta = {"incarnation": self.node_incarnation} if kind == MsgType.REGISTER else {}
+        await self.link.send(Message(type=kind, sender=self.name, meta=meta))
         while True:
             reply = await self.link.recv(timeout_s)
             if reply.type == MsgType.SNAPSHOT:
@@ -99,34 +131,33 @@ class Membership:
             except TimeoutError:
                 continue
 
+    async def poll_snapshot(self) -> Plan | None:
+        """One snapshot (None if the broker does not answer in time); applies it and returns its plan."""
+        try:
+            self._apply_state((await self._request(MsgType.SNAPSHOT_REQ, self.topology.timeouts.request_s)).meta)
+        except TimeoutError:
+            return None
+        return self.plan
+
     async def follow(self) -> None:
-        """Apply published updates for as long as the node runs."""
+        """Apply published updates for as long as the node runs (each one carries the full state)."""
         while True:
             msg = await self.sub.recv()
-            if msg.type != MsgType.UPDATE:
+            if msg.type != MsgType.UPDATE or not isinstance(msg.meta.get("state"), dict):
                 continue
             seq, incarnation = int(msg.meta["seq"]), msg.meta.get("incarnation")
             if incarnation == self.incarnation and seq <= self.seq:
                 continue
-            if incarnation == self.incarnation and seq == self.seq + 1:
+            if incarnation != self.incarnation:
+                log.info("%s: broker %s (was %s): following its state", self.name, incarnation, self.incarnation)
+            try:
                 self._apply_state(msg.meta)
-                continue
-            log.info("%s: update %d after %d (broker %s): taking a snapshot", self.name, seq, self.seq,
-                     "restarted" if incarnation != self.incarnation else "gap")
-            try:
-                await self.link.send(Message(type=MsgType.SNAPSHOT_REQ, sender=self.name))
-            except Exception:
-                log.debug("snapshot request failed", exc_info=True)
-            # the reply arrives on the DEALER; read it without blocking updates for long
-            try:
-                reply = await self.link.recv(self.topology.timeouts.request_s)
-                if reply.type == MsgType.SNAPSHOT:
-                    self._apply_state(reply.meta)
-            except TimeoutError:
-                self.metrics.peer_timeouts.labels("broker", "snapshot").inc()
+            except (KeyError, ValueError):
+                self.metrics.bad_messages.labels("broker", "bad_state").inc()
 
     async def heartbeat(self, stats: dict[str, Any], done: bool) -> None:
-        await self.link.send(Message(type=MsgType.HEARTBEAT, sender=self.name, meta={"stats": stats, "done": done}))
+        await self.link.send(Message(type=MsgType.HEARTBEAT, sender=self.name, meta={
+            "stats": stats, "done": done, "incarnation": self.node_incarnation, **self.report}))
 
     def close(self) -> None:
         self.sub.close()

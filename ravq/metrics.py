@@ -225,6 +225,25 @@ class Metrics:
                                   ["state"], registry=r)
         self.broker_seq = Gauge("ravq_broker_sequence", "Sequence number of the latest update", registry=r)
         self.broker_requests = Counter("ravq_broker_requests_total", "Requests answered", ["type"], registry=r)
+        # --- churn
+        self.broker_phases = Gauge("ravq_broker_node_phases", "Nodes up, by what they say they do "
+                                   "(training, paused, catching_up, standby, ...)", ["phase"], registry=r)
+        self.cluster_state = Gauge("ravq_cluster_state", "1 for the state each cluster is in "
+                                   "(starting, training, paused, recovering, done)", ["cluster", "state"], registry=r)
+        self.recovery_seconds = Histogram("ravq_recovery_seconds", "Seconds from a cluster's disruption "
+                                          "(member lost or restarted) to training again",
+                                          buckets=(1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300), registry=r)
+        self.node_phase = Gauge("ravq_node_phase", "1 for what this node does now (training, paused, "
+                                "catching_up, standby)", ["phase"], registry=r)
+        self.pauses = Counter("ravq_pauses_total", "Times this node's cluster paused (a member lost or restarted)",
+                              registry=r)
+        self.dropped_micro_batches = Counter("ravq_dropped_micro_batches_total",
+                                            "In-flight micro-batches dropped at a pause (stage 0 trains them again)",
+                                            registry=r)
+        self.pause_seconds = Histogram("ravq_pause_seconds", "Seconds this node's cluster was paused, per pause",
+                                       buckets=(1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300), registry=r)
+        self.catchup_seconds = Histogram("ravq_catchup_seconds", "Time to load a stage from live peers",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
 
     def set_role(self, role: str, cluster: int | None = None, stage: int | None = None) -> None:
         """Export ravq_process_info for this process (replacing the previous cluster and stage)."""

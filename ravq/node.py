@@ -4,6 +4,14 @@
 stage from the plan, builds its stage and binds its sockets.  ``run`` owns every task in one
 TaskGroup: socket readers, the sender, heartbeats, averaging and the compute thread (the only place
 torch trains).  ``shutdown`` writes the final checkpoint and summary and closes every socket.
+
+Churn: the node follows its cluster's state as the broker publishes it (``brokers.book``).  When a
+member is lost or restarts, the cluster's generation rises: the node pauses (its stage drops the work
+in flight and keeps weights and optimizer), and once every member is up again it catches up (from
+live holders in other clusters when the broker says so) and reports ready; when all are ready the
+broker lets the cluster train again.  A node exits only on a signal, at the end of training, or after
+``timeouts.give_up_s`` paused.  A node that starts while its cluster is not starting (it restarted)
+loads its checkpoint, if any, and joins through the same recovery.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import zmq.asyncio
 
 from ravq import checkpoint
 from ravq.averaging import Averager
+from ravq.churn import ChurnMixin
 from ravq.compress import Format, Packed
 from ravq.config import Plan, Topology, resolve_task_module
 from ravq.limits import derived_max_message_bytes, largest_inbound_frame
@@ -38,10 +47,6 @@ from ravq.tuning import cpu_budget
 from ravq.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
-
-
-class NotInPlan(Exception):
-    """This node has no stage in the plan."""
 
 
 class _Finished(Exception):
@@ -58,7 +63,7 @@ class NodeOptions:
     """Directory with this node's CURVE secret key (when the topology enables CURVE)."""
 
 
-class Node:
+class Node(ChurnMixin):
     def __init__(self, topology: Topology, name: str, options: NodeOptions, metrics: Metrics) -> None:
         self.topology, self.name, self.options, self.metrics = topology, name, options, metrics
         self.config = topology.node(name)
@@ -83,6 +88,16 @@ class Node:
         self._started_at = time.time()
         self.run_id: str | None = None
         """The run this stage's weights belong to: the broker's, or the resumed checkpoint's."""
+        self.generation = 0
+        """The cluster generation this node works in; pipeline messages of any other are dropped."""
+        self.phase = "starting"
+        self.ready = -1
+        self.rejoining = False
+        self._stage_bytes = 0
+        """What this stage takes in memory (weights, gradients, optimizer state, a stash per micro-batch in
+        flight): a standby replacing this node needs at least as much."""
+        self._paused_since: float | None = None
+        self._beat_now = asyncio.Event()
 
     # ------------------------------------------------------------------ create
     async def create(self, tg: asyncio.TaskGroup) -> None:
@@ -95,14 +110,26 @@ class Node:
             self.metrics.serve(self.config.metrics_port, self.config.bind_host or self.config.host)
         self.plan = await self.membership.join()
         self.run_id = self.membership.run_id
+        tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
         try:
             self.cluster, self.stage = self.plan.locate(self.name)
         except KeyError:
-            raise NotInPlan(f"{self.name} is not in the plan (the planner left it idle); nothing to do") from None
+            self.plan = await self._standby()
+            self.cluster, self.stage = self.plan.locate(self.name)
         self.metrics.set_role("node", self.cluster, self.stage)
-        tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
+        state = self.membership.cluster_state(self.cluster)
+        self.rejoining = state["state"] != "starting"
+        if self.rejoining:
+            self.generation, self._paused_since = int(state["generation"]), time.monotonic()
+            self._set_phase("paused")
+            log.info("%s: cluster %d is %s (generation %d): rejoining", self.name, self.cluster, state["state"],
+                     self.generation)
         self.worker = await asyncio.to_thread(self._build_worker, self.plan)
         self._derive_limits()
+        self.worker.generation, self.worker.paused = self.generation, self.rejoining
+        self.worker.cluster_done = self._stage0_finished
+        weights = sum(t.numel() * t.element_size() for t in {**self.worker.params, **self.worker.buffers}.values())
+        self._stage_bytes = weights * (3 + self.worker.options.max_inflight)
         bind = self.config.bind_host or self.config.host
         self.inbox = Inbox.bind(self.ctx, endpoint(bind, self.config.pipeline_port), "pipeline", self.metrics,
                                 self.limits, self.sock_opts)
@@ -120,8 +147,11 @@ class Node:
                                      cluster=self.cluster, worker=self.worker, model=self.model,
                                      stage_names=self.stage_names, task=self.task,
                                      metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits)
+            self.averager.silent_s = self.membership.silent_s
         everyone = [n for c in self.plan.clusters for n in c.nodes] if self.averager else cluster.nodes
-        await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
+        if not self.rejoining:
+            await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
+            self._set_phase("training")
         compress = self.topology.training.compress
         log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)", self.name,
                  self.cluster, self.stage, len(cluster.nodes), sum(p.numel() for p in self.worker.params.values()),
@@ -163,7 +193,7 @@ class Node:
                              target_example=target_example)
         if training.checkpoint_dir:
             checkpoint.remove_temp_files(training.checkpoint_dir, self.cluster, self.stage)
-        if training.resume and training.checkpoint_dir:
+        if (training.resume or self.rejoining) and training.checkpoint_dir:
             self._resume(worker)
         return worker
 
@@ -171,8 +201,8 @@ class Node:
         assert self.topology.training.checkpoint_dir
         try:
             ckpt = checkpoint.load_stage(self.topology.training.checkpoint_dir, self.cluster, self.stage)
-        except FileNotFoundError:
-            log.info("%s: no checkpoint to resume from; starting fresh", self.name)
+        except (FileNotFoundError, ValueError) as err:
+            log.info("%s: no checkpoint to resume from (%s); starting from the seed", self.name, err)
             return
         worker.module.load_state_dict(ckpt.model)
         checkpoint.restore_optimizer(worker.optimizer, list(worker.params), ckpt.optimizer["tensors"],
@@ -180,8 +210,8 @@ class Node:
         worker.version = ckpt.meta["version"]
         self.run_id = ckpt.meta.get("run_id") or self.run_id
         # count the micro-batches already trained towards training.steps
-        done = worker.version * self.topology.training.update_every
-        worker.stats.forwards = worker.stats.backwards = done
+        done = ckpt.meta.get("trained", worker.version * self.topology.training.update_every)
+        worker.stats.forwards = worker.stats.backwards = worker.trained = done
         if worker.batches is not None:
             for _ in range(ckpt.meta["data_position"]):
                 next(worker.batches)
@@ -200,11 +230,13 @@ class Node:
         tg.create_task(self.membership.follow())
         tg.create_task(self._compute(loop))
         tg.create_task(self._force_exit_watch())
-        tg.create_task(self._watch_peers())
+        tg.create_task(self._follow_cluster())
+        tg.create_task(self._watch_paused())
         tg.create_task(self._log_progress())
         if self.averager is not None:
             tg.create_task(self.averager.serve())
             tg.create_task(self.averager.run_rounds())
+            tg.create_task(self.averager.send_skips())
 
     def _on_signal(self) -> None:
         assert self.worker is not None
@@ -237,9 +269,15 @@ class Node:
 
         worker.on_update = self._after_update
         await asyncio.to_thread(worker.run, emit, self._force.is_set)
+        if not self._draining and not self._force.is_set():
+            self._set_phase("finishing")
         if self.averager is not None and not self._force.is_set():
             await self.averager.drain()
             await asyncio.to_thread(worker.run_pending)
+            if not self._draining and any(c.get("generation", 0) > 0 for c in self.membership.clusters):
+                # a cluster was disrupted: clusters ended at different step counts; agree once more
+                t = self.topology.timeouts
+                await self.averager.final_round(t.give_up_s or max(t.connect_s, 3600.0))
         await self.outbound.join()
         if self._draining and not self._force.is_set():
             log.info("%s: drained at step %d", self.name, worker.version)
@@ -252,33 +290,10 @@ class Node:
         if self.averager is not None:
             self.averager.on_update(worker)
         every, root = self.topology.training.checkpoint_every, self.topology.training.checkpoint_dir
-        if every and root and worker.version % every == 0:
+        if every and root and worker.version % every == 0 and not worker.paused:
             t0 = time.monotonic()
             self._save_checkpoint()
             worker.waited("checkpoint", time.monotonic() - t0)
-
-    def _current_plan(self) -> Plan:
-        return self.membership.plan or self.plan  # type: ignore[return-value]
-
-    async def _watch_peers(self) -> None:
-        """A stage with micro-batches in flight that finishes none for peer_s gives up (exit 1): a peer
-        is gone.  Progress, not traffic, is watched, so one-stage clusters and slow stages are fine."""
-        assert self.worker is not None
-        limit = self.topology.timeouts.peer_s
-        last_count, last_change = -1, time.monotonic()
-        while True:
-            await asyncio.sleep(min(1.0, limit / 4))
-            stats = self.worker.stats
-            if stats.backwards != last_count or not stats.inflight:
-                last_count, last_change = stats.backwards, time.monotonic()
-                continue
-            idle = time.monotonic() - last_change
-            if idle > limit and not self.worker.done:
-                self.failure = f"no micro-batch finished for {idle:.0f}s with {stats.inflight} in flight"
-                log.error("%s: %s; a peer is gone; stopping", self.name, self.failure)
-                self.metrics.peer_timeouts.labels("pipeline", "silent").inc()
-                self._force.set()
-                return
 
     async def _log_progress(self) -> None:
         """One INFO line every training.log_every optimizer steps, so a person can follow training."""
@@ -298,18 +313,20 @@ class Node:
                     f"{st['averaging_waits']} waits ({st['averaging_wait_seconds']:.1f}s)"
                     if "allreduce_rounds" in st else "")
             log.info("%s: step %d, micro-batch %d/%d, %s, %.1f samples/s, staleness %.2f (max %d), busy %.0f%%, "
-                     "%d in flight%s", self.name, worker.version, st["backwards"], self.topology.training.steps, loss,
+                     "%d in flight%s", self.name, worker.version, st["trained"], self.topology.training.steps, loss,
                      rate, st["staleness_mean"], st["staleness_max"], 100 * st["busy_fraction"], st["inflight"], ring)
 
     async def _send_loop(self) -> None:
         while True:
             out = await self.outbound.get()
             try:
+                if out.generation != self.generation:
+                    continue  # work of a generation the cluster dropped
                 kind = MsgType.FORWARD if out.kind == "fwd" else MsgType.BACKWARD
                 tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
                 packed = {n: t for n, t in out.tensors.items() if isinstance(t, Packed)}
                 msg = Message(type=kind, sender=self.name, micro_batch=out.micro_batch, version=out.version,
-                              tensors=tensors, packed=packed)
+                              meta={"gen": out.generation}, tensors=tensors, packed=packed)
                 await self.links[out.dest].send(msg)
             finally:
                 self.outbound.task_done()
@@ -322,6 +339,9 @@ class Node:
             if msg.type not in (MsgType.FORWARD, MsgType.BACKWARD) or source is None or msg.micro_batch is None:
                 self.metrics.bad_messages.labels("pipeline", "unexpected_message").inc()
                 continue
+            if msg.meta.get("gen", 0) != self.generation:
+                self.metrics.bad_messages.labels("pipeline", "other_generation").inc()
+                continue
             kind = "fwd" if msg.type == MsgType.FORWARD else "bwd"
             reason = self.worker.deliver(kind, msg.micro_batch, source, {**msg.tensors, **msg.packed})
             if reason is not None:
@@ -333,8 +353,18 @@ class Node:
     async def _heartbeats(self) -> None:
         interval = self.topology.timeouts.heartbeat_interval_s
         while True:
+            worker = self.worker
+            self.membership.report.update({
+                "gen": self.generation, "phase": self.phase, "ready": self.ready,
+                "trained": (worker.trained if worker is not None else 0),
+                "stage_bytes": self._stage_bytes})
             await self.membership.heartbeat(self.stats(), done=False)
-            await asyncio.sleep(interval)
+            self._beat_now.clear()
+            # (not asyncio.wait_for: on 3.11 it can swallow a cancellation that meets the event being set,
+            # and the TaskGroup would then wait for this task forever)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._beat_now.wait()
 
     # ------------------------------------------------------------------ shutdown
     def _save_checkpoint(self) -> None:
@@ -344,8 +374,10 @@ class Node:
         t0 = time.monotonic()
         checkpoint.save_stage(root, cluster=self.cluster, stage=self.stage, num_stages=worker.num_stages,
                               node=self.name, module=worker.module, optimizer=worker.optimizer,
-                              version=worker.version, data_position=worker.data_position, run_id=self.run_id,
-                              cluster_nodes=list(self._current_plan().clusters[self.cluster].nodes))
+                              version=worker.version,
+                              data_position=worker.trained_prefix if worker.is_first else 0, run_id=self.run_id,
+                              cluster_nodes=list(self._current_plan().clusters[self.cluster].nodes),
+                              extra={"trained": worker.trained_prefix if worker.is_first else worker.trained})
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
 
@@ -354,7 +386,8 @@ class Node:
         snap = worker.stats.snapshot() if worker is not None else {}
         ring = self.averager.stats() if self.averager is not None else {}
         return {**snap, **ring, "name": self.name, "failure": self.failure, "cluster": self.cluster, "stage": self.stage,
-                "version": worker.version if worker else 0,
+                "phase": self.phase, "generation": self.generation, "pauses": _total(self.metrics, "ravq_pauses_total"),
+                "version": worker.version if worker else 0, "trained": worker.trained if worker else 0,
                 "bytes_sent": _total(self.metrics, "ravq_bytes_sent_total"),
                 "bytes_received": _total(self.metrics, "ravq_bytes_received_total"),
                 "ring_bytes_sent": _total(self.metrics, "ravq_bytes_sent_total", socket="ring"),
@@ -370,7 +403,10 @@ class Node:
             with contextlib.suppress(Exception):
                 await self.membership.heartbeat(self.stats(), done=not self._force.is_set())
         if self.options.summary_path:
-            final = {**self.stats(), "loss_history": self.worker.stats.loss_history if self.worker else []}
+            st = self.worker.stats if self.worker else None
+            final = {**self.stats(), "loss_history": st.loss_history if st else [],
+                     "update_times": list(st.update_times) if st else [], "completed": st.completed if st else [],
+                     "final_round": bool(self.averager and self.averager.final_done)}
             Path(self.options.summary_path).write_text(json.dumps(final))
         for link in self.links.values():
             link.close()

@@ -8,6 +8,13 @@ micro-batches in flight (``max_inflight``), which bounds both stashed memory and
 Weight stashing (PipeDream): a forward runs on a snapshot of the weights of the current version,
 taken once per version and shared by every micro-batch that used it, so the gradient of micro-batch
 m is the gradient at exactly the weights its forward saw, however many updates happen in between.
+
+Churn: a micro-batch is named by its index in stage 0's data, and every message carries the cluster
+*generation* it belongs to.  When a member of the cluster is lost, every stage ``pause``s and
+``reset``s: it drops the work in flight (stashes, partial parts; stage 0 gets its credits back and
+re-queues the dropped micro-batches, which are trained again under the same index) and keeps its
+weights and optimizer.  ``resume`` sets the count of finished micro-batches to stage 0's, so every
+stage agrees on what is left.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MicroBatch = tuple[int, int]
 LOSS_WINDOW = 10
+HISTORY = 100_000
 PREDICTION_WINDOW = 64
 """Backwards whose mean staleness sets how far ``predict_weights`` extrapolates."""
 
@@ -51,6 +59,8 @@ class Outbound:
     version: int
     tensors: dict[str, torch.Tensor | Packed]
     """Activations and gradients packed when the stage compresses (``StageOptions.compress``)."""
+    generation: int = 0
+    """The cluster generation the work belongs to; work of an older generation is never sent."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,6 +97,10 @@ class StageStats:
     loss_tail: deque[float] = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
     loss_history: list[float] = field(default_factory=list)
     """Every micro-batch's loss, in order (last stage only; written to the summary, not heartbeats)."""
+    update_times: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    """Wall-clock time of the latest optimizer steps (summary only: shows how long a stage stalled)."""
+    completed: list[int] = field(default_factory=list)
+    """Stage 0: data index of each micro-batch finished, in order (the first HISTORY; summary only)."""
 
     def snapshot(self) -> dict[str, Any]:
         wall = time.monotonic() - self.started_at if self.started_at else 0.0
@@ -154,6 +168,18 @@ class StageWorker:
         assert not self.is_first or batches is not None, "stage 0 reads the data"
         self.version = 0
         self.data_position = 0  # micro-batches stage 0 has taken from its iterator
+        self.trained = 0
+        """Micro-batches finished (backward done here); set to stage 0's count at every resume."""
+        self.generation = 0
+        self.paused = False
+        self.running = False
+        """True while ``run`` works: control work submitted now runs in the compute thread."""
+        self.cluster_done: Callable[[], bool] = lambda: True
+        """Whether stage 0 finished (later stages keep serving until then: a pause may ask for redos)."""
+        self._requeue: deque[tuple[int, Any]] = deque()
+        """Stage 0: dropped micro-batches (index, batch), trained again before new data."""
+        self._inflight_data: dict[MicroBatch, Any] = {}
+        """Stage 0: the batch of each micro-batch in flight, to re-queue it if the pause drops it."""
         self.stats = StageStats()
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._last_update: dict[str, torch.Tensor] | None = None
@@ -167,7 +193,6 @@ class StageWorker:
         self._control: list[Callable[[StageWorker], None]] = []
         self._cond = threading.Condition()
         self._stopping = False
-        self._next_seq = 0
         self.on_update: Callable[[StageWorker], None] | None = None
         self._waited_in_op = 0.0
         """Seconds of the current forward or backward spent waiting (``waited``), not computing."""
@@ -231,6 +256,15 @@ class StageWorker:
             self._control.append(fn)
             self._cond.notify()
 
+    def call(self, fn: Callable[[StageWorker], None]) -> bool:
+        """``submit`` if ``run`` is working (True); False if not: the caller runs ``fn`` itself."""
+        with self._cond:
+            if not self.running:
+                return False
+            self._control.append(fn)
+            self._cond.notify()
+            return True
+
     def run_pending(self) -> None:
         """Run control work submitted after ``run`` returned (e.g. the last averaging round's result)."""
         with self._cond:
@@ -244,6 +278,48 @@ class StageWorker:
             self._stopping = True
             self._cond.notify()
 
+    def pause(self) -> None:
+        """Start no new micro-batch until ``resume`` (called from the event loop; ``reset`` follows)."""
+        with self._cond:
+            self.paused = True
+            self._cond.notify()
+
+    def reset(self, generation: int) -> int:
+        """Compute thread: drop all work in flight, keep weights and optimizer; returns how many
+        micro-batches stage 0 re-queued (or this stage dropped)."""
+        with self._cond:
+            self.paused = True
+            self.generation = generation
+            dropped = len(self._stash)
+            self._stash.clear()
+            self._forward_parts.clear()
+            self._backward_parts.clear()
+            if self.is_first:
+                again = sorted((mb[1], batch) for mb, batch in self._inflight_data.items())
+                self._requeue = deque(sorted([*again, *self._requeue], key=lambda item: item[0]))
+                self._inflight_data.clear()
+            self.stats.inflight = 0
+        return dropped
+
+    def resume(self, trained: int) -> None:
+        """Compute thread: train again, counting ``trained`` micro-batches as finished."""
+        with self._cond:
+            self.trained = trained
+            self.paused = False
+            self._cond.notify()
+
+    @property
+    def trained_prefix(self) -> int:
+        """Stage 0: data index below which every micro-batch is finished (a checkpoint's data_position)."""
+        pending = [mb[1] for mb in self._inflight_data] + [i for i, _ in self._requeue]
+        return min(pending, default=self.data_position)
+
+    def forget_weight_history(self) -> None:
+        """After weights were replaced (catch-up): no cached forward weights, no last update to extrapolate."""
+        self._snapshot = None
+        self._last_update = None
+        self._recent_staleness.clear()
+
     def queue_depths(self) -> dict[str, int]:
         with self._cond:
             return {"forward": len(self._forward_parts), "backward": len(self._backward_parts)}
@@ -251,20 +327,28 @@ class StageWorker:
     # ----------------------------------------------------------------- the compute thread
     @property
     def done(self) -> bool:
-        return self.stats.backwards >= self.options.steps
+        return self.trained >= self.options.steps and (self.is_first or self.cluster_done())
 
     def run(self, emit: Callable[[Outbound], None], should_abort: Callable[[], bool] = lambda: False) -> None:
         """Work until this stage has finished ``steps`` micro-batches (or was stopped and drained)."""
         self.should_abort = should_abort
-        while True:
-            work = self._take(should_abort)
-            if work is None:
-                break
-            t0 = time.monotonic()
-            if self.stats.started_at is None:
-                self.stats.started_at = t0
-            work(emit)
-        self._flush_update()
+        self.running = True
+        try:
+            while True:
+                work = self._take(should_abort)
+                if work is None:
+                    break
+                t0 = time.monotonic()
+                if self.stats.started_at is None:
+                    self.stats.started_at = t0
+                work(emit)
+            self._flush_update()
+        finally:
+            with self._cond:
+                self.running = False
+                pending, self._control = self._control, []
+            for fn in pending:  # submitted while run was ending: run them here rather than lose them
+                fn(self)
 
     def waited(self, reason: str, seconds: float) -> None:
         """Count ``seconds`` the compute thread waited for ``reason`` (compute thread only).  A wait
@@ -295,6 +379,11 @@ class StageWorker:
                     return lambda emit: fn(self)
                 if should_abort():
                     return None
+                if self.paused:
+                    if self._stopping:
+                        return None
+                    self._cond.wait(timeout=0.5)
+                    continue
                 mb = self._ready(self._backward_parts, self.spec.consumer_stages)
                 if mb is not None:
                     parts = self._backward_parts.pop(mb)
@@ -316,9 +405,8 @@ class StageWorker:
         return None
 
     def _may_start(self) -> bool:
-        started = self.stats.forwards
-        return (not self._stopping and started < self.options.steps
-                and len(self._stash) < self.options.max_inflight)
+        more = bool(self._requeue) or self.data_position < self.options.steps
+        return not self._stopping and more and len(self._stash) < self.options.max_inflight
 
     def _forward_sources(self) -> list[int]:
         sources = set(self.spec.producer_stages)
@@ -400,11 +488,16 @@ class StageWorker:
 
     def _run_first_forward(self, emit: Callable[[Outbound], None]) -> None:
         assert self.batches is not None
-        inputs, targets = next(self.batches)
-        self.data_position += 1
+        if self._requeue:
+            index, (inputs, targets) = self._requeue.popleft()
+        else:
+            inputs, targets = next(self.batches)
+            index = self.data_position
+            self.data_position += 1
+        mb = (self.cluster, index)
+        if not self.is_last:
+            self._inflight_data[mb] = (inputs, targets)
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        mb = (self.cluster, self._next_seq)
-        self._next_seq += 1
         parts = {0: {f"x{i}": x for i, x in enumerate(inputs)}}
         if self.is_last:
             self._run_last(mb, self._gather_inputs(parts), targets, emit)
@@ -416,7 +509,7 @@ class StageWorker:
             tensors = self._pack({f"o{i}": outputs[i].detach() for i, users in self.spec.consumers.items()
                                   if dest in users})
             tensors.update(self._data_for(dest, inputs, targets))
-            emit(Outbound("fwd", dest, mb, self.version, tensors))
+            emit(Outbound("fwd", dest, mb, self.version, tensors, self.generation))
 
     def _first_destinations(self) -> list[int]:
         """Stages stage 0 sends to: consumers of its outputs, of model inputs, and the last stage."""
@@ -447,7 +540,7 @@ class StageWorker:
         self._account("forward", t0)
         for dest in self.spec.consumer_stages:
             tensors = {f"o{i}": outputs[i].detach() for i, users in self.spec.consumers.items() if dest in users}
-            emit(Outbound("fwd", dest, mb, self.version, self._pack(tensors)))
+            emit(Outbound("fwd", dest, mb, self.version, self._pack(tensors), self.generation))
 
     def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any,
                   emit: Callable[[Outbound], None]) -> None:
@@ -489,6 +582,8 @@ class StageWorker:
         else:
             grads = (None,) * (len(weights) + len(grad_inputs))
         del self._stash[mb]
+        if self._inflight_data.pop(mb, None) is not None and len(self.stats.completed) < HISTORY:
+            self.stats.completed.append(mb[1])
         self.stats.inflight = len(self._stash)
         scale = 1.0 / self.options.update_every
         live = [p for p in self.params.values() if p.requires_grad]
@@ -499,6 +594,7 @@ class StageWorker:
             p.grad = g if p.grad is None else p.grad.add_(g)
         self._send_input_grads(mb, stash, dict(zip(map(id, grad_inputs), grads[len(weights):])), emit)
         self.stats.backwards += 1
+        self.trained += 1
         self.stats.samples += self.options.micro_batch
         if self.metrics is not None:  # ravq_samples_total: the throughput panels read it
             self.metrics.samples.inc(self.options.micro_batch)
@@ -519,7 +615,7 @@ class StageWorker:
                 prev = per_producer[ref.stage].get(name)
                 per_producer[ref.stage][name] = g if prev is None else prev + g
         for producer, tensors in per_producer.items():
-            emit(Outbound("bwd", producer, mb, self.version, self._pack(tensors)))
+            emit(Outbound("bwd", producer, mb, self.version, self._pack(tensors), self.generation))
 
     def _step(self) -> None:
         for used in self._pending_staleness:
@@ -541,6 +637,7 @@ class StageWorker:
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self.stats.updates += 1
+        self.stats.update_times.append(time.time())
         self._accumulated = 0
         if self.metrics is not None:
             self.metrics.version.set(self.version)

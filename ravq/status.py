@@ -66,16 +66,28 @@ def _num(value: Any, spec: str, width: int) -> str:
     return f"{value:>{width}{spec}}"
 
 
+def node_state(member: dict[str, Any]) -> str:
+    """What ``ravq status`` shows: lost/missing/done, or for a node that is up what it does
+    (alive = training, paused, catching-up, standby, finishing)."""
+    if member.get("state") != "up":
+        return str(member.get("state", "?"))
+    phase = str(member.get("phase", "training"))
+    return {"training": "alive", "catching_up": "catching-up", "starting": "alive"}.get(phase, phase)
+
+
 def format_status(status: dict[str, Any]) -> str:
     clusters = status.get("plan", {}).get("clusters", [])
     lines = [f"broker sequence {status.get('seq')}; run {status.get('run_id', '?')}; clusters: "
              + " | ".join(" -> ".join(c.get("nodes", [])) for c in clusters)]
-    lines.append(f"{'node':<16}{'state':<7}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}"
+    for c, cs in enumerate(status.get("clusters", [])):
+        why = f": {cs['reason']}" if cs.get("reason") else ""
+        lines.append(f"cluster {c}: {cs.get('state')} (generation {cs.get('generation', 0)}){why}")
+    lines.append(f"{'node':<16}{'state':<12}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}"
                  "  waiting")
     for name, m in sorted(status.get("members", {}).items()):
         st = m.get("stats") or {}
         where = f"{st.get('cluster', '?')}/{st.get('stage', '?')}"
-        lines.append(f"{name:<16}{m.get('state', '?'):<7}{where:<6}{_num(st.get('version'), 'd', 8)}"
+        lines.append(f"{name:<16}{node_state(m):<12}{where:<6}{_num(st.get('version'), 'd', 8)}"
                      f"{_num(st.get('samples'), 'd', 9)}{_num(st.get('busy_fraction'), '.2f', 7)}"
                      f"{_num(st.get('staleness_mean'), '.2f', 7)}{_num(st.get('loss'), '.3f', 8)}"
                      f"  {waiting_text(st)}")

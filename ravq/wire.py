@@ -50,6 +50,8 @@ class MsgType(enum.StrEnum):
     # ring all-reduce
     RING_CHUNK = "ring_chunk"
     RING_ABORT = "ring_abort"
+    CATCHUP_REQ = "catchup_req"  # ring socket: a (re)joining stage asks a live holder for its tensors
+    CATCHUP = "catchup"          # the reply: raw tensor frames (weights, buffers, optimizer state)
     # measurement
     PROBE = "probe"
 

@@ -30,21 +30,38 @@ def local_topology(task: str, clusters: list[int], training: dict[str, Any], **e
 
 
 class Swarm:
-    def __init__(self, tmp: Path, topology: dict[str, Any], env: dict[str, dict[str, str]] | None = None) -> None:
+    def __init__(self, tmp: Path, topology: dict[str, Any], env: dict[str, dict[str, str]] | None = None,
+                 plan: dict[str, Any] | None = None) -> None:
         self.tmp, self.topology = tmp, topology
         self.path = tmp / "topology.yaml"
         self.path.write_text(yaml.safe_dump(topology))
-        base = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.broker = self._spawn(["broker", "--topology", str(self.path)], "broker", base)
-        self.nodes = {}
+        self.broker_argv = ["broker", "--topology", str(self.path)]
+        if plan is not None:
+            (tmp / "plan.yaml").write_text(yaml.safe_dump(plan))
+            self.broker_argv += ["--plan", str(tmp / "plan.yaml")]
+        self.env = env or {}
+        self.base = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.broker = self._spawn(self.broker_argv, "broker", self.base)
+        self.nodes: dict[str, subprocess.Popen[bytes]] = {}
         for node in topology["nodes"]:
-            name = node["name"]
-            self.nodes[name] = self._spawn(["node", "--topology", str(self.path), "--name", name, "--threads", "1",
-                                            "--summary", str(tmp / f"summary-{name}.json")], name,
-                                           {**base, **(env or {}).get(name, {})})
+            self.start(node["name"])
+
+    def start(self, name: str) -> None:
+        """Start (or restart, as systemd would) one node; its log is appended to."""
+        self.nodes[name] = self._spawn(["node", "--topology", str(self.path), "--name", name, "--threads", "1",
+                                        "--summary", str(self.tmp / f"summary-{name}.json")], name,
+                                       {**self.base, **self.env.get(name, {})})
+
+    def restart_broker(self) -> None:
+        self.broker = self._spawn(self.broker_argv, "broker", self.base)
+
+    def status(self) -> dict[str, Any] | None:
+        from ravq.config import load_topology
+        from ravq.demo import status_once
+        return status_once(load_topology(self.path), None, timeout_s=1.0)
 
     def _spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 (the child holds it)
+        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 (the child holds it)
         return subprocess.Popen([sys.executable, "-m", "ravq", *argv], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

@@ -15,6 +15,7 @@ import torch
 
 from ravq.allreduce import RoundResult, Segment
 from ravq.averaging import Averager, _Pending
+from ravq.config import ClusterPlan, Plan
 
 CLUSTERS, NUMEL, STEPS = 2, 5, 12
 SEGMENT = Segment(ring_id=0, names=("w",), numel=NUMEL, ring=("c0", "c1"))
@@ -28,6 +29,10 @@ def _averager(outer_lr: float, initial: torch.Tensor) -> Averager:
     avg.outer_lr, avg.anchors, avg._pending, avg.initial = outer_lr, {}, [], {"w": initial.clone()}
     avg.worker = SimpleNamespace(buffers={})  # type: ignore[assignment]
     avg.compression = None  # float32 rings (ravq.ring_compression not in play)
+    avg.hold_s = 5.0
+    avg.silent_s = lambda node: 0.0
+    plan = Plan(clusters=[ClusterPlan(nodes=["c0"]), ClusterPlan(nodes=["c1"])])
+    avg.plan = lambda: plan
     return avg
 
 
@@ -178,3 +183,35 @@ def test_a_held_stage_lets_go_when_the_process_gives_up() -> None:
     assert 0.25 <= time.monotonic() - t0 < 2.0
     assert not avg._pending and avg.hold_backs == 0
     torch.testing.assert_close(live, torch.full((NUMEL,), 3.0))  # nothing applied
+
+
+def test_a_stage_stops_holding_back_once_a_ring_member_is_silent_and_applies_the_round_later() -> None:
+    """A round whose member stopped sending heartbeats (gone, not yet declared lost) holds the stage only
+    until that member has been silent for ``hold_s``, then never again; it still applies when it ends.
+    A member that is merely behind (heartbeats arrive) is waited for."""
+    import concurrent.futures
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    avg = _averager(1.0, torch.zeros(NUMEL))
+    avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = 1, 100.0, "c0", 0, 0.0, False
+    avg.hold_s = 1.5
+    silent = {"c1": 0.0}
+    avg.silent_s = lambda node: silent[node]
+    live = torch.full((NUMEL,), 3.0)
+    avg.worker = SimpleNamespace(version=6, params={"w": live}, buffers={}, should_abort=lambda: False,
+                                 waited=lambda reason, seconds: None)
+    done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+    avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))
+    threading.Timer(0.5, silent.__setitem__, ["c1", 2.0]).start()  # c1's heartbeats stop arriving
+    t0 = time.monotonic()
+    avg._hold_back(avg.worker)
+    assert 0.4 <= time.monotonic() - t0 < 10.0 and avg.hold_backs == 1 and avg._pending[0].waited
+    avg.worker.version = 7
+    avg._hold_back(avg.worker)  # not waited for again
+    assert avg.hold_backs == 1 and len(avg._pending) == 1
+    done.set_result(RoundResult(averaged={0: torch.zeros(NUMEL)}))
+    avg._apply_finished()
+    assert not avg._pending
+    torch.testing.assert_close(live, torch.full((NUMEL,), 2.0))

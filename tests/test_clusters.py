@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,23 +66,29 @@ def test_ring_bytes_are_bandwidth_optimal(tmp_path: Path) -> None:
 
 
 def test_killed_node_mid_round_aborts_round_and_survivors_finish(tmp_path: Path) -> None:
-    training = {"steps": 300, "micro_batch": 4, "sync_every": 2}
-    topo = local_topology("tests.models_for_tests", [1, 1, 2], training,
-                          timeouts={"ring_step_s": 2.0, "heartbeat_interval_s": 0.3, "peer_s": 5.0})
+    """A node dies mid-round and stays dead: the round aborts, the other clusters train on and finish,
+    and the dead node's pipeline neighbour pauses (it does not exit) until told to stop."""
+    training = {"steps": 600, "micro_batch": 4, "sync_every": 2}
+    # (the throttled task: the survivors, which never wait for the dead ring member, would otherwise finish
+    # before the broker even declares it lost)
+    topo = local_topology("tests.churn_task", [1, 1, 2], training,
+                          timeouts={"ring_step_s": 2.0, "heartbeat_interval_s": 0.3, "lost_s": 4.0})
     swarm = Swarm(tmp_path, topo, env={"c2s1": {"RAVQ_FAULT": "kill_in_round:10"}})
     try:
         codes = swarm.wait(["c0s0", "c1s0"], timeout_s=180)
         assert codes == {"c0s0": 0, "c1s0": 0}, {n: swarm.log(n) for n in codes}
         assert swarm.nodes["c2s1"].wait(5) == -9  # it really died, mid-round
-        # its pipeline neighbour does not hang: it notices no micro-batch finishes and exits 1
-        assert swarm.wait(["c2s0"], timeout_s=60) == {"c2s0": 1}
-        assert "a peer is gone" in swarm.log("c2s0")
+        assert swarm.nodes["c2s0"].poll() is None, swarm.log("c2s0")  # paused, waiting for its neighbour
+        assert "cluster 2 paused" in swarm.log("c2s0")
+        swarm.nodes["c2s0"].send_signal(signal.SIGTERM)
+        assert swarm.wait(["c2s0"], timeout_s=60) == {"c2s0": 0}
     finally:
         swarm.close()
     for name in ("c0s0", "c1s0"):
         s = swarm.summary(name)
-        assert s["backwards"] == 300, s
+        assert s["trained"] == 600, s  # (backwards may count more: work dropped at a pause is redone)
         assert s["allreduce_aborts"] >= 1, s
         # rounds before the kill, and rounds between the two survivors after the broker dropped cluster 2
-        assert s["allreduce_rounds"] > 100, s
+        assert s["allreduce_rounds"] > 50, s
+        assert s["final_round"], s  # a cluster was disrupted: the survivors agree once more at the end
     assert "rings now exclude clusters [2]" in swarm.log("broker")

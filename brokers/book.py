@@ -1,0 +1,270 @@
+"""The broker's membership book: who is up, which clusters train, pause or recover.  No sockets.
+
+A node is ``missing`` (in the plan, never heard from by this broker), ``up``, ``lost`` (silent for
+``lost_s``) or ``done``.  A cluster is ``starting`` (first start, until every member registered),
+``training``, ``paused`` (a member lost or restarted), ``recovering`` (every member up again: each
+drops its in-flight work, catches up and reports ready) or ``done``.  Every disruption increments the
+cluster's *generation*; a cluster trains again once every member reported ready for the current one,
+so the members of a cluster always resume together, from one consistent point.
+
+Clusters that do not train (starting, paused, recovering) are out of the averaging rings.
+
+After a broker restart the book is rebuilt from what nodes re-send in every heartbeat (their
+incarnation, generation and phase): a cluster whose members say they train is training again at
+once; nodes of the plan not heard from within ``lost_s`` are lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ravq.config import Plan
+
+log = logging.getLogger(__name__)
+
+NODE_STATES = ("missing", "up", "lost", "done")
+PHASES = ("starting", "training", "paused", "catching_up", "finishing", "standby")
+"""What a node says it is doing (in its heartbeats); ``ravq status`` shows it for nodes that are up."""
+CLUSTER_STATES = ("starting", "training", "paused", "recovering", "done")
+
+
+@dataclass(kw_only=True, slots=True)
+class Member:
+    state: str = "missing"
+    last_seen: float
+    incarnation: str | None = None
+    """Random id a node process draws at start: a new one means the process restarted."""
+    registered: bool = False
+    """It registered with this broker (else this broker knows it from heartbeats only: it restarted)."""
+    phase: str = "starting"
+    gen: int = 0
+    """The cluster generation the node runs in."""
+    ready: int = -1
+    """The generation the node is ready to resume in (in-flight work dropped, caught up)."""
+    trained: int = 0
+    """Micro-batches its cluster finished, as stage 0 counts them (stage 0 only)."""
+    stage_bytes: int = 0
+    """Memory its stage takes (what a standby replacing it needs)."""
+    memory_bytes: int = 0
+    """A standby's usable memory."""
+    lost_at: float | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterState:
+    state: str = "starting"
+    generation: int = 0
+    trained: int = 0
+    """Micro-batches finished when the cluster resumed: every stage counts on from here."""
+    catchup: bool = False
+    """Whether the members load their stages from other clusters before resuming."""
+    reason: str = ""
+    disrupted_at: float | None = None
+
+    def public(self) -> dict[str, Any]:
+        return {"state": self.state, "generation": self.generation, "trained": self.trained,
+                "catchup": self.catchup, "reason": self.reason}
+
+
+class Book:
+    def __init__(self, plan: Plan, *, lost_s: float, now: float, replace_s: float = 30.0,
+                 standbys: list[str] | None = None) -> None:
+        """``standbys``: nodes of the topology the plan leaves idle (they may replace lost ones)."""
+        self.plan, self.lost_s, self.replace_s = plan, lost_s, replace_s
+        self.standbys = list(standbys or [])
+        self.members: dict[str, Member] = {n: Member(last_seen=now) for c in plan.clusters for n in c.nodes}
+        self.clusters = [ClusterState() for _ in plan.clusters]
+        self.recoveries: list[float] = []
+        """Seconds from a disruption to training again, one per recovery (the broker observes them)."""
+
+    # ------------------------------------------------------------------ queries
+    def cluster_of(self, node: str) -> int | None:
+        try:
+            return self.plan.locate(node)[0]
+        except KeyError:
+            return None
+
+    def excluded(self) -> list[int]:
+        """Clusters out of the rings: those paused or recovering."""
+        return [c for c, cs in enumerate(self.clusters) if cs.state in ("paused", "recovering")]
+
+    @property
+    def running(self) -> bool:
+        """Whether training has begun (a cluster left ``starting``)."""
+        return any(cs.state != "starting" for cs in self.clusters)
+
+    def public(self) -> dict[str, Any]:
+        return {"members": {n: m.state for n, m in self.members.items()},
+                "phases": {n: m.phase for n, m in self.members.items()},
+                "incarnations": {n: m.incarnation for n, m in self.members.items()},
+                "clusters": [cs.public() for cs in self.clusters]}
+
+    # ------------------------------------------------------------------ events
+    def register(self, node: str, incarnation: str | None, now: float) -> bool:
+        """A node (re)started; True when the book changed."""
+        m = self.members.setdefault(node, Member(last_seen=now))
+        c = self.cluster_of(node)
+        if c is None and node not in self.standbys:
+            self.standbys.append(node)
+        if c is not None and self.clusters[c].state in ("training", "recovering", "done"):
+            self._disrupt(c, f"{node} restarted", now)
+        elif c is not None and self.clusters[c].state == "paused":
+            log.info("node %s is back (restarted) while cluster %d is paused", node, c)
+        m.state, m.incarnation, m.last_seen, m.registered = "up", incarnation, now, True
+        m.phase, m.ready, m.gen = ("starting" if c is not None else "standby"), -1, 0
+        return True
+
+    def heartbeat(self, node: str, meta: dict[str, Any], now: float) -> bool:
+        """A heartbeat with the node's own view; True when the book changed."""
+        m = self.members.get(node)
+        if m is None:
+            m = self.members[node] = Member(last_seen=now)
+        changed = False
+        incarnation = meta.get("incarnation")
+        c = self.cluster_of(node)
+        if m.incarnation is not None and incarnation is not None and incarnation != m.incarnation:
+            changed |= self.register(node, str(incarnation), now)  # restarted and its REGISTER went missing
+        m.last_seen, m.incarnation = now, (str(incarnation) if incarnation is not None else m.incarnation)
+        stats = meta.get("stats")
+        m.stats = stats if isinstance(stats, dict) else {}
+        phase = str(meta.get("phase", m.phase))[:16]
+        changed |= phase != m.phase
+        m.phase = phase
+        m.gen, m.ready = _int(meta.get("gen"), m.gen), _int(meta.get("ready"), m.ready)
+        m.trained = _int(meta.get("trained"), m.trained)
+        m.stage_bytes = _int(meta.get("stage_bytes"), m.stage_bytes)
+        m.memory_bytes = _int(meta.get("memory_bytes"), m.memory_bytes)
+        new_state = "done" if meta.get("done") else "up"
+        if m.state != new_state:
+            if m.state == "lost":
+                log.info("node %s is back", node)
+            m.state = new_state
+            changed = True
+        if c is not None:
+            changed |= self._adopt(c, m, now)
+        return changed
+
+    def _adopt(self, c: int, m: Member, now: float) -> bool:
+        """Rebuild a cluster's state from a member's heartbeat (after a broker restart), and notice a
+        member that runs behind its training cluster (it restarted while nobody was watching)."""
+        cs = self.clusters[c]
+        if cs.state == "starting" and not m.registered and m.phase not in ("starting", "standby"):
+            cs.generation = max(cs.generation, m.gen)
+            cs.state = "training" if m.phase in ("training", "finishing") else "paused"
+            cs.trained = m.trained
+            if cs.state == "paused":
+                cs.disrupted_at = now
+                cs.reason = "paused before the broker restarted"
+            log.info("cluster %d rebuilt from heartbeats: %s, generation %d", c, cs.state, cs.generation)
+            fresh = [n for n in self.plan.clusters[c].nodes if self.members[n].registered]
+            if fresh:  # they registered with this broker: they restarted while it was down
+                self._disrupt(c, f"{', '.join(fresh)} restarted while the broker was down", now)
+            return True
+        if cs.state == "training" and m.gen < cs.generation and m.state == "up":
+            self._disrupt(c, f"{_name(self, m)} runs behind (generation {m.gen} < {cs.generation})", now)
+            return True
+        if m.gen > cs.generation:  # a node knows a newer generation than this (restarted) broker
+            cs.generation = m.gen
+            return True
+        return False
+
+    def check(self, now: float) -> bool:
+        """Time-driven transitions; True when the book changed."""
+        changed = False
+        for name, m in self.members.items():
+            c = self.cluster_of(name)
+            silent = now - m.last_seen > self.lost_s
+            if not silent or m.state not in ("up", "missing"):
+                continue
+            if m.state == "missing" and (c is None or not self.running):
+                continue  # a first start: everyone waits for it
+            log.warning("node %s silent for %.1fs: lost", name, now - m.last_seen)
+            m.state, m.lost_at = "lost", now
+            changed = True
+            if c is not None and self.clusters[c].state in ("training", "recovering", "starting", "paused"):
+                self._disrupt(c, f"{name} lost", now)
+        for c, cs in enumerate(self.clusters):
+            changed |= self._advance(c, cs, now)
+            if cs.state == "paused":
+                changed |= self._replace(c, cs, now)
+        return changed
+
+    def _replace(self, c: int, cs: ClusterState, now: float) -> bool:
+        """Hand the stage of a member lost for ``replace_s`` to a standby whose memory fits; else say why
+        the cluster stays paused."""
+        nodes = self.plan.clusters[c].nodes
+        gone = [n for n in nodes if self.members[n].state == "lost"
+                and now - (self.members[n].lost_at or now) >= self.replace_s]
+        if not gone:
+            return False
+        lost = gone[0]
+        need = self.members[lost].stage_bytes
+        standing = [n for n in self.standbys if self.members.get(n) is not None and self.members[n].state == "up"
+                    and self.members[n].phase == "standby"]
+        fits = sorted((n for n in standing if self.members[n].memory_bytes >= need),
+                      key=lambda n: self.members[n].memory_bytes)
+        if not fits:
+            why = (f"{lost} lost for {now - self.members[lost].lost_at:.0f}s; "  # type: ignore[operator]
+                   + (f"no standby has {need / 2**30:.2f} GiB (standbys: " + ", ".join(
+                       f"{n} {self.members[n].memory_bytes / 2**30:.2f} GiB" for n in standing) + ")"
+                      if standing else "no standby node is up"))
+            if why != cs.reason:
+                cs.reason = why
+                return True
+            return False
+        new = fits[0]
+        clusters = [cl.model_copy(update={"nodes": [new if n == lost else n for n in cl.nodes]}) if i == c else cl
+                    for i, cl in enumerate(self.plan.clusters)]
+        self.plan = self.plan.model_copy(update={"clusters": clusters, "epoch": self.plan.epoch + 1})
+        self.standbys = [n for n in self.standbys if n != new] + [lost]  # if it comes back, it stands by
+        self.members[new].phase, self.members[new].ready = "starting", -1
+        cs.reason = f"{new} replaces {lost}"
+        log.warning("cluster %d: standby %s takes over the stage of %s (lost for %.0fs)", c, new, lost,
+                    now - self.members[lost].lost_at)  # type: ignore[operator]
+        return True
+
+    def _advance(self, c: int, cs: ClusterState, now: float) -> bool:
+        members = [self.members[n] for n in self.plan.clusters[c].nodes]
+        up = all(m.state in ("up", "done") for m in members)
+        if cs.state == "starting" and all(m.state in ("up", "done") and m.registered
+                                          and m.phase in ("training", "finishing") for m in members):
+            cs.state = "training"  # a first start: every member got past waiting for everyone
+            return True
+        if cs.state == "paused" and up:
+            cs.state = "recovering"
+            cs.catchup = any(o.state == "training" for i, o in enumerate(self.clusters) if i != c)
+            log.info("cluster %d recovering (generation %d, %s)", c, cs.generation,
+                     "catching up from other clusters" if cs.catchup else "keeping its weights")
+            return True
+        if cs.state == "recovering" and all(m.ready >= cs.generation for m in members):
+            cs.state = "training"
+            cs.trained = members[0].trained
+            if cs.disrupted_at is not None:
+                self.recoveries.append(now - cs.disrupted_at)
+                cs.disrupted_at = None
+            cs.reason = ""
+            log.info("cluster %d trains again (generation %d, from micro-batch %d)", c, cs.generation, cs.trained)
+            return True
+        if cs.state == "training" and all(m.state == "done" for m in members):
+            cs.state = "done"
+            return True
+        return False
+
+    def _disrupt(self, c: int, reason: str, now: float) -> None:
+        cs = self.clusters[c]
+        cs.generation += 1
+        cs.state, cs.reason, cs.catchup = "paused", reason, False
+        if cs.disrupted_at is None:
+            cs.disrupted_at = now
+        log.warning("cluster %d paused (generation %d): %s", c, cs.generation, reason)
+
+
+def _int(value: Any, default: int) -> int:
+    return value if type(value) is int else default
+
+
+def _name(book: Book, member: Member) -> str:
+    return next((n for n, m in book.members.items() if m is member), "?")

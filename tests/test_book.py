@@ -1,0 +1,128 @@
+"""The broker's membership book (no sockets): loss, restart, recovery, broker restart."""
+
+from __future__ import annotations
+
+from brokers.book import Book
+from ravq.config import ClusterPlan, Plan
+
+PLAN = Plan(clusters=[ClusterPlan(nodes=["a0", "a1"], cuts=["l3"]), ClusterPlan(nodes=["b0", "b1"], cuts=["l3"])])
+LOST_S = 5.0
+
+
+def _beat(book: Book, node: str, now: float, **meta: object) -> bool:
+    return book.heartbeat(node, {"incarnation": f"i-{node}", "phase": "training", "gen": 0, **meta}, now)
+
+
+def _started() -> Book:
+    book = Book(PLAN, lost_s=LOST_S, now=0.0)
+    for n in ("a0", "a1", "b0", "b1"):
+        book.register(n, f"i-{n}", 0.0)
+    for n in ("a0", "a1", "b0", "b1"):
+        _beat(book, n, 1.0)
+    book.check(1.0)
+    return book
+
+
+def test_first_start_trains_once_everyone_is_past_waiting() -> None:
+    book = Book(PLAN, lost_s=LOST_S, now=0.0)
+    for n in ("a0", "a1", "b0"):
+        book.register(n, f"i-{n}", 0.0)
+        _beat(book, n, 9.5, phase="starting")  # waiting for everyone
+    book.check(10.0)  # b1 is not there yet: a first start waits for it, nobody is lost
+    assert [c.state for c in book.clusters] == ["starting", "starting"]
+    assert book.members["b1"].state == "missing" and book.excluded() == []
+    book.register("b1", "i-b1", 10.5)
+    for n in ("a0", "a1", "b0", "b1"):
+        _beat(book, n, 11.0)
+    book.check(11.0)
+    assert [c.state for c in book.clusters] == ["training", "training"] and book.excluded() == []
+
+
+def test_a_silent_node_is_lost_its_cluster_pauses_recovers_and_trains_again() -> None:
+    book = _started()
+    for t in (2.0, 4.0, 6.0):
+        for n in ("a0", "a1", "b0"):
+            _beat(book, n, t)
+    assert book.check(6.5)  # b1 last seen at 1.0
+    assert book.members["b1"].state == "lost"
+    assert book.clusters[1].state == "paused" and book.clusters[1].generation == 1
+    assert book.excluded() == [1] and book.clusters[0].state == "training"
+    _beat(book, "b1", 8.0)  # back (a freeze ends): everyone up, so the cluster recovers
+    book.check(8.0)
+    assert book.clusters[1].state == "recovering" and book.clusters[1].catchup  # cluster 0 trains
+    _beat(book, "b0", 8.5, gen=1, ready=1, trained=300, phase="paused")
+    book.check(8.5)
+    assert book.clusters[1].state == "recovering"  # b1 not ready yet
+    _beat(book, "b1", 9.0, gen=1, ready=1, phase="paused")
+    book.check(9.0)
+    cs = book.clusters[1]
+    assert cs.state == "training" and cs.trained == 300 and book.excluded() == []
+    assert book.recoveries == [9.0 - 6.5]
+
+
+def test_a_restarted_node_is_noticed_even_while_it_was_still_up() -> None:
+    book = _started()
+    book.register("a1", "i-a1-new", 2.0)  # re-registers within lost_s: a new process, its state is gone
+    assert book.clusters[0].state == "paused" and book.clusters[0].generation == 1
+    assert "restarted" in book.clusters[0].reason
+    # a heartbeat with a new incarnation (its REGISTER went missing) is a restart too
+    book2 = _started()
+    _beat(book2, "b0", 2.0, incarnation="other")
+    assert book2.clusters[1].state == "paused"
+
+
+def test_a_restarted_broker_rebuilds_from_heartbeats_and_marks_missing_nodes_lost() -> None:
+    book = Book(PLAN, lost_s=LOST_S, now=100.0)  # a new broker: nobody registered with it
+    for n in ("a0", "a1", "b0"):
+        _beat(book, n, 100.5, gen=2, trained=50)
+    book.check(101.0)
+    assert book.clusters[0].state == "training" and book.clusters[0].generation == 2
+    assert book.clusters[1].state == "training" and book.excluded() == []
+    for n in ("a0", "a1", "b0"):
+        _beat(book, n, 104.0, gen=2)
+    book.check(105.5)  # b1 never heard from: lost after lost_s
+    assert book.members["b1"].state == "lost"
+    assert book.clusters[1].state == "paused" and book.clusters[1].generation == 3 and book.excluded() == [1]
+
+
+def test_a_node_restarted_while_the_broker_was_down_is_noticed() -> None:
+    book = Book(PLAN, lost_s=LOST_S, now=100.0)
+    book.register("b1", "fresh", 100.2)  # a fresh process registers before b0's first heartbeat
+    _beat(book, "b0", 100.5, gen=0, trained=80)
+    assert book.clusters[1].state == "paused" and book.clusters[1].generation == 1
+
+
+def test_a_standby_whose_memory_fits_takes_a_lost_nodes_stage_after_replace_s() -> None:
+    book = Book(PLAN, lost_s=LOST_S, now=0.0, replace_s=30.0, standbys=["small", "big"])
+    for n in ("a0", "a1", "b0", "b1"):
+        book.register(n, f"i-{n}", 0.0)
+        _beat(book, n, 1.0, stage_bytes=4 << 30)
+    for n, memory in (("small", 1 << 30), ("big", 8 << 30)):
+        book.register(n, f"i-{n}", 0.0)
+        book.heartbeat(n, {"incarnation": f"i-{n}", "phase": "standby", "memory_bytes": memory}, 1.0)
+    book.check(1.0)
+    for t in range(2, 45):
+        for n in ("a0", "a1", "b0", "small", "big"):
+            book.heartbeat(n, {"incarnation": f"i-{n}", "phase": "standby" if n in ("small", "big") else "paused",
+                               "gen": 0}, float(t))
+        book.check(float(t))
+        if t < 36:  # lost at ~6 s, replaced 30 s later
+            assert book.plan.clusters[1].nodes == ["b0", "b1"], t
+    assert book.plan.clusters[1].nodes == ["b0", "big"]  # "small" does not fit a 4 GiB stage
+    assert "big replaces b1" in book.clusters[1].reason and book.plan.epoch > PLAN.epoch
+    assert book.clusters[1].state == "recovering"  # everyone up again: "big" catches up and reports ready
+
+
+def test_when_no_standby_fits_the_cluster_stays_paused_and_says_why() -> None:
+    book = Book(PLAN, lost_s=LOST_S, now=0.0, replace_s=10.0, standbys=["small"])
+    for n in ("a0", "a1", "b0", "b1"):
+        book.register(n, f"i-{n}", 0.0)
+        _beat(book, n, 1.0, stage_bytes=4 << 30)
+    book.register("small", "i-small", 0.0)
+    for t in range(2, 25):
+        for n in ("a0", "a1", "b0"):
+            _beat(book, n, float(t))
+        book.heartbeat("small", {"incarnation": "i-small", "phase": "standby", "memory_bytes": 1 << 30}, float(t))
+        book.check(float(t))
+    assert book.clusters[1].state == "paused" and book.plan.clusters[1].nodes == ["b0", "b1"]
+    assert "no standby has 4.00 GiB" in book.clusters[1].reason and "small 1.00 GiB" in book.clusters[1].reason
