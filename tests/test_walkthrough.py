@@ -292,7 +292,7 @@ def test_walkthrough_from_empty_pcs_to_an_exported_model(site: Site) -> None:
         got = site.run("pc3", "status", "--topology", "/etc/ravq/topology.yaml", timeout=60)
         lines = got.stdout.splitlines()
         rows = [line.split() for line in lines[2:] if line.split() and line.split()[0] in PCS]
-        ok = got.returncode == 0 and len(rows) == len(PCS) and all(r[1] == "up" and r[3] not in ("-", "0") for r in rows)
+        ok = got.returncode == 0 and len(rows) == len(PCS) and all(r[1] == "alive" and r[3] not in ("-", "0") for r in rows)
         return got.stdout if ok else None
 
     status = _wait_for("all nodes training (ravq status from pc3)", all_training, 120, 2)
