@@ -437,9 +437,18 @@ async def ring_allreduce(flat: Tensor, *, ring_id: int, round_id: int, members: 
         return flat
     assert flat.dim() == 1 and flat.is_floating_point(), "ring_allreduce averages a flat float tensor"
     run = _RingRun(flat, flat if inplace else torch.empty_like(flat), members, me, piece_bytes)
+    await drive_ring(run, {"ring": ring_id, "round": round_id}, members=members, me=me, link=link,
+                     mailbox=mailbox, timeout_s=timeout_s)
+    return run.out
+
+
+async def drive_ring(run: Any, meta: dict[str, Any], *, members: Sequence[str], me: str, link: RingLink,
+                     mailbox: Mailbox, timeout_s: float) -> None:
+    """Run one ring's send and receive loops (``run``: a _RingRun or a compressed run) to the end; on an
+    abort, tell the other members (unless a peer told us) and raise RingAborted."""
+    ring_id, round_id = meta["ring"], meta["round"]
     rnd = mailbox.open(ring_id, round_id, members=members, me=me,
                        pieces_per_step=[len(p) for p in run.recv_plan])
-    meta = {"ring": ring_id, "round": round_id}
     failure: RingAborted | None = None
     try:
         async with asyncio.TaskGroup() as tg:
@@ -452,7 +461,7 @@ async def ring_allreduce(flat: Tensor, *, ring_id: int, round_id: int, members: 
     finally:
         mailbox.close(rnd)
     if failure is None:
-        return run.out
+        return
     log.warning("%s: %s", me, failure)
     if not failure.from_peer:
         await _broadcast_abort(link, members, me, ring_id, round_id, failure.reason, timeout_s)

@@ -35,10 +35,10 @@ from ravq.allreduce import (
     RingAborted,
     RingLink,
     Segment,
-    _broadcast_abort,
     _pieces,
     _Round,
     chunk_bounds,
+    drive_ring,
 )
 from ravq.compress import Format, Packed
 
@@ -148,25 +148,9 @@ async def compressed_ring_allreduce(x: Tensor, *, ring_id: int, round_id: int, m
         return x.clone(), torch.zeros_like(x)
     assert out is not x and residual is not x
     run = _CompressedRun(x, members, me, piece_bytes, fmt, block, base, out, residual)
-    rnd = mailbox.open(ring_id, round_id, members=members, me=me, pieces_per_step=[len(p) for p in run.recv_plan])
-    meta = {"ring": ring_id, "round": round_id, "base": base}
-    failure: RingAborted | None = None
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(run.send_loop(link, meta, timeout_s))
-            tg.create_task(run.recv_loop(mailbox, rnd, timeout_s))
-    except* RingAborted as group:
-        first = group.exceptions[0]
-        assert isinstance(first, RingAborted)
-        failure = first
-    finally:
-        mailbox.close(rnd)
-    if failure is None:
-        return run.out, run.residual
-    log.warning("%s: %s", me, failure)
-    if not failure.from_peer:
-        await _broadcast_abort(link, members, me, ring_id, round_id, failure.reason, timeout_s)
-    raise failure
+    await drive_ring(run, {"ring": ring_id, "round": round_id, "base": base}, members=members, me=me, link=link,
+                     mailbox=mailbox, timeout_s=timeout_s)
+    return run.out, run.residual
 
 
 @dataclass(slots=True)
