@@ -13,7 +13,8 @@ relays, cgroups, namespaces and bridge are removed.  Names carry the prefix ``rq
   bytes from peer a for ``latency_s[a][me]`` and bytes back for ``latency_s[me][a]``.  ``check_rtt``
   measures every pair's round trip through them (an echo port behind each relay) before a run.
 - Compute: cgroup v1 ``cpu.cfs_quota_us`` or v2 ``cpu.max`` (whichever the machine has) set to
-  ``cpu_quota`` cores; ``memory_bytes`` sets ``memory.limit_in_bytes`` (v1) or ``memory.max`` (v2).
+  ``cpu_quota`` cores over a period of a few milliseconds (``cpu_period_us``: a slow PC, not a fast one
+  in slices); ``memory_bytes`` sets ``memory.limit_in_bytes`` (v1) or ``memory.max`` (v2).
   Relays run outside the PC's cgroup: a network costs its PC no CPU.  The quotas of all PCs should sum
   well under the machine's cores, or they compete for the cores and the emulation lies.
 """
@@ -40,7 +41,18 @@ PREFIX = "rq14"
 RELAY = Path(__file__).resolve().parent / "_relay.py"
 ECHO_PORT = 29999
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-CPU_PERIOD_US = 100_000
+MIN_QUOTA_US = 1_000
+"""The kernel's smallest CFS quota per period."""
+MIN_PERIOD_US = 2_000
+
+
+def cpu_period_us(cores: float) -> int:
+    """CFS period for a quota of ``cores``: as short as the kernel allows (a quota of at least 1 ms),
+    so that the PC is slow all the time rather than fast in slices.  Under a 100 ms period a quarter
+    core runs at full speed for 25 ms and then waits 75 ms: a 20 ms forward took 19.5 ms instead of
+    the 80 ms a quarter-speed PC needs, and pipelines of short stages ran about twice as fast as slow
+    PCs would.  With a 4 ms period it took 69.5 ms (the first period's quota comes at once)."""
+    return max(MIN_PERIOD_US, -(-MIN_QUOTA_US * 1_000_000 // int(cores * 1_000_000)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,9 +114,11 @@ def _make_cgroups(layout: str, name: str, spec: PCSpec) -> list[Path]:
             cpu = CGROUP_ROOT / "cpu" / _own_cgroup("cpu").lstrip("/") / name
             cpu.mkdir()
             made.append(cpu)
-            quota = -1 if spec.cpu_quota is None else int(spec.cpu_quota * CPU_PERIOD_US)
-            (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
-            (cpu / "cpu.cfs_quota_us").write_text(str(quota))
+            period = MIN_PERIOD_US if spec.cpu_quota is None else cpu_period_us(spec.cpu_quota)
+            (cpu / "cpu.cfs_quota_us").write_text("-1")  # a new period must not be below the current quota
+            (cpu / "cpu.cfs_period_us").write_text(str(period))
+            if spec.cpu_quota is not None:
+                (cpu / "cpu.cfs_quota_us").write_text(str(int(spec.cpu_quota * period)))
             if spec.memory_bytes is not None:
                 # Under our own memory cgroup: the limit nests inside whatever limits this process.
                 mem = CGROUP_ROOT / "memory" / _own_cgroup("memory").lstrip("/") / name
@@ -115,8 +129,9 @@ def _make_cgroups(layout: str, name: str, spec: PCSpec) -> list[Path]:
             group = CGROUP_ROOT / _own_cgroup("").lstrip("/") / name
             group.mkdir()
             made.append(group)
-            quota = "max" if spec.cpu_quota is None else str(int(spec.cpu_quota * CPU_PERIOD_US))
-            (group / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+            period = MIN_PERIOD_US if spec.cpu_quota is None else cpu_period_us(spec.cpu_quota)
+            quota = "max" if spec.cpu_quota is None else str(int(spec.cpu_quota * period))
+            (group / "cpu.max").write_text(f"{quota} {period}")
             if spec.memory_bytes is not None:
                 (group / "memory.max").write_text(str(spec.memory_bytes))
     except BaseException:

@@ -76,7 +76,15 @@ import yaml
 from ravq.blocks import profile_blocks
 from ravq.config import Topology, load_topology, resolve_task_module
 from ravq.demo import free_ports
-from ravq.planner import BlockProfile, NodeProfile, cut_plan, evaluate_plan, make_plan, topology_clusters
+from ravq.planner import (
+    BlockProfile,
+    NodeProfile,
+    cut_plan,
+    evaluate_plan,
+    make_plan,
+    topology_clusters,
+    training_settings,
+)
 from ravq.profile import (
     Measurement,
     ProbeConfig,
@@ -377,9 +385,7 @@ class Bench:
         run_dir.mkdir(parents=True, exist_ok=True)
         topology = write_topology(run_dir / "topology.yaml", s, layout)
         training = topology.training
-        score: dict[str, Any] = {"micro_batch": training.micro_batch, "sync_every": training.sync_every,
-                                 "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging,
-                                 "averaging_lead": training.averaging_lead}
+        score = training_settings(training)
         nodes, flops, cores_profiled = self.compute([n.name for n in topology.nodes])
         if layout == "planner":
             plan, _ = make_plan(nodes, self.blocks, **score)

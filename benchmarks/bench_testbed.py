@@ -55,8 +55,9 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
         verdict["ravnest_met"] = verdict["planner_over_ravnest"] >= TARGET_RAVNEST
     else:
         verdict["ravnest_met"] = None  # Ravnest's plan does not fit: not scored
-    if "planner" in measured:
+    if "planner" in measured:  # a plan identical to the planner's was not trained again: a tie
         verdict["planner_best"] = measured["planner"] >= max(measured.values())
+        verdict["same_plan"] = {k: v["same_plan_as"] for k, v in plans.items() if v.get("same_plan_as")}
     return verdict
 
 
@@ -72,12 +73,13 @@ def main() -> int:
     parser.add_argument("scenarios", nargs="*", type=Path, default=SCENARIOS)
     parser.add_argument("--plans", default="planner,ravnest,naive")
     parser.add_argument("--train-s", type=float)
+    parser.add_argument("--cores", type=float, help="cores the PCs may use in all (see testbed.py --cores)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results = []
     for path in args.scenarios:
         try:
-            result = testbed.run_scenario(path, args.plans.split(","), train_s=args.train_s)
+            result = testbed.run_scenario(path, args.plans.split(","), train_s=args.train_s, cores=args.cores)
         except (RuntimeError, OSError, ValueError) as err:  # one scenario failing keeps the others' figures
             print(f"scenario {path.stem} failed: {err}", flush=True)
             results.append({"scenario": path.stem, "error": str(err)})

@@ -17,14 +17,12 @@ import yaml
 
 from ravq.blocks import profile_blocks
 from ravq.config import load_plan, load_topology, resolve_task_module
-from ravq.planner import PlanError, evaluate_plan, even_plan, ravnest_plan
+from ravq.planner import PlanError, evaluate_plan, even_plan, ravnest_plan, training_settings
 from ravq.profile import load_profiles
 
 
 def _settings(topology: Any) -> dict[str, Any]:
-    t = topology.training
-    return {"micro_batch": t.micro_batch, "sync_every": t.sync_every, "max_inflight": t.max_inflight,
-            "overlap_averaging": t.overlap_averaging, "averaging_lead": t.averaging_lead}
+    return training_settings(topology.training)
 
 
 def naive_plan(names: list[str], block_names: list[str], nodes: Any, blocks: Any, settings: dict[str, Any]) -> Any:

@@ -41,7 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ravq.config import ConfigError, Topology, load_topology, resolve_task_module
 from ravq.metrics import Metrics
-from ravq.planner import NodeProfile, PlanError, cut_plan, make_plan, topology_clusters
+from ravq.planner import NodeProfile, PlanError, cut_plan, make_plan, topology_clusters, training_settings
 from ravq.security import socket_options_for
 from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
 from ravq.wire import DecodeLimits, Message, MsgType
@@ -611,9 +611,7 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
         return 2
     training = topology.training
     blocks = profile_blocks(task, training.micro_batch, max_inflight=training.max_inflight or 1)
-    settings: dict[str, Any] = {"micro_batch": training.micro_batch, "sync_every": training.sync_every,
-                                "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging,
-                                "averaging_lead": training.averaging_lead}
+    settings = training_settings(training)
     try:
         if all(n.cluster is not None for n in topology.nodes):
             plan, explanation = cut_plan(topology_clusters(topology), nodes, blocks, **settings)

@@ -20,6 +20,7 @@ from ravq.planner.plans import (
     make_plan,
     plan_candidates,
     topology_clusters,
+    training_settings,
 )
 from ravq.planner.types import (
     BlockProfile,
@@ -28,6 +29,7 @@ from ravq.planner.types import (
     NodeProfile,
     PlanError,
     StageReport,
+    Wire,
 )
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "NodeProfile",
     "PlanError",
     "StageReport",
+    "Wire",
     "cut_plan",
     "evaluate_plan",
     "even_plan",
@@ -45,4 +48,5 @@ __all__ = [
     "plan_candidates",
     "ravnest_plan",
     "topology_clusters",
+    "training_settings",
 ]

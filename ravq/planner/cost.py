@@ -6,7 +6,8 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   sum(memory_bytes) bytes, a hard limit.  When ``max_inflight`` is None every stage of a k-stage cluster
   stashes k micro-batches (the pipeline's default); each block's ``inflight_bytes`` scales with that.
 - The link from stage a to stage b (cut before block e) carries the activations crossing the cut one way
-  and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds.
+  and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds, counting the bytes
+  as ``training.compress.pipeline`` packs them (``Wire``: int8 sends about a quarter of float32's).
 - A cluster runs r = min(1 / max(slowest stage, slowest link), m / cycle) micro-batches per second.
   The first term is the steady state of a pipeline that always has work; the second is Little's law:
   with m = ``max_inflight`` micro-batches in flight (default: one per stage), each taking ``cycle`` =
@@ -15,7 +16,7 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   leave when m is the number of stages (issue #14: 3-stage pipelines on emulated PCs waited 20-33% of
   the time for inputs or credits and ran at 0.57-0.69x the bottleneck-only prediction).
 - Averaging, every ``sync_every`` steps: each node sends 2(C-1)/C of the parameter bytes it holds (the
-  sum over its segments) through its ring links.  Ring neighbours depend on every cluster's cuts, so the
+  sum over its segments, packed as ``training.compress.ring`` packs them) through its ring links.  Ring neighbours depend on every cluster's cuts, so the
   planner charges the node's slowest link to any node of another cluster (the worst ring order).  The
   round lasts as long as its slowest node: T_avg.
 - Averaging ties the clusters together.  A round needs every cluster's snapshot at the same version,
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ravq.planner.types import GIB, BlockProfile, NodeProfile, PlanError
+from ravq.planner.types import GIB, BlockProfile, NodeProfile, PlanError, Wire
 
 INF = math.inf
 _SLOW_S_PER_BYTE = 1e9
@@ -62,8 +63,10 @@ class Problem:
 
     def __init__(self, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
                  max_inflight: int | None, micro_batch: int, sync_every: int, overlap_averaging: bool,
-                 averaging_lead: int | None = None) -> None:
+                 averaging_lead: int | None = None, wire: Wire | None = None) -> None:
         _check_inputs(nodes, blocks, micro_batch, sync_every)
+        self.wire = wire or Wire()
+        """Compression of pipeline messages and ring pieces: link times and rounds count wire bytes."""
         self.nodes, self.blocks = list(nodes), list(blocks)
         self.names = [n.name for n in nodes]
         self.n, self.B = len(nodes), len(blocks)
@@ -88,6 +91,8 @@ class Problem:
         self.act[1:self.B] = [b.act_bytes_out for b in blocks[:-1]]
         self.grad[1:self.B] = [b.act_bytes_out if b.grad_bytes_out is None else b.grad_bytes_out
                                for b in blocks[:-1]]
+        self.act[1:self.B] *= self.wire.pipeline
+        self.grad[1:self.B] *= self.wire.pipeline
         self.work_span = _spans(np.array([b.fwd_flops + b.bwd_flops for b in blocks], dtype=float))
         self.param_span = _spans(self.param)
         self.static_span = _spans(np.array([b.memory_bytes - b.max_inflight * b.inflight_bytes for b in blocks],
@@ -284,7 +289,8 @@ class Problem:
         return out
 
     def ring_factor(self, clusters: int) -> float:
-        return 2 * (clusters - 1) / clusters
+        """Wire bytes a ring member sends per parameter byte it holds in one round: 2(C-1)/C, compressed."""
+        return 2 * (clusters - 1) / clusters * self.wire.ring
 
     def samples_per_s(self, rates: Sequence[float], averaging_s: float) -> float:
         """micro_batch * C * S / (the slowest cluster's period of S steps): see the module docstring."""

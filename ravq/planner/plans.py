@@ -8,19 +8,29 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from ravq.config import ClusterPlan, Plan, Topology
+from ravq.config import ClusterPlan, Plan, Topology, TrainingConfig
 from ravq.planner.cost import Layout, Problem, coarsen, fixed_layout
 from ravq.planner.report import explain, memory_error
 from ravq.planner.search import Search, explore
-from ravq.planner.types import GIB, BlockProfile, Explanation, NodeProfile, PlanError, size_text
+from ravq.planner.types import GIB, BlockProfile, Explanation, NodeProfile, PlanError, Wire, size_text
+
+
+def training_settings(training: TrainingConfig) -> dict[str, Any]:
+    """The planner's settings (keyword arguments of ``make_plan``, ``evaluate_plan`` and the rest) as a
+    topology's ``training`` section sets them: the same cost model wherever a plan is made or judged."""
+    return {"micro_batch": training.micro_batch, "sync_every": training.sync_every,
+            "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging,
+            "averaging_lead": training.averaging_lead,
+            "wire": Wire.of(training.compress.pipeline, training.compress.ring, training.compress.int8_block)}
 
 
 def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int,
               sync_every: int, max_clusters: int | None = None, max_inflight: int | None = None,
-              overlap_averaging: bool = False, averaging_lead: int | None = None, allow_idle: bool = True,
+              overlap_averaging: bool = False, averaging_lead: int | None = None, wire: Wire | None = None, allow_idle: bool = True,
               effort: float = 1.0) -> tuple[Plan, Explanation]:
     """Clusters, node order and cuts maximising predicted samples/s; every stage fits its node's memory.
 
@@ -31,14 +41,14 @@ def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, m
     """
     p, search, results, usable, idle = _search(nodes, blocks, micro_batch=micro_batch, sync_every=sync_every,
                                                max_clusters=max_clusters, max_inflight=max_inflight,
-                                               overlap_averaging=overlap_averaging, averaging_lead=averaging_lead,
+                                               overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire,
                                                allow_idle=allow_idle, effort=effort)
     return _explained(p, search, results, usable, idle, 1)[0]
 
 
 def plan_candidates(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, count: int, micro_batch: int,
                     sync_every: int, max_clusters: int | None = None, max_inflight: int | None = None,
-                    overlap_averaging: bool = False, averaging_lead: int | None = None, allow_idle: bool = True,
+                    overlap_averaging: bool = False, averaging_lead: int | None = None, wire: Wire | None = None, allow_idle: bool = True,
                     effort: float = 1.0) -> list[tuple[Plan, Explanation]]:
     """The ``count`` best distinct plans the search found, best predicted first (the first is
     ``make_plan``'s); for judging them another way, e.g. by simulation (``ravq plan --simulate``)."""
@@ -46,7 +56,7 @@ def plan_candidates(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile]
         raise PlanError(f"count: must be >= 1, got {count}")
     p, search, results, usable, idle = _search(nodes, blocks, micro_batch=micro_batch, sync_every=sync_every,
                                                max_clusters=max_clusters, max_inflight=max_inflight,
-                                               overlap_averaging=overlap_averaging, averaging_lead=averaging_lead,
+                                               overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire,
                                                allow_idle=allow_idle, effort=effort)
     return _explained(p, search, results, usable, idle, count)
 
@@ -74,10 +84,10 @@ def _explained(p: Problem, search: Search, results: list[tuple[float, list[tuple
 
 def _search(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int, sync_every: int,
             max_clusters: int | None, max_inflight: int | None, overlap_averaging: bool,
-            averaging_lead: int | None, allow_idle: bool, effort: float
+            averaging_lead: int | None, allow_idle: bool, effort: float, wire: Wire | None = None
             ) -> tuple[Problem, Search, list[tuple[float, list[tuple[int, ...]]]], list[int], dict[int, str]]:
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead)
+                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
     usable, idle = _usable_nodes(p)
     if not usable or (idle and not allow_idle):
         raise memory_error(p)
@@ -86,7 +96,7 @@ def _search(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, mic
     if p.B > _COARSE_BLOCKS:
         coarse = Problem(nodes, coarsen(blocks, _COARSE_BLOCKS), max_inflight=max_inflight,
                           micro_batch=micro_batch, sync_every=sync_every, overlap_averaging=overlap_averaging,
-                          averaging_lead=averaging_lead)
+                          averaging_lead=averaging_lead, wire=wire)
         rough = Search(coarse, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort)
         found = [c for v, c in explore(rough) if v > 0] or [rough.fill(usable)]
         search = Search(p, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort,
@@ -112,10 +122,10 @@ def _usable_nodes(p: Problem) -> tuple[list[int], dict[int, str]]:
 
 def cut_plan(clusters: Sequence[Sequence[str]], nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
              micro_batch: int, sync_every: int, max_inflight: int | None = None,
-             overlap_averaging: bool = False, averaging_lead: int | None = None) -> tuple[Plan, Explanation]:
+             overlap_averaging: bool = False, averaging_lead: int | None = None, wire: Wire | None = None) -> tuple[Plan, Explanation]:
     """The best cuts for clusters and stage orders the user fixed (node names in stage order)."""
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead)
+                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
     index = {name: i for i, name in enumerate(p.names)}
     layouts = []
     for c, names in enumerate(clusters):
@@ -136,10 +146,10 @@ def cut_plan(clusters: Sequence[Sequence[str]], nodes: Sequence[NodeProfile], bl
 
 def evaluate_plan(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
                   micro_batch: int, sync_every: int, max_inflight: int | None = None,
-                  overlap_averaging: bool = False, averaging_lead: int | None = None) -> Explanation:
+                  overlap_averaging: bool = False, averaging_lead: int | None = None, wire: Wire | None = None) -> Explanation:
     """The cost model's verdict on any plan (hand-written, even or Ravnest's); PlanError if it does not fit."""
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead)
+                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
     index = {name: i for i, name in enumerate(p.names)}
     block_index = {b.name: i for i, b in enumerate(blocks)}
     layouts = []

@@ -8,6 +8,31 @@ from dataclasses import dataclass, field
 GIB = float(1 << 30)
 
 
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """Bytes that cross a link per float32 byte, as ``training.compress`` packs them (``ravq.compress``):
+    pipeline messages (activations and gradients) and ring pieces.  1.0: uncompressed."""
+
+    pipeline: float = 1.0
+    ring: float = 1.0
+
+    @classmethod
+    def of(cls, pipeline: str, ring: str, int8_block: int = 128) -> Wire:
+        return cls(pipeline=wire_fraction(pipeline, int8_block), ring=wire_fraction(ring, int8_block))
+
+
+def wire_fraction(fmt: str, int8_block: int = 128) -> float:
+    """Wire bytes per float32 byte of a format of ``ravq.compress``: none 1; bf16 and fp16 2 bytes a
+    value; int8 one byte a value and a float32 scale per ``int8_block`` values."""
+    if fmt == "none":
+        return 1.0
+    if fmt in ("bf16", "fp16"):
+        return 0.5
+    if fmt == "int8":
+        return (1 + 4 / int8_block) / 4
+    raise ValueError(f"compress: unknown format {fmt!r} (none, bf16, fp16 or int8)")
+
+
 class PlanError(ValueError):
     """No plan satisfies the memory limits (or the inputs are inconsistent); says what is missing."""
 

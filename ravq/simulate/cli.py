@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ravq.config import ConfigError, Plan, Topology, load_plan, load_topology, resolve_task_module
-from ravq.planner import BlockProfile, NodeProfile, PlanError
+from ravq.planner import BlockProfile, NodeProfile, PlanError, Wire
 from ravq.simulate.report import SimResult, simulate
 from ravq.simulate.world import Settings, build_world
 
@@ -26,11 +26,13 @@ def settings_for(topology: Topology, *, steps: int | None = None, churn_per_hour
         raise ConfigError(f"--churn: failures per node per hour must be >= 0, got {churn_per_hour}")
     if not jitter >= 0:
         raise ConfigError(f"--jitter: must be >= 0, got {jitter}")
+    wire = Wire.of(t.compress.pipeline, t.compress.ring, t.compress.int8_block)
     return Settings(steps=steps or t.steps, micro_batch=t.micro_batch, max_inflight=t.max_inflight,
                     update_every=t.update_every, sync_every=t.sync_every, overlap_averaging=t.overlap_averaging,
                     averaging_lead=t.averaging_lead, piece_bytes=t.ring_chunk_bytes,
                     ring_timeout_s=topology.timeouts.ring_step_s, churn_per_hour=churn_per_hour, jitter=jitter,
-                    seed=seed, state_factor=3.0 if t.average_optimizer_state else 1.0)
+                    seed=seed, state_factor=3.0 if t.average_optimizer_state else 1.0,
+                    pipeline_wire=wire.pipeline, ring_wire=wire.ring)
 
 
 def host_sharing(topology: Topology, plan: Plan, cores: float | None) -> tuple[dict[str, str], dict[str, float]]:
@@ -91,7 +93,7 @@ def plan_simulate_main(topology_path: str, profiles_dir: str, out_path: str, *, 
     best is written.  0, 1 when no plan fits, 2 on a user mistake."""
     import yaml
 
-    from ravq.planner import plan_candidates
+    from ravq.planner import plan_candidates, training_settings
 
     try:
         if candidates < 1:
@@ -101,11 +103,8 @@ def plan_simulate_main(topology_path: str, profiles_dir: str, out_path: str, *, 
     except ConfigError as err:
         print(f"error: {err}")
         return 2
-    t = topology.training
     try:
-        found = plan_candidates(nodes, blocks, count=candidates, micro_batch=t.micro_batch, sync_every=t.sync_every,
-                                max_inflight=t.max_inflight, overlap_averaging=t.overlap_averaging,
-                                averaging_lead=t.averaging_lead)
+        found = plan_candidates(nodes, blocks, count=candidates, **training_settings(topology.training))
     except PlanError as err:
         print(f"error: {err}")
         return 1

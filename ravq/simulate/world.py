@@ -76,6 +76,10 @@ class Settings:
     """Averaged bytes per parameter byte (1 + optimizer state when that is averaged)."""
     message_overhead_s: float = 0.0
     """Compute-thread seconds each forward and backward spends besides the model (snapshots, calls)."""
+    pipeline_wire: float = 1.0
+    """Wire bytes per float32 byte of activations and gradients (training.compress.pipeline, ``Wire``)."""
+    ring_wire: float = 1.0
+    """Wire bytes per float32 byte of ring pieces (training.compress.ring)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch", "update_every", "sync_every", "averaging_lead", "piece_bytes",
@@ -87,6 +91,9 @@ class Settings:
         for name in ("churn_per_hour", "restart_s", "jitter", "ring_timeout_s", "message_overhead_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("pipeline_wire", "ring_wire"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}: wire bytes per float32 byte must be in (0, 1], got {getattr(self, name)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -179,13 +186,13 @@ def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Block
             else:
                 fwd_s, bwd_s = fwd / by_name[name].flops, bwd / by_name[name].flops
             last = e == len(blocks)
-            act = 0.0 if last else float(blocks[e - 1].act_bytes_out)
-            grad = 0.0 if s == 0 else float(_grad_bytes(blocks[s - 1]))
+            act = 0.0 if last else float(blocks[e - 1].act_bytes_out) * settings.pipeline_wire
+            grad = 0.0 if s == 0 else float(_grad_bytes(blocks[s - 1])) * settings.pipeline_wire
             stages.append(StageSpec(node=name, fwd_s=fwd_s, bwd_s=bwd_s, act_bytes=act, grad_bytes=grad,
                                     param_bytes=float(sum(b.param_bytes for b in blocks[s:e])), blocks=(s, e),
                                     cv=(stage_cv or {}).get(name)))
         clusters.append(stages)
-    segments = ring_segments(clusters, blocks, settings.state_factor)
+    segments = ring_segments(clusters, blocks, settings.state_factor * settings.ring_wire)
     network = Network(nodes=by_name, uplink=dict(uplink or {}))
     hosts = dict(hosts or {})
     cores = dict(host_cores or {})
@@ -205,7 +212,8 @@ def _grad_bytes(block: BlockProfile) -> int:
 def ring_segments(clusters: Sequence[Sequence[StageSpec]], blocks: Sequence[BlockProfile],
                   state_factor: float = 1.0) -> list[SegmentSpec]:
     """Runs of blocks with the same holder in every cluster (the union of all clusters' cuts), as
-    ``allreduce.plan_segments`` groups named tensors; one ring each (none with one cluster)."""
+    ``allreduce.plan_segments`` groups named tensors; one ring each (none with one cluster).  A segment's
+    bytes are its parameter bytes x ``state_factor`` (averaged bytes, on the wire, per parameter byte)."""
     if len(clusters) < 2:
         return []
     holder = [[""] * len(blocks) for _ in clusters]
