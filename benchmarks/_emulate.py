@@ -88,6 +88,14 @@ class PC:
 # ---------------------------------------------------------------------------------------------- cgroups
 
 
+def cpu_weight(cores: float, v1: bool) -> int:
+    """CPU weight in proportion to the quota (v1 ``cpu.shares``, default 1024; v2 ``cpu.weight``, default
+    100, both for one core): when the machine's cores are contended, each PC still gets its quota's share.
+    With equal weights the scheduler splits the cores evenly among whatever runs, and a full-core PC next
+    to quarter-core ones got 0.42 of its 0.55 cores while they got all of theirs."""
+    return max(2, round(cores * 1024)) if v1 else max(1, min(10_000, round(cores * 100)))
+
+
 def _own_cgroup(controller: str) -> str:
     """This process's cgroup path for a v1 controller ("" key for v2)."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
@@ -119,6 +127,7 @@ def _make_cgroups(layout: str, name: str, spec: PCSpec) -> list[Path]:
             (cpu / "cpu.cfs_period_us").write_text(str(period))
             if spec.cpu_quota is not None:
                 (cpu / "cpu.cfs_quota_us").write_text(str(int(spec.cpu_quota * period)))
+                (cpu / "cpu.shares").write_text(str(cpu_weight(spec.cpu_quota, v1=True)))
             if spec.memory_bytes is not None:
                 # Under our own memory cgroup: the limit nests inside whatever limits this process.
                 mem = CGROUP_ROOT / "memory" / _own_cgroup("memory").lstrip("/") / name
@@ -132,6 +141,8 @@ def _make_cgroups(layout: str, name: str, spec: PCSpec) -> list[Path]:
             period = MIN_PERIOD_US if spec.cpu_quota is None else cpu_period_us(spec.cpu_quota)
             quota = "max" if spec.cpu_quota is None else str(int(spec.cpu_quota * period))
             (group / "cpu.max").write_text(f"{quota} {period}")
+            if spec.cpu_quota is not None:
+                (group / "cpu.weight").write_text(str(cpu_weight(spec.cpu_quota, v1=False)))
             if spec.memory_bytes is not None:
                 (group / "memory.max").write_text(str(spec.memory_bytes))
     except BaseException:
@@ -169,6 +180,14 @@ def throttled_s(pc: PC) -> float:
         if key == "throttled_usec":
             return int(value) / 1e6
     return 0.0
+
+
+def cpu_period_s(pc: PC) -> float:
+    """The CFS period in force on the PC's cgroup, read back from the kernel."""
+    group = pc.cgroups[0]
+    if (group / "cpu.cfs_period_us").exists():
+        return int((group / "cpu.cfs_period_us").read_text()) / 1e6
+    return int((group / "cpu.max").read_text().split()[1]) / 1e6
 
 
 def cpu_quota_cores(pc: PC) -> float | None:

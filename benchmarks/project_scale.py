@@ -9,7 +9,7 @@ at 30 TFLOP/s with 24 GiB, 8% workstations at 45 TFLOP/s with 48 GiB, each x U(0
 100 / 1000 Mbit/s at 30 / 40 / 30%).  The model: a GPT-like transformer of 32 layers, d_model 2560
 (about 2.7 B parameters, float32 weights with Adam: ~43 GB before activations), 2,048 tokens per
 micro-batch, micro_batch 4; ravq's defaults otherwise (max_inflight = stages, overlapped averaging,
-averaging_lead 1) with sync_every 500 (DiLoCo's H).  At sync_every 50 the cost model finds averaging
+averaging_lead 1, int8 pipeline and ring compression) with sync_every 500 (DiLoCo's H).  At sync_every 50 the cost model finds averaging
 2.7 B parameters over these links so slow that the planner keeps to one cluster of 3-5 PCs at every size
 (predicted 9.9-11.6 samples/s, simulated 6.1-6.9: credit-bound, see the README).
 
@@ -49,6 +49,7 @@ from ravq.planner import (
     BlockProfile,
     NodeProfile,
     PlanError,
+    Wire,
     evaluate_plan,
     make_plan,
     plan_candidates,
@@ -67,12 +68,15 @@ MICRO_BATCH = 4
 CANDIDATES = 4
 """``ravq plan --simulate``: the planner's best candidates, ranked by simulated samples/s."""
 SYNC_EVERY = 500
+WIRE = Wire.of("int8", "int8")
+"""ravq's default compression (training.compress): activations, gradients and ring pieces as int8."""
 SCORE: dict[str, Any] = {"micro_batch": MICRO_BATCH, "sync_every": SYNC_EVERY, "max_inflight": None,
-                         "overlap_averaging": True, "averaging_lead": 1}
+                         "overlap_averaging": True, "averaging_lead": 1, "wire": WIRE}
 
 
 def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], steps: int) -> dict[str, Any]:
-    settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=SYNC_EVERY)
+    settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=SYNC_EVERY,
+                        pipeline_wire=WIRE.pipeline, ring_wire=WIRE.ring)
     t0 = time.perf_counter()
     world = build_world(plan, nodes, blocks, settings)
     result = simulate(world)
@@ -140,6 +144,7 @@ def speed_check(count: int, steps: int, seed: int, churn_per_hour: float = 0.0) 
     clusters = [ClusterPlan(nodes=[n.name for n in nodes[i:i + k]], cuts=[blocks[b].name for b in bounds[1:-1]])
                 for i in range(0, count - k + 1, k)]
     settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=10, churn_per_hour=churn_per_hour,
+                        pipeline_wire=WIRE.pipeline, ring_wire=WIRE.ring,
                         seed=seed)
     t0 = time.perf_counter()
     result = simulate(build_world(Plan(epoch=0, clusters=clusters), nodes, blocks, settings))

@@ -148,6 +148,8 @@ class Testbed:
     scenario: Scenario
     world: _emulate.World
     run_dir: Path
+    dilation: float = 1.0
+    """Every quota and upload x this, every latency / this (``Scenario.dilation``)."""
     topology_path: Path = field(init=False)
     checks: dict[str, Any] = field(default_factory=dict)
 
@@ -247,7 +249,7 @@ class Testbed:
             _stop_all(procs)
         result = measure(first, end, nodes, last, plan)
         result["status_text"] = shown
-        quotas = {p["name"]: p.get("cpu") for p in self.scenario.pcs}
+        quotas = {p["name"]: p["cpu"] * self.dilation if p.get("cpu") else None for p in self.scenario.pcs}
         for n in nodes:  # what each PC really got: under its quota when the machine is oversubscribed
             result["nodes"][n]["cpu_cores"] = round((cpu1[n] - cpu0[n]) / (t1 - t0), 3)
             result["nodes"][n]["cpu_quota"] = quotas[n]
@@ -369,10 +371,12 @@ def default_cores() -> float:
 
 
 def run_scenario(path: str | Path, plans: Sequence[str] = ("planner",), *, train_s: float | None = None,
-                 run_dir: Path | None = None, check_only: bool = False, cores: float | None = None) -> dict[str, Any]:
+                 run_dir: Path | None = None, check_only: bool = False, cores: float | None = None,
+                 repeat: bool = False) -> dict[str, Any]:
     """Build the scenario's PCs, profile, plan and train each of ``plans`` ("planner", "ravnest",
     "naive" or a plan file's path) for ``train_s`` seconds of the scenario's time (longer on the wall
-    clock when the world is dilated to fit ``cores``); the figures as a dict.  Tears everything down on
+    clock when the world is dilated to fit ``cores``); with ``repeat`` the planner's plan trains once
+    more at the end (its ``repeat_samples_per_s``: the run-to-run noise); the figures as a dict.  Tears everything down on
     the way out."""
     scenario = load_scenario(path)
     dilation = scenario.dilation(cores or default_cores())
@@ -385,7 +389,7 @@ def run_scenario(path: str | Path, plans: Sequence[str] = ("planner",), *, train
         with _emulate.emulated_pcs(scenario.specs(dilation), scenario.latency_s(dilation), run_dir) as world:
             ports = {p["name"]: [PIPELINE_PORT, RING_PORT] for p in scenario.pcs}
             world.start_relays({**ports, "broker": [PUB_PORT, ROUTER_PORT]})
-            bed = Testbed(scenario, world, run_dir)
+            bed = Testbed(scenario, world, run_dir, dilation)
             result["checks"] = bed.check()
             if check_only:
                 return result
@@ -411,6 +415,10 @@ def run_scenario(path: str | Path, plans: Sequence[str] = ("planner",), *, train
                 if info.get("predicted_samples_per_s"):
                     measured["predicted_over_measured"] = info["predicted_samples_per_s"] / measured["samples_per_s"]
                 result["plans"][kind] = {**info, **measured}
+            if repeat and "planner" in trained:  # once more, last: how far two runs of one plan differ here
+                again = bed.train(Path(trained["planner"][1]), (train_s or scenario.train_s) / dilation,
+                                  tag="planner-again")
+                result["plans"]["planner"]["repeat_samples_per_s"] = again["samples_per_s"]
     finally:
         signal.signal(signal.SIGTERM, previous)
     (run_dir / "result.json").write_text(json.dumps(result, indent=1))

@@ -21,7 +21,9 @@ from ravq.planner import (
     make_plan,
     optimum_plan,
     ravnest_plan,
+    training_settings,
 )
+from ravq.planner.types import Wire, wire_fraction
 
 GIB = 1 << 30
 
@@ -99,6 +101,50 @@ def test_cluster_rate_is_one_over_slowest_stage_or_link() -> None:
     ex = evaluate_plan(plan, slow, blocks, micro_batch=4, sync_every=10)
     assert ex.clusters[0].rate_micro_batches_per_s == pytest.approx(1 / 10.0)   # the link is the bottleneck
     assert ex.slowest_link() == ("a->b", pytest.approx(10.0))
+
+
+@pytest.mark.parametrize("fmt", ["none", "bf16", "fp16", "int8"])
+@pytest.mark.parametrize("block", [64, 128, 256])
+def test_wire_fraction_is_what_compress_puts_on_the_wire(fmt: str, block: int) -> None:
+    import torch
+
+    from ravq.compress import Format, Packed, pack
+
+    x = torch.randn(64, 1024)
+    packed = pack(x, Format(fmt), block)
+    sent = packed.wire_bytes if isinstance(packed, Packed) else x.numel() * x.element_size()
+    assert wire_fraction(fmt, block) == pytest.approx(sent / (x.numel() * 4))
+
+
+def test_compressed_links_and_rings_cost_their_wire_bytes() -> None:
+    """int8 moves (1 + 4/128)/4 of the bytes: the link time and the averaging round shrink by that."""
+    links = mesh(["a", "b", "c"], 1e6)
+    nodes = [node(n, 1e9, 8, links[n]) for n in "abc"]
+    blocks = [block("x", 1e9, 1, act=400_000, param=2_000_000), block("y", 1e9, 1, param=2_000_000)]
+    pipeline = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a", "b"], cuts=["y"])])
+    rings = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a"]), ClusterPlan(nodes=["c"])])
+    f = (1 + 4 / 128) / 4
+    for wire, factor in ((None, 1.0), (Wire.of("int8", "int8"), f), (Wire(pipeline=0.5, ring=f), None)):
+        ex = evaluate_plan(pipeline, nodes, blocks, micro_batch=4, sync_every=10, wire=wire)
+        if factor is not None:
+            assert ex.clusters[0].stages[0].link_s == pytest.approx(0.8 * factor)
+        else:
+            assert ex.clusters[0].stages[0].link_s == pytest.approx(0.8 * 0.5)
+        ex = evaluate_plan(rings, nodes, blocks, micro_batch=4, sync_every=10, wire=wire)
+        assert ex.averaging_s == pytest.approx(4.0 * (factor or f))   # 2(C-1)/C x 4 MB over 1 MB/s
+
+
+def test_training_settings_follow_the_topology() -> None:
+    from ravq.config import TrainingConfig
+
+    t = TrainingConfig.model_validate({"micro_batch": 8, "sync_every": 3, "averaging_lead": 2,
+                                       "compress": {"pipeline": "bf16", "ring": "none"}})
+    s = training_settings(t)
+    assert s["wire"] == Wire(pipeline=0.5, ring=1.0)
+    assert (s["micro_batch"], s["sync_every"], s["averaging_lead"]) == (8, 3, 2)
+    assert training_settings(TrainingConfig()).get("wire") == Wire.of("int8", "int8")  # the default
+    with pytest.raises(ValueError, match="unknown format"):
+        wire_fraction("zip")
 
 
 def test_averaging_cost_in_samples_per_s() -> None:

@@ -64,6 +64,26 @@ def test_a_slow_link_sets_the_period() -> None:
     assert (wall(60) - wall(30)) / 30 == pytest.approx(0.1, rel=1e-9)
 
 
+def test_compressed_messages_cross_a_slow_link_faster() -> None:
+    """build_world counts a stage's messages as training.compress packs them: half the bytes, half the time."""
+    blocks = [BlockProfile(name=n, param_bytes=1000, fwd_flops=1e6, bwd_flops=2e6, act_bytes_out=1_000_000,
+                           memory_bytes=1 << 20) for n in ("x", "y")]
+    nodes = [NodeProfile(name=n, flops=1e9, memory_bytes=GIB, bandwidth_bytes_per_s={m: 1e7 for m in "ab" if m != n},
+                         latency_s={m: 0.0 for m in "ab" if m != n}) for n in "ab"]
+    plan = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a", "b"], cuts=["y"])])
+
+    def period(wire: float) -> float:
+        walls = [simulate(build_world(plan, nodes, blocks, Settings(steps=n, max_inflight=8, pipeline_wire=wire,
+                                                                   ring_wire=wire))).wall_s for n in (30, 60)]
+        return (walls[1] - walls[0]) / 30
+
+    assert period(1.0) == pytest.approx(0.1, rel=1e-9)   # 1 MB over 10 MB/s, both ways on separate uplinks
+    assert period(0.5) == pytest.approx(0.05, rel=1e-9)
+    world = build_world(Plan(epoch=0, clusters=[ClusterPlan(nodes=["a"]), ClusterPlan(nodes=["b"])]), nodes, blocks,
+                        Settings(ring_wire=0.25, state_factor=2.0))
+    assert [seg.nbytes for seg in world.segments] == [2000 * 2.0 * 0.25]
+
+
 @pytest.mark.parametrize("clusters", [2, 3, 4])
 @pytest.mark.parametrize("piece", [1 << 30, 1000])
 def test_ring_sends_2_c_minus_1_over_c_of_the_segment_at_link_speed(clusters: int, piece: int) -> None:
@@ -204,7 +224,8 @@ def test_build_world_names_the_mistake(clusters: list[ClusterPlan], message: str
 
 
 @pytest.mark.parametrize(("field", "value"), [("steps", 0), ("sync_every", 0), ("churn_per_hour", -1.0),
-                                              ("max_inflight", 0), ("jitter", -0.1)])
+                                              ("max_inflight", 0), ("jitter", -0.1),
+                                              ("pipeline_wire", 0.0), ("ring_wire", 1.5)])
 def test_settings_name_the_bad_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         Settings(**{field: value})

@@ -59,6 +59,9 @@ def test_emulated_pcs_have_their_links_latency_and_cpu_and_leave_nothing(availab
             share = world.cpu_share(name, seconds=2.0)
             assert 0 < share <= CPU[name] * 1.25, f"{name}: a busy loop got {share:.3f} cores, quota {CPU[name]}"
             assert _emulate.cpu_quota_cores(world.pcs[name]) == CPU[name]
+            assert _emulate.cpu_period_s(world.pcs[name]) == _emulate.cpu_period_us(CPU[name]) / 1e6
+            weight = world.pcs[name].cgroups[0] / ("cpu.shares" if _emulate.cgroup_layout() == "v1" else "cpu.weight")
+            assert int(weight.read_text()) == _emulate.cpu_weight(CPU[name], v1=_emulate.cgroup_layout() == "v1")
 
         topology = tmp_path / "topology.yaml"
         topology.write_text(yaml.safe_dump({

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ravq.config import ClusterPlan, Plan
-from ravq.planner import BlockProfile, NodeProfile
+from ravq.planner import BlockProfile, NodeProfile, Wire
 
 GIB = 1 << 30
 DATA = Path(__file__).with_name("data") / "aws_regions.json"
@@ -137,14 +137,14 @@ def utilisation(flops_used: float, nodes: list[NodeProfile]) -> float:
 
 def regional_plan(nodes: list[NodeProfile], regions: list[str], blocks: list[BlockProfile], *, micro_batch: int,
                   sync_every: int, max_inflight: int | None, overlap_averaging: bool, averaging_lead: int,
-                  effort: float = 1.0) -> Plan:
+                  wire: Wire | None = None, effort: float = 1.0) -> Plan:
     """The planner made tractable for many PCs: ``make_plan`` on each region's PCs alone, then the union
     of the regions' clusters, or the best region's plan alone when the cost model scores that higher
     (the rings then cross regions: the union pays for that in its averaging time)."""
     from ravq.planner import PlanError, evaluate_plan, make_plan
 
     settings: dict[str, Any] = {"micro_batch": micro_batch, "sync_every": sync_every, "max_inflight": max_inflight,
-                "overlap_averaging": overlap_averaging, "averaging_lead": averaging_lead}
+                "overlap_averaging": overlap_averaging, "averaging_lead": averaging_lead, "wire": wire}
     parts: list[Plan] = []
     for region in dict.fromkeys(regions):
         members = [n for n, r in zip(nodes, regions) if r == region]

@@ -1,0 +1,67 @@
+"""The testbed's scenarios and its time dilation, without building anything: every scenario file loads,
+its PCs stay in the issue's ranges, and a scenario asking more cores than the machine has is slowed
+down as a whole (quotas and uploads x d, latencies / d), never in part."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _emulate
+from benchmarks.testbed import load_scenario
+
+SCENARIOS = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "scenarios").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_scenarios_are_in_the_issue_ranges(path: Path) -> None:
+    s = load_scenario(path)
+    assert 6 <= len(s.pcs) <= 8
+    for pc in s.pcs:
+        assert 0.25 <= pc["cpu"] <= 1.0 and 20 <= pc["upload_mbit"] <= 1000
+    for a in s.regions:
+        for b in s.regions:
+            assert 5 <= s.one_way_ms(a, b) <= 80
+
+
+def test_dilation_slows_the_whole_world_alike(tmp_path: Path) -> None:
+    path = tmp_path / "big.yaml"
+    path.write_text("""
+name: big
+task: ravq.tasks.charlm
+regions: {a: {a: 5, b: 40}, b: {b: 10}}
+pcs:
+  - {name: p1, region: a, upload_mbit: 1000, cpu: 1.0}
+  - {name: p2, region: b, upload_mbit: 100, cpu: 1.0, memory_mb: 512}
+  - {name: p3, region: b, upload_mbit: 20, cpu: 1.0}
+""")
+    s = load_scenario(path)
+    assert s.dilation(4.0) == 1.0                      # fits: nothing changes
+    d = s.dilation(1.5)
+    assert d == pytest.approx(0.5)
+    specs = {p.name: p for p in s.specs(d)}
+    assert [specs[n].cpu_quota for n in ("p1", "p2", "p3")] == [0.5, 0.5, 0.5]
+    assert [specs[n].upload_mbit for n in ("p1", "p2", "p3", "broker")] == [500, 50, 10, 500]
+    assert specs["p2"].memory_bytes == 512 << 20      # memory is not time: unchanged
+    latency = s.latency_s(d)
+    assert latency["p1"]["p2"] == pytest.approx(0.080) and latency["p2"]["p3"] == pytest.approx(0.020)
+    assert latency["broker"]["p1"] == pytest.approx(0.010)   # the broker sits in the first PC's region
+
+    path.write_text(path.read_text().replace(", cpu: 1.0}\n", "}\n", 1))   # p1 without a quota
+    with pytest.raises(ValueError, match="no cpu quota"):
+        load_scenario(path).dilation(1.0)
+
+
+def test_quota_periods_are_short_and_at_least_the_kernel_minimum() -> None:
+    for cores in (0.05, 0.1, 0.25, 0.5, 1.0, 4.0):
+        period = _emulate.cpu_period_us(cores)
+        assert period * cores >= _emulate.MIN_QUOTA_US - 1      # the kernel takes a quota of 1 ms or more
+        assert period <= max(_emulate.MIN_PERIOD_US, _emulate.MIN_QUOTA_US / cores + 1)
+    assert _emulate.cpu_period_us(0.25) == 4000
+
+
+def test_cpu_weights_follow_the_quotas() -> None:
+    assert _emulate.cpu_weight(1.0, v1=True) == 1024 and _emulate.cpu_weight(1.0, v1=False) == 100
+    assert _emulate.cpu_weight(0.25, v1=True) * 2 == _emulate.cpu_weight(0.5, v1=True)
+    assert _emulate.cpu_weight(0.001, v1=True) == 2 and _emulate.cpu_weight(0.001, v1=False) == 1   # kernel minimums
