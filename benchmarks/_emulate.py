@@ -43,7 +43,9 @@ ECHO_PORT = 29999
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MIN_QUOTA_US = 1_000
 """The kernel's smallest CFS quota per period."""
-MIN_PERIOD_US = 2_000
+MIN_PERIOD_US = 5_000
+"""Shorter periods cost the PC CPU: a busy loop under 0.545 cores over a 2 ms period got 0.467 (0.27 over
+3.7 ms: 0.268; 0.136 over 7.4 ms: all of it), each period's throttling ending a little late."""
 
 
 def cpu_period_us(cores: float) -> int:
@@ -51,7 +53,7 @@ def cpu_period_us(cores: float) -> int:
     so that the PC is slow all the time rather than fast in slices.  Under a 100 ms period a quarter
     core runs at full speed for 25 ms and then waits 75 ms: a 20 ms forward took 19.5 ms instead of
     the 80 ms a quarter-speed PC needs, and pipelines of short stages ran about twice as fast as slow
-    PCs would.  With a 4 ms period it took 69.5 ms (the first period's quota comes at once)."""
+    PCs would.  With a 5 ms period it took 69.5 ms (the first period's quota comes at once)."""
     return max(MIN_PERIOD_US, -(-MIN_QUOTA_US * 1_000_000 // int(cores * 1_000_000)))
 
 

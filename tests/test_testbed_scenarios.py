@@ -58,7 +58,7 @@ def test_quota_periods_are_short_and_at_least_the_kernel_minimum() -> None:
         period = _emulate.cpu_period_us(cores)
         assert period * cores >= _emulate.MIN_QUOTA_US - 1      # the kernel takes a quota of 1 ms or more
         assert period <= max(_emulate.MIN_PERIOD_US, _emulate.MIN_QUOTA_US / cores + 1)
-    assert _emulate.cpu_period_us(0.25) == 4000
+    assert _emulate.cpu_period_us(0.25) == 5000 and _emulate.cpu_period_us(0.1) == 10_000
 
 
 def test_cpu_weights_follow_the_quotas() -> None:
