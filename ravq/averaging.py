@@ -14,7 +14,7 @@ the stage saw that epoch: ``epoch * ROUNDS_PER_EPOCH + k``.  Every member of a r
 without talking to the broker, and a cluster that was away (or restarted) joins the next round the
 others start, whatever its own version.  When the epoch changes, every open round of the old one is
 abandoned at once on every node (their rings cannot finish), and a stage never holds back for longer
-than a few heartbeats on a round that does not finish: a dead member costs the others little training time.
+than a heartbeat or two on a round that does not finish: a dead member costs the others no training time.
 """
 
 from __future__ import annotations
@@ -165,15 +165,15 @@ class Averager:
         self._steps_in_epoch = 0
         self._seen_epoch = -1
         """The newest plan epoch the event loop has acted on (aborting older rounds)."""
-        self.hold_s = max(3 * topology.timeouts.heartbeat_interval_s, topology.timeouts.lost_s / 2)
-        """A stage holding back for a round stops waiting once a member of its rings has sent the broker
+        self.hold_s = 1.5 * topology.timeouts.heartbeat_interval_s
+        """A stage holding back for a round stops waiting while a member of its rings has sent the broker
         no heartbeat for this long (it is slow to die, not slow to train); it trains on and the round
-        applies if it ends.  A member that is merely behind is waited for, as ``averaging_lead`` asks.
-        A live member can look silent for up to two intervals (its own heartbeat's, then the broker's
-        next state) plus their delivery, more on a slow PC whose event loop shares a small CPU with its
-        compute thread: at 1.5 intervals (as it was) a full-core PC averaging with PCs of 0.14 core took
-        them for dead every few rounds, stopped waiting, skipped most rounds (5 of 50 ran) and trained
-        on alone."""
+        applies if it ends.  A member that is merely behind is waited for, as ``averaging_lead`` asks,
+        and so is a member heard from again: a live member can look silent for a moment (its heartbeat's
+        interval, then the broker's, more on a slow PC whose event loop shares a small CPU with its
+        compute thread).  When a round once released was never waited for again, a full-core PC averaging
+        with PCs of 0.14 core took them for dead every few rounds, ran ahead, skipped most rounds (5 of 50
+        ran) and trained on alone."""
         self.silent_s: Callable[[str], float] = lambda node: 0.0
         """Seconds since a node's last heartbeat reached the broker (set by the node from membership)."""
         self.skipped = 0
@@ -236,7 +236,7 @@ class Averager:
         self.loop.call_soon_threadsafe(self._enqueue, (round_id, snapshots, segments, done))
         if not self.overlap:
             t0 = time.monotonic()
-            finished = self._wait_round(worker, done, round_id)
+            finished = self._wait_round(worker, done, round_id) == "done"
             worker.waited("averaging", time.monotonic() - t0)
             if finished:
                 self._apply(named, segments, snapshots, done.result())
@@ -257,15 +257,20 @@ class Averager:
                 break
             assert oldest.done is not None
             if not oldest.done.done():
+                gone = self._gone(oldest)
+                if gone():  # a member is silent: train on; waited for again once it is heard from
+                    break
                 t0 = time.monotonic()
-                finished = self._wait_round(worker, oldest.done, oldest.round_id, gone=self._gone(oldest))
+                outcome = self._wait_round(worker, oldest.done, oldest.round_id, gone=gone)
                 if worker.should_abort():
                     self._pending.remove(oldest)
                     continue
                 self.hold_backs += 1
                 self.held_s += time.monotonic() - t0
                 worker.waited("averaging", time.monotonic() - t0)
-                if not finished:  # a member is slow or gone: train on; the round applies if it ends
+                if outcome == "gone":
+                    break
+                if outcome != "done":  # the round outlived its own limit: train on; it applies if it ends
                     oldest.waited = True
                     continue
             self._apply_finished()
@@ -279,22 +284,22 @@ class Averager:
         return lambda: any(self.silent_s(n) > self.hold_s for n in nodes)
 
     def _wait_round(self, worker: StageWorker, done: concurrent.futures.Future[RoundResult], round_id: int,
-                    gone: Callable[[], bool] | None = None) -> bool:
-        """Block the compute thread until the round is done; False if it does not finish within a round's
-        own limit, ``gone()`` says a member went silent, or the process gives up meanwhile (a forced stop
-        must not wait for a ring's timeouts)."""
+                    gone: Callable[[], bool] | None = None) -> str:
+        """Block the compute thread until the round is done ("done"); "gone" once ``gone()`` says a member
+        went silent, "timeout" if it does not finish within a round's own limit, "abort" if the process
+        gives up meanwhile (a forced stop must not wait for a ring's timeouts)."""
         deadline = time.monotonic() + self._round_limit_s()
         while not worker.should_abort():
             if gone is not None and gone():
-                return False
+                return "gone"
             try:
                 done.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
-                return True
+                return "done"
             except concurrent.futures.TimeoutError:
                 if time.monotonic() >= deadline:
                     log.warning("%s: round %d never finished; going on without it", self.me, round_id)
-                    return False
-        return False
+                    return "timeout"
+        return "abort"
 
     def _round_limit_s(self) -> float:
         """Longest a compute thread waits on the event loop for a round: its ring steps' timeouts and more."""

@@ -187,8 +187,8 @@ def test_a_held_stage_lets_go_when_the_process_gives_up() -> None:
 
 def test_a_stage_stops_holding_back_once_a_ring_member_is_silent_and_applies_the_round_later() -> None:
     """A round whose member stopped sending heartbeats (gone, not yet declared lost) holds the stage only
-    until that member has been silent for ``hold_s``, then never again; it still applies when it ends.
-    A member that is merely behind (heartbeats arrive) is waited for."""
+    until that member has been silent for ``hold_s``, and not while it stays silent; it still applies when
+    it ends.  A member that is merely behind (heartbeats arrive), or heard from again, is waited for."""
     import concurrent.futures
     import threading
     import time
@@ -207,11 +207,15 @@ def test_a_stage_stops_holding_back_once_a_ring_member_is_silent_and_applies_the
     threading.Timer(0.5, silent.__setitem__, ["c1", 2.0]).start()  # c1's heartbeats stop arriving
     t0 = time.monotonic()
     avg._hold_back(avg.worker)
-    assert 0.4 <= time.monotonic() - t0 < 10.0 and avg.hold_backs == 1 and avg._pending[0].waited
+    assert 0.4 <= time.monotonic() - t0 < 10.0 and avg.hold_backs == 1
     avg.worker.version = 7
-    avg._hold_back(avg.worker)  # not waited for again
-    assert avg.hold_backs == 1 and len(avg._pending) == 1
-    done.set_result(RoundResult(averaged={0: torch.zeros(NUMEL)}))
-    avg._apply_finished()
+    t0 = time.monotonic()
+    avg._hold_back(avg.worker)  # still silent: not waited for
+    assert avg.hold_backs == 1 and len(avg._pending) == 1 and time.monotonic() - t0 < 0.2
+    silent["c1"] = 0.0  # heard from again (it was slow, not dead): waited for once more
+    threading.Timer(0.3, done.set_result, [RoundResult(averaged={0: torch.zeros(NUMEL)})]).start()
+    t0 = time.monotonic()
+    avg._hold_back(avg.worker)
+    assert time.monotonic() - t0 >= 0.25 and avg.hold_backs == 2
     assert not avg._pending
     torch.testing.assert_close(live, torch.full((NUMEL,), 2.0))
