@@ -100,6 +100,18 @@ def chunk_bounds(numel: int, parts: int) -> list[int]:
     return [i * numel // parts for i in range(parts + 1)]
 
 
+def ring_plan(numel: int, size: int, rank: int, piece_numel: int) -> tuple[list[list[tuple[int, int]]],
+                                                                       list[list[tuple[int, int]]]]:
+    """A ring member's schedule over 2(size - 1) steps (reduce-scatter, then all-gather): the element
+    ranges [a, b) it sends at each step and those it receives, in pieces of ``piece_numel`` elements."""
+    bounds = chunk_bounds(numel, size)
+
+    def pieces(k: int) -> list[tuple[int, int]]:
+        return _pieces(bounds[k % size], bounds[k % size + 1], piece_numel)
+    steps = 2 * (size - 1)
+    return [pieces(rank - t) for t in range(steps)], [pieces(rank - t - 1) for t in range(steps)]
+
+
 def _pieces(lo: int, hi: int, piece_numel: int) -> list[tuple[int, int]]:
     """[lo, hi) in near-equal pieces of at most ``piece_numel``: no short tail piece to wait on."""
     count = -(-(hi - lo) // piece_numel)
@@ -376,15 +388,9 @@ class _RingRun:
     def __init__(self, flat: Tensor, out: Tensor, members: Sequence[str], me: str, piece_bytes: int) -> None:
         self.flat, self.out, self.size, self.rank = flat, out, len(members), list(members).index(me)
         self.successor, self.predecessor = members[(self.rank + 1) % self.size], members[self.rank - 1]
-        bounds = chunk_bounds(flat.numel(), self.size)
-        piece_numel = max(1, piece_bytes // flat.element_size())
-        steps = 2 * (self.size - 1)
-
-        def pieces(k: int) -> list[tuple[int, int]]:
-            return _pieces(bounds[k % self.size], bounds[k % self.size + 1], piece_numel)
-        self.send_plan = [pieces(self.rank - t) for t in range(steps)]
-        self.recv_plan = [pieces(self.rank - t - 1) for t in range(steps)]
-        self.received = [0] * steps
+        self.send_plan, self.recv_plan = ring_plan(flat.numel(), self.size, self.rank,
+                                                   max(1, piece_bytes // flat.element_size()))
+        self.received = [0] * len(self.send_plan)
         self.progress = asyncio.Event()
         self.forward: dict[tuple[int, int], Tensor] = {}
         """(step, piece) -> the received buffer to send for that piece (steps 1 and later)."""

@@ -35,10 +35,9 @@ from ravq.allreduce import (
     RingAborted,
     RingLink,
     Segment,
-    _pieces,
     _Round,
-    chunk_bounds,
     drive_ring,
+    ring_plan,
 )
 from ravq.compress import Format, Packed
 
@@ -63,15 +62,9 @@ class _CompressedRun:
         self.out = out if out is not None else torch.empty_like(x)
         self.residual = residual if residual is not None else torch.empty_like(x)
         self.successor, self.predecessor = members[(self.rank + 1) % self.size], members[self.rank - 1]
-        bounds = chunk_bounds(x.numel(), self.size)
-        piece_numel = max(1, piece_bytes // 4)  # pieces cover as many elements as uncompressed ones
-        steps = 2 * (self.size - 1)
-
-        def pieces(k: int) -> list[tuple[int, int]]:
-            return _pieces(bounds[k % self.size], bounds[k % self.size + 1], piece_numel)
-        self.send_plan = [pieces(self.rank - t) for t in range(steps)]
-        self.recv_plan = [pieces(self.rank - t - 1) for t in range(steps)]
-        self.received = [0] * steps
+        # pieces cover as many elements as uncompressed ones
+        self.send_plan, self.recv_plan = ring_plan(x.numel(), self.size, self.rank, max(1, piece_bytes // 4))
+        self.received = [0] * len(self.send_plan)
         self.progress = asyncio.Event()
         self.forward: dict[tuple[int, int], Tensor | Packed] = {}
 
