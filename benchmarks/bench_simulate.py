@@ -45,6 +45,7 @@ import _common
 _common.use_repo_checkout()
 
 import yaml
+from testbed_plans import scaled
 
 from ravq.blocks import profile_blocks
 from ravq.cli import plan_for
@@ -219,8 +220,10 @@ def validate_testbed(run_dir: Path, steps: int) -> list[dict[str, Any]]:
             continue
         plan = load_plan(run_dir / f"plan-{kind}.yaml")
         scale = measured.get("speed_vs_profile") or {}
-        nodes = [NodeProfile(name=n, flops=p["flops"] * scale.get(n, 1.0), memory_bytes=p["memory_bytes"],
-                             bandwidth_bytes_per_s=p["bandwidth_bytes_per_s"], latency_s=p["latency_s"])
+        nodes = [scaled(NodeProfile(name=n, flops=p["flops"], memory_bytes=p["memory_bytes"],
+                                    bandwidth_bytes_per_s=p["bandwidth_bytes_per_s"], latency_s=p["latency_s"],
+                                    message_s=tuple((int(b), float(t)) for b, t in p.get("message_s", []))),
+                        scale.get(n, 1.0))
                  for n, p in measured_profiles.items()]
         busy_m = {n: v["busy_fraction"] for n, v in measured["nodes"].items()}
         recorded = window_stage_times(measured["nodes"])

@@ -17,7 +17,7 @@ import yaml
 
 from ravq.blocks import profile_blocks
 from ravq.config import load_plan, load_topology, resolve_task_module
-from ravq.planner import PlanError, evaluate_plan, even_plan, ravnest_plan, training_settings
+from ravq.planner import NodeProfile, PlanError, evaluate_plan, even_plan, ravnest_plan, training_settings
 from ravq.profile import load_profiles
 
 
@@ -64,12 +64,17 @@ def make_plans(topology_path: Path, profiles_dir: Path, kind: str, out: Path) ->
             "explanation": explanation.format()}
 
 
+def scaled(node: NodeProfile, speed: float) -> NodeProfile:
+    """``node`` on a CPU ``speed`` times as fast: its FLOP/s times, its messages' time over ``speed``."""
+    return dataclasses.replace(node, flops=node.flops * speed,
+                               message_s=tuple((size, seconds / speed) for size, seconds in node.message_s))
+
+
 def predict(topology_path: Path, profiles_dir: Path, plan_path: Path, flops_scale: dict[str, float]) -> float:
     """The cost model's samples/s for a plan with every node's profiled FLOP/s scaled by ``flops_scale``
     (e.g. the CPU share a PC got while it trained over the share it got while it was profiled)."""
     topology = load_topology(topology_path)
-    nodes = [dataclasses.replace(n, flops=n.flops * flops_scale.get(n.name, 1.0))
-             for n in load_profiles(topology, profiles_dir)]
+    nodes = [scaled(n, flops_scale.get(n.name, 1.0)) for n in load_profiles(topology, profiles_dir)]
     task = resolve_task_module(topology.task)
     blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=topology.training.max_inflight or 1)
     return evaluate_plan(load_plan(plan_path), nodes, blocks, **_settings(topology)).samples_per_s

@@ -39,9 +39,12 @@ import zmq
 import zmq.asyncio
 from torch.utils.flop_counter import FlopCounterMode
 
+from ravq import compress
+from ravq.compress import Format, Packed
 from ravq.config import ConfigError, Topology, load_topology, resolve_task_module
 from ravq.metrics import Metrics
 from ravq.planner import NodeProfile, PlanError, cut_plan, make_plan, topology_clusters, training_settings
+from ravq.planner.types import size_text
 from ravq.security import socket_options_for
 from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
 from ravq.wire import DecodeLimits, Message, MsgType
@@ -93,6 +96,11 @@ class Measurement:
     """(max - min) / flops over those windows: how far to trust ``flops`` (None: not measured)."""
     cpu_share: float | None = None
     """CPU seconds per wall second the compute measurement got (see ``ComputeSample.cpu_share``)."""
+    message_s: list[list[float]] = field(default_factory=list)
+    """[tensor bytes, seconds] of one pipeline message at this PC's compute speed: the CPU seconds of
+    ``message_cpu_s`` over ``cpu_share`` (``measure_messages``); the planner's ``NodeProfile.message_s``."""
+    message_cpu_s: list[list[float]] = field(default_factory=list)
+    """[tensor bytes, CPU seconds] of one message, packed, sent, received and unpacked, as measured."""
 
 
 # ------------------------------------------------------------------ compute and memory
@@ -241,6 +249,90 @@ def cgroup_memory_free(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "
             continue
         return max(0, int(limit_text) - usage)
     return None
+
+
+# ------------------------------------------------------------------ messages
+
+
+MESSAGE_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
+"""Float32 tensor bytes at which ``measure_messages`` times a message; the planner interpolates."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MessageConfig:
+    sizes: tuple[int, ...] = MESSAGE_SIZES
+    cpu_s: float = 0.15
+    """CPU seconds spent timing each size (at least ``min_messages`` messages)."""
+    min_messages: int = 8
+    window: int = 4
+    """Messages sent before they are received, as a pipeline keeps several in flight."""
+
+
+async def _message_cpu_s(inbox: Inbox, outlink: Outlink, name: str, tensor: torch.Tensor, fmt: Format,
+                         block: int, config: MessageConfig) -> float:
+    """CPU seconds of this process (every thread: ours, ZeroMQ's I/O and CURVE) per message of ``tensor``."""
+    async def batch(count: int, first: int) -> None:
+        for i in range(count):
+            packed = compress.pack(tensor, fmt, block)
+            plain, squeezed = ({}, {"o0": packed}) if isinstance(packed, Packed) else ({"o0": packed}, {})
+            await outlink.send(Message(type=MsgType.FORWARD, sender=name, micro_batch=(0, first + i), version=0,
+                                       meta={"gen": 0}, tensors=plain, packed=squeezed))
+        for _ in range(count):
+            _, msg = await inbox.recv()
+            got: torch.Tensor | Packed = msg.packed["o0"] if "o0" in msg.packed else msg.tensors["o0"]
+            compress.unpack(got, tensor.dtype).to(tensor.device)
+
+    await batch(2, 0)  # connection, allocator and first-call costs are not counted
+    count, cpu0 = 0, time.process_time()
+    while time.process_time() - cpu0 < config.cpu_s or count < config.min_messages:
+        await batch(config.window, count)
+        count += config.window
+    return (time.process_time() - cpu0) / count
+
+
+async def _measure_messages(topology: Topology, name: str, config: MessageConfig) -> list[list[float]]:
+    me, training = topology.node(name), topology.training
+    metrics = Metrics(name)
+    largest = max(config.sizes)
+    options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0,
+                                  max_message_bytes=2 * largest + CHUNK_BYTES)
+    limits = dataclasses.replace(_LIMITS, max_tensor_bytes=2 * largest)
+    ctx = zmq.asyncio.Context()
+    costs: list[list[float]] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            zap = group.create_task(options.monitor.serve()) if options.monitor else None
+            inbox = Inbox.bind(ctx, "tcp://127.0.0.1:*", name, metrics, limits, options)
+            address = inbox.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            outlink = Outlink.connect(ctx, address, name, name, metrics, limits, options)
+            try:
+                fmt = Format(training.compress.pipeline)
+                for size in sorted(config.sizes):
+                    tensor = torch.randn(max(1, size // 4), device=me.device)
+                    costs.append([size, await _message_cpu_s(inbox, outlink, name, tensor, fmt,
+                                                             training.compress.int8_block, config)])
+            finally:
+                outlink.close()
+                inbox.close()
+                if zap is not None:
+                    zap.cancel()
+    finally:
+        if options.monitor:
+            options.monitor.close()
+        ctx.destroy(linger=0)
+    return costs
+
+
+def measure_messages(topology: Topology, name: str, config: MessageConfig | None = None) -> list[list[float]]:
+    """[tensor bytes, CPU seconds] per pipeline message for a few tensor sizes: a float32 tensor packed
+    as ``training.compress.pipeline`` packs it, sent as a FORWARD message over loopback TCP with this
+    node's socket options (CURVE when the topology asks), received, decoded and unpacked, several in
+    flight.  A stage pays that for each activation and gradient it sends and receives (half at each
+    end); on a small CPU it is a real part of a stage's time: on a PC of a seventh of a core a 512 KiB
+    activation took ~1.1 ms of CPU, ~8 ms of wall time, per message.  CPU seconds, so other work on the
+    machine does not disturb the figure; ``measure_node`` turns them into wall time at the compute
+    measurement's CPU share."""
+    return asyncio.run(_measure_messages(topology, name, config or MessageConfig()))
 
 
 # ------------------------------------------------------------------ links
@@ -533,16 +625,23 @@ def load_profiles(topology: Topology, profiles_dir: str | Path) -> list[NodeProf
         flops = node.flops if node.flops is not None else m.flops if m else 0.0
         memory = node.memory_bytes if node.memory_bytes is not None else m.memory_bytes if m else 0
         profiles.append(NodeProfile(name=node.name, flops=flops, memory_bytes=memory, bandwidth_bytes_per_s=bandwidth,
-                                    latency_s=dict(m.latency_s) if m else {}))
+                                    latency_s=dict(m.latency_s) if m else {},
+                                    message_s=message_table(m) if m else ()))
     return profiles
+
+
+def message_table(measurement: Measurement) -> tuple[tuple[int, float], ...]:
+    """The planner's ``NodeProfile.message_s`` from a profile (empty for profiles made before it)."""
+    return tuple((int(size), float(seconds)) for size, seconds in measurement.message_s)
 
 
 # ------------------------------------------------------------------ entry points
 
 
 def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
-                 compute_s: float = 6.0, windows: int = 5) -> Measurement:
-    """Compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), memory, links."""
+                 compute_s: float = 6.0, windows: int = 5, messages: MessageConfig | None = None) -> Measurement:
+    """Compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), the CPU cost of
+    pipeline messages (``measure_messages``), memory, links."""
     me = topology.node(name)
     task = resolve_task_module(topology.task)
     matmul = measure_matmul_flops(me.device, seconds=0.5)
@@ -552,6 +651,8 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     except (RuntimeError, ValueError, TypeError) as err:  # a model that cannot run here: matmuls only
         log.warning("profile: forward + backward of the task's model failed (%s); using matmul FLOP/s", err)
         sample = None
+    message_cpu = measure_messages(topology, name, messages)
+    share = sample.cpu_share if sample and sample.cpu_share > 0 else 1.0
     links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
     return Measurement(
         name=name, device=me.device, flops=sample.flops if sample else matmul, matmul_flops=matmul,
@@ -559,7 +660,8 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
         bandwidth_bytes_per_s={p: link.bandwidth_bytes_per_s for p, link in links.items()},
         latency_s={p: link.latency_s for p, link in links.items()},
         flops_windows=sample.window_flops if sample else [], flops_spread=sample.spread if sample else None,
-        cpu_share=sample.cpu_share if sample else None)
+        cpu_share=sample.cpu_share if sample else None,
+        message_s=[[size, cpu / share] for size, cpu in message_cpu], message_cpu_s=message_cpu)
 
 
 def compute_confidence(measurement: Measurement) -> str:
@@ -587,6 +689,9 @@ def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s
     print(f"{name}: {measurement.flops / 1e9:.3g} GFLOP/s (matmul {measurement.matmul_flops / 1e9:.3g}), "
           f"{measurement.memory_bytes / (1 << 30):.3g} GiB usable")
     print(f"  compute: {compute_confidence(measurement)}")
+    if measurement.message_s:
+        print("  pipeline messages (CPU time at this speed): " + ", ".join(
+            f"{size_text(size)} {seconds * 1e3:.3g} ms" for size, seconds in measurement.message_s))
     for peer in sorted(measurement.bandwidth_bytes_per_s):
         print(f"  -> {peer}: {measurement.bandwidth_bytes_per_s[peer] * 8 / 1e6:.4g} Mbit/s, "
               f"{measurement.latency_s[peer] * 1e3:.3g} ms")

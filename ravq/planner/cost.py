@@ -3,7 +3,12 @@
 Per micro-batch (DESIGN.md, "Planner and profiler"):
 
 - A stage on node n holding blocks [s, e) computes for sum(fwd + bwd FLOPs) / n.flops seconds and needs
-  sum(memory_bytes) bytes, a hard limit.  When ``max_inflight`` is None every stage of a k-stage cluster
+  sum(memory_bytes) bytes, a hard limit.  Its messages take CPU time too (``NodeProfile.message_s``,
+  measured by ``ravq profile``): for each cut it borders, half of the activation's message (packing and
+  sending, or receiving and unpacking) and half of the gradient's, so a middle stage pays two messages
+  per micro-batch and the first and last one each.  On a PC of a seventh of a core the stages of a
+  pipeline computed 1.22-1.33x what their FLOPs said (issue #14): int8 packing, CURVE and ZeroMQ's I/O
+  share the CPU with the compute.  When ``max_inflight`` is None every stage of a k-stage cluster
   stashes k micro-batches (the pipeline's default); each block's ``inflight_bytes`` scales with that.
 - The link from stage a to stage b (cut before block e) carries the activations crossing the cut one way
   and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds, counting the bytes
@@ -44,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ravq.planner.types import GIB, BlockProfile, NodeProfile, PlanError, Wire
+from ravq.planner.types import GIB, BlockProfile, NodeProfile, PlanError, Wire, message_seconds
 
 INF = math.inf
 _SLOW_S_PER_BYTE = 1e9
@@ -91,6 +96,14 @@ class Problem:
         self.act[1:self.B] = [b.act_bytes_out for b in blocks[:-1]]
         self.grad[1:self.B] = [b.act_bytes_out if b.grad_bytes_out is None else b.grad_bytes_out
                                for b in blocks[:-1]]
+        self.message = np.zeros((self.n, self.B + 1))
+        """message[node, c]: CPU time of a stage on ``node`` for the messages crossing a cut before block c
+        (its half of the activation's and of the gradient's); 0 at c = 0 and B, which no message crosses."""
+        for i, node in enumerate(nodes):
+            if node.message_s:
+                self.message[i, 1:self.B] = [(message_seconds(node.message_s, self.act[c])
+                                              + message_seconds(node.message_s, self.grad[c])) / 2
+                                             for c in range(1, self.B)]
         self.act[1:self.B] *= self.wire.pipeline
         self.grad[1:self.B] *= self.wire.pipeline
         self.work_span = _spans(np.array([b.fwd_flops + b.bwd_flops for b in blocks], dtype=float))
@@ -120,12 +133,18 @@ class Problem:
     def model_memory(self, stages: int) -> float:
         return float(self.mem_span(stages)[0, self.B])
 
+    def stage_s(self, node: int, s: int, e: int) -> float:
+        """Time per micro-batch of a stage on ``node`` holding blocks [s, e): its FLOPs at the node's speed
+        and its messages' CPU time."""
+        return float(self.work_span[s, e] / self.flops[node] + self.message[node, s] + self.message[node, e])
+
     def stage_times(self, node: int, stages: int) -> np.ndarray:
-        """times[s, e]: compute time of blocks [s, e) on ``node``; inf where it does not fit."""
+        """times[s, e]: ``stage_s`` of blocks [s, e) on ``node``; inf where it does not fit."""
         key = (node, self.inflight_for(stages))
         t = self._times.get(key)
         if t is None:
-            t = np.where(self.mem_span(stages) <= self.mem[node], self.work_span / self.flops[node], INF)
+            seconds = self.work_span / self.flops[node] + self.message[node][:, None] + self.message[node][None, :]
+            t = np.where(self.mem_span(stages) <= self.mem[node], seconds, INF)
             if len(self._times) >= self.TIMES_CACHED:
                 del self._times[next(iter(self._times))]
             self._times[key] = t
@@ -377,7 +396,7 @@ def cycle_s(p: Problem, lay: Layout) -> float:
     total = 0.0
     for j, node in enumerate(lay.order):
         s, e = lay.bounds[j], lay.bounds[j + 1]
-        total += float(p.work_span[s, e] / p.flops[node])
+        total += p.stage_s(node, s, e)
         if j < len(lay.order) - 1:
             nxt = lay.order[j + 1]
             total += float(p.act[e] * p.fwd_s_per_byte[node, nxt] + p.grad[e] * p.bwd_s_per_byte[node, nxt]
@@ -420,7 +439,7 @@ def fixed_layout(p: Problem, order: tuple[int, ...], bounds: tuple[int, ...]) ->
         if p.mem_span(k)[s, e] > p.mem[node]:
             raise PlanError(f"node {p.names[node]}: stage of blocks {s}-{e - 1} needs "
                             f"{p.mem_span(k)[s, e] / GIB:.3g} GiB, the node has {p.mem[node] / GIB:.3g} GiB")
-        worst = max(worst, p.work_span[s, e] / p.flops[node])
+        worst = max(worst, p.stage_s(node, s, e))
         if j < k - 1:
             worst = max(worst, float(p.link_times(node, order[j + 1])[e]))
     return Layout(order=order, bounds=bounds, bottleneck=worst)

@@ -25,7 +25,7 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str]) -> tupl
             link = float(p.link_times(node, lay.order[j + 1])[e]) if j < k - 1 else None
             stages.append(StageReport(
                 node=p.names[node], first_block=s, last_block=e - 1,
-                compute_s=float(p.work_span[s, e] / p.flops[node]), link_s=link,
+                compute_s=p.stage_s(node, s, e), link_s=link,
                 memory_bytes=int(p.mem_span(k)[s, e]), memory_available=int(p.mem[node]),
                 param_bytes=int(p.param_span[s, e])))
         reports.append(ClusterReport(nodes=[p.names[i] for i in lay.order], stages=stages,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -33,6 +34,24 @@ def wire_fraction(fmt: str, int8_block: int = 128) -> float:
     raise ValueError(f"compress: unknown format {fmt!r} (none, bf16, fp16 or int8)")
 
 
+def message_seconds(table: tuple[tuple[int, float], ...], nbytes: float) -> float:
+    """Seconds one message of ``nbytes`` float32 tensor bytes costs a node with this ``message_s`` table:
+    piecewise linear between the measured sizes, the smallest size's figure below it (a message's fixed
+    cost), the slope of the two largest sizes beyond the largest; 0 without a table."""
+    if not table or not math.isfinite(nbytes):
+        return 0.0
+    points = sorted(table)
+    if nbytes <= points[0][0]:
+        return float(points[0][1])
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if nbytes <= x1:
+            return float(y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0))
+    if len(points) == 1:
+        return float(points[0][1] * nbytes / points[0][0]) if points[0][0] > 0 else float(points[0][1])
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return float(y1 + max(0.0, (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0) * (nbytes - x1))
+
+
 class PlanError(ValueError):
     """No plan satisfies the memory limits (or the inputs are inconsistent); says what is missing."""
 
@@ -48,6 +67,10 @@ class NodeProfile:
     """Measured bandwidth from this node to each peer."""
     latency_s: dict[str, float] = field(default_factory=dict)
     """Measured one-way latency from this node to each peer."""
+    message_s: tuple[tuple[int, float], ...] = ()
+    """(tensor bytes, seconds): how long this node's CPU takes to handle one pipeline message of a
+    float32 tensor of that size, packing, sending, receiving and unpacking together (``ravq profile``
+    measures a few sizes); empty: not measured, messages cost no compute time."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

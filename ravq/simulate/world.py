@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ravq.config import Plan
 from ravq.planner import BlockProfile, NodeProfile
+from ravq.planner.types import message_seconds
 
 INF = math.inf
 
@@ -153,6 +154,18 @@ def plan_bounds(plan: Plan, blocks: Sequence[BlockProfile]) -> list[tuple[int, .
     return out
 
 
+def stage_message_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int, e: int) -> float:
+    """CPU seconds per micro-batch a stage of blocks [s, e) on ``node`` spends on messages: half of the
+    activation's and half of the gradient's message at each cut it borders (as the cost model charges)."""
+    total = 0.0
+    for cut in (s, e):
+        if 0 < cut < len(blocks):
+            block = blocks[cut - 1]
+            total += (message_seconds(node.message_s, block.act_bytes_out)
+                      + message_seconds(node.message_s, _grad_bytes(block))) / 2
+    return total
+
+
 def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], settings: Settings, *,
                 stage_times: Mapping[str, tuple[float, float]] | None = None,
                 stage_cv: Mapping[str, float] | None = None, hosts: Mapping[str, str] | None = None,
@@ -183,8 +196,10 @@ def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Block
             bwd = sum(b.bwd_flops for b in blocks[s:e])
             if stage_times and name in stage_times:
                 fwd_s, bwd_s = stage_times[name]
-            else:
-                fwd_s, bwd_s = fwd / by_name[name].flops, bwd / by_name[name].flops
+            else:  # FLOPs, and the messages' CPU time (``NodeProfile.message_s``) split between the passes
+                messages = stage_message_s(by_name[name], blocks, s, e)
+                fwd_s = fwd / by_name[name].flops + messages / 2
+                bwd_s = bwd / by_name[name].flops + messages / 2
             last = e == len(blocks)
             act = 0.0 if last else float(blocks[e - 1].act_bytes_out) * settings.pipeline_wire
             grad = 0.0 if s == 0 else float(_grad_bytes(blocks[s - 1])) * settings.pipeline_wire
