@@ -23,7 +23,7 @@ from ravq.planner import (
     ravnest_plan,
     training_settings,
 )
-from ravq.planner.types import Wire, wire_fraction
+from ravq.planner.types import Wire, message_seconds, wire_fraction
 
 GIB = 1 << 30
 
@@ -101,6 +101,68 @@ def test_cluster_rate_is_one_over_slowest_stage_or_link() -> None:
     ex = evaluate_plan(plan, slow, blocks, micro_batch=4, sync_every=10)
     assert ex.clusters[0].rate_micro_batches_per_s == pytest.approx(1 / 10.0)   # the link is the bottleneck
     assert ex.slowest_link() == ("a->b", pytest.approx(10.0))
+
+
+def test_message_seconds_interpolates_the_measured_sizes() -> None:
+    table = ((1000, 0.001), (3000, 0.002), (5000, 0.006))
+    assert message_seconds((), 1e6) == 0.0                    # not measured: messages cost nothing
+    assert message_seconds(table, 10) == 0.001                # below the smallest size: its fixed cost
+    assert message_seconds(table, 2000) == pytest.approx(0.0015)
+    assert message_seconds(table, 4000) == pytest.approx(0.004)
+    assert message_seconds(table, 9000) == pytest.approx(0.006 + 0.002 * 4)   # the last slope onwards
+    assert message_seconds(table[::-1], 2000) == pytest.approx(0.0015)      # any order
+    assert message_seconds(((2000, 0.004),), 4000) == pytest.approx(0.008)
+    assert message_seconds(table, math.inf) == 0.0            # no cut there
+
+
+def test_stages_pay_for_their_messages() -> None:
+    """A stage pays half of each message at every cut it borders: the middle stage of three pays one
+    activation's and one gradient's message at each of its two cuts, the ends one cut each, a whole
+    model on one node nothing."""
+    names = ["a", "b", "c"]
+    links = mesh(names, 1e9)
+    table = ((1000, 0.010), (100_000, 0.030))           # 50_500 bytes: 0.020 s a message
+    nodes = [NodeProfile(name=n, flops=1e9, memory_bytes=8 * GIB, bandwidth_bytes_per_s=links[n],
+                         message_s=table) for n in names]
+    blocks = [block("x", 3e8, 1, act=50_500), block("y", 3e8, 1, act=50_500), block("z", 3e8, 1)]
+    three = Plan(epoch=0, clusters=[ClusterPlan(nodes=names, cuts=["y", "z"])])
+    ex = evaluate_plan(three, nodes, blocks, micro_batch=4, sync_every=10)
+    assert [s.compute_s for s in ex.clusters[0].stages] == pytest.approx([0.3 + 0.02, 0.3 + 0.04, 0.3 + 0.02])
+    assert ex.clusters[0].rate_micro_batches_per_s == pytest.approx(1 / 0.34)
+    one = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a"])])
+    assert evaluate_plan(one, nodes, blocks, micro_batch=4, sync_every=10).clusters[0].stages[0].compute_s == \
+        pytest.approx(0.9)
+    # messages dear enough make splitting the model a loss: the planner keeps whole copies instead
+    dear = [NodeProfile(name=n.name, flops=n.flops, memory_bytes=n.memory_bytes,
+                        bandwidth_bytes_per_s=n.bandwidth_bytes_per_s, message_s=((1000, 0.5),)) for n in nodes]
+    plan, _ = make_plan(dear, blocks, micro_batch=4, sync_every=10)
+    assert all(len(c.nodes) == 1 for c in plan.clusters)
+    big = [block("x", 3e8, 3, act=50_500), block("y", 3e8, 3, act=50_500), block("z", 3e8, 3)]  # 9 of 8 GiB
+    plan, ex = make_plan(dear, big, micro_batch=4, sync_every=10)
+    assert any(len(c.nodes) > 1 for c in plan.clusters)   # unless a whole copy does not fit
+    assert max(s.compute_s for c in ex.clusters for s in c.stages) >= 0.5
+
+
+def test_ravnest_and_the_optimum_charge_messages_as_the_cost_model_does() -> None:
+    """Ravnest's rule and the exhaustive optimum score layouts with their own vectorised code: with
+    message costs their predictions are still what ``evaluate_plan`` says of their plans."""
+    nodes, model = random_instance(np.random.default_rng(5), 6, 7)
+    nodes = [NodeProfile(name=n.name, flops=n.flops, memory_bytes=n.memory_bytes,
+                         bandwidth_bytes_per_s=n.bandwidth_bytes_per_s, latency_s=n.latency_s,
+                         message_s=((16_000, 0.002 * (i + 1)), (4_000_000, 0.05 * (i + 1))))
+             for i, n in enumerate(nodes)]
+    model = [BlockProfile(name=b.name, param_bytes=b.param_bytes, fwd_flops=b.fwd_flops, bwd_flops=b.bwd_flops,
+                          act_bytes_out=min(b.act_bytes_out, 4_000_000), memory_bytes=b.memory_bytes // 20)
+             for b in model]
+    for plan, ex in (optimum_plan(nodes, model, micro_batch=4, sync_every=2),
+                     ravnest_plan(nodes, model, micro_batch=4, sync_every=2, seed=1, generations=20)):
+        assert evaluate_plan(plan, nodes, model, micro_batch=4, sync_every=2).samples_per_s == \
+            pytest.approx(ex.samples_per_s)
+    best, _ = optimum_plan(nodes, model, micro_batch=4, sync_every=2)
+    ours, _ = make_plan(nodes, model, micro_batch=4, sync_every=2)
+    assert best.predicted_samples_per_s and ours.predicted_samples_per_s
+    assert best.predicted_samples_per_s * 0.95 <= ours.predicted_samples_per_s <= \
+        best.predicted_samples_per_s * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("fmt", ["none", "bf16", "fp16", "int8"])

@@ -21,6 +21,7 @@ from ravq.profile import (
     Link,
     LinkGate,
     Measurement,
+    MessageConfig,
     ProbeClient,
     ProbeConfig,
     compute_confidence,
@@ -29,6 +30,7 @@ from ravq.profile import (
     measure_compute,
     measure_links,
     measure_matmul_flops,
+    measure_messages,
     measure_model_flops,
     plan_main,
     profile_main,
@@ -241,13 +243,16 @@ def test_profile_round_trip_and_overrides(tmp_path: Path) -> None:
                              memory_bytes=7 * GIB, bandwidth_bytes_per_s={"b": 5e7, "c": 6e7},
                              latency_s={"b": 0.001, "c": 0.002}), tmp_path / "p")
     save_profile(Measurement(name="b", device="cpu", flops=1e11, matmul_flops=2e11, model_flops=None,
-                             memory_bytes=7 * GIB, bandwidth_bytes_per_s={"a": 5e7}, latency_s={"a": 0.001}),
+                             memory_bytes=7 * GIB, bandwidth_bytes_per_s={"a": 5e7}, latency_s={"a": 0.001},
+                             message_s=[[1024, 0.002], [1 << 20, 0.01]], message_cpu_s=[[1024, 0.001],
+                                                                                      [1 << 20, 0.005]]),
                  tmp_path / "p")
     assert load_profile(tmp_path / "p" / "profile-a.json").bandwidth_bytes_per_s == {"b": 5e7, "c": 6e7}
     a, b, c = load_profiles(topo, tmp_path / "p")
     assert (a.flops, a.memory_bytes, a.bandwidth_bytes_per_s) == (1e11, 7 * GIB, {"b": 5e7, "c": 6e7})
     assert (b.flops, b.memory_bytes, b.bandwidth_bytes_per_s) == (3e12, 5 * GIB, {"a": 1e6, "c": 1e6})
     assert b.latency_s == {"a": 0.001}
+    assert b.message_s == ((1024, 0.002), (1 << 20, 0.01)) and a.message_s == ()   # a: profiled before messages
     assert (c.memory_bytes, c.bandwidth_bytes_per_s) == (GIB, {"a": 2e6, "b": 2e6})   # no file: overrides only
     (tmp_path / "p" / "profile-a.json").unlink()
     with pytest.raises(ConfigError, match="ravq profile"):
@@ -257,13 +262,41 @@ def test_profile_round_trip_and_overrides(tmp_path: Path) -> None:
         load_profile(tmp_path / "p" / "profile-b.json")
 
 
+@pytest.mark.parametrize("curve", [False, True], ids=["plaintext", "curve"])
+@pytest.mark.parametrize("fmt", ["none", "int8"])
+def test_messages_cost_cpu_time_that_grows_with_their_size(tmp_path: Path, curve: bool, fmt: str) -> None:
+    from ravq.security import keygen
+
+    nodes: list[dict[str, object]] = [{"name": "a"}]
+    if curve:
+        nodes[0]["public_key"] = keygen("a", tmp_path / "keys")
+    path = write_topology(tmp_path / "t.yaml", nodes)
+    data = yaml.safe_load(path.read_text())
+    data["training"]["compress"] = {"pipeline": fmt}
+    if curve:
+        data["security"] = {"curve": True, "key_dir": str(tmp_path / "keys")}
+        data["broker"]["public_key"] = keygen("broker", tmp_path / "keys")
+    path.write_text(yaml.safe_dump(data))
+    costs = measure_messages(load_topology(path), "a",
+                             MessageConfig(sizes=(4 << 20, 1 << 10), cpu_s=0.02, min_messages=4, window=2))
+    assert [size for size, _ in costs] == [1 << 10, 4 << 20]
+    (_, small), (_, large) = costs
+    assert 0 < small < large < 1.0     # CPU seconds: packing, copying and (with CURVE) encrypting 4 MiB
+
+
 def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     topo = write_topology(tmp_path / "t.yaml", [{"name": "solo"}])
     assert profile_main(str(topo), "solo", str(tmp_path / "out"), 1.0) == 0
     data = json.loads((tmp_path / "out" / "profile-solo.json").read_text())
     assert data["name"] == "solo" and data["flops"] > 0 and data["memory_bytes"] > 0
     assert data["bandwidth_bytes_per_s"] == {}
-    assert "wrote" in capsys.readouterr().out
+    sizes = [size for size, _ in data["message_s"]]
+    assert sizes == sorted(sizes) and len(sizes) >= 2 and all(t > 0 for _, t in data["message_s"])
+    # wall seconds at the compute's CPU share: CPU seconds over the share
+    for (_, wall), (_, cpu) in zip(data["message_s"], data["message_cpu_s"]):
+        assert wall == pytest.approx(cpu / data["cpu_share"])
+    out = capsys.readouterr().out
+    assert "wrote" in out and "pipeline messages" in out
     assert profile_main(str(topo), "nobody", str(tmp_path / "out"), 1.0) == 2
 
 

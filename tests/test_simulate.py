@@ -212,6 +212,28 @@ def test_build_world_from_a_plan() -> None:
     assert r.samples == 2 * 10 * 16 and r.samples_per_s > 0
 
 
+def test_stages_of_a_built_world_pay_for_their_messages() -> None:
+    """Each stage's forward and backward take half of its messages' time (``NodeProfile.message_s``)
+    on top of its FLOPs: a cut costs a stage half an activation's and half a gradient's message; the
+    simulated pipeline runs at the pace of the stage that pays the most, as the cost model says."""
+    from ravq.planner import evaluate_plan
+
+    nodes = [dataclasses.replace(n, message_s=((100, 0.01), (1000, 0.02))) for n in profiles("abc")]
+    plan = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a", "b", "c"], cuts=["b2", "b4"])])
+    w = build_world(plan, nodes, blocks(), Settings(steps=40))
+    a, b, c = w.clusters[0]
+    each = 0.01 + 0.01 * 400 / 900                            # a 500-byte message, interpolated
+    assert a.fwd_s == pytest.approx(2e9 / 1e11 + each / 2) and a.bwd_s == pytest.approx(4e9 / 1e11 + each / 2)
+    assert b.fwd_s == pytest.approx(2e9 / 1e11 + each) and b.bwd_s == pytest.approx(4e9 / 1e11 + each)
+    assert c.fwd_s == pytest.approx(a.fwd_s) and c.bwd_s == pytest.approx(a.bwd_s)
+    measured = simulate(w).samples_per_s
+    predicted = evaluate_plan(plan, nodes, blocks(), micro_batch=Settings().micro_batch,
+                              sync_every=Settings().sync_every, max_inflight=Settings().max_inflight).samples_per_s
+    assert measured == pytest.approx(predicted, rel=0.1)
+    plain = simulate(build_world(plan, profiles("abc"), blocks(), Settings(steps=40))).samples_per_s
+    assert plain > measured * 1.1
+
+
 @pytest.mark.parametrize(("clusters", "message"), [
     ([ClusterPlan(nodes=["a", "z"], cuts=["b3"])], "no profile for node 'z'"),
     ([ClusterPlan(nodes=["a", "b"], cuts=["nope"])], "'nope' is not a block"),

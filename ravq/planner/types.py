@@ -99,6 +99,7 @@ class StageReport:
     first_block: int
     last_block: int
     compute_s: float
+    """Seconds per micro-batch: the stage's FLOPs at the node's speed and its messages' CPU time."""
     link_s: float | None
     """Time of the link to the next stage; None for the last stage."""
     memory_bytes: int
