@@ -21,6 +21,7 @@ back as planner ``NodeProfile``s with the topology's overrides applied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -28,7 +29,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,6 +252,26 @@ def cgroup_memory_free(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "
     return None
 
 
+@contextlib.asynccontextmanager
+async def _zmq_session(options: SocketOptions) -> AsyncIterator[tuple[zmq.asyncio.Context, asyncio.TaskGroup]]:
+    """A zmq context and the process's TaskGroup, with CURVE's ZAP requests answered in it (when the
+    options have a monitor); on the way out the ZAP task is cancelled, the monitor closed and the
+    context destroyed."""
+    ctx = zmq.asyncio.Context()
+    try:
+        async with asyncio.TaskGroup() as group:
+            zap = group.create_task(options.monitor.serve()) if options.monitor else None
+            try:
+                yield ctx, group
+            finally:
+                if zap is not None:
+                    zap.cancel()
+    finally:
+        if options.monitor:
+            options.monitor.close()
+        ctx.destroy(linger=0)
+
+
 # ------------------------------------------------------------------ messages
 
 
@@ -297,29 +318,20 @@ async def _measure_messages(topology: Topology, name: str, config: MessageConfig
     options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0,
                                   max_message_bytes=2 * largest + CHUNK_BYTES)
     limits = dataclasses.replace(_LIMITS, max_tensor_bytes=2 * largest)
-    ctx = zmq.asyncio.Context()
     costs: list[list[float]] = []
-    try:
-        async with asyncio.TaskGroup() as group:
-            zap = group.create_task(options.monitor.serve()) if options.monitor else None
-            inbox = Inbox.bind(ctx, "tcp://127.0.0.1:*", name, metrics, limits, options)
-            address = inbox.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            outlink = Outlink.connect(ctx, address, name, name, metrics, limits, options)
-            try:
-                fmt = Format(training.compress.pipeline)
-                for size in sorted(config.sizes):
-                    tensor = torch.randn(max(1, size // 4), device=me.device)
-                    costs.append([size, await _message_cpu_s(inbox, outlink, name, tensor, fmt,
-                                                             training.compress.int8_block, config)])
-            finally:
-                outlink.close()
-                inbox.close()
-                if zap is not None:
-                    zap.cancel()
-    finally:
-        if options.monitor:
-            options.monitor.close()
-        ctx.destroy(linger=0)
+    async with _zmq_session(options) as (ctx, _):
+        inbox = Inbox.bind(ctx, "tcp://127.0.0.1:*", name, metrics, limits, options)
+        address = inbox.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        outlink = Outlink.connect(ctx, address, name, name, metrics, limits, options)
+        try:
+            fmt = Format(training.compress.pipeline)
+            for size in sorted(config.sizes):
+                tensor = torch.randn(max(1, size // 4), device=me.device)
+                costs.append([size, await _message_cpu_s(inbox, outlink, name, tensor, fmt,
+                                                         training.compress.int8_block, config)])
+        finally:
+            outlink.close()
+            inbox.close()
     return costs
 
 
@@ -557,29 +569,19 @@ async def profile_links(topology: Topology, name: str, *, wait_s: float, config:
     # probes stream CHUNK_BYTES tensors: more than a control socket's default frame limit
     options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0,
                                   max_message_bytes=topology.limits.max_message_bytes or 2 * CHUNK_BYTES)
-    ctx = zmq.asyncio.Context()
     stop, finished = asyncio.Event(), set[str]()
     gate = LinkGate(lease_s=config.reply_timeout_s)
-    try:
-        async with asyncio.TaskGroup() as group:
-            zap = group.create_task(options.monitor.serve()) if options.monitor else None
-            group.create_task(serve_probes(ctx, endpoint(me.bind_host or me.host, me.pipeline_port), name,
-                                           stop=stop, finished=finished, metrics=metrics, options=options,
-                                           gate=gate))
-            try:
-                links = await measure_links(ctx, name, peers, wait_s=wait_s, config=config, metrics=metrics,
-                                            options=options, gate=gate)
-                deadline = time.monotonic() + wait_s
-                while set(peers) - finished and time.monotonic() < deadline:
-                    await asyncio.sleep(0.1)
-            finally:
-                stop.set()
-                if zap is not None:
-                    zap.cancel()
-    finally:
-        if options.monitor:
-            options.monitor.close()
-        ctx.destroy(linger=0)
+    async with _zmq_session(options) as (ctx, group):
+        group.create_task(serve_probes(ctx, endpoint(me.bind_host or me.host, me.pipeline_port), name,
+                                       stop=stop, finished=finished, metrics=metrics, options=options, gate=gate))
+        try:
+            links = await measure_links(ctx, name, peers, wait_s=wait_s, config=config, metrics=metrics,
+                                        options=options, gate=gate)
+            deadline = time.monotonic() + wait_s
+            while set(peers) - finished and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        finally:
+            stop.set()
     return links
 
 
