@@ -7,8 +7,10 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   measured by ``ravq profile``): for each cut it borders, half of the activation's message (packing and
   sending, or receiving and unpacking) and half of the gradient's, so a middle stage pays two messages
   per micro-batch and the first and last one each.  On a PC of a seventh of a core the stages of a
-  pipeline computed 1.22-1.33x what their FLOPs said (issue #14): int8 packing, CURVE and ZeroMQ's I/O
-  share the CPU with the compute.  When ``max_inflight`` is None every stage of a k-stage cluster
+  pipeline computed 1.22-1.33x what their FLOPs said (issue #14); int8 packing, CURVE and ZeroMQ's I/O,
+  which share the CPU with the compute, are part of that (2 x ~8 ms of ~100 ms for a middle stage).
+  The rest is not modelled yet: stages of clusters that average compute 1.15-1.29x their FLOPs even
+  without messages (README, issue #14's item 7).  When ``max_inflight`` is None every stage of a k-stage cluster
   stashes k micro-batches (the pipeline's default); each block's ``inflight_bytes`` scales with that.
 - The link from stage a to stage b (cut before block e) carries the activations crossing the cut one way
   and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds, counting the bytes
