@@ -340,8 +340,9 @@ def measure_messages(topology: Topology, name: str, config: MessageConfig | None
     as ``training.compress.pipeline`` packs it, sent as a FORWARD message over loopback TCP with this
     node's socket options (CURVE when the topology asks), received, decoded and unpacked, several in
     flight.  A stage pays that for each activation and gradient it sends and receives (half at each
-    end); on a small CPU it is a real part of a stage's time: on a PC of a seventh of a core a 512 KiB
-    activation took ~1.1 ms of CPU, ~8 ms of wall time, per message.  CPU seconds, so other work on the
+    end); on a small CPU it is a real part of a stage's time: on a PC of a seventh of a core (issue #14's
+    testbed, int8 and CURVE) a 256 KiB tensor took 0.57 ms of CPU, 4.2 ms of wall time, and 1 MiB 1.16 ms,
+    8.5 ms, per message.  CPU seconds, so other work on the
     machine does not disturb the figure; ``measure_node`` turns them into wall time at the compute
     measurement's CPU share."""
     return asyncio.run(_measure_messages(topology, name, config or MessageConfig()))
