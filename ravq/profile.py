@@ -5,9 +5,9 @@ forward + backward FLOPs, counted with the same ``FlopCounterMode`` as the model
 of forward, backward and optimizer step), usable memory, and its links: it serves probes on its
 pipeline port while it probes each peer of the topology in turn, so running it on every PC at about
 the same time measures every link.  A link's bandwidth is the rate at which the
-peer acknowledges a stream of 1 MiB PROBE messages (first to last acknowledgement, so latency and TCP
-start-up drop out), sized to last ``stream_s`` and the median of several repeats; latency is half the
-median round trip of small probes.
+peer takes a stream of 1 MiB PROBE messages (first send to last acknowledgement, less the round trip
+measured just before), sized to last ``stream_s`` and the median of several repeats; latency is half
+the median round trip of small probes.
 
 Streams that run at once disturb each other even on different links: a node whose uplink is full of
 its own stream delays and drops the TCP acknowledgements of the stream it receives, which then runs
@@ -503,22 +503,29 @@ class ProbeClient:
             rtts.append(time.perf_counter() - t0)
         return statistics.median(rtts) / 2
 
-    async def stream_rate(self, total_bytes: int) -> float:
-        """Bytes/s at which the peer acknowledges ``total_bytes`` sent back to back in 1 MiB messages."""
+    async def stream_rate(self, total_bytes: int, round_trip_s: float = 0.0) -> float:
+        """Bytes/s at which the peer takes ``total_bytes`` sent back to back in messages of at most 1 MiB.
+
+        Timed from the first send to the last acknowledgement, less one round trip (``round_trip_s``):
+        the last byte leaves after total/rate seconds and its acknowledgement comes back a round trip
+        later.  Timing from the first acknowledgement instead overstates the rate whenever that one is
+        late (a receiver on a small CPU quota, throttled when the first message lands, acknowledges the
+        first few together): a 20 Mbit/s upload once read 31 Mbit/s that way.  A late acknowledgement
+        can only make this estimate lower, never higher than the link."""
         chunk = min(CHUNK_BYTES, max(1, total_bytes // 4))
         count = max(2, total_bytes // chunk)
+        start = time.perf_counter()
         pending = {await self._send("data", chunk) for _ in range(count)}
-        times = []
         while pending:
             pending.discard(await self._ack(pending, self.config.reply_timeout_s))
-            times.append(time.perf_counter())
-        return (count - 1) * chunk / max(times[-1] - times[0], 1e-9)
+        elapsed = time.perf_counter() - start - round_trip_s
+        return count * chunk / max(elapsed, 1e-9)
 
     async def measure(self) -> Link:
         latency = await self.latency_s()
-        rough = await self.stream_rate(1 << 20)
+        rough = await self.stream_rate(1 << 20, 2 * latency)
         size = int(min(self.config.max_stream_bytes, max(1 << 20, rough * self.config.stream_s)))
-        rates = [await self.stream_rate(size) for _ in range(self.config.repeats)]
+        rates = [await self.stream_rate(size, 2 * latency) for _ in range(self.config.repeats)]
         return Link(bandwidth_bytes_per_s=statistics.median(rates), latency_s=latency)
 
     async def done(self) -> None:

@@ -18,6 +18,7 @@ import tests.tasks_for_tests as mlp
 from ravq.blocks import profile_blocks
 from ravq.config import ConfigError, load_plan, load_topology
 from ravq.profile import (
+    CHUNK_BYTES,
     Link,
     LinkGate,
     Measurement,
@@ -38,6 +39,7 @@ from ravq.profile import (
     serve_probes,
     usable_memory_bytes,
 )
+from ravq.wire import Message, MsgType
 from tests.conftest import free_port
 
 GIB = 1 << 30
@@ -151,6 +153,48 @@ def test_probes_measure_latency_and_bandwidth_on_loopback() -> None:
     assert 0 < link.latency_s < 0.05
     assert link.bandwidth_bytes_per_s > 20e6
     assert result["rate"] > 20e6
+
+
+class _SimulatedLink:
+    """A link that carries ``rate`` bytes/s with ``one_way_s`` each way, whose receiver is asleep when
+    the first message lands and wakes ``late_s`` later (a PC throttled by its CPU quota)."""
+
+    def __init__(self, rate: float, one_way_s: float, late_s: float) -> None:
+        self.rate, self.one_way_s, self.late_s = rate, one_way_s, late_s
+        self.wire_free = 0.0
+        self.acks: list[tuple[float, int]] = []
+
+    async def send(self, msg: Message) -> None:
+        now = asyncio.get_running_loop().time()
+        nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+        self.wire_free = max(self.wire_free, now) + nbytes / self.rate
+        landed = self.wire_free + self.one_way_s
+        if not self.acks:
+            landed += self.late_s
+        acked = max([landed, *(t for t, _ in self.acks)]) + self.one_way_s
+        self.acks.append((acked, msg.meta["seq"]))
+
+    async def recv(self, timeout_s: float) -> Message:
+        acked, seq = self.acks.pop(0)
+        await asyncio.sleep(max(0.0, acked - asyncio.get_running_loop().time()))
+        return Message(type=MsgType.PROBE, sender="b", meta={"ack": seq})
+
+
+@pytest.mark.parametrize("late_s", [0.0, 0.2])
+def test_stream_rate_is_not_inflated_by_a_late_first_acknowledgement(late_s: float) -> None:
+    rate, one_way = 8e6, 0.02   # 64 Mbit/s; a 4 MiB stream takes about half a second
+
+    async def run() -> float:
+        client = ProbeClient.__new__(ProbeClient)
+        client.name, client.peer, client.config, client._seq = "a", "b", ProbeConfig(), 0
+        client._payload = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)
+        client.link = _SimulatedLink(rate, one_way, late_s)  # type: ignore[assignment]
+        return await client.stream_rate(4 << 20, 2 * one_way)
+
+    measured = asyncio.run(run())
+    # A late first acknowledgement may only lower the estimate (timed from the first acknowledgement,
+    # 0.2 s late on a 0.5 s stream read about 2x the link).
+    assert 0.6 * rate <= measured <= 1.05 * rate
 
 
 def test_silent_peer_is_skipped_after_the_wait() -> None:
