@@ -65,9 +65,11 @@ def make_plans(topology_path: Path, profiles_dir: Path, kind: str, out: Path) ->
 
 
 def scaled(node: NodeProfile, speed: float) -> NodeProfile:
-    """``node`` on a CPU ``speed`` times as fast: its FLOP/s times, its messages' time over ``speed``."""
+    """``node`` on a CPU ``speed`` times as fast: its FLOP/s times, its messages' and averaging rounds'
+    CPU time over ``speed``."""
     return dataclasses.replace(node, flops=node.flops * speed,
-                               message_s=tuple((size, seconds / speed) for size, seconds in node.message_s))
+                               message_s=tuple((size, seconds / speed) for size, seconds in node.message_s),
+                               ring_s_per_byte=node.ring_s_per_byte / speed)
 
 
 def predict(topology_path: Path, profiles_dir: Path, plan_path: Path, flops_scale: dict[str, float]) -> float:

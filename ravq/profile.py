@@ -40,12 +40,14 @@ import zmq
 import zmq.asyncio
 from torch.utils.flop_counter import FlopCounterMode
 
-from ravq import compress
+from ravq import allreduce, compress
+from ravq.averaging import RingLinks
 from ravq.compress import Format, Packed
 from ravq.config import ConfigError, Topology, load_topology, resolve_task_module
 from ravq.metrics import Metrics
 from ravq.planner import NodeProfile, PlanError, cut_plan, make_plan, topology_clusters, training_settings
 from ravq.planner.types import size_text
+from ravq.ring_compression import RingCompression
 from ravq.security import socket_options_for
 from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
 from ravq.wire import DecodeLimits, Message, MsgType
@@ -102,6 +104,12 @@ class Measurement:
     ``message_cpu_s`` over ``cpu_share`` (``measure_messages``); the planner's ``NodeProfile.message_s``."""
     message_cpu_s: list[list[float]] = field(default_factory=list)
     """[tensor bytes, CPU seconds] of one message, packed, sent, received and unpacked, as measured."""
+    ring_s: list[float] = field(default_factory=list)
+    """[parameter bytes, seconds] of this node's part of one averaging round in a ring of two at this
+    PC's compute speed: ``ring_cpu_s`` over ``cpu_share`` (``measure_ring``); the planner's
+    ``NodeProfile.ring_s_per_byte``.  Empty: not measured."""
+    ring_cpu_s: list[float] = field(default_factory=list)
+    """[parameter bytes, CPU seconds] of that round as measured."""
 
 
 # ------------------------------------------------------------------ compute and memory
@@ -346,6 +354,91 @@ def measure_messages(topology: Topology, name: str, config: MessageConfig | None
     machine does not disturb the figure; ``measure_node`` turns them into wall time at the compute
     measurement's CPU share."""
     return asyncio.run(_measure_messages(topology, name, config or MessageConfig()))
+
+
+# ------------------------------------------------------------------ averaging rounds
+
+RING_BYTES = (1 << 20, 64 << 20)
+"""Smallest and largest float32 segment ``measure_ring`` averages (the model's parameters, clipped)."""
+
+
+async def _serve_ring(inbox: Inbox, mailbox: allreduce.Mailbox) -> None:
+    while True:
+        _, msg = await inbox.recv()
+        piece = allreduce.received_piece(msg.meta, msg.tensors, msg.packed)
+        if msg.type == MsgType.RING_CHUNK and piece is not None:
+            mailbox.deliver(msg.sender, msg.meta, piece)
+
+
+async def _measure_ring(topology: Topology, name: str, nbytes: int, cpu_s: float, min_rounds: int,
+                        size: int = 2) -> float:
+    """CPU seconds per member per round (see ``measure_ring``), with ``size`` members, each sending to the next."""
+    training = topology.training
+    metrics = Metrics(name)
+    options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0,
+                                  max_message_bytes=2 * training.ring_chunk_bytes + CHUNK_BYTES)
+    limits = dataclasses.replace(_LIMITS, max_tensor_bytes=2 * training.ring_chunk_bytes)
+    members = tuple(f"{name}.{i}" for i in range(size))
+    numel = max(1, nbytes // 4)
+    segment = allreduce.Segment(ring_id=0, names=("profile",), numel=numel, ring=members)
+    fmt = Format(training.compress.ring)
+    async with _zmq_session(options) as (ctx, group):
+        inboxes = {m: Inbox.bind(ctx, "tcp://127.0.0.1:*", name, metrics, limits, options) for m in members}
+        for inbox in inboxes.values():  # CURVE binds every connection to this node's name, not a member's
+            inbox.authenticated = False
+        addresses = {m: inbox.sock.getsockopt_string(zmq.LAST_ENDPOINT) for m, inbox in inboxes.items()}
+        mailboxes = {m: allreduce.Mailbox() for m in members}
+        # both members are this node as far as CURVE knows (its own key pairs, as its ring uses them)
+        outlinks = {m: {members[(i + 1) % size]: Outlink.connect(ctx, addresses[members[(i + 1) % size]], name, name,
+                                                                 metrics, limits, options)}
+                    for i, m in enumerate(members)}
+        links = {m: RingLinks(m, outlinks[m]) for m in members}
+        compression = {m: RingCompression(fmt, training.compress.int8_block) if fmt is not Format.NONE else None
+                       for m in members}
+        flats = {m: torch.randn(numel) for m in members}
+        readers = [group.create_task(_serve_ring(inboxes[m], mailboxes[m])) for m in members]
+
+        async def one_round(round_id: int) -> None:
+            results = await asyncio.gather(*(allreduce.average_segments(
+                {0: flats[m]}, [segment], me=m, round_id=round_id, link=links[m], mailbox=mailboxes[m],
+                piece_bytes=training.ring_chunk_bytes, timeout_s=30.0, compression=compression[m])
+                for m in members))
+            for result in results:
+                if result.aborted:
+                    raise RuntimeError(f"profile: a loopback averaging round aborted: {result.aborted}")
+        try:
+            await one_round(0)  # connections, allocator and first-call costs are not counted
+            rounds, cpu0 = 0, time.process_time()
+            while time.process_time() - cpu0 < cpu_s or rounds < min_rounds:
+                rounds += 1
+                await one_round(rounds)
+            return (time.process_time() - cpu0) / rounds / size
+        finally:
+            for task in readers:
+                task.cancel()
+            for links_of in outlinks.values():
+                for link in links_of.values():
+                    link.close()
+            for inbox in inboxes.values():
+                inbox.close()
+
+
+def measure_ring(topology: Topology, name: str, nbytes: int, *, cpu_s: float = 0.3,
+                 min_rounds: int = 3) -> float:
+    """CPU seconds of one node's part in one averaging round of a float32 segment of ``nbytes`` in a
+    ring of two: the node's own ring code (``allreduce.average_segments``, compressed as
+    ``training.compress.ring`` asks, error feedback included) over loopback TCP with its socket options
+    (CURVE when on), both members in this process, half of all its threads' CPU time.  A member of a
+    ring of C sends and receives 2(C-1)/C of the segment, so in a ring of two the whole segment once:
+    the planner scales this per parameter byte by 2(C-1)/C (``NodeProfile.ring_s_per_byte``).
+
+    The scaling holds: the demo's model (1.27 MB, int8, CURVE) cost a member 3.34 ms of CPU per round in
+    a ring of two, and 3.28 and 3.68 ms per 2(C-1)/C in rings of three and six (``_measure_ring``'s
+    ``size``).  The rounds share the PC's CPU with the compute thread; but they are not all of what
+    does: on the testbed's PCs of a quarter of a core, six one-stage clusters averaging every 2 steps,
+    the event loop and ZeroMQ's I/O thread took 0.027 cores of the process's 0.243 (per-thread CPU
+    from /proc, issue #14), about 20 ms of CPU per round, of which this accounts for about 6 ms."""
+    return asyncio.run(_measure_ring(topology, name, nbytes, cpu_s, min_rounds))
 
 
 # ------------------------------------------------------------------ links
@@ -636,7 +729,8 @@ def load_profiles(topology: Topology, profiles_dir: str | Path) -> list[NodeProf
         memory = node.memory_bytes if node.memory_bytes is not None else m.memory_bytes if m else 0
         profiles.append(NodeProfile(name=node.name, flops=flops, memory_bytes=memory, bandwidth_bytes_per_s=bandwidth,
                                     latency_s=dict(m.latency_s) if m else {},
-                                    message_s=message_table(m) if m else ()))
+                                    message_s=message_table(m) if m else (),
+                                    ring_s_per_byte=m.ring_s[1] / m.ring_s[0] if m and m.ring_s else 0.0))
     return profiles
 
 
@@ -651,7 +745,7 @@ def message_table(measurement: Measurement) -> tuple[tuple[int, float], ...]:
 def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
                  compute_s: float = 6.0, windows: int = 5, messages: MessageConfig | None = None) -> Measurement:
     """Compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), the CPU cost of
-    pipeline messages (``measure_messages``), memory, links."""
+    pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``), memory, links."""
     me = topology.node(name)
     task = resolve_task_module(topology.task)
     matmul = measure_matmul_flops(me.device, seconds=0.5)
@@ -662,6 +756,8 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
         log.warning("profile: forward + backward of the task's model failed (%s); using matmul FLOP/s", err)
         sample = None
     message_cpu = measure_messages(topology, name, messages)
+    ring_bytes = min(max(model_param_bytes(task), RING_BYTES[0]), RING_BYTES[1])
+    ring_cpu = measure_ring(topology, name, ring_bytes)
     share = sample.cpu_share if sample and sample.cpu_share > 0 else 1.0
     links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
     return Measurement(
@@ -671,7 +767,17 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
         latency_s={p: link.latency_s for p, link in links.items()},
         flops_windows=sample.window_flops if sample else [], flops_spread=sample.spread if sample else None,
         cpu_share=sample.cpu_share if sample else None,
-        message_s=[[size, cpu / share] for size, cpu in message_cpu], message_cpu_s=message_cpu)
+        message_s=[[size, cpu / share] for size, cpu in message_cpu], message_cpu_s=message_cpu,
+        ring_s=[ring_bytes, ring_cpu / share], ring_cpu_s=[ring_bytes, ring_cpu])
+
+
+def model_param_bytes(task: Any) -> int:
+    """Float32 bytes of the task's model's parameters (0 when it cannot be built here)."""
+    try:
+        return sum(4 * p.numel() for p in task.build_model().parameters())
+    except (RuntimeError, ValueError, TypeError) as err:
+        log.warning("profile: the task's model could not be built (%s)", err)
+        return 0
 
 
 def compute_confidence(measurement: Measurement) -> str:
@@ -702,6 +808,10 @@ def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s
     if measurement.message_s:
         print("  pipeline messages (CPU time at this speed): " + ", ".join(
             f"{size_text(size)} {seconds * 1e3:.3g} ms" for size, seconds in measurement.message_s))
+    if measurement.ring_s:
+        nbytes, seconds = measurement.ring_s
+        print(f"  averaging: {seconds * 1e3:.3g} ms per round of {size_text(int(nbytes))} in a ring of two "
+              f"({measurement.ring_cpu_s[1] * 1e3:.3g} ms of CPU)")
     for peer in sorted(measurement.bandwidth_bytes_per_s):
         print(f"  -> {peer}: {measurement.bandwidth_bytes_per_s[peer] * 8 / 1e6:.4g} Mbit/s, "
               f"{measurement.latency_s[peer] * 1e3:.3g} ms")

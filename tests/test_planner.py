@@ -143,13 +143,40 @@ def test_stages_pay_for_their_messages() -> None:
     assert max(s.compute_s for c in ex.clusters for s in c.stages) >= 0.5
 
 
+def test_stages_pay_cpu_for_averaging_rounds() -> None:
+    """Among C clusters a stage holding H parameter bytes pays 2(C-1)/C x H x ring_s_per_byte per round,
+    spread over the sync_every steps between rounds; a lone cluster averages nothing and pays nothing."""
+    names = ["a", "b", "c"]
+    links = mesh(names, 1e9)
+    nodes = [NodeProfile(name=n, flops=1e9, memory_bytes=8 * GIB, bandwidth_bytes_per_s=links[n],
+                         ring_s_per_byte=1e-8) for n in names]
+    blocks = [block("x", 3e8, 1, param=5_000_000), block("y", 3e8, 1, param=5_000_000)]
+    held = 10_000_000                                          # a round at C=2: 0.1 s, 10 ms a micro-batch
+    two = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a"]), ClusterPlan(nodes=["b"])])
+    ex = evaluate_plan(two, nodes, blocks, micro_batch=4, sync_every=10)
+    per_mb = 1e-8 * held * 2 * (2 - 1) / 2 / 10
+    assert [c.stages[0].compute_s for c in ex.clusters] == pytest.approx([0.6 + per_mb] * 2)
+    assert ex.clusters[0].rate_micro_batches_per_s == pytest.approx(1 / (0.6 + per_mb))
+    three = Plan(epoch=0, clusters=[ClusterPlan(nodes=[n]) for n in names])
+    ex3 = evaluate_plan(three, nodes, blocks, micro_batch=4, sync_every=10)
+    assert ex3.clusters[0].stages[0].compute_s == pytest.approx(0.6 + 1e-8 * held * 2 * 2 / 3 / 10)
+    one = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a", "b"], cuts=["y"])])
+    assert [s.compute_s for s in evaluate_plan(one, nodes, blocks, micro_batch=4, sync_every=10).clusters[0].stages] \
+        == pytest.approx([0.3, 0.3])
+    free = [NodeProfile(name=n.name, flops=n.flops, memory_bytes=n.memory_bytes,
+                        bandwidth_bytes_per_s=n.bandwidth_bytes_per_s) for n in nodes]
+    assert evaluate_plan(two, free, blocks, micro_batch=4, sync_every=10).clusters[0].stages[0].compute_s == \
+        pytest.approx(0.6)
+
+
 def test_ravnest_and_the_optimum_charge_messages_as_the_cost_model_does() -> None:
     """Ravnest's rule and the exhaustive optimum score layouts with their own vectorised code: with
     message costs their predictions are still what ``evaluate_plan`` says of their plans."""
     nodes, model = random_instance(np.random.default_rng(5), 6, 7)
     nodes = [NodeProfile(name=n.name, flops=n.flops, memory_bytes=n.memory_bytes,
                          bandwidth_bytes_per_s=n.bandwidth_bytes_per_s, latency_s=n.latency_s,
-                         message_s=((16_000, 0.002 * (i + 1)), (4_000_000, 0.05 * (i + 1))))
+                         message_s=((16_000, 0.002 * (i + 1)), (4_000_000, 0.05 * (i + 1))),
+                         ring_s_per_byte=1e-9 * (i + 1))
              for i, n in enumerate(nodes)]
     model = [BlockProfile(name=b.name, param_bytes=b.param_bytes, fwd_flops=b.fwd_flops, bwd_flops=b.bwd_flops,
                           act_bytes_out=min(b.act_bytes_out, 4_000_000), memory_bytes=b.memory_bytes // 20)

@@ -33,6 +33,7 @@ from ravq.profile import (
     measure_matmul_flops,
     measure_messages,
     measure_model_flops,
+    measure_ring,
     plan_main,
     profile_main,
     save_profile,
@@ -289,7 +290,8 @@ def test_profile_round_trip_and_overrides(tmp_path: Path) -> None:
     save_profile(Measurement(name="b", device="cpu", flops=1e11, matmul_flops=2e11, model_flops=None,
                              memory_bytes=7 * GIB, bandwidth_bytes_per_s={"a": 5e7}, latency_s={"a": 0.001},
                              message_s=[[1024, 0.002], [1 << 20, 0.01]], message_cpu_s=[[1024, 0.001],
-                                                                                      [1 << 20, 0.005]]),
+                                                                                      [1 << 20, 0.005]],
+                             ring_s=[4 << 20, 0.02], ring_cpu_s=[4 << 20, 0.01]),
                  tmp_path / "p")
     assert load_profile(tmp_path / "p" / "profile-a.json").bandwidth_bytes_per_s == {"b": 5e7, "c": 6e7}
     a, b, c = load_profiles(topo, tmp_path / "p")
@@ -297,6 +299,7 @@ def test_profile_round_trip_and_overrides(tmp_path: Path) -> None:
     assert (b.flops, b.memory_bytes, b.bandwidth_bytes_per_s) == (3e12, 5 * GIB, {"a": 1e6, "c": 1e6})
     assert b.latency_s == {"a": 0.001}
     assert b.message_s == ((1024, 0.002), (1 << 20, 0.01)) and a.message_s == ()   # a: profiled before messages
+    assert b.ring_s_per_byte == pytest.approx(0.02 / (4 << 20)) and a.ring_s_per_byte == 0.0
     assert (c.memory_bytes, c.bandwidth_bytes_per_s) == (GIB, {"a": 2e6, "b": 2e6})   # no file: overrides only
     (tmp_path / "p" / "profile-a.json").unlink()
     with pytest.raises(ConfigError, match="ravq profile"):
@@ -328,6 +331,31 @@ def test_messages_cost_cpu_time_that_grows_with_their_size(tmp_path: Path, curve
     assert 0 < small < large < 1.0     # CPU seconds: packing, copying and (with CURVE) encrypting 4 MiB
 
 
+@pytest.mark.parametrize("curve", [False, True], ids=["plaintext", "curve"])
+@pytest.mark.parametrize("fmt", ["none", "int8"])
+def test_an_averaging_round_costs_cpu_time_that_grows_with_the_segment(tmp_path: Path, curve: bool,
+                                                                       fmt: str) -> None:
+    from ravq.security import keygen
+
+    nodes: list[dict[str, object]] = [{"name": "a"}]
+    if curve:
+        nodes[0]["public_key"] = keygen("a", tmp_path / "keys")
+    path = write_topology(tmp_path / "t.yaml", nodes)
+    data = yaml.safe_load(path.read_text())
+    data["training"]["compress"] = {"ring": fmt}
+    data["training"]["ring_chunk_bytes"] = 1 << 20   # the large segment crosses in several pieces
+    if curve:
+        data["security"] = {"curve": True, "key_dir": str(tmp_path / "keys")}
+        data["broker"]["public_key"] = keygen("broker", tmp_path / "keys")
+    path.write_text(yaml.safe_dump(data))
+    topology = load_topology(path)
+    small = measure_ring(topology, "a", 64 << 10, cpu_s=0.02, min_rounds=3)
+    large = measure_ring(topology, "a", 8 << 20, cpu_s=0.02, min_rounds=3)
+    # a member quantizes, sums and moves its segment once: at least a memory pass over 8 MiB
+    assert 0 < small < large < 2.0
+    assert large > 1e-4
+
+
 def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     topo = write_topology(tmp_path / "t.yaml", [{"name": "solo"}])
     assert profile_main(str(topo), "solo", str(tmp_path / "out"), 1.0) == 0
@@ -339,8 +367,11 @@ def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.Cap
     # wall seconds at the compute's CPU share: CPU seconds over the share
     for (_, wall), (_, cpu) in zip(data["message_s"], data["message_cpu_s"]):
         assert wall == pytest.approx(cpu / data["cpu_share"])
+    ring_bytes, ring_wall = data["ring_s"]
+    assert ring_bytes >= 1 << 20 and data["ring_cpu_s"][0] == ring_bytes
+    assert ring_wall == pytest.approx(data["ring_cpu_s"][1] / data["cpu_share"]) and ring_wall > 0
     out = capsys.readouterr().out
-    assert "wrote" in out and "pipeline messages" in out
+    assert "wrote" in out and "pipeline messages" in out and "averaging:" in out
     assert profile_main(str(topo), "nobody", str(tmp_path / "out"), 1.0) == 2
 
 

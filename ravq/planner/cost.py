@@ -9,8 +9,12 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   per micro-batch and the first and last one each.  On a PC of a seventh of a core the stages of a
   pipeline computed 1.22-1.33x what their FLOPs said (issue #14); int8 packing, CURVE and ZeroMQ's I/O,
   which share the CPU with the compute, are part of that (2 x ~8 ms of ~100 ms for a middle stage).
-  The rest is not modelled yet: stages of clusters that average compute 1.15-1.29x their FLOPs even
-  without messages (README, issue #14's item 7).  When ``max_inflight`` is None every stage of a k-stage cluster
+  Averaging rounds take CPU too (``NodeProfile.ring_s_per_byte``, measured by ``ravq profile`` on a
+  loopback ring of two): among C clusters a stage holding H parameter bytes pays 2(C-1)/C x H x that
+  per round, spread over the ``sync_every`` steps between rounds (``Problem.averaging_cpu_s``).  On
+  the testbed's quarter-core PCs, six one-stage clusters averaging every 2 steps, the event loop and
+  ZeroMQ's I/O thread took 11% of the process's CPU and the stages computed 1.15-1.29x their FLOPs
+  (issue #14, item 7 of the README).  When ``max_inflight`` is None every stage of a k-stage cluster
   stashes k micro-batches (the pipeline's default); each block's ``inflight_bytes`` scales with that.
 - The link from stage a to stage b (cut before block e) carries the activations crossing the cut one way
   and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds, counting the bytes
@@ -106,6 +110,8 @@ class Problem:
                 self.message[i, 1:self.B] = [(message_seconds(node.message_s, self.act[c])
                                               + message_seconds(node.message_s, self.grad[c])) / 2
                                              for c in range(1, self.B)]
+        self.ring_cpu = np.array([n.ring_s_per_byte for n in nodes], dtype=float)
+        """Seconds of a node's CPU per parameter byte it holds for one averaging round in a ring of two."""
         self.act[1:self.B] *= self.wire.pipeline
         self.grad[1:self.B] *= self.wire.pipeline
         self.work_span = _spans(np.array([b.fwd_flops + b.bwd_flops for b in blocks], dtype=float))
@@ -313,6 +319,14 @@ class Problem:
         """Wire bytes a ring member sends per parameter byte it holds in one round: 2(C-1)/C, compressed."""
         return 2 * (clusters - 1) / clusters * self.wire.ring
 
+    def averaging_cpu_s(self, node: int, s: int, e: int, clusters: int) -> float:
+        """CPU time per micro-batch a stage of blocks [s, e) on ``node`` gives to averaging rounds among
+        ``clusters`` clusters: its part of a round (2(C-1)/C x ``ring_cpu`` per parameter byte held)
+        spread over the ``sync_every`` steps between rounds."""
+        if clusters < 2:
+            return 0.0
+        return float(self.ring_cpu[node] * 2 * (clusters - 1) / clusters * self.param_span[s, e]) / self.sync_every
+
     def samples_per_s(self, rates: Sequence[float], averaging_s: float) -> float:
         """micro_batch * C * S / (the slowest cluster's period of S steps): see the module docstring."""
         live = [r for r in rates if r > 0]
@@ -392,13 +406,14 @@ class Layout:
     bottleneck: float
 
 
-def cycle_s(p: Problem, lay: Layout) -> float:
-    """One micro-batch's round trip through a cluster: every stage's forward and backward, and every
-    link's activations forward, gradients back and its latency both ways."""
+def cycle_s(p: Problem, lay: Layout, clusters: int = 1) -> float:
+    """One micro-batch's round trip through a cluster: every stage's forward and backward (with its CPU
+    time for averaging among ``clusters``), and every link's activations forward, gradients back and its
+    latency both ways."""
     total = 0.0
     for j, node in enumerate(lay.order):
         s, e = lay.bounds[j], lay.bounds[j + 1]
-        total += p.stage_s(node, s, e)
+        total += p.stage_s(node, s, e) + p.averaging_cpu_s(node, s, e, clusters)
         if j < len(lay.order) - 1:
             nxt = lay.order[j + 1]
             total += float(p.act[e] * p.fwd_s_per_byte[node, nxt] + p.grad[e] * p.bwd_s_per_byte[node, nxt]
@@ -406,10 +421,16 @@ def cycle_s(p: Problem, lay: Layout) -> float:
     return total
 
 
-def cluster_rate(p: Problem, lay: Layout) -> float:
-    """Micro-batches per second of one cluster: the bottleneck's rate, capped by Little's law."""
-    rate = 1.0 / max(lay.bottleneck, 1e-12)
-    return min(rate, p.inflight_for(len(lay.order)) / max(cycle_s(p, lay), 1e-12))
+def cluster_rate(p: Problem, lay: Layout, clusters: int = 1) -> float:
+    """Micro-batches per second of one cluster among ``clusters``: the bottleneck's rate (a stage's
+    compute including its CPU time for averaging rounds), capped by Little's law."""
+    bottleneck = lay.bottleneck
+    if clusters > 1:
+        for j, node in enumerate(lay.order):
+            s, e = lay.bounds[j], lay.bounds[j + 1]
+            bottleneck = max(bottleneck, p.stage_s(node, s, e) + p.averaging_cpu_s(node, s, e, clusters))
+    rate = 1.0 / max(bottleneck, 1e-12)
+    return min(rate, p.inflight_for(len(lay.order)) / max(cycle_s(p, lay, clusters), 1e-12))
 
 
 def averaging_round_s(p: Problem, layouts: Sequence[Layout]) -> float:
@@ -428,7 +449,7 @@ def averaging_round_s(p: Problem, layouts: Sequence[Layout]) -> float:
 
 def score(p: Problem, layouts: Sequence[Layout]) -> float:
     """Predicted samples/s of these clusters."""
-    rates = [cluster_rate(p, lay) for lay in layouts]
+    rates = [cluster_rate(p, lay, len(layouts)) for lay in layouts]
     return p.samples_per_s(rates, averaging_round_s(p, layouts))
 
 

@@ -25,11 +25,11 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str]) -> tupl
             link = float(p.link_times(node, lay.order[j + 1])[e]) if j < k - 1 else None
             stages.append(StageReport(
                 node=p.names[node], first_block=s, last_block=e - 1,
-                compute_s=p.stage_s(node, s, e), link_s=link,
+                compute_s=p.stage_s(node, s, e) + p.averaging_cpu_s(node, s, e, len(layouts)), link_s=link,
                 memory_bytes=int(p.mem_span(k)[s, e]), memory_available=int(p.mem[node]),
                 param_bytes=int(p.param_span[s, e])))
         reports.append(ClusterReport(nodes=[p.names[i] for i in lay.order], stages=stages,
-                                     rate_micro_batches_per_s=cluster_rate(p, lay)))
+                                     rate_micro_batches_per_s=cluster_rate(p, lay, len(layouts))))
     averaging = averaging_round_s(p, layouts)
     rates = [r.rate_micro_batches_per_s for r in reports]
     explanation = Explanation(

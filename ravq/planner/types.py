@@ -71,6 +71,10 @@ class NodeProfile:
     """(tensor bytes, seconds): how long this node's CPU takes to handle one pipeline message of a
     float32 tensor of that size, packing, sending, receiving and unpacking together (``ravq profile``
     measures a few sizes); empty: not measured, messages cost no compute time."""
+    ring_s_per_byte: float = 0.0
+    """Seconds of this node's CPU per parameter byte it holds, for its part in one averaging round in
+    a ring of two (packing, error feedback, sums, sockets); a ring of C costs 2(C-1)/C times that (the
+    share of the segment a member sends and receives).  0: not measured, averaging costs no compute."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -154,6 +154,16 @@ def plan_bounds(plan: Plan, blocks: Sequence[BlockProfile]) -> list[tuple[int, .
     return out
 
 
+def stage_averaging_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int, e: int, clusters: int,
+                      micro_batches_per_round: int) -> float:
+    """CPU seconds per micro-batch a stage of blocks [s, e) on ``node`` gives to averaging rounds among
+    ``clusters`` clusters (``NodeProfile.ring_s_per_byte``, as the cost model charges)."""
+    if clusters < 2:
+        return 0.0
+    held = sum(b.param_bytes for b in blocks[s:e])
+    return node.ring_s_per_byte * 2 * (clusters - 1) / clusters * held / micro_batches_per_round
+
+
 def stage_message_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int, e: int) -> float:
     """CPU seconds per micro-batch a stage of blocks [s, e) on ``node`` spends on messages: half of the
     activation's and half of the gradient's message at each cut it borders (as the cost model charges)."""
@@ -196,10 +206,11 @@ def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Block
             bwd = sum(b.bwd_flops for b in blocks[s:e])
             if stage_times and name in stage_times:
                 fwd_s, bwd_s = stage_times[name]
-            else:  # FLOPs, and the messages' CPU time (``NodeProfile.message_s``) split between the passes
-                messages = stage_message_s(by_name[name], blocks, s, e)
-                fwd_s = fwd / by_name[name].flops + messages / 2
-                bwd_s = bwd / by_name[name].flops + messages / 2
+            else:  # FLOPs, and the CPU time of messages and averaging rounds split between the passes
+                overhead = stage_message_s(by_name[name], blocks, s, e) + stage_averaging_s(
+                    by_name[name], blocks, s, e, len(plan.clusters), settings.sync_every * settings.update_every)
+                fwd_s = fwd / by_name[name].flops + overhead / 2
+                bwd_s = bwd / by_name[name].flops + overhead / 2
             last = e == len(blocks)
             act = 0.0 if last else float(blocks[e - 1].act_bytes_out) * settings.pipeline_wire
             grad = 0.0 if s == 0 else float(_grad_bytes(blocks[s - 1])) * settings.pipeline_wire
