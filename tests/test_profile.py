@@ -16,7 +16,7 @@ import zmq.asyncio
 import tests.models_for_tests as skipnet
 import tests.tasks_for_tests as mlp
 from ravq.blocks import profile_blocks
-from ravq.config import ConfigError, load_plan, load_topology
+from ravq.config import ConfigError, Topology, load_plan, load_topology
 from ravq.profile import (
     CHUNK_BYTES,
     Link,
@@ -309,9 +309,8 @@ def test_profile_round_trip_and_overrides(tmp_path: Path) -> None:
         load_profile(tmp_path / "p" / "profile-b.json")
 
 
-@pytest.mark.parametrize("curve", [False, True], ids=["plaintext", "curve"])
-@pytest.mark.parametrize("fmt", ["none", "int8"])
-def test_messages_cost_cpu_time_that_grows_with_their_size(tmp_path: Path, curve: bool, fmt: str) -> None:
+def one_node_topology(tmp_path: Path, curve: bool, training: dict[str, object]) -> Topology:
+    """A topology of node "a" alone with these training settings, its links under CURVE when ``curve``."""
     from ravq.security import keygen
 
     nodes: list[dict[str, object]] = [{"name": "a"}]
@@ -319,12 +318,19 @@ def test_messages_cost_cpu_time_that_grows_with_their_size(tmp_path: Path, curve
         nodes[0]["public_key"] = keygen("a", tmp_path / "keys")
     path = write_topology(tmp_path / "t.yaml", nodes)
     data = yaml.safe_load(path.read_text())
-    data["training"]["compress"] = {"pipeline": fmt}
+    data["training"].update(training)
     if curve:
         data["security"] = {"curve": True, "key_dir": str(tmp_path / "keys")}
         data["broker"]["public_key"] = keygen("broker", tmp_path / "keys")
     path.write_text(yaml.safe_dump(data))
-    costs = measure_messages(load_topology(path), "a",
+    return load_topology(path)
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["plaintext", "curve"])
+@pytest.mark.parametrize("fmt", ["none", "int8"])
+def test_messages_cost_cpu_time_that_grows_with_their_size(tmp_path: Path, curve: bool, fmt: str) -> None:
+    topology = one_node_topology(tmp_path, curve, {"compress": {"pipeline": fmt}})
+    costs = measure_messages(topology, "a",
                              MessageConfig(sizes=(4 << 20, 1 << 10), cpu_s=0.02, min_messages=4, window=2))
     assert [size for size, _ in costs] == [1 << 10, 4 << 20]
     (_, small), (_, large) = costs
@@ -335,20 +341,8 @@ def test_messages_cost_cpu_time_that_grows_with_their_size(tmp_path: Path, curve
 @pytest.mark.parametrize("fmt", ["none", "int8"])
 def test_an_averaging_round_costs_cpu_time_that_grows_with_the_segment(tmp_path: Path, curve: bool,
                                                                        fmt: str) -> None:
-    from ravq.security import keygen
-
-    nodes: list[dict[str, object]] = [{"name": "a"}]
-    if curve:
-        nodes[0]["public_key"] = keygen("a", tmp_path / "keys")
-    path = write_topology(tmp_path / "t.yaml", nodes)
-    data = yaml.safe_load(path.read_text())
-    data["training"]["compress"] = {"ring": fmt}
-    data["training"]["ring_chunk_bytes"] = 1 << 20   # the large segment crosses in several pieces
-    if curve:
-        data["security"] = {"curve": True, "key_dir": str(tmp_path / "keys")}
-        data["broker"]["public_key"] = keygen("broker", tmp_path / "keys")
-    path.write_text(yaml.safe_dump(data))
-    topology = load_topology(path)
+    # ring_chunk_bytes 1 MiB: the large segment crosses in several pieces
+    topology = one_node_topology(tmp_path, curve, {"compress": {"ring": fmt}, "ring_chunk_bytes": 1 << 20})
     small = measure_ring(topology, "a", 64 << 10, cpu_s=0.02, min_rounds=3)
     large = measure_ring(topology, "a", 8 << 20, cpu_s=0.02, min_rounds=3)
     # a member quantizes, sums and moves its segment once: at least a memory pass over 8 MiB
