@@ -29,6 +29,9 @@ from ravq.wire import DecodeLimits, Message, MsgType
 log = logging.getLogger(__name__)
 
 BROKER = "broker"
+SILENCE_UPDATES = 4
+"""Silence updates per heartbeat interval (``Broker._publish_silence``): a live member never reads more
+silent than its heartbeat interval plus a quarter of it (and the network's delay)."""
 
 
 class Broker:
@@ -58,9 +61,13 @@ class Broker:
         return self.book.members
 
     def state(self) -> dict[str, Any]:
-        now = time.monotonic()
         return {"plan": self.plan.model_dump(), "run_id": self.run_id, **self.book.public(),
-                "silent_s": {n: round(now - m.last_seen, 3) for n, m in self.members.items()}}
+                "silent_s": self.silence()}
+
+    def silence(self) -> dict[str, float]:
+        """Seconds since each member's last heartbeat reached this broker."""
+        now = time.monotonic()
+        return {n: round(now - m.last_seen, 3) for n, m in self.members.items()}
 
     async def _publish(self, pub: Publisher, kind: str, data: dict[str, Any]) -> None:
         """Publish the full state (every update carries it, so one update is enough to catch up)."""
@@ -147,6 +154,19 @@ class Broker:
             self._observe_recoveries()
             await self._publish(pub, "tick", {})
 
+    async def _publish_silence(self, pub: Publisher) -> None:
+        """A small update, ``SILENCE_UPDATES`` times per heartbeat interval, with each member's silence
+        and no state change (the sequence number stays).  A node reads a ring member's silence as the
+        last published figure plus the time since; with the full state published once an interval
+        only, a live member whose heartbeat arrived just after a publication read up to two intervals
+        silent, above the 1.5 at which a stage stops holding back for a round (``Averager.hold_s``):
+        fast clusters among six trained past rounds of slow ones and skipped rounds (issue #14)."""
+        period = self.topology.timeouts.heartbeat_interval_s / SILENCE_UPDATES
+        while True:
+            await asyncio.sleep(period)
+            await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta={
+                "seq": self.seq, "incarnation": self.incarnation, "kind": "silence", "silent_s": self.silence()}))
+
     async def _until_stopped(self) -> None:
         await self._stop.wait()
         raise _Stopped
@@ -166,6 +186,7 @@ class Broker:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._serve(inbox, pub))
                 tg.create_task(self._watch_heartbeats(pub))
+                tg.create_task(self._publish_silence(pub))
                 tg.create_task(self._until_stopped())
                 if self.opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
                     tg.create_task(self.opts.monitor.serve())

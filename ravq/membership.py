@@ -1,9 +1,11 @@
 """A node's side of the broker protocol (ZeroMQ clone pattern).
 
-Subscribe first, then register and take a snapshot; every published update carries the broker's full
+Subscribe first, then register and take a snapshot; every published state update carries the broker's full
 state, so any update newer than the state held (or from a restarted broker: a new incarnation) is
 applied as it is, and the broker re-publishes every heartbeat interval, so a missed update costs at
-most one interval.  Heartbeats are sent without waiting and carry what the broker must know to
+most one interval.  Between those, the broker publishes each member's silence four times an interval
+(no state change), so that a live member never looks silent for much more than its heartbeat
+interval.  Heartbeats are sent without waiting and carry what the broker must know to
 rebuild its book after a restart (this process's incarnation, its cluster generation and phase), so
 a slow or restarting broker never stalls training.
 """
@@ -78,6 +80,18 @@ class Membership:
         self.incarnation = meta.get("incarnation")
         self.changed.set()
 
+    def _apply_silence(self, meta: dict[str, Any]) -> None:
+        """A silence update of the broker whose state this node follows (one of another incarnation
+        waits for that broker's full state)."""
+        silent = meta.get("silent_s")
+        if meta.get("incarnation") != self.incarnation or not isinstance(silent, dict):
+            return
+        if not all(isinstance(v, (int, float)) for v in silent.values()):
+            self.metrics.bad_messages.labels("broker", "bad_state").inc()
+            return
+        self._silent = dict(silent)
+        self._silent_at = time.monotonic()
+
     def silent_s(self, node: str) -> float:
         """Seconds since ``node``'s last heartbeat reached the broker, as of the broker's latest state
         (counted on from then: with the broker away, everyone looks silent)."""
@@ -143,6 +157,9 @@ class Membership:
         """Apply published updates for as long as the node runs (each one carries the full state)."""
         while True:
             msg = await self.sub.recv()
+            if msg.type == MsgType.UPDATE and msg.meta.get("kind") == "silence":
+                self._apply_silence(msg.meta)
+                continue
             if msg.type != MsgType.UPDATE or not isinstance(msg.meta.get("state"), dict):
                 continue
             seq, incarnation = int(msg.meta["seq"]), msg.meta.get("incarnation")

@@ -351,7 +351,13 @@ class Node(ChurnMixin):
                 self.metrics.queue_depth.labels(queue).set(depth)
 
     async def _heartbeats(self) -> None:
+        """A heartbeat every interval on a fixed cadence (and one at once when ``_beat_now`` is set).
+        Sleeping a whole interval after each send stretched the period by the send's own time, which on
+        a PC of a seventh of a core (statistics, encoding, CURVE, an event loop sharing the CPU with
+        the compute thread) made the node read as silent to its ring peers (``Averager.hold_s``)."""
         interval = self.topology.timeouts.heartbeat_interval_s
+        loop = asyncio.get_running_loop()
+        due, early = loop.time(), False
         while True:
             worker = self.worker
             self.membership.report.update({
@@ -360,11 +366,15 @@ class Node(ChurnMixin):
                 "stage_bytes": self._stage_bytes})
             await self.membership.heartbeat(self.stats(), done=False)
             self._beat_now.clear()
+            if not early:  # the regular beat: the next one is due an interval after it was
+                due = max(due + interval, loop.time())
             # (not asyncio.wait_for: on 3.11 it can swallow a cancellation that meets the event being set,
             # and the TaskGroup would then wait for this task forever)
+            early = False
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
+                async with asyncio.timeout_at(due):
                     await self._beat_now.wait()
+                    early = True
 
     # ------------------------------------------------------------------ shutdown
     def _save_checkpoint(self) -> None:
