@@ -167,6 +167,10 @@ def test_stages_pay_cpu_for_averaging_rounds() -> None:
                         bandwidth_bytes_per_s=n.bandwidth_bytes_per_s) for n in nodes]
     assert evaluate_plan(two, free, blocks, micro_batch=4, sync_every=10).clusters[0].stages[0].compute_s == \
         pytest.approx(0.6)
+    # averaging the optimizer's moments too: three values a parameter, three times the bytes and the CPU
+    state = evaluate_plan(two, nodes, blocks, micro_batch=4, sync_every=10, wire=Wire(state=3.0))
+    assert state.clusters[0].stages[0].compute_s == pytest.approx(0.6 + 3 * per_mb)
+    assert state.averaging_s == pytest.approx(3 * ex.averaging_s) and ex.averaging_s > 0
 
 
 def test_ravnest_and_the_optimum_charge_messages_as_the_cost_model_does() -> None:
@@ -232,6 +236,9 @@ def test_training_settings_follow_the_topology() -> None:
     assert s["wire"] == Wire(pipeline=0.5, ring=1.0)
     assert (s["micro_batch"], s["sync_every"], s["averaging_lead"]) == (8, 3, 2)
     assert training_settings(TrainingConfig()).get("wire") == Wire.of("int8", "int8")  # the default
+    with_state = TrainingConfig.model_validate({"average_optimizer_state": True})
+    assert training_settings(with_state)["wire"] == Wire.of("int8", "int8", average_optimizer_state=True)
+    assert training_settings(with_state)["wire"].state == 3.0
     with pytest.raises(ValueError, match="unknown format"):
         wire_fraction("zip")
 

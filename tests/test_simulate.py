@@ -358,3 +358,22 @@ def test_update_every_and_sync_every_count_versions() -> None:
     r = simulate(world([[stage("a", 0.01, 0.01)], [stage("b", 0.01, 0.01)]],
                        Settings(steps=12, update_every=2, sync_every=3), bandwidth=1e9, segments=[segment]))
     assert [(n.updates, n.version, n.allreduce_rounds) for n in r.nodes] == [(6, 6, 2), (6, 6, 2)]
+
+
+def test_stages_pay_averaging_cpu_for_the_optimizer_state_they_average() -> None:
+    """With ``average_optimizer_state`` a ring averages a parameter and Adam's two moments: the settings
+    of such a topology carry three values a parameter, and each stage's averaging CPU is three times
+    the parameters-only charge, as the cost model's (``Wire.state``)."""
+    from ravq.config import parse_topology
+    from ravq.simulate.cli import settings_for
+    from ravq.simulate.world import stage_averaging_s
+
+    topo = {"task": "tests.sgd_task", "broker": {"pub_port": 5550, "router_port": 5551},
+            "nodes": [{"name": "a", "pipeline_port": 5560, "ring_port": 5561}]}
+    assert settings_for(parse_topology(topo)).state_factor == 1.0
+    with_state = parse_topology({**topo, "training": {"average_optimizer_state": True}})
+    assert settings_for(with_state).state_factor == 3.0
+    node = dataclasses.replace(profiles("a")[0], ring_s_per_byte=1e-9)
+    plain = stage_averaging_s(node, blocks(), 0, 3, 2, 10)
+    assert plain > 0
+    assert stage_averaging_s(node, blocks(), 0, 3, 2, 10, state_factor=3.0) == pytest.approx(3 * plain)

@@ -317,7 +317,7 @@ class Problem:
 
     def ring_factor(self, clusters: int) -> float:
         """Wire bytes a ring member sends per parameter byte it holds in one round: 2(C-1)/C, compressed."""
-        return 2 * (clusters - 1) / clusters * self.wire.ring
+        return 2 * (clusters - 1) / clusters * self.wire.ring * self.wire.state
 
     def averaging_cpu_s(self, node: int, s: int, e: int, clusters: int) -> float:
         """CPU time per micro-batch a stage of blocks [s, e) on ``node`` gives to averaging rounds among
@@ -325,7 +325,8 @@ class Problem:
         spread over the ``sync_every`` steps between rounds."""
         if clusters < 2:
             return 0.0
-        return float(self.ring_cpu[node] * 2 * (clusters - 1) / clusters * self.param_span[s, e]) / self.sync_every
+        return float(self.ring_cpu[node] * 2 * (clusters - 1) / clusters * self.wire.state * self.param_span[s, e]
+                     ) / self.sync_every
 
     def samples_per_s(self, rates: Sequence[float], averaging_s: float) -> float:
         """micro_batch * C * S / (the slowest cluster's period of S steps): see the module docstring."""

@@ -25,7 +25,8 @@ def training_settings(training: TrainingConfig) -> dict[str, Any]:
     return {"micro_batch": training.micro_batch, "sync_every": training.sync_every,
             "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging,
             "averaging_lead": training.averaging_lead,
-            "wire": Wire.of(training.compress.pipeline, training.compress.ring, training.compress.int8_block)}
+            "wire": Wire.of(training.compress.pipeline, training.compress.ring, training.compress.int8_block,
+                            training.average_optimizer_state)}
 
 
 def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int,

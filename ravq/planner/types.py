@@ -16,10 +16,19 @@ class Wire:
 
     pipeline: float = 1.0
     ring: float = 1.0
+    state: float = 1.0
+    """Values a ring averages per parameter value: 1, or ``ADAM_STATE`` when
+    ``training.average_optimizer_state`` also averages the optimizer's moments (its bytes and its CPU)."""
 
     @classmethod
-    def of(cls, pipeline: str, ring: str, int8_block: int = 128) -> Wire:
-        return cls(pipeline=wire_fraction(pipeline, int8_block), ring=wire_fraction(ring, int8_block))
+    def of(cls, pipeline: str, ring: str, int8_block: int = 128, average_optimizer_state: bool = False) -> Wire:
+        return cls(pipeline=wire_fraction(pipeline, int8_block), ring=wire_fraction(ring, int8_block),
+                   state=ADAM_STATE if average_optimizer_state else 1.0)
+
+
+ADAM_STATE = 3.0
+"""A parameter and Adam's two moments (the built-in tasks' optimizer): what a ring carries per parameter
+with ``training.average_optimizer_state``; the planner and the simulator assume it for every task."""
 
 
 def wire_fraction(fmt: str, int8_block: int = 128) -> float:

@@ -155,12 +155,13 @@ def plan_bounds(plan: Plan, blocks: Sequence[BlockProfile]) -> list[tuple[int, .
 
 
 def stage_averaging_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int, e: int, clusters: int,
-                      micro_batches_per_round: int) -> float:
+                      micro_batches_per_round: int, state_factor: float = 1.0) -> float:
     """CPU seconds per micro-batch a stage of blocks [s, e) on ``node`` gives to averaging rounds among
-    ``clusters`` clusters (``NodeProfile.ring_s_per_byte``, as the cost model charges)."""
+    ``clusters`` clusters (``NodeProfile.ring_s_per_byte`` x the values averaged per parameter, as the
+    cost model charges)."""
     if clusters < 2:
         return 0.0
-    held = sum(b.param_bytes for b in blocks[s:e])
+    held = state_factor * sum(b.param_bytes for b in blocks[s:e])
     return node.ring_s_per_byte * 2 * (clusters - 1) / clusters * held / micro_batches_per_round
 
 
@@ -208,7 +209,8 @@ def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Block
                 fwd_s, bwd_s = stage_times[name]
             else:  # FLOPs, and the CPU time of messages and averaging rounds split between the passes
                 overhead = stage_message_s(by_name[name], blocks, s, e) + stage_averaging_s(
-                    by_name[name], blocks, s, e, len(plan.clusters), settings.sync_every * settings.update_every)
+                    by_name[name], blocks, s, e, len(plan.clusters), settings.sync_every * settings.update_every,
+                    settings.state_factor)
                 fwd_s = fwd / by_name[name].flops + overhead / 2
                 bwd_s = bwd / by_name[name].flops + overhead / 2
             last = e == len(blocks)
