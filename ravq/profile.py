@@ -744,10 +744,18 @@ def message_table(measurement: Measurement) -> tuple[tuple[int, float], ...]:
 
 def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
                  compute_s: float = 6.0, windows: int = 5, messages: MessageConfig | None = None) -> Measurement:
-    """Compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), the CPU cost of
-    pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``), memory, links."""
+    """Links, then compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), the
+    CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``), memory.
+
+    Links come first: this node serves probes until every peer has measured its link to it, so the
+    compute that follows starts on every PC at about the same moment, once the whole deployment is up.
+    PCs that share a host (nodes of one machine, the testbed's emulated PCs) then measure while the
+    others compute too, as they will train.  Measured before the links, the slowest PCs (a seventh of
+    a core: torch alone takes them tens of seconds to import) computed while the faster ones had
+    finished and sat waiting, and read up to 15% faster than they trained (issue #14, compute_bound)."""
     me = topology.node(name)
     task = resolve_task_module(topology.task)
+    links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
     matmul = measure_matmul_flops(me.device, seconds=0.5)
     try:
         sample: ComputeSample | None = measure_compute(task, topology.training.micro_batch, me.device,
@@ -759,7 +767,6 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     ring_bytes = min(max(model_param_bytes(task), RING_BYTES[0]), RING_BYTES[1])
     ring_cpu = measure_ring(topology, name, ring_bytes)
     share = sample.cpu_share if sample and sample.cpu_share > 0 else 1.0
-    links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
     return Measurement(
         name=name, device=me.device, flops=sample.flops if sample else matmul, matmul_flops=matmul,
         model_flops=sample.flops if sample else None, memory_bytes=usable_memory_bytes(me.device),
