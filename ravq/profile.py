@@ -159,9 +159,9 @@ def _training_step(task: Any, micro_batch: int, device: str, optimizer: bool) ->
     return step, float(counter.get_total_flops())
 
 
-def _timed_steps(step: Callable[[], None], seconds: float) -> tuple[int, float]:
+def _timed_steps(step: Callable[[], None], seconds: float, min_steps: int = 2) -> tuple[int, float]:
     count, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or count < 2:
+    while time.perf_counter() - t0 < seconds or count < min_steps:
         step()
         count += 1
     return count, time.perf_counter() - t0
@@ -176,6 +176,10 @@ def measure_model_flops(task: Any, micro_batch: int, device: str = "cpu", second
     step, flops = _training_step(task, micro_batch, device, optimizer)
     count, elapsed = _timed_steps(step, seconds)
     return flops * count / elapsed
+
+
+WINDOW_STEPS = 4
+"""Training steps a compute window holds at least (``measure_compute``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,10 +197,12 @@ class ComputeSample:
 
 
 def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_s: float = 1.2,
-                    windows: int = 5, warmup_s: float = 0.3) -> ComputeSample:
+                    windows: int = 5, warmup_s: float = 0.3, window_steps: int = WINDOW_STEPS) -> ComputeSample:
     """``measure_model_flops`` done so that two runs on the same PC agree: a warm-up (first calls,
-    allocator, lazy initialisation) that is not counted, then ``windows`` windows of ``window_s`` each,
-    and the median window kept.
+    allocator, lazy initialisation) that is not counted, then ``windows`` windows of ``window_s`` and
+    at least ``window_steps`` training steps each, and the median window kept.  On a slow PC a step
+    takes most of a second: windows of two steps (the earlier minimum) were within 9-20% of each other
+    on the testbed's 0.14-core PCs, and their profiles moved ~10% from run to run.
 
     One short sample misjudges a PC whose CPU time comes in slices (a cgroup quota runs a process for
     its share of every 100 ms period, then stops it; another process may take the core for a while):
@@ -208,7 +214,7 @@ def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_
     rates = []
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(max(1, windows)):
-        count, elapsed = _timed_steps(step, window_s)
+        count, elapsed = _timed_steps(step, window_s, window_steps)
         rates.append(flops * count / elapsed)
     share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     middle = statistics.median(rates)

@@ -370,6 +370,26 @@ def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.Cap
     assert profile_main(str(topo), "nobody", str(tmp_path / "out"), 1.0) == 2
 
 
+def test_a_compute_window_holds_at_least_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a slow PC a step takes most of a second: every window runs ``window_steps`` steps at least,
+    whatever ``window_s`` says (two-step windows were 9-20% apart on 0.14-core PCs)."""
+    import ravq.profile as profile
+
+    calls = 0
+
+    def step() -> None:
+        nonlocal calls
+        calls += 1
+
+    assert profile._timed_steps(step, 0.0, 5)[0] == 5 and calls == 5
+    seen: list[int] = []
+    timed = profile._timed_steps
+    monkeypatch.setattr(profile, "_timed_steps", lambda f, s, n=2: (seen.append(n), timed(f, s, n))[1])
+    sample = profile.measure_compute(skipnet, 8, window_s=0.0, windows=3, warmup_s=0.0)
+    assert seen == [2, profile.WINDOW_STEPS, profile.WINDOW_STEPS, profile.WINDOW_STEPS]  # warm-up, then windows
+    assert profile.WINDOW_STEPS >= 4 and len(sample.window_flops) == 3
+
+
 def test_links_are_measured_before_compute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A node serves probes until every peer measured its link to it, so compute measured after the
     links starts on every PC at about the same moment: PCs sharing a host all compute then, as in
