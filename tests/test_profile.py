@@ -373,7 +373,7 @@ def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.Cap
 def test_a_compute_window_holds_at_least_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a slow PC a step takes most of a second: every window runs ``window_steps`` steps at least,
     whatever ``window_s`` says (two-step windows were 9-20% apart on 0.14-core PCs)."""
-    import ravq.profile as profile
+    from ravq import profile
 
     calls = 0
 
@@ -394,7 +394,7 @@ def test_links_are_measured_before_compute(tmp_path: Path, monkeypatch: pytest.M
     """A node serves probes until every peer measured its link to it, so compute measured after the
     links starts on every PC at about the same moment: PCs sharing a host all compute then, as in
     training (measured first, the slowest PCs computed alone and read up to 15% fast)."""
-    import ravq.profile as profile
+    from ravq import profile
 
     order: list[str] = []
 
