@@ -154,7 +154,8 @@ class Membership:
         return self.plan
 
     async def follow(self) -> None:
-        """Apply published updates for as long as the node runs (each one carries the full state)."""
+        """Apply published updates for as long as the node runs (each state update carries the full
+        state; silence updates carry only how long each member has been silent)."""
         while True:
             msg = await self.sub.recv()
             if msg.type == MsgType.UPDATE and msg.meta.get("kind") == "silence":
