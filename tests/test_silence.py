@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from brokers.topology import Broker
 from ravq.cli import plan_for
-from ravq.config import parse_topology
+from ravq.config import Topology, parse_topology
 from ravq.membership import Membership
 from ravq.metrics import Metrics
 from ravq.security import socket_options_for
@@ -29,7 +29,7 @@ from tests.swarm import local_topology
 INTERVAL_S = 0.4
 
 
-def _topology() -> object:
+def _topology() -> Topology:
     data = local_topology("tests.sgd_task", [1, 1], {"steps": 10},
                           timeouts={"heartbeat_interval_s": INTERVAL_S, "lost_s": 4 * INTERVAL_S})
     return parse_topology(data)
