@@ -1,14 +1,14 @@
 """Ring all-reduce: ravq over ZeroMQ against torch.distributed.all_reduce on gloo, same processes.
 
 (a) One float32 tensor (100 MB) averaged by 4 OS processes, alternately by gloo (all_reduce SUM) and by
-    ravq's ring_allreduce with real ZeroMQ ring links (ravq.transport Inbox/Outlink on loopback,
-    RING_CHUNK messages through ravq.wire).  A repeat's time is the slowest process's; the figure is
+    ravq's ring_allreduce with real ZeroMQ ring links (ravq.net.transport Inbox/Outlink on loopback,
+    RING_CHUNK messages through ravq.net.wire).  A repeat's time is the slowest process's; the figure is
     the median over repeats.  ``ratio_ravq_over_gloo`` <= 1.0 means ravq is at least as fast.
 (b) The same 4 processes as 2 clusters x 2 stages: two rings of 2, each averaging half the tensor, run
     at once; their aggregate bytes/s over one ring averaging one half alone.
 
 Compressed rings (``--compress bf16 int8``, the default): in every repeat of (a), after gloo and the
-float32 ring, the same processes average the same tensor with ravq.ring_compression's ring in each format
+float32 ring, the same processes average the same tensor with ravq.average.ring_compression's ring in each format
 (pieces compressed on every hop; a first round, so no residual from an earlier one), timed the same way;
 ``ratio_<format>_over_gloo`` is its time over gloo's float32 time, ``max_rel_diff_<format>_vs_gloo`` how
 far its average is from gloo's, over the largest value.
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _netns
 import torch
 
-from ravq.allreduce import (
+from ravq.average.ring import (
     Mailbox,
     average_segments,
     plan_segments,
@@ -58,9 +58,9 @@ from ravq.allreduce import (
     ring_allreduce,
     segments_for,
 )
-from ravq.compress import Format
+from ravq.net.compress import Format
 from ravq.config import TrainingConfig
-from ravq.ring_compression import compressed_ring_allreduce
+from ravq.average.ring_compression import compressed_ring_allreduce
 
 WORLD = 4
 DEFAULT_MB, DEFAULT_REPEATS, MIN_SHAPED_REPEATS = 100.0, 5, 3
@@ -93,18 +93,18 @@ class ZmqRingLink:
         self.me, self.outlinks = me, outlinks
 
     async def send(self, peer: str, meta: dict[str, int], tensor: Any) -> None:
-        from ravq.averaging import ring_chunk
+        from ravq.average.averager import ring_chunk
         await self.outlinks[peer].send(ring_chunk(self.me, meta, tensor))
 
     async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
-        from ravq.wire import Message, MsgType
+        from ravq.net.wire import Message, MsgType
         await self.outlinks[peer].send(Message(type=MsgType.RING_ABORT, sender=self.me,
                                                meta={"ring": ring_id, "round": round_id, "reason": reason}))
 
 
 async def pump(inbox: Any, mailbox: Mailbox) -> None:
     """The ring socket's one reader: every RING_CHUNK / RING_ABORT goes to the mailbox."""
-    from ravq.wire import MsgType
+    from ravq.net.wire import MsgType
     while True:
         _, msg = await inbox.recv()
         if msg.type is MsgType.RING_CHUNK:
@@ -143,7 +143,7 @@ class Bench:
         return time.perf_counter() - t0, cpu_seconds() - c0, busy_since(m0)
 
     async def time_compressed(self, fmt: Format) -> tuple[float, float, float, torch.Tensor]:
-        """As time_ring, with pieces sent compressed (ravq.ring_compression; a first round: no residual)."""
+        """As time_ring, with pieces sent compressed (ravq.average.ring_compression; a first round: no residual)."""
         self.buf.copy_(self.x)
         self.dist.barrier()
         m0, t0, c0 = machine_ticks(), time.perf_counter(), cpu_seconds()
@@ -229,8 +229,8 @@ async def run_worker(rank: int, args: argparse.Namespace, ports: list[int], host
     import zmq.asyncio
 
     from ravq.metrics import Metrics
-    from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
-    from ravq.wire import DecodeLimits
+    from ravq.net.transport import Inbox, Outlink, SocketOptions, endpoint
+    from ravq.net.wire import DecodeLimits
 
     ctx, metrics, limits, opts = zmq.asyncio.Context(), Metrics(f"n{rank}"), DecodeLimits(), SocketOptions()
     inbox = Inbox.bind(ctx, endpoint(hosts[rank], ports[rank]), "ring", metrics, limits, opts)
@@ -264,7 +264,7 @@ def worker(rank: int, args: argparse.Namespace, ports: list[int], results: Any,
 
     import torch.distributed as dist
 
-    from ravq.transport import install_uvloop
+    from ravq.net.transport import install_uvloop
     from ravq.tuning import tune_process
 
     torch.set_num_threads(1)
@@ -406,7 +406,7 @@ def main() -> None:
                         help="run every process in its own network namespace, its uplink shaped to R Mbit/s "
                              "(needs root, ip netns, tc tbf)")
     parser.add_argument("--compress", nargs="*", choices=["bf16", "int8"], default=["bf16", "int8"],
-                        help="also time the ring with its pieces compressed in these formats (ravq.ring_compression; "
+                        help="also time the ring with its pieces compressed in these formats (ravq.average.ring_compression; "
                              "default: bf16 int8; none: only float32)")
     parser.add_argument("--netns-prefix", default="rqb", help="names of the namespaces made for --link-mbit start "
                         "with this (and hold the process id)")

@@ -34,7 +34,7 @@ use_repo_checkout()
 import yaml
 
 from ravq.config import load_topology
-from ravq.demo import free_ports, status_once
+from ravq.cli.demo import free_ports, status_once
 
 TASK = "ravq.tasks.charlm"
 

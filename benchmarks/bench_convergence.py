@@ -38,7 +38,7 @@ outer_lr 1.2 (1.26, 1.29 at seeds 0,
 not help; at sync_every 2 neither did outer_lr 1.2 (1.23, 1.295 at seeds 2, 3) or predict_weights 3
 (1.265, 1.26).
 
-With ClusterAdam (ravq/optim.py, the demo task's optimizer since 2026-11-23), ``--seeds 0 1 2 3 4 5 6 7``
+With ClusterAdam (ravq/stage/optim.py, the demo task's optimizer since 2026-11-23), ``--seeds 0 1 2 3 4 5 6 7``
 in one run: 1.055, 1.115, 1.180, 1.220, 1.150, 1.105, 1.025, 1.340, mean 1.149, median 1.132; separate
 runs 1.10, 1.105, 1.20, 1.22 (twice), 1.15, 1.11, 1.025, 1.38.  Plain Adam, seeds 4-7: 1.16, 1.115,
 1.045, 1.395.  A seed's ratio is mostly its reference's luck: the global reference's target ranges
@@ -68,7 +68,7 @@ ravq uncompressed (none:none) then with each setting; the figure is samples over
 target: mean over seeds <= 1.05.  ``--seeds 0 1 2 3 --compare-compress bf16:bf16 int8:int8 fp16:none``
 (2026-11-24, a machine shared with five other jobs): bf16:bf16 1.000 on every seed; int8:int8 0.995,
 1.000, 1.021, 1.000 (mean 1.004); fp16:none 0.995, 1.005, 1.021, 1.000 (mean 1.005).  Error feedback and
-anchors (ravq/ring_compression.py) keep the ring's compression out of the weights; the pipeline's is
+anchors (ravq/average/ring_compression.py) keep the ring's compression out of the weights; the pipeline's is
 a fraction of a percent of each activation and gradient.
 
     python benchmarks/bench_convergence.py [--seed N | --seeds N ...] [--compare-compress P:R ...]
@@ -92,8 +92,8 @@ use_repo_checkout()
 
 import torch
 
-from ravq.demo import SYNC_EVERY
-from ravq.model import build_task_model
+from ravq.cli.demo import SYNC_EVERY
+from ravq.stage.split import build_task_model
 
 
 def one_process_losses(task_name: str, steps: int, micro_batch: int, seed: int) -> list[float]:

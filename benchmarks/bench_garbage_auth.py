@@ -22,9 +22,9 @@ import zmq
 import zmq.asyncio
 
 from ravq.metrics import Metrics
-from ravq.security import Curve, keygen, load_secret
-from ravq.transport import Inbox, SocketOptions
-from ravq.wire import DecodeLimits
+from ravq.net.security import Curve, keygen, load_secret
+from ravq.net.transport import Inbox, SocketOptions
+from ravq.net.wire import DecodeLimits
 
 
 def _garbage(port: int, count: int, seed: int) -> None:

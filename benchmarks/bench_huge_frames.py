@@ -32,7 +32,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ravq.demo import free_ports
+from ravq.cli.demo import free_ports
 
 GIB = 1 << 30
 

@@ -178,7 +178,7 @@ async def _poll_broker(proc: subprocess.Popen[bytes], run_dir: Path,
                        cpu: CpuMonitor) -> dict[str, list[dict[str, Any]]]:
     """Every node's distinct heartbeat statistics (with ``polled_at``), in order, until the demo exits."""
     from ravq.config import load_topology
-    from ravq.status import fetch_status
+    from ravq.cli.status import fetch_status
 
     topo_path = run_dir / "topology.yaml"
     while not topo_path.exists() and proc.poll() is None:
@@ -246,7 +246,7 @@ class TorchPipeline:
     """One gloo rank per stage, kept alive across rounds; each ``run`` trains a schedule afresh."""
 
     def __init__(self, cfg: BenchConfig) -> None:
-        from ravq.demo import free_ports
+        from ravq.cli.demo import free_ports
 
         self.cfg = cfg
         ctx = mp.get_context("spawn")
@@ -318,7 +318,7 @@ def _torch_schedule_run(rank: int, schedule_name: str, cfg: BenchConfig) -> dict
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
     from ravq.config import resolve_task_module
-    from ravq.model import build_task_model, even_cuts
+    from ravq.stage.split import build_task_model, even_cuts
 
     task = resolve_task_module(cfg.task_spec)
     model = build_task_model(task, cfg.seed)  # the weights ravq's nodes start from

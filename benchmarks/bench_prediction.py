@@ -73,9 +73,9 @@ _common.use_repo_checkout()
 import torch
 import yaml
 
-from ravq.blocks import profile_blocks
+from ravq.profile.blocks import profile_blocks
 from ravq.config import Topology, load_topology, resolve_task_module
-from ravq.demo import free_ports
+from ravq.cli.demo import free_ports
 from ravq.planner import (
     BlockProfile,
     NodeProfile,
@@ -85,7 +85,7 @@ from ravq.planner import (
     topology_clusters,
     training_settings,
 )
-from ravq.profile import (
+from ravq.profile.measure import (
     Measurement,
     ProbeConfig,
     load_profiles,

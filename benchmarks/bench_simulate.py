@@ -47,13 +47,13 @@ _common.use_repo_checkout()
 import yaml
 from testbed_plans import scaled
 
-from ravq.blocks import profile_blocks
-from ravq.cli import plan_for
+from ravq.profile.blocks import profile_blocks
+from ravq.cli.main import plan_for
 from ravq.config import load_plan, load_topology, resolve_task_module
-from ravq.demo import free_ports
+from ravq.cli.demo import free_ports
 from ravq.planner import BlockProfile, NodeProfile
 from ravq.simulate import Settings, build_world, simulate
-from ravq.simulate.cli import settings_for
+from ravq.cli.simulate import settings_for
 
 TASK = "ravq.tasks.charlm"
 TARGET = 0.15

@@ -23,8 +23,8 @@ import zmq.asyncio
 from brokers.book import CLUSTER_STATES, NODE_STATES, PHASES, Book, Member
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
-from ravq.transport import Inbox, Publisher, SocketOptions, endpoint
-from ravq.wire import DecodeLimits, Message, MsgType
+from ravq.net.transport import Inbox, Publisher, SocketOptions, endpoint
+from ravq.net.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
 

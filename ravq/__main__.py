@@ -1,5 +1,5 @@
 import sys
 
-from ravq.cli import main
+from ravq.cli.main import main
 
 sys.exit(main())

@@ -57,7 +57,7 @@ class CompressConfig(_UserConfig):
     and targets are never compressed.  none: exactly as float32 (the synchronous equivalence holds)."""
     ring: Literal["none", "bf16", "int8"] = "int8"
     """How all-reduce pieces cross ring links: as they are (results bit for bit as uncompressed), or
-    compressed with error feedback (ravq.ring_compression)."""
+    compressed with error feedback (ravq.average.ring_compression)."""
     int8_block: int = Field(128, ge=64, le=256)
     """Values per int8 scale (64-256): smaller blocks are more precise and add more scale bytes."""
 

@@ -31,20 +31,20 @@ import torch
 import zmq
 import zmq.asyncio
 
-from ravq import checkpoint
-from ravq.averaging import Averager
-from ravq.churn import ChurnMixin
-from ravq.compress import Format, Packed
+from ravq.stage import checkpoint
+from ravq.average.averager import Averager
+from ravq.swarm.churn import ChurnMixin
+from ravq.net.compress import Format, Packed
 from ravq.config import Plan, Topology, resolve_task_module
-from ravq.limits import derived_max_message_bytes, largest_inbound_frame
-from ravq.membership import Membership
+from ravq.net.limits import derived_max_message_bytes, largest_inbound_frame
+from ravq.swarm.membership import Membership
 from ravq.metrics import Metrics
-from ravq.model import build_task_model, split_model, stage_input_specs
-from ravq.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
-from ravq.security import socket_options_for
-from ravq.transport import Inbox, Outlink, endpoint
+from ravq.stage.split import build_task_model, split_model, stage_input_specs
+from ravq.stage.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
+from ravq.net.security import socket_options_for
+from ravq.net.transport import Inbox, Outlink, endpoint
 from ravq.tuning import cpu_budget
-from ravq.wire import DecodeLimits, Message, MsgType
+from ravq.net.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class Node(ChurnMixin):
                  compress.pipeline, compress.ring)
 
     def _derive_limits(self) -> None:
-        """Data sockets accept frames up to what this stage can legitimately receive (ravq.limits)."""
+        """Data sockets accept frames up to what this stage can legitimately receive (ravq.net.limits)."""
         if self.topology.limits.max_message_bytes is not None:
             return
         ring = self.topology.training.ring_chunk_bytes  # also with one cluster: a re-plan may add rings

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from ravq.compress import Format, Packed
-from ravq.model import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
-from ravq.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
-from ravq.wire import Message, MsgType, decode, encode
+from ravq.net.compress import Format, Packed
+from ravq.stage.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
+from ravq.stage.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
+from ravq.net.wire import Message, MsgType, decode, encode
 
 
 def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int, micro_batch: int = 4,
@@ -34,7 +34,7 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
 
 
 def _over_the_wire(packed: Packed) -> Packed:
-    """A packed tensor as a receiver gets it: encoded and decoded by ravq.wire."""
+    """A packed tensor as a receiver gets it: encoded and decoded by ravq.net.wire."""
     msg = Message(type=MsgType.PROBE, sender="harness", packed={"p": packed})
     return decode([bytes(f) for f in encode(msg)]).packed["p"]
 

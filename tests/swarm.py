@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ravq.demo import free_ports
+from ravq.cli.demo import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ class Swarm:
 
     def status(self) -> dict[str, Any] | None:
         from ravq.config import load_topology
-        from ravq.demo import status_once
+        from ravq.cli.demo import status_once
         return status_once(load_topology(self.path), None, timeout_s=1.0)
 
     def _spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from ravq.allreduce import (
+from ravq.average.ring import (
     Mailbox,
     RingAborted,
     Segment,
@@ -38,7 +38,7 @@ from ravq.allreduce import (
     unflatten_into,
     with_optimizer_state,
 )
-from ravq.wire import REQUIRED_META, MsgType
+from ravq.net.wire import REQUIRED_META, MsgType
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ class MemoryLink:
         self.net, self.me = net, me
 
     async def send(self, peer: str, meta: dict[str, int], tensor: torch.Tensor) -> None:
-        required = REQUIRED_META[MsgType.RING_CHUNK]  # what ravq.wire will insist on
+        required = REQUIRED_META[MsgType.RING_CHUNK]  # what ravq.net.wire will insist on
         assert set(meta) == set(required) and all(type(meta[k]) is t for k, t in required.items())
         self.net.log.get(self.me, []).append(("send", meta["step"], meta["piece"]))
         if self.me in self.net.silent:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ravq.allreduce import RoundResult, Segment
-from ravq.averaging import Averager, _Pending
+from ravq.average.ring import RoundResult, Segment
+from ravq.average.averager import Averager, _Pending
 from ravq.config import ClusterPlan, Plan
 
 CLUSTERS, NUMEL, STEPS = 2, 5, 12
@@ -28,7 +28,7 @@ def _averager(outer_lr: float, initial: torch.Tensor) -> Averager:
     avg = Averager.__new__(Averager)
     avg.outer_lr, avg.anchors, avg._pending, avg.initial = outer_lr, {}, [], {"w": initial.clone()}
     avg.worker = SimpleNamespace(buffers={})  # type: ignore[assignment]
-    avg.compression = None  # float32 rings (ravq.ring_compression not in play)
+    avg.compression = None  # float32 rings (ravq.average.ring_compression not in play)
     avg.hold_s = 5.0
     avg.silent_s = lambda node: 0.0
     plan = Plan(clusters=[ClusterPlan(nodes=["c0"]), ClusterPlan(nodes=["c1"])])

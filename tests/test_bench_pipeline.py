@@ -66,7 +66,7 @@ def test_simulated_device_time_is_an_identity_that_splits_like_any_op() -> None:
 
     sys.path.insert(0, str(ROOT))
     from benchmarks import synthetic_task
-    from ravq.model import split_model
+    from ravq.stage.split import split_model
 
     x = torch.randn(3, 5, requires_grad=True)
     t0 = time.perf_counter()

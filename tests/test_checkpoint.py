@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ravq import checkpoint
-from ravq.checkpoint import CheckpointError, export_cluster, load_stage, remove_temp_files, save_stage
+from ravq.stage import checkpoint
+from ravq.stage.checkpoint import CheckpointError, export_cluster, load_stage, remove_temp_files, save_stage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def test_an_interrupted_rotation_is_finished_by_the_next_save(tmp_path: Path) ->
 
 _SAVER = textwrap.dedent("""
     import sys, torch
-    from ravq.checkpoint import save_stage
+    from ravq.stage.checkpoint import save_stage
     root = sys.argv[1]
     torch.manual_seed(0)
     module = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])  # ~8 MiB + Adam state

@@ -26,7 +26,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from ravq import checkpoint
+from ravq.stage import checkpoint
 from tests.swarm import ROOT, Swarm, local_topology
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.fault]
@@ -223,7 +223,7 @@ def test_a_standby_takes_over_a_node_that_does_not_come_back(tmp_path: Path) -> 
     """2 clusters x 2 stages and one node the plan leaves idle: kill -9 a stage for good; after
     lost_s + replace_s the standby takes its stage, catches up from the other cluster, and its cluster
     trains to the end; the clusters' weights agree after the final round."""
-    from ravq.cli import plan_for
+    from ravq.cli.main import plan_for
     from ravq.config import load_topology
 
     ckpt = tmp_path / "ckpt"

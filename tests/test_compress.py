@@ -1,4 +1,4 @@
-"""ravq.compress: round-trip error bounds per format, error feedback, the compressed wire frames and the
+"""ravq.net.compress: round-trip error bounds per format, error feedback, the compressed wire frames and the
 pipeline's compressed links (in-process harness)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import orjson
 import pytest
 import torch
 
-from ravq import compress
-from ravq.compress import ErrorFeedback, Format, Packed, error_bound, pack, unpack
-from ravq.wire import DecodeLimits, Message, MsgType, WireError, decode, encode
+from ravq.net import compress
+from ravq.net.compress import ErrorFeedback, Format, Packed, error_bound, pack, unpack
+from ravq.net.wire import DecodeLimits, Message, MsgType, WireError, decode, encode
 from tests import models_for_tests as skipnet
 from tests.pipeline_harness import make_workers, merged_state, run_workers
 
@@ -259,7 +259,7 @@ def test_a_malformed_compressed_frame_is_dropped_and_counted() -> None:
     import zmq.asyncio
 
     from ravq.metrics import Metrics
-    from ravq.transport import Inbox, SocketOptions
+    from ravq.net.transport import Inbox, SocketOptions
 
     async def main() -> None:
         ctx, metrics = zmq.asyncio.Context(), Metrics("t")
@@ -364,9 +364,9 @@ def test_compress_config_errors_name_the_field(compress: dict[str, Any], message
 
 
 def test_wire_knows_the_codec_limits_without_importing_torch() -> None:
-    """ravq.wire checks compressed frames before torch is imported (it loads lazily): its copies of the
+    """ravq.net.wire checks compressed frames before torch is imported (it loads lazily): its copies of the
     codec's limits must be the codec's."""
-    from ravq import wire
+    from ravq.net import wire
 
     assert wire.Q8_BLOCKS == (compress.MIN_BLOCK, compress.MAX_BLOCK)
     assert wire._TO == {str(d).removeprefix("torch.") for d in compress.FLOAT_DTYPES}

@@ -14,12 +14,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from ravq.connections import ConnectionMonitor
-from ravq.limits import derived_max_message_bytes, largest_inbound_frame
+from ravq.net.connections import ConnectionMonitor
+from ravq.net.limits import derived_max_message_bytes, largest_inbound_frame
 from ravq.metrics import Metrics
-from ravq.security import Curve, keygen
-from ravq.transport import CONTROL_FRAME_BYTES, Inbox, SocketOptions
-from ravq.wire import DecodeLimits
+from ravq.net.security import Curve, keygen
+from ravq.net.transport import CONTROL_FRAME_BYTES, Inbox, SocketOptions
+from ravq.net.wire import DecodeLimits
 
 GARBAGE = 24
 
@@ -65,7 +65,7 @@ def test_every_garbage_connection_is_counted(tmp_path: Path, curve: bool) -> Non
     if curve:
         public = keygen("n1", tmp_path)
         _, secret = (k.decode() for k in zmq.curve_keypair())
-        from ravq.security import load_secret
+        from ravq.net.security import load_secret
         public, secret = load_secret("n1", tmp_path)
         monitor: ConnectionMonitor = Curve(name="n1", public=public, secret=secret, peers={"n1": public},
                                            metrics=metrics)
@@ -107,7 +107,7 @@ def test_a_frame_over_the_limit_is_dropped_and_counted() -> None:
 
 
 def test_the_default_limit_follows_the_model() -> None:
-    from ravq.model import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
+    from ravq.stage.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
     from tests import models_for_tests as task
 
     micro_batch = 64

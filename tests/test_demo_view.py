@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ravq.demo_view import RateMeter
+from ravq.cli.demo_view import RateMeter
 
 
 def test_first_reading_has_no_rate() -> None:

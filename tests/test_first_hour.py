@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ravq.config import ConfigError, parse_topology
-from ravq.security import keygen, load_secret
-from ravq.status import format_status, status_identity
+from ravq.net.security import keygen, load_secret
+from ravq.cli.status import format_status, status_identity
 from tests.service_user import python_for, traversable_tmp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def test_status_uses_the_key_found_on_this_pc(tmp_path: Path) -> None:
 
 _NO_TORCH = textwrap.dedent("""
     import sys
-    from ravq.cli import main
+    from ravq.cli.main import main
     code = main(sys.argv[1:])
     print("exit", code, "torch imported" if "torch" in sys.modules else "no torch")
 """)
@@ -153,7 +153,7 @@ def _keygen_owner(tmp_path: Path) -> None:
         assert path.stat().st_uid == nobody.pw_uid
     assert (keys / "pc0.key_secret").stat().st_mode & 0o777 == 0o600
     check = textwrap.dedent(f"""
-        from ravq.security import load_secret
+        from ravq.net.security import load_secret
         print(load_secret("pc0", {str(keys)!r})[0])
     """)
     found = python_for("nobody")
@@ -168,7 +168,7 @@ def _keygen_owner(tmp_path: Path) -> None:
     root_keys = tmp_path / "root-keys"
     keygen("pc1", root_keys)
     check = textwrap.dedent(f"""
-        from ravq.security import load_secret
+        from ravq.net.security import load_secret
         try:
             load_secret("pc1", {str(root_keys)!r})
         except ValueError as err:
@@ -253,16 +253,16 @@ class _FakeSwarm:
 
 
 def test_demo_timeout_stops_a_stalled_run_never_a_progressing_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ravq.demo
-    from ravq.demo_view import LiveView
+    import ravq.cli.demo
+    from ravq.cli.demo_view import LiveView
 
     topo = parse_topology(_topology(curve=False), resolve_task=False)
     counter = iter(range(1000))
-    monkeypatch.setattr(ravq.demo, "status_once", lambda *a, **k: {
+    monkeypatch.setattr(ravq.cli.demo, "status_once", lambda *a, **k: {
         "members": {"n": {"stats": {"forwards": next(counter), "backwards": 0}}}})
     started = time.monotonic()
     assert LiveView(topo, quiet=True, key_dir=None).follow(_FakeSwarm(6), 0.8)  # 2.5 s > 0.8 s, progressing
     assert time.monotonic() - started > 2
-    monkeypatch.setattr(ravq.demo, "status_once", lambda *a, **k: {
+    monkeypatch.setattr(ravq.cli.demo, "status_once", lambda *a, **k: {
         "members": {"n": {"stats": {"forwards": 5, "backwards": 5}}}})
     assert not LiveView(topo, quiet=True, key_dir=None).follow(_FakeSwarm(100), 0.8)

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from ravq.demo import free_ports
+from ravq.cli.demo import free_ports
 from ravq.metrics import _LATENCY_BUCKETS, HopCounter, HopHistogram, Metrics
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ravq.model import build_task_model
+from ravq.stage.split import build_task_model
 from tests import zoo
 from tests.swarm import ROOT, Swarm, local_topology
 

@@ -68,7 +68,7 @@ def test_demo_learns_and_reports(tmp_path: Path) -> None:
 
 
 def _write_topology(tmp_path: Path, steps: int, ckpt: Path, drain_s: float = 10.0) -> Path:
-    from ravq.demo import free_ports
+    from ravq.cli.demo import free_ports
     p = iter(free_ports(9))
     nodes = [{"name": f"n{s}", "pipeline_port": next(p), "ring_port": next(p), "cluster": 0, "stage": s}
              for s in range(2)]
@@ -92,7 +92,7 @@ def test_sigterm_drains_and_writes_final_checkpoint(tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + 120
         from ravq.config import load_topology
-        from ravq.demo import status_once
+        from ravq.cli.demo import status_once
         topology = load_topology(topo)
         while time.monotonic() < deadline:
             status = status_once(topology, None)

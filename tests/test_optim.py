@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ravq.averaging import Averager
-from ravq.optim import ClusterAdam, global_second_moment, set_clusters
+from ravq.average.averager import Averager
+from ravq.stage.optim import ClusterAdam, global_second_moment, set_clusters
 
 
 def _train(make_opt, steps: int = 25, seed: int = 0) -> list[torch.Tensor]:

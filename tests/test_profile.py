@@ -15,9 +15,9 @@ import zmq.asyncio
 
 import tests.models_for_tests as skipnet
 import tests.tasks_for_tests as mlp
-from ravq.blocks import profile_blocks
+from ravq.profile.blocks import profile_blocks
 from ravq.config import ConfigError, Topology, load_plan, load_topology
-from ravq.profile import (
+from ravq.profile.measure import (
     CHUNK_BYTES,
     ComputeSample,
     Link,
@@ -41,7 +41,7 @@ from ravq.profile import (
     serve_probes,
     usable_memory_bytes,
 )
-from ravq.wire import Message, MsgType
+from ravq.net.wire import Message, MsgType
 from tests.conftest import free_port
 
 GIB = 1 << 30
@@ -312,7 +312,7 @@ def test_profile_round_trip_and_overrides(tmp_path: Path) -> None:
 
 def one_node_topology(tmp_path: Path, curve: bool, training: dict[str, object]) -> Topology:
     """A topology of node "a" alone with these training settings, its links under CURVE when ``curve``."""
-    from ravq.security import keygen
+    from ravq.net.security import keygen
 
     nodes: list[dict[str, object]] = [{"name": "a"}]
     if curve:
@@ -373,7 +373,7 @@ def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.Cap
 def test_a_compute_window_holds_at_least_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a slow PC a step takes most of a second: every window runs ``window_steps`` steps at least,
     whatever ``window_s`` says (two-step windows were 9-20% apart on 0.14-core PCs)."""
-    from ravq import profile
+    from ravq.profile import measure as profile
 
     calls = 0
 
@@ -394,7 +394,7 @@ def test_links_are_measured_before_compute(tmp_path: Path, monkeypatch: pytest.M
     """A node serves probes until every peer measured its link to it, so compute measured after the
     links starts on every PC at about the same moment: PCs sharing a host all compute then, as in
     training (measured first, the slowest PCs computed alone and read up to 15% fast)."""
-    from ravq import profile
+    from ravq.profile import measure as profile
 
     order: list[str] = []
 

@@ -1,5 +1,5 @@
-"""Compressed ring all-reduce (ravq.ring_compression) without sockets: C members as coroutines in one
-event loop, every piece encoded and decoded by ravq.wire as a node's ring socket would."""
+"""Compressed ring all-reduce (ravq.average.ring_compression) without sockets: C members as coroutines in one
+event loop, every piece encoded and decoded by ravq.net.wire as a node's ring socket would."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from ravq.allreduce import Mailbox, RingAborted, average_segments, plan_segments, received_piece
-from ravq.averaging import ring_chunk
-from ravq.compress import Format, Packed, error_bound
-from ravq.ring_compression import RingCompression, compressed_ring_allreduce
-from ravq.wire import decode, encode
+from ravq.average.ring import Mailbox, RingAborted, average_segments, plan_segments, received_piece
+from ravq.average.averager import ring_chunk
+from ravq.net.compress import Format, Packed, error_bound
+from ravq.average.ring_compression import RingCompression, compressed_ring_allreduce
+from ravq.net.wire import decode, encode
 
 FORMATS = [Format.BF16, Format.INT8]
 
 
 class WireNet:
-    """Ring links whose pieces cross ravq.wire; counts the tensor bytes each member puts on the wire."""
+    """Ring links whose pieces cross ravq.net.wire; counts the tensor bytes each member puts on the wire."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.boxes = {n: Mailbox() for n in names}
@@ -230,8 +230,8 @@ def test_ring_compression_config_is_checked() -> None:
 def test_optimizer_state_that_was_non_negative_stays_so() -> None:
     """A compressed average of Adam's second moments may land a hair below zero; they are clamped back
     (only optimizer state that was non-negative in the snapshot; weights and first moments stay)."""
-    from ravq.allreduce import RoundResult, Segment
-    from ravq.averaging import _keep_non_negative_state
+    from ravq.average.ring import RoundResult, Segment
+    from ravq.average.averager import _keep_non_negative_state
 
     named = {"w": torch.tensor([-1.0, 2.0]), "w::exp_avg": torch.tensor([-1e-9, 1.0]),
              "w::exp_avg_sq": torch.tensor([-1e-9, 3.0])}

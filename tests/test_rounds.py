@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ravq.allreduce import RingAborted, ring_allreduce
+from ravq.average.ring import RingAborted, ring_allreduce
 from tests.test_allreduce import MemoryNet, run_ring
 
 TIMEOUT_S = 30.0  # what ring_step_s would be: no test below may come near it

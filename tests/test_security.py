@@ -1,6 +1,6 @@
 """CURVE keys and authentication: `ravq keygen` files, and intruders that get nothing processed.
 
-The socket scenarios use real ``ravq.transport`` sockets on 127.0.0.1, one zmq context per
+The socket scenarios use real ``ravq.net.transport`` sockets on 127.0.0.1, one zmq context per
 "process", and each checks that a listed peer still gets through on the same socket, so a refused
 intruder means authentication worked, not that the server was broken.
 """
@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from ravq.config import Topology
 from ravq.metrics import Metrics
-from ravq.security import (
+from ravq.net.security import (
     Curve,
     KeyExistsError,
     KeyFileError,
@@ -31,8 +31,8 @@ from ravq.security import (
     load_public,
     load_secret,
 )
-from ravq.transport import Inbox, Outlink, Publisher, SocketOptions, Subscriber
-from ravq.wire import DecodeLimits, Message, MsgType
+from ravq.net.transport import Inbox, Outlink, Publisher, SocketOptions, Subscriber
+from ravq.net.wire import DecodeLimits, Message, MsgType
 
 LIMITS = DecodeLimits()
 REFUSED_WAIT_S = 1.5

@@ -18,12 +18,12 @@ import pytest
 import zmq.asyncio
 
 from brokers.topology import Broker
-from ravq.cli import plan_for
+from ravq.cli.main import plan_for
 from ravq.config import Topology, parse_topology
-from ravq.membership import Membership
+from ravq.swarm.membership import Membership
 from ravq.metrics import Metrics
-from ravq.security import socket_options_for
-from ravq.wire import DecodeLimits
+from ravq.net.security import socket_options_for
+from ravq.net.wire import DecodeLimits
 from tests.swarm import local_topology
 
 INTERVAL_S = 0.4

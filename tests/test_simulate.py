@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ravq.cli import main
+from ravq.cli.main import main
 from ravq.config import ClusterPlan, Plan, load_plan
 from ravq.planner import BlockProfile, NodeProfile
 from ravq.simulate import SegmentSpec, Settings, StageSpec, World, build_world, simulate
@@ -365,7 +365,7 @@ def test_stages_pay_averaging_cpu_for_the_optimizer_state_they_average() -> None
     of such a topology carry three values a parameter, and each stage's averaging CPU is three times
     the parameters-only charge, as the cost model's (``Wire.state``)."""
     from ravq.config import parse_topology
-    from ravq.simulate.cli import settings_for
+    from ravq.cli.simulate import settings_for
     from ravq.simulate.world import stage_averaging_s
 
     topo = {"task": "tests.sgd_task", "broker": {"pub_port": 5550, "router_port": 5551},

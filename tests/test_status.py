@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ravq.status import format_status, waiting_text
+from ravq.cli.status import format_status, waiting_text
 
 
 def test_status_shows_waiting_by_reason_next_to_compute_busy() -> None:

@@ -1,4 +1,4 @@
-"""ravq.transport over real ZeroMQ sockets on 127.0.0.1: delivery, per-hop metrics, malformed input
+"""ravq.net.transport over real ZeroMQ sockets on 127.0.0.1: delivery, per-hop metrics, malformed input
 dropped and counted, request/reply with timeouts, PUB/SUB, and ZMQ_MAXMSGSIZE.
 
 Each test runs its scenario with ``asyncio.Runner`` on uvloop (as nodes do) inside a hard timeout,
@@ -19,10 +19,10 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from ravq import transport
+from ravq.net import transport
 from ravq.metrics import Metrics
-from ravq.transport import Inbox, Outlink, Publisher, SocketOptions, Subscriber, endpoint, request
-from ravq.wire import DecodeLimits, Message, MsgType, encode
+from ravq.net.transport import Inbox, Outlink, Publisher, SocketOptions, Subscriber, endpoint, request
+from ravq.net.wire import DecodeLimits, Message, MsgType, encode
 from tests.conftest import free_port
 from tests.test_wire import assert_same
 

@@ -1,4 +1,4 @@
-"""ravq.wire: round trips of every message type and dtype, zero-copy both ways, and a table of
+"""ravq.net.wire: round trips of every message type and dtype, zero-copy both ways, and a table of
 malformed messages each rejected with its WireError reason (the label of ravq_bad_messages_total)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 import zmq
 
-from ravq import wire
-from ravq.wire import (
+from ravq.net import wire
+from ravq.net.wire import (
     DTYPES,
     PROTOCOL_VERSION,
     REQUIRED_META,

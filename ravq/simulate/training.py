@@ -1,7 +1,7 @@
 """ravq's training as discrete events: asynchronous pipelines, credits, per-stage updates, overlapped
 averaging with hold-back, rings streamed in pieces, and (optionally) failures and recovery.
 
-What each node does, as ``ravq.pipeline`` and ``ravq.averaging`` do it:
+What each node does, as ``ravq.stage.pipeline`` and ``ravq.average.averager`` do it:
 
 - one compute thread per node takes a waiting backward before a waiting forward (in arrival order);
   stage 0 starts a new micro-batch only while fewer than ``max_inflight`` of its micro-batches await

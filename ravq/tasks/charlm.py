@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ravq.optim import ClusterAdam
+from ravq.stage.optim import ClusterAdam
 
 VOCAB = 96  # printable ASCII 32..126 plus newline (index 95)
 CONTEXT = 64
@@ -107,7 +107,7 @@ def train_batches(micro_batch: int, shard: int, num_shards: int,
 
 def make_optimizer(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
     """Adam; with C clusters averaging, each steps as Adam would on all C clusters' batches together
-    (``ravq.optim.ClusterAdam``; exactly ``torch.optim.Adam`` with one cluster)."""
+    (``ravq.stage.optim.ClusterAdam``; exactly ``torch.optim.Adam`` with one cluster)."""
     return ClusterAdam(params, lr=LEARNING_RATE)
 
 

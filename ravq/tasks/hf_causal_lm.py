@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ravq.optim import ClusterAdam
+from ravq.stage.optim import ClusterAdam
 from ravq.tasks.charlm import VOCAB, corpus
 
 CONTEXT = 64

@@ -4,7 +4,7 @@
 PUB) through ZeroMQ's socket monitor and counts, in ``ravq_connections_dropped_total{socket,reason}``,
 connections that fail their handshake (``handshake_failed``: garbage, a wrong protocol, a client
 that gives up) and established ones that close (``closed``: a peer that went away, or one ZeroMQ
-dropped for announcing a frame over ``limits.max_message_bytes``).  ``ravq.security.Curve`` is one
+dropped for announcing a frame over ``limits.max_message_bytes``).  ``ravq.net.security.Curve`` is one
 that also authenticates, and counts failed handshakes as authentication failures instead.
 """
 

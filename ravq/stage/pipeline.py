@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ravq import compress
-from ravq.compress import DEFAULT_BLOCK, Format, Packed
-from ravq.model import StageSpec, model_output
+from ravq.net import compress
+from ravq.net.compress import DEFAULT_BLOCK, Format, Packed
+from ravq.stage.split import StageSpec, model_output
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class StageOptions:
     until the first update, so with staleness > 0 a resume is not bit-exact (an asynchronous resume is
     not anyway: the micro-batches in flight start over).  With max_inflight 1 it stays exact."""
     compress: Format = Format.NONE
-    """How activations and gradients leave this stage (``ravq.compress``); model inputs and targets never
+    """How activations and gradients leave this stage (``ravq.net.compress``); model inputs and targets never
     are compressed, and what arrives compressed is restored to the dtype this stage expects."""
     int8_block: int = DEFAULT_BLOCK
 
@@ -207,7 +207,7 @@ class StageWorker:
                 tensors: dict[str, torch.Tensor | Packed]) -> str | None:
         """Hand over an arrived message.  Returns None if accepted, else why it was refused (the
         caller counts and drops it): nothing unexpected ever reaches torch.  A packed tensor is checked
-        by the shape and dtype it restores to (its descriptor's, sizes verified by ``ravq.wire``) and
+        by the shape and dtype it restores to (its descriptor's, sizes verified by ``ravq.net.wire``) and
         restored in the compute thread."""
         forward = kind == "fwd"
         parts = self._forward_parts if forward else self._backward_parts

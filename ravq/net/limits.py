@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ravq.transport import CONTROL_FRAME_BYTES
+from ravq.net.transport import CONTROL_FRAME_BYTES
 
 MARGIN = 2
 """Factor over the largest legitimate frame (a task's shapes are fixed per micro-batch size)."""
@@ -27,7 +27,7 @@ def largest_inbound_frame(specs: list[Any], input_specs: list[list[tuple[Any, An
     """Bytes of the largest tensor frame ``stage`` can receive on its pipeline link.
 
     ``specs`` are the cluster's StageSpecs, ``input_specs`` every stage's (shape, dtype) inputs from
-    ``ravq.model.stage_input_specs``; a stage's output gradient has the shape of the consumer input it feeds."""
+    ``ravq.stage.split.stage_input_specs``; a stage's output gradient has the shape of the consumer input it feeds."""
     sizes = [_nbytes(shape, dtype) for shape, dtype in input_specs[stage]]
     for s, spec in enumerate(specs):
         sizes += [_nbytes(shape, dtype)

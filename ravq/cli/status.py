@@ -13,9 +13,9 @@ import zmq.asyncio
 
 from ravq.config import ConfigError, Topology
 from ravq.metrics import Metrics
-from ravq.security import BROKER, key_paths, socket_options_for
-from ravq.transport import SocketOptions, endpoint, request
-from ravq.wire import DecodeLimits, Message, MsgType
+from ravq.net.security import BROKER, key_paths, socket_options_for
+from ravq.net.transport import SocketOptions, endpoint, request
+from ravq.net.wire import DecodeLimits, Message, MsgType
 
 
 def status_identity(topology: Topology, key_dir: str | None, name: str | None) -> tuple[str, str | None]:

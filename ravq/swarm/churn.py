@@ -15,19 +15,19 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ravq.catchup import CatchupError
-from ravq.catchup import apply_tensors as catchup_apply
+from ravq.average.catchup import CatchupError
+from ravq.average.catchup import apply_tensors as catchup_apply
 from ravq.config import Plan
-from ravq.pipeline import StageWorker
-from ravq.transport import Outlink, endpoint
+from ravq.stage.pipeline import StageWorker
+from ravq.net.transport import Outlink, endpoint
 
 if TYPE_CHECKING:
-    from ravq.averaging import Averager
+    from ravq.average.averager import Averager
     from ravq.config import NodeConfig, Topology
-    from ravq.membership import Membership
+    from ravq.swarm.membership import Membership
     from ravq.metrics import Metrics
-    from ravq.security import SocketOptions
-    from ravq.wire import DecodeLimits
+    from ravq.net.security import SocketOptions
+    from ravq.net.wire import DecodeLimits
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ChurnMixin:
     def _memory_bytes(self) -> int:
         if self.config.memory_bytes is not None:
             return self.config.memory_bytes
-        from ravq.profile import usable_memory_bytes
+        from ravq.profile.measure import usable_memory_bytes
         return usable_memory_bytes(self.config.device)
 
     def _stage0_finished(self) -> bool:

@@ -40,17 +40,18 @@ import zmq
 import zmq.asyncio
 from torch.utils.flop_counter import FlopCounterMode
 
-from ravq import allreduce, compress
-from ravq.averaging import RingLinks
-from ravq.compress import Format, Packed
+from ravq.average import ring as allreduce
+from ravq.net import compress
+from ravq.average.averager import RingLinks
+from ravq.net.compress import Format, Packed
 from ravq.config import ConfigError, Topology, load_topology, resolve_task_module
 from ravq.metrics import Metrics
 from ravq.planner import NodeProfile, PlanError, cut_plan, make_plan, topology_clusters, training_settings
 from ravq.planner.types import size_text
-from ravq.ring_compression import RingCompression
-from ravq.security import socket_options_for
-from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
-from ravq.wire import DecodeLimits, Message, MsgType
+from ravq.average.ring_compression import RingCompression
+from ravq.net.security import socket_options_for
+from ravq.net.transport import Inbox, Outlink, SocketOptions, endpoint
+from ravq.net.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
 
@@ -838,7 +839,7 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
     """`ravq plan`: plan from the profiles; print the explanation and write the plan YAML.  Returns 0, or 1
     when no plan fits, 2 on a configuration error.  With clusters fixed in the topology only the cuts
     are planned."""
-    from ravq.blocks import profile_blocks  # torch tracing: only needed here
+    from ravq.profile.blocks import profile_blocks  # torch tracing: only needed here
 
     try:
         topology = load_topology(topology_path)

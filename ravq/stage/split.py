@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.utils._pytree import TreeSpec
 
-from ravq.trace import split_pipe
+from ravq.stage.trace import split_pipe
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ravq.compress import Packed
+from ravq.net.compress import Packed
 
 if TYPE_CHECKING:
-    from ravq.ring_compression import RingCompression
+    from ravq.average.ring_compression import RingCompression
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def ring_bytes_sent(numel: int, element_size: int, ring_size: int, rank: int) ->
 
 @dataclass(frozen=True, slots=True)
 class CompressedPiece:
-    """A piece of a compressed round (``ravq.ring_compression``) as received: packed, or raw where the
+    """A piece of a compressed round (``ravq.average.ring_compression``) as received: packed, or raw where the
     sender could not pack it (a non-finite value), with the round id of the sender's anchor."""
 
     base: int
@@ -173,7 +173,7 @@ class RingLink(Protocol):
 
     async def send(self, peer: str, meta: dict[str, int], tensor: Tensor | Packed) -> None:
         """Send one RING_CHUNK piece; ``meta`` holds ring, round, step and piece (all int), and for a
-        compressed round ``base`` (see ``ravq.ring_compression``), with ``tensor`` packed or raw.
+        compressed round ``base`` (see ``ravq.average.ring_compression``), with ``tensor`` packed or raw.
 
         It may send without copying and return before the bytes have left: ``ring_allreduce`` never
         writes to a sent tensor until the ring proves it arrived (see ``_RingRun``).
@@ -249,7 +249,7 @@ class Mailbox:
         return round_id < self._newest_round or round_id <= self._closed.get(ring_id, -1)
 
     def deliver(self, sender: str, meta: Mapping[str, Any], tensor: Piece) -> None:
-        """Accept one RING_CHUNK piece (meta already validated by ``ravq.wire``).
+        """Accept one RING_CHUNK piece (meta already validated by ``ravq.net.wire``).
 
         The round takes ``tensor`` over: it adds into it and sends it on, so it must be writable and
         held by nobody else, as a ZeroMQ frame received without a copy is.
@@ -506,7 +506,7 @@ async def average_segments(flats: Mapping[int, Tensor], segments: Sequence[Segme
 
     A ring that aborts does not stop the others: each finishes or aborts on its own, and the caller
     keeps the unaveraged weights of the aborted segments.  With ``compression`` the rings send their
-    pieces compressed, with error feedback kept in it from round to round (``ravq.ring_compression``).
+    pieces compressed, with error feedback kept in it from round to round (``ravq.average.ring_compression``).
     """
     result = RoundResult()
     t0 = time.perf_counter()

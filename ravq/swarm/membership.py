@@ -22,8 +22,8 @@ import zmq.asyncio
 
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
-from ravq.transport import Outlink, SocketOptions, Subscriber, endpoint
-from ravq.wire import DecodeLimits, Message, MsgType
+from ravq.net.transport import Outlink, SocketOptions, Subscriber, endpoint
+from ravq.net.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ class LiveView:
     def follow(self, swarm: Any, stall_s: float) -> bool:
         """Until every node exits; False if one failed, or if no node made progress for ``stall_s``
         seconds (0: wait forever).  A long healthy run is never cut short: only a stalled one is."""
-        from ravq.demo import status_once
+        from ravq.cli.demo import status_once
 
         if self.interactive:
             self.live = Live(self._table(None), console=self.console, refresh_per_second=4)

@@ -39,7 +39,7 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
         raise ConfigError("nodes: no node sets 'cluster'; set clusters in the topology or run "
                           "`ravq plan` and pass --plan")
     from ravq.config import resolve_task_module
-    from ravq.model import build_task_model, candidate_cuts, even_cuts
+    from ravq.stage.split import build_task_model, candidate_cuts, even_cuts
 
     task = resolve_task_module(topology.task)
     if callable(getattr(task, "split_points", None)):
@@ -62,8 +62,8 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
 def cmd_broker(args: argparse.Namespace) -> int:
     from brokers.topology import run_broker
     from ravq.metrics import Metrics
-    from ravq.security import socket_options_for
-    from ravq.transport import install_uvloop
+    from ravq.net.security import socket_options_for
+    from ravq.net.transport import install_uvloop
     from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
@@ -85,7 +85,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from ravq.checks import check_device
     from ravq.node import NodeOptions, run_node
-    from ravq.transport import install_uvloop
+    from ravq.net.transport import install_uvloop
     from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
@@ -93,7 +93,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     check_device(topology, args.name)
     tune_process()  # before the node allocates its buffers and ZeroMQ its first frames
     install_uvloop()
-    from ravq.membership import BrokerUnavailable
+    from ravq.swarm.membership import BrokerUnavailable
 
     options = NodeOptions(summary_path=args.summary, threads=args.threads, key_dir=args.key_dir)
     try:
@@ -110,7 +110,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ravq.checkpoint import export_cluster
+    from ravq.stage.checkpoint import export_cluster
 
     try:
         info = export_cluster(args.checkpoint_dir, args.out, args.cluster, args.run_id)
@@ -122,7 +122,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from ravq.status import fetch_status, format_status
+    from ravq.cli.status import fetch_status, format_status
 
     topology = load_topology(args.topology, resolve_task=False)  # no task import: no torch
     try:
@@ -139,20 +139,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from ravq.security import keygen_main
+    from ravq.net.security import keygen_main
 
     return keygen_main(args.name, args.key_dir, args.owner)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ravq.demo import run_demo
+    from ravq.cli.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from ravq.checks import check_device
-    from ravq.profile import profile_main
+    from ravq.profile.measure import profile_main
 
     topology = load_topology(args.topology)
     topology.node(args.name)
@@ -162,7 +162,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_scrape_config(args: argparse.Namespace) -> int:
-    from ravq.scrape import scrape_config
+    from ravq.cli.scrape import scrape_config
 
     text = scrape_config(load_topology(args.topology, resolve_task=False), args.topology)
     if args.out:
@@ -175,17 +175,17 @@ def cmd_scrape_config(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.simulate:
-        from ravq.simulate.cli import plan_simulate_main
+        from ravq.cli.simulate import plan_simulate_main
 
         return plan_simulate_main(args.topology, args.profiles, args.out, candidates=args.candidates,
                                   steps=args.sim_steps, host_cores=args.host_cores)
-    from ravq.profile import plan_main
+    from ravq.profile.measure import plan_main
 
     return plan_main(args.topology, args.profiles, args.out)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from ravq.simulate.cli import simulate_main
+    from ravq.cli.simulate import simulate_main
 
     return simulate_main(args.topology, args.profiles, args.plan, steps=args.steps, churn_per_hour=args.churn,
                          json_path=args.json, host_cores=args.host_cores, jitter=args.jitter, seed=args.seed)
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="a local swarm training a built-in task (no file needed)")
-    from ravq.demo import add_demo_arguments
+    from ravq.cli.demo import add_demo_arguments
     add_demo_arguments(d)
     d.set_defaults(func=cmd_demo)
 

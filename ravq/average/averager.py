@@ -32,17 +32,18 @@ from typing import Any
 import torch
 import zmq.asyncio
 
-from ravq import allreduce, catchup
-from ravq.allreduce import Mailbox, RoundResult, Segment
-from ravq.compress import Format, Packed
+from ravq.average import catchup
+from ravq.average import ring as allreduce
+from ravq.average.ring import Mailbox, RoundResult, Segment
+from ravq.net.compress import Format, Packed
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
-from ravq.model import build_task_model, split_model
-from ravq.optim import set_clusters
-from ravq.pipeline import StageWorker
-from ravq.ring_compression import RingCompression
-from ravq.transport import Inbox, Outlink, SocketOptions, endpoint
-from ravq.wire import DecodeLimits, Message, MsgType
+from ravq.stage.split import build_task_model, split_model
+from ravq.stage.optim import set_clusters
+from ravq.stage.pipeline import StageWorker
+from ravq.average.ring_compression import RingCompression
+from ravq.net.transport import Inbox, Outlink, SocketOptions, endpoint
+from ravq.net.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Averager:
         ring_format = Format(t.compress.ring)
         self.compression = (RingCompression(ring_format, t.compress.int8_block)
                             if ring_format is not Format.NONE else None)
-        """Compressed rings with error feedback (ravq.ring_compression); None sends float32 as it is."""
+        """Compressed rings with error feedback (ravq.average.ring_compression); None sends float32 as it is."""
         self.anchors: dict[tuple[str, ...], torch.Tensor] = {}
         self._pending: list[_Pending] = []
         """Overlapped rounds snapshotted and not applied yet, oldest first (compute thread only)."""

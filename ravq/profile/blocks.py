@@ -1,6 +1,6 @@
 """The model's profile per candidate block, for the planner: bytes, FLOPs and memory.
 
-The model is cut at every candidate cut (``ravq.model.split_model``, torch's pipelining tracer); each
+The model is cut at every candidate cut (``ravq.stage.split.split_model``, torch's pipelining tracer); each
 piece is a block.  One real micro-batch (the task's first training batch) runs through the blocks one
 by one, each block forward and backward under torch's ``FlopCounterMode``, each block's inputs detached
 so its backward is counted alone.  Per block:
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ravq.model import StageSpec, candidate_cuts, model_output, split_model
+from ravq.stage.split import StageSpec, candidate_cuts, model_output, split_model
 from ravq.planner import BlockProfile
 
 

@@ -7,7 +7,7 @@ with ``unpack``.  Integer and bool tensors (token ids, masks, targets) are never
 tensor with a non-finite value (it goes as it is, so a divergence shows as it would uncompressed,
 and every scale on the wire is finite).
 
-No sockets here: ``ravq.wire`` turns a ``Packed`` into frames and back, the pipeline packs what it
+No sockets here: ``ravq.net.wire`` turns a ``Packed`` into frames and back, the pipeline packs what it
 sends and unpacks what it receives in its compute thread, the ring packs its pieces.
 """
 

@@ -181,7 +181,7 @@ class Swarm:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from ravq.demo_view import LiveView, summarize
+    from ravq.cli.demo_view import LiveView, summarize
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="ravq-demo-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,7 +246,7 @@ def _user_topology(args: argparse.Namespace) -> tuple[dict[str, Any], Path, Path
 
 
 def _make_keys(data: dict[str, Any], run_dir: Path) -> Path:
-    from ravq.security import keygen
+    from ravq.net.security import keygen
 
     key_dir = run_dir / "keys"
     shutil.rmtree(key_dir, ignore_errors=True)  # demo keys are throwaway: fresh ones every run
@@ -259,7 +259,7 @@ def _make_keys(data: dict[str, Any], run_dir: Path) -> Path:
 
 
 def status_once(topology: Any, key_dir: Path | None, timeout_s: float = 2.0) -> dict[str, Any] | None:
-    from ravq.status import fetch_status
+    from ravq.cli.status import fetch_status
 
     try:
         return asyncio.run(fetch_status(topology, timeout_s, str(key_dir) if key_dir else None))

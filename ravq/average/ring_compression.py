@@ -1,6 +1,6 @@
 """Compressed ring all-reduce with error feedback.
 
-Reduce-scatter pieces go out compressed (bf16 or blockwise int8, ``ravq.compress``); a member restores
+Reduce-scatter pieces go out compressed (bf16 or blockwise int8, ``ravq.net.compress``); a member restores
 what it receives, adds its own values in float32 and compresses the sum again to forward it.  The
 member that completes a chunk's sum compresses it once, and the all-gather passes those bytes on
 unchanged, so every member restores the same bytes into the same result, bit for bit.
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ravq import compress
-from ravq.allreduce import (
+from ravq.net import compress
+from ravq.average.ring import (
     CompressedPiece,
     Mailbox,
     RingAborted,
@@ -39,7 +39,7 @@ from ravq.allreduce import (
     drive_ring,
     ring_plan,
 )
-from ravq.compress import Format, Packed
+from ravq.net.compress import Format, Packed
 
 log = logging.getLogger(__name__)
 

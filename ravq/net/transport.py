@@ -17,14 +17,14 @@ import zmq
 import zmq.asyncio
 
 from ravq.metrics import HopCount, HopObservations, Metrics
-from ravq.wire import DecodeLimits, Message, WireError, decode, encode
+from ravq.net.wire import DecodeLimits, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
 
 
 CONTROL_FRAME_BYTES = 1 << 20
 """ZMQ_MAXMSGSIZE of sockets that carry no tensors (broker, status) unless limits.max_message_bytes is set.
-A node raises its data sockets' limit to what its stage can legitimately receive (ravq.limits)."""
+A node raises its data sockets' limit to what its stage can legitimately receive (ravq.net.limits)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,9 +38,9 @@ class SocketOptions:
     linger_ms: int = 1000
     """How long close() may wait to flush queued messages."""
     curve: Any = None
-    """A ``ravq.security.Curve`` (keys and ZAP authenticator) or None for plaintext."""
+    """A ``ravq.net.security.Curve`` (keys and ZAP authenticator) or None for plaintext."""
     monitor: Any = None
-    """A ``ravq.security.ConnectionMonitor`` that counts failed and dropped connections of server sockets
+    """A ``ravq.net.security.ConnectionMonitor`` that counts failed and dropped connections of server sockets
     (the Curve, with CURVE); None: not watched."""
     copy_threshold_bytes: int = 64 << 10
     """Frames smaller than this are copied into ZeroMQ; larger ones are sent without a copy.
