@@ -29,7 +29,9 @@ system-deps:
 	    || echo "could not install$$missing; the tests that need them will be skipped"; \
 	fi
 
+# lint-imports checks the layers and import circles (pyproject.toml's import-linter contracts) first.
 test: $(STAMP) system-deps
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
 
 bench: $(STAMP)

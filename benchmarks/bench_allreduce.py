@@ -50,17 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _netns
 import torch
 
-from ravq.average.ring import (
-    Mailbox,
-    average_segments,
-    plan_segments,
-    received_piece,
-    ring_allreduce,
-    segments_for,
-)
-from ravq.net.compress import Format
-from ravq.config import TrainingConfig
+from ravq.average.mailbox import Mailbox, received_piece
+from ravq.average.ring import ring_allreduce
 from ravq.average.ring_compression import compressed_ring_allreduce
+from ravq.average.rounds import average_segments
+from ravq.average.segments import plan_segments, segments_for
+from ravq.config import TrainingConfig
+from ravq.net.compress import Format
 
 WORLD = 4
 DEFAULT_MB, DEFAULT_REPEATS, MIN_SHAPED_REPEATS = 100.0, 5, 3
@@ -93,7 +89,7 @@ class ZmqRingLink:
         self.me, self.outlinks = me, outlinks
 
     async def send(self, peer: str, meta: dict[str, int], tensor: Any) -> None:
-        from ravq.average.averager import ring_chunk
+        from ravq.average.links import ring_chunk
         await self.outlinks[peer].send(ring_chunk(self.me, meta, tensor))
 
     async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
@@ -229,7 +225,8 @@ async def run_worker(rank: int, args: argparse.Namespace, ports: list[int], host
     import zmq.asyncio
 
     from ravq.metrics import Metrics
-    from ravq.net.transport import Inbox, Outlink, SocketOptions, endpoint
+    from ravq.net.options import SocketOptions, endpoint
+    from ravq.net.transport import Inbox, Outlink
     from ravq.net.wire import DecodeLimits
 
     ctx, metrics, limits, opts = zmq.asyncio.Context(), Metrics(f"n{rank}"), DecodeLimits(), SocketOptions()
@@ -264,7 +261,7 @@ def worker(rank: int, args: argparse.Namespace, ports: list[int], results: Any,
 
     import torch.distributed as dist
 
-    from ravq.net.transport import install_uvloop
+    from ravq.net.socket_io import install_uvloop
     from ravq.tuning import tune_process
 
     torch.set_num_threads(1)

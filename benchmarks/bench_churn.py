@@ -33,8 +33,9 @@ use_repo_checkout()
 
 import yaml
 
+from ravq.cli.demo import free_ports
+from ravq.cli.status import status_once
 from ravq.config import load_topology
-from ravq.cli.demo import free_ports, status_once
 
 TASK = "ravq.tasks.charlm"
 

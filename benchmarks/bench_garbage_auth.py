@@ -22,8 +22,9 @@ import zmq
 import zmq.asyncio
 
 from ravq.metrics import Metrics
+from ravq.net.options import SocketOptions
 from ravq.net.security import Curve, keygen, load_secret
-from ravq.net.transport import Inbox, SocketOptions
+from ravq.net.transport import Inbox
 from ravq.net.wire import DecodeLimits
 
 

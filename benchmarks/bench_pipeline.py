@@ -177,8 +177,8 @@ def run_ravq(cfg: BenchConfig, run_dir: Path) -> dict[str, Any]:
 async def _poll_broker(proc: subprocess.Popen[bytes], run_dir: Path,
                        cpu: CpuMonitor) -> dict[str, list[dict[str, Any]]]:
     """Every node's distinct heartbeat statistics (with ``polled_at``), in order, until the demo exits."""
-    from ravq.config import load_topology
     from ravq.cli.status import fetch_status
+    from ravq.config import load_topology
 
     topo_path = run_dir / "topology.yaml"
     while not topo_path.exists() and proc.poll() is None:

@@ -73,9 +73,8 @@ _common.use_repo_checkout()
 import torch
 import yaml
 
-from ravq.profile.blocks import profile_blocks
-from ravq.config import Topology, load_topology, resolve_task_module
 from ravq.cli.demo import free_ports
+from ravq.config import Topology, load_topology, resolve_task_module
 from ravq.planner import (
     BlockProfile,
     NodeProfile,
@@ -85,15 +84,10 @@ from ravq.planner import (
     topology_clusters,
     training_settings,
 )
-from ravq.profile.measure import (
-    Measurement,
-    ProbeConfig,
-    load_profiles,
-    measure_model_flops,
-    profile_links,
-    save_profile,
-    usable_memory_bytes,
-)
+from ravq.profile.blocks import profile_blocks
+from ravq.profile.compute import measure_model_flops, usable_memory_bytes
+from ravq.profile.links import ProbeConfig, profile_links
+from ravq.profile.store import Measurement, load_profiles, save_profile
 
 TASK = "ravq.tasks.charlm"
 TARGET = (0.75, 1.25)

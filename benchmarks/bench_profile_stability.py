@@ -36,7 +36,7 @@ TARGET = 1.10
 PROBE = """
 import json, sys
 import ravq.tasks.charlm as task
-from ravq.profile.measure import measure_compute, measure_matmul_flops, measure_model_flops
+from ravq.profile.compute import measure_compute, measure_matmul_flops, measure_model_flops
 gauge = measure_matmul_flops(seconds=1.0, size=256)
 if sys.argv[1] == "old":
     import time

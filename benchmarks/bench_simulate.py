@@ -47,13 +47,13 @@ _common.use_repo_checkout()
 import yaml
 from testbed_plans import scaled
 
-from ravq.profile.blocks import profile_blocks
-from ravq.cli.main import plan_for
-from ravq.config import load_plan, load_topology, resolve_task_module
 from ravq.cli.demo import free_ports
-from ravq.planner import BlockProfile, NodeProfile
-from ravq.simulate import Settings, build_world, simulate
+from ravq.cli.main import plan_for
 from ravq.cli.simulate import settings_for
+from ravq.config import load_plan, load_topology, resolve_task_module
+from ravq.planner import BlockProfile, NodeProfile
+from ravq.profile.blocks import profile_blocks
+from ravq.simulate import Settings, build_world, simulate
 
 TASK = "ravq.tasks.charlm"
 TARGET = 0.15

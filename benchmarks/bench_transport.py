@@ -41,9 +41,10 @@ import zmq
 import zmq.asyncio
 
 from ravq.metrics import Metrics
-from ravq.net.transport import Inbox, Outlink, SocketOptions
-from ravq.tuning import tune_process
+from ravq.net.options import SocketOptions
+from ravq.net.transport import Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType, encode
+from ravq.tuning import tune_process
 
 MODES = ("ravq", "raw_dealer_router", "raw_dealer_router_asyncio", "raw_push_pull")
 SIZES = (64 << 10, 1 << 20, 16 << 20)

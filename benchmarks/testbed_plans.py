@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
-from ravq.profile.blocks import profile_blocks
 from ravq.config import load_plan, load_topology, resolve_task_module
 from ravq.planner import NodeProfile, PlanError, evaluate_plan, even_plan, ravnest_plan, training_settings
-from ravq.profile.measure import load_profiles
+from ravq.profile.blocks import profile_blocks
+from ravq.profile.store import load_profiles
 
 
 def _settings(topology: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import logging
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -23,7 +24,9 @@ import zmq.asyncio
 from brokers.book import CLUSTER_STATES, NODE_STATES, PHASES, Book, Member
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
-from ravq.net.transport import Inbox, Publisher, SocketOptions, endpoint
+from ravq.net.options import SocketOptions, endpoint
+from ravq.net.pubsub import Publisher
+from ravq.net.transport import Inbox
 from ravq.net.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
@@ -36,8 +39,10 @@ silent than its heartbeat interval plus a quarter of it (and the network's delay
 
 class Broker:
     def __init__(self, topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions,
-                 heartbeat_timeout_s: float | None = None) -> None:
+                 heartbeat_timeout_s: float | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.topology, self.metrics, self.opts = topology, metrics, opts
+        self.clock = clock
+        """What heartbeats and silences are timed on (seconds; tests pass a virtual one)."""
         self.limits = DecodeLimits(max_header_bytes=topology.limits.max_header_bytes,
                                    max_frames=topology.limits.max_frames,
                                    max_tensor_bytes=opts.max_message_bytes)
@@ -51,7 +56,7 @@ class Broker:
         # Ring round ids start from the plan epoch, so epochs must grow across broker restarts too.
         self.plan = plan.model_copy(update={"epoch": max(plan.epoch, int(time.time() * 1000))})
         in_plan = {n for c in self.plan.clusters for n in c.nodes}
-        self.book = Book(self.plan, lost_s=self.heartbeat_timeout_s, now=time.monotonic(),
+        self.book = Book(self.plan, lost_s=self.heartbeat_timeout_s, now=clock(),
                          replace_s=topology.timeouts.replace_s,
                          standbys=[n.name for n in topology.nodes if n.name not in in_plan])
         self._stop = asyncio.Event()
@@ -66,7 +71,7 @@ class Broker:
 
     def silence(self) -> dict[str, float]:
         """Seconds since each member's last heartbeat reached this broker."""
-        now = time.monotonic()
+        now = self.clock()
         return {n: round(now - m.last_seen, 3) for n, m in self.members.items()}
 
     async def _publish(self, pub: Publisher, kind: str, data: dict[str, Any]) -> None:
@@ -110,7 +115,7 @@ class Broker:
         if msg.type in (MsgType.REGISTER, MsgType.HEARTBEAT) and node not in self.known:
             self.metrics.bad_messages.labels("broker", "unknown_node").inc()
             return
-        now = time.monotonic()
+        now = self.clock()
         if msg.type == MsgType.REGISTER:
             incarnation = msg.meta.get("incarnation")
             self.book.register(node, str(incarnation) if incarnation is not None else None, now)
@@ -150,7 +155,7 @@ class Broker:
         interval: a node that missed updates (or a restart of this broker) catches up within one."""
         while True:
             await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s)
-            self.book.check(time.monotonic())
+            self.book.check(self.clock())
             self._observe_recoveries()
             await self._publish(pub, "tick", {})
 

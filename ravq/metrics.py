@@ -8,12 +8,17 @@ reasons: small, bounded sets.
 from __future__ import annotations
 
 import bisect
+import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler
 
 import prometheus_client.metrics
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
@@ -251,6 +256,33 @@ class Metrics:
         self.process_info.labels(role, "" if cluster is None else str(cluster),
                                  "" if stage is None else str(stage)).set(1)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        """Serve /metrics over HTTP from a daemon thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def total(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples, optionally only those with the given labels."""
+        return sum(sample.value for family in self.registry.collect() for sample in family.samples
+                   if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+    def serve(self, port: int, host: str = "0.0.0.0", listening: socket.socket | None = None) -> None:
+        """Serve /metrics over HTTP from a daemon thread: on ``listening``, a socket already bound to
+        ``port`` and listening (one the process inherited: ``ravq.net.listen``), or binding the port."""
+        if listening is None:
+            start_http_server(port, addr=host, registry=self.registry)
+            return
+        server = _ListeningServer(listening, make_wsgi_app(self.registry))
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """No line per scrape on stderr (as prometheus_client's own server)."""
+
+
+class _ListeningServer(ThreadingWSGIServer):
+    """prometheus_client's HTTP server on a socket that is bound and listening already."""
+
+    def __init__(self, sock: socket.socket, app: Any) -> None:
+        super().__init__(sock.getsockname()[:2], _QuietHandler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = sock
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+        self.setup_environ()  # what WSGIServer.server_bind does after binding
+        self.set_app(app)

@@ -9,9 +9,11 @@ from typing import Any
 import torch
 
 from ravq.net.compress import Format, Packed
-from ravq.stage.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
-from ravq.stage.pipeline import Outbound, StageOptions, StageWorker, model_input_needs
 from ravq.net.wire import Message, MsgType, decode, encode
+from ravq.stage.pipeline import StageWorker
+from ravq.stage.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
+from ravq.stage.tensors import model_input_needs
+from ravq.stage.types import Outbound, StageOptions
 
 
 def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int, micro_batch: int = 4,

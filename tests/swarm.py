@@ -13,6 +13,8 @@ from typing import Any
 import yaml
 
 from ravq.cli.demo import free_ports
+from ravq.config import parse_topology
+from ravq.net.listen import Listeners, ports_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,10 +43,20 @@ class Swarm:
             self.broker_argv += ["--plan", str(tmp / "plan.yaml")]
         self.env = env or {}
         self.base = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.broker = self._spawn(self.broker_argv, "broker", self.base)
-        self.nodes: dict[str, subprocess.Popen[bytes]] = {}
-        for node in topology["nodes"]:
-            self.start(node["name"])
+        self._listeners = Listeners()
+        """Every port of the topology, bound here before the first process starts: each process inherits
+        its own listening sockets (``ravq.net.listen``), so no other process can take one in the minute a
+        node needs to start."""
+        self._served = parse_topology(topology, resolve_task=False)
+        try:
+            for name in ["broker", *(node["name"] for node in topology["nodes"])]:
+                self._listeners.hold(ports_of(self._served, name))
+            self.broker = self._spawn(self.broker_argv, "broker", self.base)
+            self.nodes: dict[str, subprocess.Popen[bytes]] = {}
+            for node in topology["nodes"]:
+                self.start(node["name"])
+        finally:
+            self._listeners.close()
 
     def start(self, name: str) -> None:
         """Start (or restart, as systemd would) one node; its log is appended to."""
@@ -56,14 +68,16 @@ class Swarm:
         self.broker = self._spawn(self.broker_argv, "broker", self.base)
 
     def status(self) -> dict[str, Any] | None:
+        from ravq.cli.status import status_once
         from ravq.config import load_topology
-        from ravq.cli.demo import status_once
         return status_once(load_topology(self.path), None, timeout_s=1.0)
 
     def _spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Start one process with its listening sockets: held since the swarm started, or bound now (a
+        restart: its ports were freed when the process it replaces died)."""
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 (the child holds it)
-        return subprocess.Popen([sys.executable, "-m", "ravq", *argv], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self._listeners.spawn([sys.executable, "-m", "ravq", *argv], ports_of(self._served, name), env,
+                                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def wait(self, names: list[str] | None = None, timeout_s: float = 240) -> dict[str, int]:
         deadline = time.monotonic() + timeout_s

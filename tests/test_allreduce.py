@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,26 +18,24 @@ import pytest
 import torch
 from torch import nn
 
-from ravq.average.ring import (
-    Mailbox,
-    RingAborted,
+from ravq.average.mailbox import Mailbox, RingAborted
+from ravq.average.ring import ring_allreduce, ring_bytes_sent
+from ravq.average.rounds import apply_round, average_segments
+from ravq.average.segments import (
     Segment,
     apply_average_delta,
-    apply_round,
-    average_segments,
     averaged_names,
     chunk_bounds,
     flatten,
     optimizer_state_tensors,
     plan_segments,
-    ring_allreduce,
-    ring_bytes_sent,
     segments_for,
     snapshot_segments,
     unflatten_into,
     with_optimizer_state,
 )
 from ravq.net.wire import REQUIRED_META, MsgType
+from tests.virtual_time import now, run_virtual
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -293,15 +290,15 @@ def test_rings_run_concurrently() -> None:
     net = MemoryNet(["p", "q"])
     flats = {m: {0: torch.randn(64), 1: torch.randn(64)} for m in "pq"}
 
-    async def main() -> list[object]:
-        return await asyncio.gather(*[
+    async def main() -> tuple[list[object], float]:
+        results = await asyncio.gather(*[
             average_segments(flats[m], order, me=m, round_id=0, link=net.link(m), mailbox=net.boxes[m],
                              piece_bytes=16, timeout_s=2.0)
             for m, order in (("p", segs), ("q", segs[::-1]))])
+        return results, now()
 
-    t0 = time.monotonic()
-    results = asyncio.run(main())
-    assert time.monotonic() - t0 < 1.0
+    results, seconds = run_virtual(main())  # on a virtual clock: a deadlock would end in the 2 s timeouts
+    assert seconds == 0.0
     for result in results:
         assert not result.aborted and sorted(result.averaged) == [0, 1]  # type: ignore[attr-defined]
 
@@ -324,10 +321,10 @@ def test_silent_member_aborts_everyone_without_hanging(ring_size: int) -> None:
             outcome[m] = None
         except RingAborted as err:
             outcome[m] = err
-        finished_at[m] = time.monotonic()
+        finished_at[m] = now()
 
-    async def main() -> None:
-        t0 = time.monotonic()
+    async def main() -> None:  # on a virtual clock: the timeouts' own times, however busy the machine
+        t0 = now()
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(member(i, m)) for i, m in enumerate(members)]
             while net.sent["m1"] < 4000:  # m1 dies mid-round, after a few pieces
@@ -338,7 +335,7 @@ def test_silent_member_aborts_everyone_without_hanging(ring_size: int) -> None:
             assert isinstance(outcome[m], RingAborted), f"{m} finished a round with a dead member"
             assert finished_at[m] - t0 < 3 * timeout_s, f"{m} took {finished_at[m] - t0:.2f}s"
 
-    asyncio.run(main())
+    run_virtual(main())
     reasons = {outcome[m].reason for m in outcome if outcome[m] is not None}  # type: ignore[union-attr]
     assert "timeout" in reasons
 
@@ -417,13 +414,15 @@ def test_abort_for_a_future_round_ends_it_at_once() -> None:
     net.boxes["b"].deliver_abort("a", 0, 4, "timeout")
 
     async def main() -> None:
-        await ring_allreduce(torch.randn(8), ring_id=0, round_id=4, members=members, me="b", link=net.link("b"),
-                             mailbox=net.boxes["b"], piece_bytes=8, timeout_s=30.0)
+        try:
+            await ring_allreduce(torch.randn(8), ring_id=0, round_id=4, members=members, me="b",
+                                 link=net.link("b"), mailbox=net.boxes["b"], piece_bytes=8, timeout_s=30.0)
+        finally:
+            assert now() == 0.0  # on a virtual clock: ended by the abort, no timer ran out
 
-    t0 = time.monotonic()
     with pytest.raises(RingAborted) as err:
-        asyncio.run(main())
-    assert err.value.from_peer and time.monotonic() - t0 < 1.0
+        run_virtual(main())
+    assert err.value.from_peer
 
 
 def test_wrong_sender_and_out_of_schedule_pieces_are_dropped() -> None:

@@ -10,11 +10,17 @@ the common point by outer_lr times the clusters' mean step from it).
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Callable
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from ravq.average.ring import RoundResult, Segment
-from ravq.average.averager import Averager, _Pending
+from ravq.average.averager import Averager
+from ravq.average.correction import PendingRound as _Pending
+from ravq.average.rounds import RoundResult
+from ravq.average.segments import Segment
 from ravq.config import ClusterPlan, Plan
 
 CLUSTERS, NUMEL, STEPS = 2, 5, 12
@@ -132,56 +138,72 @@ def test_two_overlapping_rounds_by_hand() -> None:
         assert [float(w) for w in weights] == list(want), correct
 
 
-def test_a_stage_waits_for_its_oldest_round_once_it_is_lead_steps_past_it() -> None:
-    """``averaging_lead`` 2: a round snapshotted at version 5 does not hold the stage at version 6, and
-    at version 7 the stage waits until the round finishes (here 0.2 s later, as when the other cluster
-    is behind) and applies it before training on."""
-    import concurrent.futures
-    import threading
-    import time
-    from types import SimpleNamespace
+class _Polls:
+    """A held stage's ``should_abort``, which ``Averager._wait_round`` polls between waits of at most
+    0.2 s for the round.  ``after(n, action)``: the n-th poll from now runs ``action`` (which may finish
+    the round or silence a member) and, if it says so, the process gives up from then on.  The tests
+    follow the stage's waits by these polls, never by a clock."""
 
+    def __init__(self) -> None:
+        self.count, self.aborted = 0, False
+        self._then: dict[int, Callable[[], bool]] = {}
+
+    def after(self, polls: int, action: Callable[[], bool]) -> None:
+        self._then[self.count + polls] = action
+
+    def __call__(self) -> bool:
+        self.count += 1
+        action = self._then.pop(self.count, None)
+        self.aborted = self.aborted or (action is not None and action())
+        return self.aborted
+
+
+def _finish(done: concurrent.futures.Future[RoundResult]) -> Callable[[], bool]:
+    """A poll action: the round ends (every cluster averaged to 0) and the process goes on."""
+    def finish() -> bool:
+        done.set_result(RoundResult(averaged={0: torch.zeros(NUMEL)}))
+        return False
+    return finish
+
+
+def _held(lead: int, version: int, polls: _Polls, waits: list[str]) -> tuple[Averager, torch.Tensor,
+                                                                             concurrent.futures.Future[RoundResult]]:
+    """An averager whose stage is at ``version`` with one round pending, snapshotted at version 5 (the
+    snapshot 1.0, the live weights 3.0: two local steps since), and that round's future."""
     avg = _averager(1.0, torch.zeros(NUMEL))
-    avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = 2, 1.0, "c0", 0, 0.0, False
-    live = torch.full((NUMEL,), 3.0)  # the snapshot was 1.0; two local steps since
-    waits: list[tuple[str, float]] = []
-    avg.worker = SimpleNamespace(version=5, params={"w": live}, buffers={}, should_abort=lambda: False,
-                                 waited=lambda reason, s: waits.append((reason, s)))
+    avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = lead, 100.0, "c0", 0, 0.0, False
+    live = torch.full((NUMEL,), 3.0)
+    avg.worker = SimpleNamespace(version=version, params={"w": live}, buffers={},  # type: ignore[assignment]
+                                 should_abort=polls, waited=lambda reason, seconds: waits.append(reason))
     done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
     avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))
-    avg.worker.version = 6
+    return avg, live, done
+
+
+def test_a_stage_waits_for_its_oldest_round_once_it_is_lead_steps_past_it() -> None:
+    """``averaging_lead`` 2: a round snapshotted at version 5 does not hold the stage at version 6, and
+    at version 7 the stage waits until the round finishes (here while it waits, as when the other cluster
+    is behind) and applies it before training on."""
+    polls, waits = _Polls(), []
+    avg, live, done = _held(2, 6, polls, waits)
     avg._hold_back(avg.worker)
-    assert avg._pending and avg.hold_backs == 0  # one step past the snapshot: trains on
+    assert avg._pending and avg.hold_backs == 0 and polls.count == 0  # one step past the snapshot: trains on
     avg.worker.version = 7
-    threading.Timer(0.2, done.set_result, [RoundResult(averaged={0: torch.zeros(NUMEL)})]).start()
-    t0 = time.monotonic()
+    polls.after(2, _finish(done))  # the round ends after the stage waited for it once
     avg._hold_back(avg.worker)
-    assert time.monotonic() - t0 >= 0.15 and avg.hold_backs == 1 and not avg._pending
-    assert [r for r, _ in waits] == ["averaging"] and waits[0][1] >= 0.15  # reported as waiting, not compute
+    assert polls.count >= 2 and avg.hold_backs == 1 and not avg._pending
+    assert waits == ["averaging"]  # reported as waiting, not compute
     torch.testing.assert_close(live, torch.full((NUMEL,), 2.0))  # average 0 + local progress 2
 
 
 def test_a_held_stage_lets_go_when_the_process_gives_up() -> None:
     """A forced stop must not wait out a ring's timeouts (here 100 s): the held compute thread returns
-    within a fraction of a second once ``should_abort`` says so, leaving the round unapplied."""
-    import concurrent.futures
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    avg = _averager(1.0, torch.zeros(NUMEL))
-    avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = 1, 100.0, "c0", 0, 0.0, False
-    live = torch.full((NUMEL,), 3.0)
-    abort = threading.Event()
-    avg.worker = SimpleNamespace(version=6, params={"w": live}, buffers={}, should_abort=abort.is_set,
-                                 waited=lambda reason, s: None)
-    done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()  # the round never ends
-    avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))
-    threading.Timer(0.3, abort.set).start()
-    t0 = time.monotonic()
+    at the first poll after ``should_abort`` says so, leaving the round unapplied."""
+    polls, waits = _Polls(), []
+    avg, live, _ = _held(1, 6, polls, waits)  # the round never ends
+    polls.after(3, lambda: True)
     avg._hold_back(avg.worker)
-    assert 0.25 <= time.monotonic() - t0 < 2.0
-    assert not avg._pending and avg.hold_backs == 0
+    assert polls.aborted and not avg._pending and avg.hold_backs == 0
     torch.testing.assert_close(live, torch.full((NUMEL,), 3.0))  # nothing applied
 
 
@@ -189,33 +211,25 @@ def test_a_stage_stops_holding_back_once_a_ring_member_is_silent_and_applies_the
     """A round whose member stopped sending heartbeats (gone, not yet declared lost) holds the stage only
     until that member has been silent for ``hold_s``, and not while it stays silent; it still applies when
     it ends.  A member that is merely behind (heartbeats arrive), or heard from again, is waited for."""
-    import concurrent.futures
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    avg = _averager(1.0, torch.zeros(NUMEL))
-    avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = 1, 100.0, "c0", 0, 0.0, False
+    polls, waits = _Polls(), []
+    avg, live, done = _held(1, 6, polls, waits)
     avg.hold_s = 1.5
     silent = {"c1": 0.0}
     avg.silent_s = lambda node: silent[node]
-    live = torch.full((NUMEL,), 3.0)
-    avg.worker = SimpleNamespace(version=6, params={"w": live}, buffers={}, should_abort=lambda: False,
-                                 waited=lambda reason, seconds: None)
-    done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
-    avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))
-    threading.Timer(0.5, silent.__setitem__, ["c1", 2.0]).start()  # c1's heartbeats stop arriving
-    t0 = time.monotonic()
+
+    def stop_beating() -> bool:  # c1's heartbeats stop arriving
+        silent["c1"] = 2.0
+        return False
+
+    polls.after(2, stop_beating)  # while the stage waits
     avg._hold_back(avg.worker)
-    assert 0.4 <= time.monotonic() - t0 < 10.0 and avg.hold_backs == 1
+    assert avg.hold_backs == 1 and len(avg._pending) == 1 and waits == ["averaging"]
     avg.worker.version = 7
-    t0 = time.monotonic()
+    seen = polls.count
     avg._hold_back(avg.worker)  # still silent: not waited for
-    assert avg.hold_backs == 1 and len(avg._pending) == 1 and time.monotonic() - t0 < 0.2
+    assert polls.count == seen and avg.hold_backs == 1 and len(avg._pending) == 1 and waits == ["averaging"]
     silent["c1"] = 0.0  # heard from again (it was slow, not dead): waited for once more
-    threading.Timer(0.3, done.set_result, [RoundResult(averaged={0: torch.zeros(NUMEL)})]).start()
-    t0 = time.monotonic()
+    polls.after(2, _finish(done))
     avg._hold_back(avg.worker)
-    assert time.monotonic() - t0 >= 0.25 and avg.hold_backs == 2
-    assert not avg._pending
+    assert polls.count >= seen + 2 and avg.hold_backs == 2 and not avg._pending
     torch.testing.assert_close(live, torch.full((NUMEL,), 2.0))

@@ -259,7 +259,8 @@ def test_a_malformed_compressed_frame_is_dropped_and_counted() -> None:
     import zmq.asyncio
 
     from ravq.metrics import Metrics
-    from ravq.net.transport import Inbox, SocketOptions
+    from ravq.net.options import SocketOptions
+    from ravq.net.transport import Inbox
 
     async def main() -> None:
         ctx, metrics = zmq.asyncio.Context(), Metrics("t")

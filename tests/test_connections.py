@@ -14,11 +14,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from ravq.metrics import Metrics
 from ravq.net.connections import ConnectionMonitor
 from ravq.net.limits import derived_max_message_bytes, largest_inbound_frame
-from ravq.metrics import Metrics
+from ravq.net.options import CONTROL_FRAME_BYTES, SocketOptions
 from ravq.net.security import Curve, keygen
-from ravq.net.transport import CONTROL_FRAME_BYTES, Inbox, SocketOptions
+from ravq.net.transport import Inbox
 from ravq.net.wire import DecodeLimits
 
 GARBAGE = 24

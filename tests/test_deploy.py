@@ -355,8 +355,8 @@ def test_promtool_check_config() -> None:
 
 def test_prometheus_yml_is_made_by_ravq_scrape_config() -> None:
     """Labels are never copied by hand: deploy/prometheus.yml is exactly `ravq scrape-config`'s output."""
-    from ravq.config import load_topology
     from ravq.cli.scrape import scrape_config
+    from ravq.config import load_topology
 
     source = "deploy/topologies/local-2x2.yaml"
     topology = load_topology(REPO / source, resolve_task=False)

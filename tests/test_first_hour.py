@@ -7,14 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from ravq.cli.status import format_status, status_identity
 from ravq.config import ConfigError, parse_topology
 from ravq.net.security import keygen, load_secret
-from ravq.cli.status import format_status, status_identity
 from tests.service_user import python_for, traversable_tmp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -240,6 +239,19 @@ def test_an_override_that_idles_the_others_is_warned() -> None:
                              profiles) == []
 
 
+class _Clock:
+    """A clock that moves only when slept on: the view's polls, without their wall-clock time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class _FakeSwarm:
     def __init__(self, polls: int) -> None:
         self.polls = polls
@@ -253,16 +265,18 @@ class _FakeSwarm:
 
 
 def test_demo_timeout_stops_a_stalled_run_never_a_progressing_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ravq.cli.demo
+    import ravq.cli.demo_view
     from ravq.cli.demo_view import LiveView
 
     topo = parse_topology(_topology(curve=False), resolve_task=False)
     counter = iter(range(1000))
-    monkeypatch.setattr(ravq.cli.demo, "status_once", lambda *a, **k: {
+    monkeypatch.setattr(ravq.cli.demo_view, "status_once", lambda *a, **k: {
         "members": {"n": {"stats": {"forwards": next(counter), "backwards": 0}}}})
-    started = time.monotonic()
-    assert LiveView(topo, quiet=True, key_dir=None).follow(_FakeSwarm(6), 0.8)  # 2.5 s > 0.8 s, progressing
-    assert time.monotonic() - started > 2
-    monkeypatch.setattr(ravq.cli.demo, "status_once", lambda *a, **k: {
+    clock = _Clock()
+    assert LiveView(topo, quiet=True, key_dir=None, clock=clock, sleep=clock.sleep).follow(_FakeSwarm(6), 0.8)
+    assert clock.now == 2.5  # progressing at every poll for longer than 0.8 s, and never cut short
+    monkeypatch.setattr(ravq.cli.demo_view, "status_once", lambda *a, **k: {
         "members": {"n": {"stats": {"forwards": 5, "backwards": 5}}}})
-    assert not LiveView(topo, quiet=True, key_dir=None).follow(_FakeSwarm(100), 0.8)
+    clock = _Clock()
+    assert not LiveView(topo, quiet=True, key_dir=None, clock=clock, sleep=clock.sleep).follow(_FakeSwarm(100), 0.8)
+    assert clock.now == 1.0  # stopped at the first poll more than 0.8 s after the last progress

@@ -23,7 +23,7 @@ import pytest
 from benchmarks import _netns
 from ravq.config import load_topology
 from ravq.planner import BlockProfile, make_plan
-from ravq.profile.measure import load_profiles
+from ravq.profile.store import load_profiles
 
 pytestmark = pytest.mark.netns
 
@@ -60,7 +60,7 @@ def test_measured_links_match_shaping_and_fast_nodes_cluster(shaped_nodes: dict[
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     script = textwrap.dedent("""
         import sys
-        from ravq.profile.measure import profile_main
+        from ravq.cli.profile import profile_main
         raise SystemExit(profile_main(sys.argv[1], sys.argv[2], sys.argv[3], 60))
     """)
     procs = {name: subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", script, str(topology_path),

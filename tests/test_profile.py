@@ -15,33 +15,29 @@ import zmq.asyncio
 
 import tests.models_for_tests as skipnet
 import tests.tasks_for_tests as mlp
-from ravq.profile.blocks import profile_blocks
+from ravq.cli.plan import plan_main
+from ravq.cli.profile import compute_confidence, profile_main
 from ravq.config import ConfigError, Topology, load_plan, load_topology
-from ravq.profile.measure import (
-    CHUNK_BYTES,
+from ravq.net.wire import Message, MsgType
+from ravq.profile.blocks import profile_blocks
+from ravq.profile.compute import (
     ComputeSample,
-    Link,
-    LinkGate,
-    Measurement,
-    MessageConfig,
-    ProbeClient,
-    ProbeConfig,
-    compute_confidence,
-    load_profile,
-    load_profiles,
     measure_compute,
-    measure_links,
     measure_matmul_flops,
-    measure_messages,
     measure_model_flops,
-    measure_ring,
-    plan_main,
-    profile_main,
-    save_profile,
-    serve_probes,
     usable_memory_bytes,
 )
-from ravq.net.wire import Message, MsgType
+from ravq.profile.links import (
+    CHUNK_BYTES,
+    Link,
+    LinkGate,
+    ProbeClient,
+    ProbeConfig,
+    measure_links,
+    serve_probes,
+)
+from ravq.profile.messages import MessageConfig, measure_messages, measure_ring
+from ravq.profile.store import Measurement, load_profile, load_profiles, save_profile
 from tests.conftest import free_port
 
 GIB = 1 << 30
@@ -373,7 +369,7 @@ def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.Cap
 def test_a_compute_window_holds_at_least_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a slow PC a step takes most of a second: every window runs ``window_steps`` steps at least,
     whatever ``window_s`` says (two-step windows were 9-20% apart on 0.14-core PCs)."""
-    from ravq.profile import measure as profile
+    from ravq.profile import compute as profile
 
     calls = 0
 

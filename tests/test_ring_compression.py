@@ -9,10 +9,12 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from ravq.average.ring import Mailbox, RingAborted, average_segments, plan_segments, received_piece
-from ravq.average.averager import ring_chunk
-from ravq.net.compress import Format, Packed, error_bound
+from ravq.average.links import ring_chunk
+from ravq.average.mailbox import Mailbox, RingAborted, received_piece
 from ravq.average.ring_compression import RingCompression, compressed_ring_allreduce
+from ravq.average.rounds import average_segments
+from ravq.average.segments import plan_segments
+from ravq.net.compress import Format, Packed, error_bound
 from ravq.net.wire import decode, encode
 
 FORMATS = [Format.BF16, Format.INT8]
@@ -230,8 +232,9 @@ def test_ring_compression_config_is_checked() -> None:
 def test_optimizer_state_that_was_non_negative_stays_so() -> None:
     """A compressed average of Adam's second moments may land a hair below zero; they are clamped back
     (only optimizer state that was non-negative in the snapshot; weights and first moments stay)."""
-    from ravq.average.ring import RoundResult, Segment
-    from ravq.average.averager import _keep_non_negative_state
+    from ravq.average.correction import keep_non_negative_state as _keep_non_negative_state
+    from ravq.average.rounds import RoundResult
+    from ravq.average.segments import Segment
 
     named = {"w": torch.tensor([-1.0, 2.0]), "w::exp_avg": torch.tensor([-1e-9, 1.0]),
              "w::exp_avg_sq": torch.tensor([-1e-9, 3.0])}

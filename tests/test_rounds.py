@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
 
-from ravq.average.ring import RingAborted, ring_allreduce
+from ravq.average.mailbox import RingAborted
+from ravq.average.ring import ring_allreduce
 from tests.test_allreduce import MemoryNet, run_ring
+from tests.virtual_time import now, run_virtual
 
 TIMEOUT_S = 30.0  # what ring_step_s would be: no test below may come near it
 
@@ -21,17 +22,17 @@ def test_a_plan_change_abandons_open_rounds_at_once_without_telling_anyone() -> 
     net.silent.add("c")  # c died: it neither sends nor receives
 
     async def main() -> tuple[list[object], float]:
-        t0 = time.monotonic()
+        t0 = now()
         rounds = asyncio.gather(*[
             ring_allreduce(torch.ones(12), ring_id=0, round_id=7, members=members, me=m, link=net.link(m),
                            mailbox=net.boxes[m], piece_bytes=16, timeout_s=TIMEOUT_S) for m in ("a", "b")],
             return_exceptions=True)
         await asyncio.sleep(0.2)
         assert net.boxes["a"].abort_open("plan_changed") == 1 and net.boxes["b"].abort_open("plan_changed") == 1
-        return await rounds, time.monotonic() - t0
+        return await rounds, now() - t0
 
-    outcomes, seconds = asyncio.run(main())
-    assert seconds < TIMEOUT_S / 3
+    outcomes, seconds = run_virtual(main())
+    assert seconds == pytest.approx(0.2)  # at once: on a virtual clock, no timer but the test's own ran
     assert all(isinstance(o, RingAborted) and o.reason == "plan_changed" for o in outcomes), outcomes
     assert net.aborts_sent == {"a": 0, "b": 0, "c": 0}  # everyone saw the plan: nobody is told
 
@@ -59,13 +60,13 @@ def test_a_member_that_moved_on_to_a_newer_round_ends_the_older_one_at_once() ->
                                     link=net.link("b"), mailbox=net.boxes["b"], piece_bytes=16, timeout_s=TIMEOUT_S)
 
     async def main() -> tuple[object, list[torch.Tensor], float]:
-        t0 = time.monotonic()
+        t0 = now()
         (first, a6), b6 = await asyncio.gather(a_side(), b_side())
-        return first, [a6, b6], time.monotonic() - t0
+        return first, [a6, b6], now() - t0
 
-    first, results, seconds = asyncio.run(main())
+    first, results, seconds = run_virtual(main())
     assert isinstance(first, RingAborted) and first.reason == "peer_moved_on"
-    assert seconds < TIMEOUT_S / 3
+    assert seconds == pytest.approx(0.1)  # at once: on a virtual clock, no timer but b's start ran
     for r in results:
         torch.testing.assert_close(r, torch.full((8,), 2.0))
 

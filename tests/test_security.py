@@ -1,6 +1,6 @@
 """CURVE keys and authentication: `ravq keygen` files, and intruders that get nothing processed.
 
-The socket scenarios use real ``ravq.net.transport`` sockets on 127.0.0.1, one zmq context per
+The socket scenarios use real ``ravq.net.transport``/``pubsub`` sockets on 127.0.0.1, one zmq context per
 "process", and each checks that a listed peer still gets through on the same socket, so a refused
 intruder means authentication worked, not that the server was broken.
 """
@@ -22,6 +22,8 @@ import zmq.asyncio
 
 from ravq.config import Topology
 from ravq.metrics import Metrics
+from ravq.net.options import SocketOptions
+from ravq.net.pubsub import Publisher, Subscriber
 from ravq.net.security import (
     Curve,
     KeyExistsError,
@@ -31,7 +33,7 @@ from ravq.net.security import (
     load_public,
     load_secret,
 )
-from ravq.net.transport import Inbox, Outlink, Publisher, SocketOptions, Subscriber
+from ravq.net.transport import Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
 
 LIMITS = DecodeLimits()

@@ -1,4 +1,5 @@
-"""How silent a live ring member looks to the others: a real broker and a node's membership over loopback.
+"""How silent a live ring member looks to the others: the broker's loops and two nodes' memberships,
+in process and on a virtual clock (``tests.virtual_time``), so the silences read are exact.
 
 A stage stops holding back for an averaging round once a member of its rings looks silent for 1.5
 heartbeat intervals (``Averager.hold_s``).  A node reads a member's silence as the broker's last
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import pytest
 import zmq.asyncio
@@ -20,11 +20,12 @@ import zmq.asyncio
 from brokers.topology import Broker
 from ravq.cli.main import plan_for
 from ravq.config import Topology, parse_topology
-from ravq.swarm.membership import Membership
 from ravq.metrics import Metrics
 from ravq.net.security import socket_options_for
-from ravq.net.wire import DecodeLimits
+from ravq.net.wire import DecodeLimits, Message
+from ravq.swarm.membership import Membership, beat_on_cadence
 from tests.swarm import local_topology
+from tests.virtual_time import now, run_virtual
 
 INTERVAL_S = 0.4
 
@@ -35,21 +36,70 @@ def _topology() -> Topology:
     return parse_topology(data)
 
 
+class _BrokerSockets:
+    """The broker's PUB and ROUTER, in process: every update reaches every member at once, a member's
+    request reaches ``Broker._handle`` at once and the reply comes straight back to that member."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.updates: dict[str, asyncio.Queue[Message]] = {}
+        self.replies: dict[str, asyncio.Queue[Message]] = {}
+
+    def attach(self, m: Membership) -> None:
+        """Put ``m``'s SUB and DEALER on these queues (its real sockets are closed unused)."""
+        m.sub.close()
+        m.link.close()
+        self.updates[m.name], self.replies[m.name] = asyncio.Queue(), asyncio.Queue()
+        m.sub = _Queue(self.updates[m.name])  # type: ignore[assignment]
+        m.link = _Dealer(self, m.name)  # type: ignore[assignment]
+
+    async def publish(self, msg: Message) -> None:
+        for queue in self.updates.values():
+            queue.put_nowait(msg)
+
+    async def reply(self, identity: bytes, msg: Message, peer: str = "") -> None:
+        self.replies[identity.decode()].put_nowait(msg)
+
+
+class _Queue:
+    def __init__(self, queue: asyncio.Queue[Message]) -> None:
+        self.queue = queue
+
+    async def recv(self, timeout_s: float | None = None) -> Message:
+        async with asyncio.timeout(timeout_s):
+            return await self.queue.get()
+
+    def close(self) -> None:
+        pass
+
+
+class _Dealer(_Queue):
+    def __init__(self, sockets: _BrokerSockets, name: str) -> None:
+        super().__init__(sockets.replies[name])
+        self.sockets, self.name = sockets, name
+
+    async def send(self, msg: Message) -> None:
+        await self.sockets.broker._handle(self.sockets, self.sockets, self.name.encode(), msg)  # type: ignore[arg-type]
+
+
 async def _max_silence(watch_s: float) -> tuple[float, int]:
     """Node c1s0 beats 20 ms after each full-state publication it receives (the worst phase: the
     broker's next publication finds it almost an interval silent); c0s0 samples c1s0's silence every
     10 ms.  Returns the largest silence seen and how many full-state updates c1s0 acted on."""
+    clock = asyncio.get_running_loop().time
     topology = _topology()
     broker_metrics = Metrics("broker")
     broker = Broker(topology, plan_for(topology, None), broker_metrics,
-                    socket_options_for(topology, "broker", None, broker_metrics))
+                    socket_options_for(topology, "broker", None, broker_metrics), clock=clock)
+    sockets = _BrokerSockets(broker)
     limits = DecodeLimits(max_header_bytes=topology.limits.max_header_bytes, max_frames=topology.limits.max_frames)
     ctx = zmq.asyncio.Context()
     members = {}
     for name in ("c0s0", "c1s0"):
         metrics = Metrics("node")
         members[name] = Membership(ctx, topology, name, metrics, limits,
-                                   socket_options_for(topology, name, None, metrics))
+                                   socket_options_for(topology, name, None, metrics), clock=clock)
+        sockets.attach(members[name])
     beats = 0
 
     async def beat_after_updates(m: Membership) -> None:
@@ -69,18 +119,18 @@ async def _max_silence(watch_s: float) -> tuple[float, int]:
     worst = 0.0
     try:
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(broker.run())
+            tasks = [tg.create_task(broker._watch_heartbeats(sockets)),  # type: ignore[arg-type]
+                     tg.create_task(broker._publish_silence(sockets))]  # type: ignore[arg-type]
             for m in members.values():
                 await m.join()
-            tasks = [tg.create_task(m.follow()) for m in members.values()]
+            tasks += [tg.create_task(m.follow()) for m in members.values()]
             tasks += [tg.create_task(beat_after_updates(members["c1s0"])),
                       tg.create_task(keep_alive(members["c0s0"]))]
             await asyncio.sleep(2 * INTERVAL_S)  # settled: both follow the publications
-            deadline = time.monotonic() + watch_s
-            while time.monotonic() < deadline:
+            end = now() + watch_s
+            while now() < end:
                 worst = max(worst, members["c0s0"].silent_s("c1s0"))
                 await asyncio.sleep(0.01)
-            broker.stop()
             for t in tasks:
                 t.cancel()
     finally:
@@ -90,56 +140,37 @@ async def _max_silence(watch_s: float) -> tuple[float, int]:
     return worst, beats
 
 
-@pytest.mark.timeout(60)
 def test_a_live_member_never_looks_silent_for_much_more_than_its_heartbeat_interval() -> None:
-    worst, beats = asyncio.run(_max_silence(watch_s=12 * INTERVAL_S))
-    assert beats >= 8, f"the node beat only {beats} times after full-state updates"
-    # its heartbeat interval, a quarter of one between silence updates, and loopback's scheduling;
-    # once the state was published once an interval only, this read ~2 intervals (0.78 s here)
-    assert worst <= 1.3 * INTERVAL_S + 0.05, f"a live member looked {worst:.3f}s silent (interval {INTERVAL_S}s)"
+    worst, beats = run_virtual(_max_silence(watch_s=12 * INTERVAL_S))
+    assert beats >= 11, f"the node beat only {beats} times after full-state updates"
+    # its heartbeat interval and a quarter of one between silence updates (0.48 s here: the beat follows
+    # a full-state update by 20 ms); with the silence published once an interval only, this read two
+    # intervals (0.8 s here)
+    assert worst <= 1.25 * INTERVAL_S + 1e-6, f"a live member looked {worst:.3f}s silent (interval {INTERVAL_S}s)"
     assert worst < 1.5 * INTERVAL_S  # below Averager.hold_s: never taken for dead
 
 
-class _SlowBeats:
-    """What ``Node._heartbeats`` reads of a node, with a membership whose every heartbeat takes 60 ms
-    (statistics, encoding, CURVE and an event loop sharing a small CPU with the compute thread)."""
+def test_heartbeats_keep_their_cadence_when_sending_one_takes_time() -> None:
+    """Every heartbeat takes 60 ms here (statistics, encoding, CURVE and an event loop sharing a small CPU
+    with the compute thread).  Sleeping an interval after each send made the period interval + send time
+    (0.26 s here, more on a slow PC); a beat asked for early (``beat_now``) does not move the cadence.
+    On a virtual clock (``tests.virtual_time``), so the send times are exact."""
+    sent: list[float] = []
 
-    def __init__(self, interval_s: float) -> None:
-        self.topology = type("T", (), {"timeouts": type("O", (), {"heartbeat_interval_s": interval_s})()})()
-        self.worker, self.generation, self.phase, self.ready, self._stage_bytes = None, 0, "training", 0, 0
-        self._beat_now = asyncio.Event()
-        self.sent: list[float] = []
-        self.membership = self
-        self.report: dict[str, object] = {}
-
-    def stats(self) -> dict[str, object]:
-        return {}
-
-    async def heartbeat(self, stats: dict[str, object], done: bool) -> None:
-        self.sent.append(asyncio.get_running_loop().time())
+    async def slow_beat() -> None:
+        sent.append(now())
         await asyncio.sleep(0.06)
 
-
-def test_heartbeats_keep_their_cadence_when_sending_one_takes_time() -> None:
-    """Sleeping an interval after each send made the period interval + send time (1.06 intervals here,
-    more on a slow PC); a beat asked for early (``_beat_now``) does not move the cadence."""
-    from ravq.node import Node
-
-    async def run() -> list[float]:
-        node = _SlowBeats(0.2)
-        task = asyncio.create_task(Node._heartbeats(node))  # type: ignore[arg-type]
+    async def run() -> None:
+        beat_now = asyncio.Event()
+        task = asyncio.create_task(beat_on_cadence(slow_beat, 0.2, beat_now))
         await asyncio.sleep(1.1)
-        node._beat_now.set()  # an extra beat at once, between two regular ones
+        beat_now.set()  # an extra beat at once, between two regular ones
         await asyncio.sleep(0.95)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        return node.sent
 
-    sent = asyncio.run(run())
-    start = sent[0]
-    regular = [t - start for t in sent if abs((t - start) / 0.2 - round((t - start) / 0.2)) < 0.15]
-    extra = [t - start for t in sent if t - start not in regular]
-    assert len(extra) == 1 and 1.08 <= extra[0] < 1.15, [round(t - start, 3) for t in sent]
-    assert len(regular) == 11, [round(t, 3) for t in regular]  # 0, 0.2, ..., 2.0: none skipped or added
-    assert regular[-1] == pytest.approx(2.0, abs=0.05)
+    run_virtual(run())
+    regular = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0]  # none skipped, added or moved
+    assert sent == pytest.approx(sorted([*regular, 1.1]), abs=1e-6), sent

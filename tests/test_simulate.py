@@ -364,8 +364,8 @@ def test_stages_pay_averaging_cpu_for_the_optimizer_state_they_average() -> None
     """With ``average_optimizer_state`` a ring averages a parameter and Adam's two moments: the settings
     of such a topology carry three values a parameter, and each stage's averaging CPU is three times
     the parameters-only charge, as the cost model's (``Wire.state``)."""
-    from ravq.config import parse_topology
     from ravq.cli.simulate import settings_for
+    from ravq.config import parse_topology
     from ravq.simulate.world import stage_averaging_s
 
     topo = {"task": "tests.sgd_task", "broker": {"pub_port": 5550, "router_port": 5551},

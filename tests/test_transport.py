@@ -1,8 +1,9 @@
-"""ravq.net.transport over real ZeroMQ sockets on 127.0.0.1: delivery, per-hop metrics, malformed input
-dropped and counted, request/reply with timeouts, PUB/SUB, and ZMQ_MAXMSGSIZE.
+"""ravq.net.transport, pubsub and socket_io over real ZeroMQ sockets on 127.0.0.1: delivery, per-hop
+metrics, malformed input dropped and counted, request/reply with timeouts, PUB/SUB, and ZMQ_MAXMSGSIZE.
 
 Each test runs its scenario with ``asyncio.Runner`` on uvloop (as nodes do) inside a hard timeout,
 on a ``zmq_ctx`` that fails the test if a socket is left open or the context will not terminate.
+Timeouts are measured on a virtual clock (``tests.virtual_time``), where no message is in flight.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from ravq.net import transport
 from ravq.metrics import Metrics
-from ravq.net.transport import Inbox, Outlink, Publisher, SocketOptions, Subscriber, endpoint, request
+from ravq.net import socket_io
+from ravq.net.options import SocketOptions, endpoint
+from ravq.net.pubsub import Publisher, Subscriber
+from ravq.net.transport import Inbox, Outlink, request
 from ravq.net.wire import DecodeLimits, Message, MsgType, encode
 from tests.conftest import free_port
 from tests.test_wire import assert_same
+from tests.virtual_time import now, run_virtual
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -212,13 +216,14 @@ def test_a_reply_sent_while_a_receive_waits_does_not_swallow_its_wake_up(zmq_ctx
 
 def test_readable_times_out_and_close_wakes_a_waiting_receive(zmq_ctx: zmq.asyncio.Context) -> None:
     """A wait never outlives its socket: closing the inbox makes a pending receive raise at once, and
-    the loop keeps no reader for the closed socket."""
+    the loop keeps no reader for the closed socket.  On a virtual clock (nothing is sent, so every wait
+    is the loop's own), so the quiet wait lasts exactly its timeout."""
 
     async def scenario() -> tuple[bool, float, bool]:
         inbox = Inbox.bind(zmq_ctx, ANY_PORT, "pipeline", Metrics(), LIMITS, OPTS)
-        t0 = time.monotonic()
+        t0 = now()
         quiet = await inbox.readable(0.05)
-        waited = time.monotonic() - t0
+        waited = now() - t0
         receiving = asyncio.ensure_future(inbox.recv())
         await asyncio.sleep(0.01)
         inbox.close()
@@ -226,8 +231,8 @@ def test_readable_times_out_and_close_wakes_a_waiting_receive(zmq_ctx: zmq.async
             await asyncio.wait_for(receiving, 2)
         return quiet, waited, inbox._io._loop is None
 
-    quiet, waited, no_reader = run(scenario())
-    assert not quiet and 0.04 <= waited < 1.0
+    quiet, waited, no_reader = run_virtual(scenario())
+    assert not quiet and waited == pytest.approx(0.05)
     assert no_reader
 
 
@@ -237,8 +242,8 @@ def test_a_receive_loop_keeps_its_reader_between_waits_and_drops_it_once_nobody_
     waits for; the reader stays while waits follow one another, and goes one loop pass after the last
     waiter left (a reader left on the fd of a closed socket would block the fd's next user)."""
     drops: list[int] = []
-    drop_reader = transport._Io._drop_reader
-    monkeypatch.setattr(transport._Io, "_drop_reader", lambda io: (drops.append(1), drop_reader(io))[1])
+    drop_reader = socket_io.SocketIo._drop_reader
+    monkeypatch.setattr(socket_io.SocketIo, "_drop_reader", lambda io: (drops.append(1), drop_reader(io))[1])
 
     async def scenario() -> tuple[list[int], list[bool], int, bool, list[int]]:
         inbox = Inbox.bind(zmq_ctx, ANY_PORT, "pipeline", Metrics(), LIMITS, OPTS)
@@ -348,30 +353,38 @@ def test_request_gets_the_reply_to_its_own_request(zmq_ctx: zmq.asyncio.Context)
                       type="status_req") == 1
 
 
-@pytest.mark.parametrize("server", ["silent", "absent"])
-def test_request_times_out_and_closes_its_socket(zmq_ctx: zmq.asyncio.Context, server: str) -> None:
+def test_request_to_an_absent_server_gives_up_after_its_timeout_and_closes_its_socket(
+        zmq_ctx: zmq.asyncio.Context) -> None:
+    """On a virtual clock (nothing can answer, so every wait is the loop's own): exactly ``timeout_s``."""
     timeout_s = 0.3
-    delivered: list[Message] = []
 
     async def scenario() -> float:
-        inbox = Inbox.bind(zmq_ctx, ANY_PORT, "broker", Metrics(), LIMITS, OPTS) if server == "silent" else None
-        addr = bound_endpoint(inbox.sock) if inbox else endpoint("127.0.0.1", free_port())
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(TimeoutError, match="no reply from broker"):
-                await request(zmq_ctx, addr, Message(type=MsgType.STATUS_REQ, sender="cli"), timeout_s,
-                              Metrics(), LIMITS, OPTS)
-            elapsed = time.monotonic() - t0
-            if inbox:  # the request got there; only the reply is missing
-                delivered.append((await inbox.recv())[1])
-            return elapsed
-        finally:
-            if inbox:
-                inbox.close()
+        t0 = now()
+        with pytest.raises(TimeoutError, match="no reply from broker"):
+            await request(zmq_ctx, endpoint("127.0.0.1", free_port()), Message(type=MsgType.STATUS_REQ, sender="cli"),
+                          timeout_s, Metrics(), LIMITS, OPTS)
+        return now() - t0
 
-    elapsed = run(scenario())
-    assert timeout_s <= elapsed < timeout_s + 1.0
-    assert [m.type for m in delivered] == ([MsgType.STATUS_REQ] if server == "silent" else [])
+    assert run_virtual(scenario()) == pytest.approx(timeout_s)
+    # zmq_ctx's teardown fails the test if request() left its DEALER open.
+
+
+def test_request_to_a_silent_server_gets_there_times_out_and_closes_its_socket(zmq_ctx: zmq.asyncio.Context) -> None:
+    """The request reaches the server; only the reply is missing.  On the real clock: a message in
+    flight between two sockets is not a wait of the loop's own, and a virtual clock would jump past it
+    (the time a request waits is the previous test's)."""
+
+    async def scenario() -> Message:
+        inbox = Inbox.bind(zmq_ctx, ANY_PORT, "broker", Metrics(), LIMITS, OPTS)
+        try:
+            with pytest.raises(TimeoutError, match="no reply from broker"):
+                await request(zmq_ctx, bound_endpoint(inbox.sock), Message(type=MsgType.STATUS_REQ, sender="cli"),
+                              1.0, Metrics(), LIMITS, OPTS)  # long enough to connect on a busy machine
+            return (await inbox.recv())[1]
+        finally:
+            inbox.close()
+
+    assert run(scenario()).type is MsgType.STATUS_REQ
     # zmq_ctx's teardown fails the test if request() left its DEALER open.
 
 

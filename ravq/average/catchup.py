@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from ravq.average.ring import OPTIM_SEP
+from ravq.average.segments import OPTIM_SEP
 from ravq.config import Plan
-from ravq.stage.pipeline import StageWorker
 from ravq.net.transport import Outlink
 from ravq.net.wire import Message, MsgType
+from ravq.stage.pipeline import StageWorker
 
 log = logging.getLogger(__name__)
 

@@ -28,17 +28,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ravq.average.mailbox import CompressedPiece, Mailbox, OpenRound, RingAborted
+from ravq.average.ring import RingLink, drive_ring, ring_plan
+from ravq.average.segments import Segment
 from ravq.net import compress
-from ravq.average.ring import (
-    CompressedPiece,
-    Mailbox,
-    RingAborted,
-    RingLink,
-    Segment,
-    _Round,
-    drive_ring,
-    ring_plan,
-)
 from ravq.net.compress import Format, Packed
 
 log = logging.getLogger(__name__)
@@ -47,7 +40,7 @@ RING_FORMATS = (Format.BF16, Format.INT8)
 
 
 class _CompressedRun:
-    """One member's half of one compressed round; the schedule is ``allreduce._RingRun``'s.
+    """One member's half of one compressed round; the schedule is ``ravq.average.ring._RingRun``'s.
 
     ``x`` is this member's input (float32, residual already added), ``out`` the averaged result and
     ``residual`` what this member's compressions lost, both written chunk by chunk."""
@@ -90,7 +83,7 @@ class _CompressedRun:
                 if step == 0:
                     self._keep_residual(self.x[a:b], piece, a, b)
 
-    def _check(self, piece: object, rnd: _Round, numel: int) -> Tensor | Packed:
+    def _check(self, piece: object, rnd: OpenRound, numel: int) -> Tensor | Packed:
         if not isinstance(piece, CompressedPiece):
             raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
         if piece.base != self.base:
@@ -101,7 +94,7 @@ class _CompressedRun:
             raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
         return value
 
-    async def recv_loop(self, mailbox: Mailbox, rnd: _Round, timeout_s: float) -> None:
+    async def recv_loop(self, mailbox: Mailbox, rnd: OpenRound, timeout_s: float) -> None:
         last_reduce, last = self.size - 2, len(self.recv_plan) - 1
         for step, plan in enumerate(self.recv_plan):
             for j, (a, b) in enumerate(plan):
@@ -133,7 +126,8 @@ async def compressed_ring_allreduce(x: Tensor, *, ring_id: int, round_id: int, m
     """(average over ``members``, this member's residual) of the float32 ``x``, pieces sent compressed.
 
     ``out`` and ``residual``, when given, are written (every element) and returned; neither may be ``x``.
-    Aborts as ``allreduce.ring_allreduce`` does, and with "base_mismatch" when a peer's anchor differs.
+    Aborts as ``ravq.average.ring.ring_allreduce`` does, and with "base_mismatch" when a peer's anchor
+    differs.
     """
     assert fmt in RING_FORMATS, fmt
     assert x.dim() == 1 and x.dtype == torch.float32, "the compressed ring averages a flat float32 tensor"

@@ -1,14 +1,14 @@
 """`ravq demo`: a broker and a local swarm of node processes training a built-in task.
 
-Picks free local ports, writes a topology into a run directory, starts one process per node (each
-dies with the demo: PR_SET_PDEATHSIG), shows live progress from the broker's status, and prints a
-summary.  ``--report FILE`` writes the summary as JSON.
+Binds free local ports and listens on them, writes a topology into a run directory, starts one process
+per node (each dies with the demo: PR_SET_PDEATHSIG) that inherits its ports' listening sockets
+(``ravq.net.listen``: no other process can take a port in between), shows live progress from the
+broker's status, and prints a summary.  ``--report FILE`` writes the summary as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import json
 import shutil
@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from ravq.config import PREDICT_WEIGHTS, ConfigError, parse_topology
+from ravq.net.listen import Listeners, ports_of
 
 DEFAULT_TASK = "ravq.tasks.charlm"
 SYNC_EVERY = 2
@@ -71,7 +72,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def free_ports(count: int) -> list[int]:
-    """Distinct free TCP ports on 127.0.0.1 (held open together so none repeats)."""
+    """Distinct free TCP ports on 127.0.0.1 (held open together so none repeats), closed again: another
+    process may take one before it is bound (a process launcher binds first: ``ravq.net.listen``)."""
     socks = []
     try:
         for _ in range(count):
@@ -84,11 +86,12 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def demo_topology(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, Any]:
+    """The demo's topology, on ports ``listeners`` binds and listens on from now on."""
     if args.clusters < 1 or args.stages < 1:
         raise ConfigError("--clusters and --stages must be at least 1")
     n = args.clusters * args.stages
-    ports = iter(free_ports(3 + 3 * n))
+    ports = iter(listeners.ports(3 + 3 * n))
     nodes = []
     for c in range(args.clusters):
         for s in range(args.stages):
@@ -125,28 +128,36 @@ def _parent_death_signal() -> Callable[[], None] | None:
 _DIE_WITH_PARENT = _parent_death_signal()
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "ravq", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL,
-                                preexec_fn=_DIE_WITH_PARENT)  # noqa: PLW1509 - one prctl call, see above
-
-
 class Swarm:
-    """The demo's child processes; stop() ends them all, politely first."""
+    """The demo's child processes; stop() ends them all, politely first.  Each starts with its ports'
+    listening sockets (bound by ``listeners`` already, or now: a port another process holds is an error
+    here, before any child starts)."""
 
     def __init__(self, run_dir: Path, topo_path: Path, topology: dict[str, Any], threads: int,
-                 key_dir: Path | None, plan_path: str | None = None) -> None:
+                 key_dir: Path | None, plan_path: str | None = None,
+                 listeners: Listeners | None = None) -> None:
         self.run_dir, self.topo_path, self.topology = run_dir, topo_path, topology
+        self._listeners = listeners or Listeners()
+        self._served = parse_topology(topology, resolve_task=False)
         keys = ["--key-dir", str(key_dir)] if key_dir else []
         plan = ["--plan", plan_path] if plan_path else []
-        self.broker = _spawn(["broker", "--topology", str(topo_path), *plan, *keys], run_dir / "broker.log")
+        for node in topology["nodes"]:  # all ports before the first child: a taken one fails the demo at once
+            self._listeners.hold(ports_of(self._served, node["name"]))
+        self.broker = self._start("broker", ["broker", "--topology", str(topo_path), *plan, *keys])
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
         for node in topology["nodes"]:
             name = node["name"]
-            self.nodes[name] = _spawn(["node", "--topology", str(topo_path), "--name", name, "--threads",
-                                       str(threads), "--summary", str(run_dir / f"summary-{name}.json"), *keys],
-                                      run_dir / f"{name}.log")
+            summary = str(run_dir / f"summary-{name}.json")
+            self.nodes[name] = self._start(name, ["node", "--topology", str(topo_path), "--name", name,
+                                                  "--threads", str(threads), "--summary", summary, *keys])
+
+    def _start(self, process: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Start ``process``, which inherits its ports' listening sockets."""
+        with open(self.run_dir / f"{process}.log", "wb") as log:  # the child keeps its own copy of it
+            ports = ports_of(self._served, process)
+            return self._listeners.spawn([sys.executable, "-m", "ravq", *argv], ports, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=_DIE_WITH_PARENT)  # one prctl call, see above
 
     def running(self) -> list[str]:
         return [n for n, p in self.nodes.items() if p.poll() is None]
@@ -185,6 +196,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="ravq-demo-"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    listeners = Listeners()  # the ports a made topology names, held from the moment they are chosen
     if args.topology:
         if args.compress_pipeline != "none" or args.compress_ring != "none":
             raise ConfigError("--compress-pipeline/--compress-ring: with --topology, set training.compress in the file")
@@ -193,7 +205,7 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         if args.plan:
             raise ConfigError("--plan: needs --topology (a plan names the topology's nodes)")
-        data = demo_topology(args, run_dir)
+        data = demo_topology(args, listeners)
         key_dir = None if args.no_curve else _make_keys(data, run_dir)
         parse_topology(data, "demo topology")  # same validation a user's file gets
         topo_path = run_dir / "topology.yaml"
@@ -203,7 +215,10 @@ def run_demo(args: argparse.Namespace) -> int:
     view = LiveView(topology, quiet=args.quiet, key_dir=key_dir)
     print(f"ravq demo: {shape}, {topology.training.steps} micro-batches per cluster; logs in {run_dir}", flush=True)
     t0 = time.monotonic()
-    swarm = Swarm(run_dir, topo_path, data, args.threads, key_dir, args.plan)
+    try:
+        swarm = Swarm(run_dir, topo_path, data, args.threads, key_dir, args.plan, listeners)
+    finally:
+        listeners.close()  # each child has its own by now
     ok, failed = False, []
     try:
         ok = view.follow(swarm, args.timeout)
@@ -256,13 +271,3 @@ def _make_keys(data: dict[str, Any], run_dir: Path) -> Path:
         node["public_key"] = keygen(node["name"], key_dir)
     data["security"] = {"curve": True, "key_dir": str(key_dir)}
     return key_dir
-
-
-def status_once(topology: Any, key_dir: Path | None, timeout_s: float = 2.0) -> dict[str, Any] | None:
-    from ravq.cli.status import fetch_status
-
-    try:
-        return asyncio.run(fetch_status(topology, timeout_s, str(key_dir) if key_dir else None))
-    except (TimeoutError, OSError):
-        return None
-

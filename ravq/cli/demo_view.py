@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from ravq.cli.status import status_once
 from ravq.config import Topology
 
 
@@ -37,41 +39,43 @@ class RateMeter:
 class LiveView:
     """Polls the broker and shows per-node progress; a plain line every few seconds when not a TTY."""
 
-    def __init__(self, topology: Topology, quiet: bool, key_dir: Path | None) -> None:
+    def __init__(self, topology: Topology, quiet: bool, key_dir: Path | None, *,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         self.topology, self.quiet, self.key_dir = topology, quiet, key_dir
+        self.clock, self.sleep = clock, sleep
+        """What polls are timed and paced with (tests pass a virtual pair)."""
         self.console = Console(stderr=False)
         self.interactive = self.console.is_terminal and not quiet
         self.live: Live | None = None
-        self.started = time.monotonic()
+        self.started = self.clock()
         self.steps = topology.training.steps * max(1, len({n.cluster for n in topology.nodes}))
         self.rate = RateMeter()
 
     def follow(self, swarm: Any, stall_s: float) -> bool:
         """Until every node exits; False if one failed, or if no node made progress for ``stall_s``
         seconds (0: wait forever).  A long healthy run is never cut short: only a stalled one is."""
-        from ravq.cli.demo import status_once
 
         if self.interactive:
             self.live = Live(self._table(None), console=self.console, refresh_per_second=4)
             self.live.start()
         last_line = 0.0
-        progress, progressed_at = -1, time.monotonic()
+        progress, progressed_at = -1, self.clock()
         while swarm.running():
             if swarm.failed():
                 return False
             status = status_once(self.topology, self.key_dir, timeout_s=1.0)
             done = _work_done(status)
             if done > progress:
-                progress, progressed_at = done, time.monotonic()
-            elif stall_s and time.monotonic() - progressed_at > stall_s:
+                progress, progressed_at = done, self.clock()
+            elif stall_s and self.clock() - progressed_at > stall_s:
                 print(f"ravq demo: no progress for {stall_s:.0f}s (--timeout); stopping", file=sys.stderr)
                 return False
             if self.live is not None:
                 self.live.update(self._table(status))
-            elif not self.quiet and time.monotonic() - last_line > 5.0 and status:
-                last_line = time.monotonic()
+            elif not self.quiet and self.clock() - last_line > 5.0 and status:
+                last_line = self.clock()
                 print(self._line(status), flush=True)
-            time.sleep(0.5)
+            self.sleep(0.5)
         return not swarm.failed()
 
     def close(self) -> None:
@@ -93,14 +97,14 @@ class LiveView:
         last = [st for _, st, _ in rows if st and st.get("stage") == depth.get(st.get("cluster"))]
         samples = sum(st.get("samples", 0) for st in last)
         steps = sum(st.get("backwards", 0) for st in last)
-        rate = self.rate.update(time.monotonic(), samples) if status else 0.0
+        rate = self.rate.update(self.clock(), samples) if status else 0.0
         losses = [st["loss_recent"] for st in last if st.get("loss_recent") is not None]
         return steps, rate, (sum(losses) / len(losses) if losses else None)
 
     def _line(self, status: dict[str, Any]) -> str:
         steps, rate, loss = self._progress(status)
         loss_text = f"{loss:.3f}" if loss is not None else "-"
-        return f"[{time.monotonic() - self.started:6.1f}s] steps {steps}/{self.steps}  {rate:7.1f} samples/s  loss {loss_text}"
+        return f"[{self.clock() - self.started:6.1f}s] steps {steps}/{self.steps}  {rate:7.1f} samples/s  loss {loss_text}"
 
     def _table(self, status: dict[str, Any] | None) -> Table:
         steps, rate, loss = self._progress(status)

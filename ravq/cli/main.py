@@ -62,16 +62,18 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
 def cmd_broker(args: argparse.Namespace) -> int:
     from brokers.topology import run_broker
     from ravq.metrics import Metrics
+    from ravq.net import listen
     from ravq.net.security import socket_options_for
-    from ravq.net.transport import install_uvloop
+    from ravq.net.socket_io import install_uvloop
     from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
     plan = plan_for(topology, args.plan)
     metrics = Metrics("broker")
     metrics.set_role("broker")
+    listen.name_ports(topology, "broker")
     if topology.broker.metrics_port is not None:
-        metrics.serve(topology.broker.metrics_port, topology.broker.bind_host or topology.broker.host)
+        listen.serve_metrics(metrics, topology.broker.metrics_port, topology.broker.bind_host or topology.broker.host)
     tune_process()
     install_uvloop()
     try:
@@ -84,12 +86,14 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from ravq.checks import check_device
+    from ravq.net import listen
+    from ravq.net.socket_io import install_uvloop
     from ravq.node import NodeOptions, run_node
-    from ravq.net.transport import install_uvloop
     from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
     topology.node(args.name)
+    listen.name_ports(topology, args.name)
     check_device(topology, args.name)
     tune_process()  # before the node allocates its buffers and ZeroMQ its first frames
     install_uvloop()
@@ -152,7 +156,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from ravq.checks import check_device
-    from ravq.profile.measure import profile_main
+    from ravq.cli.profile import profile_main
 
     topology = load_topology(args.topology)
     topology.node(args.name)
@@ -179,7 +183,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         return plan_simulate_main(args.topology, args.profiles, args.out, candidates=args.candidates,
                                   steps=args.sim_steps, host_cores=args.host_cores)
-    from ravq.profile.measure import plan_main
+    from ravq.cli.plan import plan_main
 
     return plan_main(args.topology, args.profiles, args.out)
 

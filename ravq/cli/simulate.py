@@ -48,7 +48,7 @@ def host_sharing(topology: Topology, plan: Plan, cores: float | None) -> tuple[d
 
 def _inputs(topology_path: str, profiles_dir: str) -> tuple[Topology, list[NodeProfile], list[BlockProfile]]:
     from ravq.profile.blocks import profile_blocks
-    from ravq.profile.measure import load_profiles  # reads profile JSON; imported here, not by the simulator
+    from ravq.profile.store import load_profiles  # reads profile JSON; imported here, not by the simulator
 
     topology = load_topology(topology_path)
     nodes = load_profiles(topology, profiles_dir)

@@ -7,14 +7,17 @@ imports torch.
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 import zmq.asyncio
 
 from ravq.config import ConfigError, Topology
 from ravq.metrics import Metrics
+from ravq.net.options import SocketOptions, endpoint
 from ravq.net.security import BROKER, key_paths, socket_options_for
-from ravq.net.transport import SocketOptions, endpoint, request
+from ravq.net.transport import request
 from ravq.net.wire import DecodeLimits, Message, MsgType
 
 
@@ -104,3 +107,11 @@ def waiting_text(stats: dict[str, Any]) -> str:
         return "-"
     shares = sorted(((s / wall, r) for r, s in waits.items() if s / wall >= 0.005), reverse=True)
     return " ".join(f"{r} {share:.2f}" for share, r in shares) or "-"
+
+
+def status_once(topology: Topology, key_dir: Path | None, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """The broker's status, or None when it did not answer in ``timeout_s`` (the demo polls it)."""
+    try:
+        return asyncio.run(fetch_status(topology, timeout_s, str(key_dir) if key_dir else None))
+    except (TimeoutError, OSError):
+        return None

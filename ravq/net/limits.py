@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ravq.net.transport import CONTROL_FRAME_BYTES
+from ravq.net.options import CONTROL_FRAME_BYTES
 
 MARGIN = 2
 """Factor over the largest legitimate frame (a task's shapes are fixed per micro-batch size)."""

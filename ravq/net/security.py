@@ -32,11 +32,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from ravq.net.connections import MAX_WARNED, ConnectionMonitor
 from ravq.metrics import Metrics
+from ravq.net.connections import MAX_WARNED, ConnectionMonitor
 
 if TYPE_CHECKING:
-    from ravq.net.transport import SocketOptions
+    from ravq.net.options import SocketOptions
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ class Curve(ConnectionMonitor):
 
 def socket_options_for(topo: Any, name: str, key_dir: str | Path | None, metrics: Metrics) -> SocketOptions:
     """Socket options of process ``name`` (a node or "broker"): CURVE when the topology asks for it."""
-    from ravq.net.transport import CONTROL_FRAME_BYTES, SocketOptions  # not at import: keygen needs no sockets
+    from ravq.net.options import CONTROL_FRAME_BYTES, SocketOptions  # not at import: keygen needs no sockets
 
     curve = Curve.from_topology(topo, name, key_dir, metrics) if topo.security.curve else None
     monitor = curve if curve is not None else ConnectionMonitor(metrics)

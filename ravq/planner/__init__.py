@@ -4,8 +4,8 @@ Pure planning on plain data: node and block profiles in, a ``Plan`` and an ``Exp
 sockets, no torch.  Read in this order:
 
 - ``types``: the profiles the planner takes and the reports it gives;
-- ``cost``: the cost model (DESIGN.md, "Planner and profiler") and the exact dynamic programme that cuts
-  one cluster's pipeline;
+- ``problem``: the profiles as arrays, and the exact dynamic programme that cuts one cluster's pipeline;
+- ``cost``: the cost model (DESIGN.md, "Planner and profiler"): what a layout of clusters achieves;
 - ``search``: the deterministic search over clusters and node orders behind ``make_plan``;
 - ``plans``: the entry points (``make_plan``, ``cut_plan``, ``evaluate_plan``, ``even_plan``);
 - ``baselines``: Ravnest's rule and the exhaustive optimum, to compare against;

@@ -9,7 +9,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ravq.config import Plan
-from ravq.planner.cost import INF, Layout, Problem, fixed_layout
+from ravq.planner.cost import Layout, fixed_layout
+from ravq.planner.problem import INF, Problem
 from ravq.planner.report import explain, memory_error
 from ravq.planner.types import GIB, BlockProfile, Explanation, NodeProfile, PlanError, Wire
 

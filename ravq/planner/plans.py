@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from ravq.config import ClusterPlan, Plan, Topology, TrainingConfig
-from ravq.planner.cost import Layout, Problem, coarsen, fixed_layout
+from ravq.planner.cost import Layout, coarsen, fixed_layout
+from ravq.planner.problem import Problem
 from ravq.planner.report import explain, memory_error
 from ravq.planner.search import Search, explore
 from ravq.planner.types import GIB, BlockProfile, Explanation, NodeProfile, PlanError, Wire, size_text

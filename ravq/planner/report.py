@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ravq.config import ClusterPlan, Plan
-from ravq.planner.cost import Layout, Problem, averaging_round_s, cluster_rate
+from ravq.planner.cost import Layout, averaging_round_s, cluster_rate
+from ravq.planner.problem import Problem
 from ravq.planner.types import GIB, ClusterReport, Explanation, PlanError, StageReport, size_text
 
 

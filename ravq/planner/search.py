@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ravq.planner.cost import INF, Layout, Problem, averaging_round_s, score
+from ravq.planner.cost import Layout, averaging_round_s, score
+from ravq.planner.problem import INF, Problem
 
 Clusters = list[tuple[int, ...]]
 

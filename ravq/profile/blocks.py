@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ravq.stage.split import StageSpec, candidate_cuts, model_output, split_model
 from ravq.planner import BlockProfile
+from ravq.stage.split import StageSpec, candidate_cuts, model_output, split_model
 
 
 @dataclass(kw_only=True, slots=True)

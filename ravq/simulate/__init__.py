@@ -2,9 +2,10 @@
 
 Pure Python on plain data (no sockets, no torch): ``world`` holds the inputs (stages, network, hosts,
 settings) and builds them from planner profiles and a plan; ``engine`` is the event queue and the
-shared uplinks/cores; ``training`` is ravq's schedule (pipelines, credits, updates, averaging, rings,
-churn); ``report`` collects the results; ``cli`` is the command; ``worldwide`` makes large worlds from a
-published inter-region link table for projections.
+shared uplinks/cores; ``state`` is what each node knows; ``training`` is ravq's schedule (pipelines,
+credits, updates, averaging, churn) and ``rings`` its averaging rings; ``report`` collects the results;
+``worldwide`` makes large worlds from a published inter-region link table for projections (the command
+is ``ravq.cli.simulate``).
 """
 
 from ravq.simulate.report import ClusterResult, NodeResult, SimResult, collect, simulate

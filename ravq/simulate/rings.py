@@ -1,31 +1,39 @@
-"""Averaging rounds as the simulator runs them: a node's round, and one segment's ring in one round.
+"""Averaging rounds as the simulator runs them: one segment's ring in one round.
 
 A ring (the holders of a run of blocks, one per cluster) does reduce-scatter then all-gather, 2(C-1)
 steps; at step t a member sends chunk (rank - t) mod C to its successor in pieces of ``piece_bytes``,
-piece j of step t leaving once piece j of step t-1 has arrived (``allreduce._RingRun``).  A member
-starts when its node starts that round; a ring with no progress for ``ring_timeout_s`` aborts.
+piece j of step t leaving once piece j of step t-1 has arrived (``ravq.average.ring._RingRun``).  A
+member starts when its node starts that round; a ring with no progress for ``ring_timeout_s`` aborts.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from ravq.simulate.world import SegmentSpec
+from ravq.simulate.engine import EventQueue
+from ravq.simulate.state import Node, NodeRound
+from ravq.simulate.world import SegmentSpec, Settings, World
 
-if TYPE_CHECKING:
-    from ravq.simulate.training import Node, Simulation
 
+class RingHost(Protocol):
+    """What a ring needs of the simulation that runs it (``training.Simulation``)."""
 
-@dataclass(eq=False, slots=True)
-class NodeRound:
-    round_id: int
-    version: int
-    done: bool = False
-    started_at: float = 0.0
-    rings_left: int = 0
-    aborted: bool = False
+    q: EventQueue
+    settings: Settings
+    world: World
+    up: list[bool]
+    """Per cluster: whether it is running (not failed)."""
+
+    def ring_send(self, src: Node, dst: Node, nbytes: float, arrive: Callable[..., None], *args: Any) -> None:
+        """Send ``nbytes`` on the ring stream src -> dst; ``arrive(*args)`` once they are there."""
+
+    def member_done(self, node: Node, nr: NodeRound, aborted: bool) -> None:
+        """``node`` is through with this ring in its round ``nr``."""
+
+    def ring_closed(self, ring: Ring) -> None:
+        """Every member of ``ring`` is through with it."""
 
 
 class Ring:
@@ -34,7 +42,7 @@ class Ring:
     2(C-1)/C share of the segment as one message over its ring stream, and the round ends when the
     last of them has arrived, or no sooner than 2(C-1) piece-and-latency hops after the start."""
 
-    def __init__(self, sim: Simulation, seg: SegmentSpec, round_id: int, members: list[Node]) -> None:
+    def __init__(self, sim: RingHost, seg: SegmentSpec, round_id: int, members: list[Node]) -> None:
         self.sim, self.seg, self.round_id, self.members = sim, seg, round_id, members
         self.size = len(members)
         c = self.size

@@ -61,7 +61,8 @@ class Settings:
     piece_bytes: int = 4 << 20
     """ring_chunk_bytes: the piece size rings stream in."""
     pending_rounds: int = 2
-    """Rounds a node queues behind the running one before its compute thread waits (averaging.PENDING_ROUNDS)."""
+    """Rounds a node queues behind the running one before its compute thread waits
+    (``ravq.average.round_queue.PENDING_ROUNDS``)."""
     ring_timeout_s: float = 30.0
     """timeouts.ring_step_s: a ring with a dead member aborts after this long."""
     churn_per_hour: float = 0.0
@@ -240,8 +241,9 @@ def _grad_bytes(block: BlockProfile) -> int:
 def ring_segments(clusters: Sequence[Sequence[StageSpec]], blocks: Sequence[BlockProfile],
                   state_factor: float = 1.0) -> list[SegmentSpec]:
     """Runs of blocks with the same holder in every cluster (the union of all clusters' cuts), as
-    ``allreduce.plan_segments`` groups named tensors; one ring each (none with one cluster).  A segment's
-    bytes are its parameter bytes x ``state_factor`` (averaged bytes, on the wire, per parameter byte)."""
+    ``ravq.average.segments.plan_segments`` groups named tensors; one ring each (none with one
+    cluster).  A segment's bytes are its parameter bytes x ``state_factor`` (averaged bytes, on the
+    wire, per parameter byte)."""
     if len(clusters) < 2:
         return []
     holder = [[""] * len(blocks) for _ in clusters]

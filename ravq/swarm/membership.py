@@ -13,16 +13,20 @@ a slow or restarting broker never stalls training.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq.asyncio
 
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
-from ravq.net.transport import Outlink, SocketOptions, Subscriber, endpoint
+from ravq.net.options import SocketOptions, endpoint
+from ravq.net.pubsub import Subscriber
+from ravq.net.transport import Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
 
 log = logging.getLogger(__name__)
@@ -34,8 +38,10 @@ class BrokerUnavailable(RuntimeError):
 
 class Membership:
     def __init__(self, ctx: zmq.asyncio.Context, topology: Topology, name: str, metrics: Metrics,
-                 limits: DecodeLimits, opts: SocketOptions) -> None:
+                 limits: DecodeLimits, opts: SocketOptions, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.topology, self.name, self.metrics = topology, name, metrics
+        self.clock = clock
+        """What silences are read on (seconds; tests pass a virtual one)."""
         b = topology.broker
         self.sub = Subscriber.connect(ctx, endpoint(b.host, b.pub_port), metrics, limits, opts)
         self.link = Outlink.connect(ctx, endpoint(b.host, b.router_port), "broker", "broker", metrics, limits,
@@ -48,7 +54,7 @@ class Membership:
         self.members: dict[str, str] = {}
         self.phases: dict[str, str] = {}
         self._silent: dict[str, Any] = {}
-        self._silent_at = time.monotonic()
+        self._silent_at = clock()
         self.clusters: list[dict[str, Any]] = []
         """Per cluster: state (starting, training, paused, recovering, done), generation, trained, catchup."""
         self.changed = asyncio.Event()
@@ -72,7 +78,7 @@ class Membership:
         self.run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
         silent = state.get("silent_s")
         self._silent = dict(silent) if isinstance(silent, dict) else {}
-        self._silent_at = time.monotonic()
+        self._silent_at = self.clock()
         self.phases = dict(state.get("phases", {}))
         clusters = state.get("clusters")
         self.clusters = list(clusters) if isinstance(clusters, list) else []
@@ -90,13 +96,13 @@ class Membership:
             self.metrics.bad_messages.labels("broker", "bad_state").inc()
             return
         self._silent = dict(silent)
-        self._silent_at = time.monotonic()
+        self._silent_at = self.clock()
 
     def silent_s(self, node: str) -> float:
         """Seconds since ``node``'s last heartbeat reached the broker, as of the broker's latest state
         (counted on from then: with the broker away, everyone looks silent)."""
         seen = self._silent.get(node)
-        return (float(seen) if isinstance(seen, (int, float)) else 0.0) + time.monotonic() - self._silent_at
+        return (float(seen) if isinstance(seen, (int, float)) else 0.0) + self.clock() - self._silent_at
 
     def cluster_state(self, cluster: int) -> dict[str, Any]:
         """The broker's view of one cluster (``starting`` until the broker said otherwise)."""
@@ -180,3 +186,25 @@ class Membership:
     def close(self) -> None:
         self.sub.close()
         self.link.close()
+
+
+async def beat_on_cadence(beat: Callable[[], Awaitable[None]], interval_s: float, beat_now: asyncio.Event) -> None:
+    """Call ``beat`` every ``interval_s`` on a fixed cadence, and once at once whenever ``beat_now`` is set
+    (that extra beat does not move the cadence).  Sleeping a whole interval after each beat stretched the
+    period by the beat's own time, which on a PC of a seventh of a core (statistics, encoding, CURVE, an
+    event loop sharing the CPU with the compute thread) made the node read as silent to its ring peers
+    (``Averager.hold_s``)."""
+    loop = asyncio.get_running_loop()
+    due, early = loop.time(), False
+    while True:
+        await beat()
+        beat_now.clear()
+        if not early:  # the regular beat: the next one is due an interval after it was
+            due = max(due + interval_s, loop.time())
+        early = False
+        # (not asyncio.wait_for: on 3.11 it can swallow a cancellation that meets the event being set,
+        # and the TaskGroup would then wait for this task forever)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(due):
+                await beat_now.wait()
+                early = True

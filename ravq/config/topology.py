@@ -1,39 +1,19 @@
-"""Topology schema: the YAML a user writes, validated into typed objects with one-line errors.
+"""Topology schema: the YAML a user writes (training settings, timeouts, limits, security, the broker
+and the nodes), validated into typed objects.
 
-The YAML file is a thin loader into these models; there is no second schema.  Every model forbids
-unknown fields so a typo (``micro_bach``) is an error instead of a silently ignored setting.
+The YAML file is a thin loader into these models (``ravq.config.loading``); there is no second schema.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import re
-from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from ravq.config.base import ConfigError, UserModel
 
 Port = int
-
-
-class ConfigError(ValueError):
-    """A topology the user got wrong; ``str()`` is one line naming the field and the problem."""
-
-    def __init__(self, message: str) -> None:
-        # One line, whatever a library's message looked like: CLIs print it as-is on stderr.
-        super().__init__(" ".join(str(message).split()))
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class _UserConfig(_Strict):
-    # What a user types gets strict types: `steps: true` or `pipeline_port: "5555"` is a mistake,
-    # not something to coerce to 1 or 5555.  (ints are still accepted where floats are expected.)
-    model_config = ConfigDict(strict=True)
 
 
 def _check_port(value: int) -> int:
@@ -46,7 +26,7 @@ PREDICT_WEIGHTS = 2.0
 """Default horizon factor of weight prediction (measured on the demo task: bench_convergence.py)."""
 
 
-class CompressConfig(_UserConfig):
+class CompressConfig(UserModel):
     """Defaults from the measurements in the README (benchmarks/bench_allreduce.py --link-mbit 200,
     bench_pipeline_link.py, bench_convergence.py --compare-compress): on home links the bytes decide, int8
     moves a quarter of them, and training needed no more samples for it."""
@@ -62,7 +42,7 @@ class CompressConfig(_UserConfig):
     """Values per int8 scale (64-256): smaller blocks are more precise and add more scale bytes."""
 
 
-class TrainingConfig(_UserConfig):
+class TrainingConfig(UserModel):
     micro_batch: int = Field(16, ge=1)
     """Samples per micro-batch."""
     steps: int = Field(200, ge=1)
@@ -106,7 +86,7 @@ class TrainingConfig(_UserConfig):
     """Compression of pipeline and ring traffic (fewer bytes on slow links)."""
 
 
-class TimeoutConfig(_UserConfig):
+class TimeoutConfig(UserModel):
     connect_s: float = Field(120.0, gt=0)
     """How long a node waits for the broker's plan and its cluster's peers at start."""
     request_s: float = Field(5.0, gt=0)
@@ -134,7 +114,7 @@ class TimeoutConfig(_UserConfig):
         return self
 
 
-class LimitConfig(_UserConfig):
+class LimitConfig(UserModel):
     max_message_bytes: int | None = Field(None, ge=1024)
     """ZMQ_MAXMSGSIZE: the largest single frame a socket accepts (ZeroMQ drops a connection that announces
     a larger one before allocating it).  Default: derived from the model, twice the largest tensor frame
@@ -146,7 +126,7 @@ class LimitConfig(_UserConfig):
     """Most frames accepted in one message."""
 
 
-class BrokerConfig(_UserConfig):
+class BrokerConfig(UserModel):
     host: str = Field("127.0.0.1", min_length=1)
     """Address the nodes connect to (and the broker binds, unless bind_host says otherwise)."""
     bind_host: str | None = Field(None, min_length=1)
@@ -166,7 +146,7 @@ class BrokerConfig(_UserConfig):
     _key = field_validator("public_key")(lambda v: _check_key(v))
 
 
-class NodeConfig(_UserConfig):
+class NodeConfig(UserModel):
     name: str
     """Unique node name: 1-64 letters, digits, '_', '.' or '-' (it names files and systemd units)."""
     host: str = Field("127.0.0.1", min_length=1)
@@ -227,14 +207,14 @@ def _is_z85_key(v: str) -> bool:
     return len(v) == 40 and re.fullmatch(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}", v) is not None
 
 
-class SecurityConfig(_UserConfig):
+class SecurityConfig(UserModel):
     curve: bool = False
     """Encrypt and authenticate every socket with CURVE; requires public_key on broker and nodes."""
     key_dir: str | None = None
     """Directory holding NAME.key_secret files (from `ravq keygen`)."""
 
 
-class Topology(_UserConfig):
+class Topology(UserModel):
     task: str
     """Importable module (or module:attribute) offering the task interface."""
     seed: int = 0
@@ -301,182 +281,3 @@ def _claim(seen: dict[tuple[str, int], str], endpoint: tuple[str, int], field: s
     if endpoint in seen:
         raise ValueError(f"{field}: port {endpoint[1]} on {endpoint[0]} is already used by {seen[endpoint]}")
     seen[endpoint] = field
-
-
-def _format_error(err: ValidationError, root: type[BaseModel]) -> str:
-    errors = err.errors()
-    # A misspelt field is also reported missing under its real name: name the misspelling first.
-    first = min(errors, key=lambda e: e["type"] != "extra_forbidden")
-    loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in first["loc"]).replace(".[", "[")
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown field" + _did_you_mean(root, first["loc"])
-    elif first["type"] == "missing":
-        msg = "required field is missing"
-    elif "input" in first and first["type"] not in ("value_error",):
-        msg = f"{msg} (got {_short_repr(first['input'])})"
-    if len(errors) > 1:
-        msg += f" (and {len(errors) - 1} more problem(s))"
-    return f"{loc}: {msg}" if loc else msg
-
-
-def _did_you_mean(root: type[BaseModel], loc: tuple[int | str, ...]) -> str:
-    model: type[BaseModel] | None = root
-    for part in loc[:-1]:
-        if isinstance(part, int) or model is None:
-            continue  # a list index: the list's item model was taken at the field before it
-        field = model.model_fields.get(part)
-        candidates = (field.annotation, *get_args(field.annotation)) if field is not None else ()
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1) if model else []
-    return f" (did you mean {close[0]!r}?)" if close else " (typo?)"
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def parse_topology(data: Any, source: str = "topology", resolve_task: bool = True) -> Topology:
-    """Validate already-parsed YAML/JSON data; raise ConfigError with one line on failure.
-
-    ``resolve_task=False`` skips importing the task (and with it torch): for commands that only talk
-    to the broker (``ravq status``)."""
-    if data is None:
-        raise ConfigError(f"{source}: empty document; expected a mapping with task, broker and nodes")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping (task, broker, nodes, ...) at top level, "
-                          f"got {type(data).__name__}")
-    try:
-        topo = Topology.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(f"{source}: {_format_error(err, Topology)}") from None
-    if not resolve_task:
-        return topo
-    try:
-        resolve_task_module(topo.task)
-    except ConfigError as err:
-        raise ConfigError(f"{source}: task: {err}") from None
-    return topo
-
-
-def load_topology(path: str | Path, resolve_task: bool = True) -> Topology:
-    """Read and validate a topology YAML file."""
-    path = Path(path)
-    return parse_topology(_read_yaml(path), str(path), resolve_task)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping; plain YAML silently keeps the last."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` may be overridden
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, str | int | float | bool):
-                continue  # unhashable keys are left to SafeLoader's own error
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_yaml(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a file") from None
-    except UnicodeDecodeError as err:
-        line = err.object[: err.start].count(b"\n") + 1
-        byte = err.object[err.start]
-        raise ConfigError(f"{path}: not UTF-8 text: byte {byte:#04x} at line {line}") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: {_yaml_problem(err)}") from None
-
-
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    mark = getattr(err, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    problem = getattr(err, "problem", None) or str(err)
-    context = getattr(err, "context", None)
-    if context and problem.startswith("but "):  # "expected a single document ..., but found another"
-        problem = f"{context}, {problem}"
-    return f"not valid YAML{where}: {problem}"
-
-
-def resolve_task_module(spec: str) -> Any:
-    """Import ``module`` or ``module:attr`` and check it offers the task interface."""
-    module_name, colon, attr = spec.partition(":")
-    if not module_name or module_name.startswith(".") or (colon and not attr):
-        raise ConfigError(f"{spec!r} is not an absolute module name or module:attribute")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"cannot import task module {module_name!r}: {err}") from None
-    except Exception as err:  # noqa: BLE001 - user code: any failure at import is the user's to fix
-        raise ConfigError(f"task module {module_name!r} failed to import: "
-                          f"{type(err).__name__}: {err}") from None
-    if attr:
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            raise ConfigError(f"task module {module_name!r} has no attribute {attr!r}") from None
-    missing = [f for f in TASK_FUNCTIONS if not callable(getattr(obj, f, None))]
-    if missing:
-        raise ConfigError(f"task {spec!r} lacks {', '.join(missing)}")
-    return obj
-
-
-TASK_FUNCTIONS = ("build_model", "example_inputs", "loss_fn", "train_batches", "make_optimizer")
-
-DeviceKind = Literal["cpu", "cuda", "mps"]
-
-
-class ClusterPlan(_Strict):
-    nodes: list[str] = Field(min_length=1)
-    """Node names in pipeline order: nodes[0] is stage 0 and reads data."""
-    cuts: list[str] = []
-    """Module names (in the unsplit model) where stages 1..n-1 begin; len(cuts) == len(nodes) - 1."""
-
-    @model_validator(mode="after")
-    def _shape(self) -> ClusterPlan:
-        if len(self.cuts) != len(self.nodes) - 1:
-            raise ValueError(f"cuts: {len(self.nodes)} stages need {len(self.nodes) - 1} cuts, got {len(self.cuts)}")
-        return self
-
-
-class Plan(_Strict):
-    epoch: int = Field(0, ge=0)
-    """Increases with every change the broker publishes."""
-    clusters: list[ClusterPlan] = Field(min_length=1)
-    excluded: list[int] = []
-    """Clusters currently dropped from the all-reduce rings (dead member)."""
-    predicted_samples_per_s: float | None = None
-    """The planner's prediction, when the plan came from the planner."""
-
-    def locate(self, name: str) -> tuple[int, int]:
-        """(cluster, stage) of a node."""
-        for c, cluster in enumerate(self.clusters):
-            if name in cluster.nodes:
-                return c, cluster.nodes.index(name)
-        raise KeyError(name)
-
-
-def load_plan(path: str | Path) -> Plan:
-    path = Path(path)
-    data = _read_yaml(path)
-    if isinstance(data, dict) and "plan" in data:
-        data = data["plan"]
-    try:
-        return Plan.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(f"{path}: {_format_error(err, Plan)}") from None

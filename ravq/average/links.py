@@ -1,0 +1,97 @@
+"""A node's ring sockets: sending ring pieces and aborts to its peers, and reading what they send.
+
+``RingLinks`` is the ``ravq.average.ring.RingLink`` the rings send through, one DEALER per ring peer;
+``RingPort`` owns those DEALERs and the ROUTER peers send to, and its one reader hands pieces and aborts
+to the ``Mailbox`` and catch-up requests to the averager.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+
+import torch
+
+from ravq.average.mailbox import Mailbox, received_piece
+from ravq.average.rounds import ROUNDS_PER_EPOCH
+from ravq.config import Topology
+from ravq.metrics import Metrics
+from ravq.net.compress import Packed
+from ravq.net.options import SocketOptions, endpoint
+from ravq.net.transport import Context, Inbox, Outlink
+from ravq.net.wire import DecodeLimits, Message, MsgType
+
+
+class RingLinks:
+    """``ravq.average.ring.RingLink`` over one DEALER per ring peer."""
+
+    def __init__(self, me: str, outlinks: dict[str, Outlink], fault: str | None = None) -> None:
+        self.me, self.outlinks = me, outlinks
+        self._kill_round = int(fault.split(":")[1]) if fault and fault.startswith("kill_in_round:") else None
+
+    async def send(self, peer: str, meta: dict[str, int], tensor: torch.Tensor | Packed) -> None:
+        await self.outlinks[peer].send(ring_chunk(self.me, meta, tensor))
+        if self._kill_round is not None and meta["round"] % ROUNDS_PER_EPOCH >= self._kill_round:
+            # Fault injection for tests (RAVQ_FAULT=kill_in_round:N): die mid-round, as a crash would.
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
+        await self.outlinks[peer].send(Message(type=MsgType.RING_ABORT, sender=self.me,
+                                               meta={"ring": ring_id, "round": round_id, "reason": reason}))
+
+
+def ring_chunk(sender: str, meta: dict[str, int], piece: torch.Tensor | Packed) -> Message:
+    """The RING_CHUNK message of one piece (a plain tensor or a packed one)."""
+    if isinstance(piece, Packed):
+        return Message(type=MsgType.RING_CHUNK, sender=sender, meta=meta, packed={"piece": piece})
+    return Message(type=MsgType.RING_CHUNK, sender=sender, meta=meta, tensors={"piece": piece})
+
+
+class RingPort:
+    """This node's ring sockets: the ROUTER its ring peers send to, and a DEALER to each of them."""
+
+    def __init__(self, ctx: Context, topology: Topology, me: str, peers: Iterable[str], metrics: Metrics,
+                 limits: DecodeLimits, sock_opts: SocketOptions) -> None:
+        self.ctx, self.topology, self.me, self.metrics = ctx, topology, me, metrics
+        self.limits, self.sock_opts = limits, sock_opts
+        bind = topology.node(me).bind_host or topology.node(me).host
+        self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts)
+        self.outlinks = {p: self._connect(p) for p in peers}
+        self.link = RingLinks(me, self.outlinks, os.environ.get("RAVQ_FAULT"))
+
+    def _connect(self, peer: str) -> Outlink:
+        node = self.topology.node(peer)
+        return Outlink.connect(self.ctx, endpoint(node.host, node.ring_port), "ring", peer, self.metrics,
+                               self.limits, self.sock_opts, identity=self.me)
+
+    async def serve(self, mailbox: Mailbox,
+                    answer_catchup: Callable[[bytes, Message], Awaitable[None]]) -> None:
+        """The ring socket's one reader: pieces and aborts go to ``mailbox``, catch-up requests to
+        ``answer_catchup``; anything else is counted as a bad message."""
+        while True:
+            identity, msg = await self.inbox.recv()
+            piece = received_piece(msg.meta, msg.tensors, msg.packed)
+            if msg.type == MsgType.RING_CHUNK and piece is not None:
+                mailbox.deliver(msg.sender, msg.meta, piece)
+            elif msg.type == MsgType.RING_ABORT:
+                mailbox.deliver_abort(msg.sender, msg.meta["ring"], msg.meta["round"],
+                                      str(msg.meta.get("reason", ""))[:64])
+            elif msg.type == MsgType.CATCHUP_REQ:
+                await answer_catchup(identity, msg)
+            else:
+                self.metrics.bad_messages.labels("ring", "unexpected_message").inc()
+
+    def rename(self, renamed: Mapping[str, str], is_peer: Callable[[str], bool]) -> None:
+        """Nodes that took over other nodes' stages (standbys): close the links to the old ones and
+        connect to each new one that ``is_peer`` (holds tensors this node averages)."""
+        for old, new in renamed.items():
+            if old in self.outlinks:
+                self.outlinks.pop(old).close()
+            if new != self.me and new not in self.outlinks and is_peer(new):
+                self.outlinks[new] = self._connect(new)
+
+    def close(self) -> None:
+        for link in self.outlinks.values():
+            link.close()
+        self.inbox.close()

@@ -1,0 +1,54 @@
+"""Who holds what: the tensors a node averages and, for every cluster, the node holding each of them.
+
+Every node computes these from the task and the plan alone, so all agree on them without talking:
+the names (weights, floating-point buffers and, optionally, per-element optimizer state) in model
+order, and each cluster's holder of each name, from splitting a fresh model at that cluster's cuts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ravq.average.segments import averaged_names, with_optimizer_state
+from ravq.config import Plan
+from ravq.stage.split import split_model
+
+
+def stage_owners(build: Callable[[], torch.nn.Module], example: tuple[Any, ...], plan: Plan,
+                 known: dict[tuple[str, ...], list[list[str]]] | None = None) -> list[dict[str, str]]:
+    """For each cluster: tensor name -> node holding it (one split of a fresh model per distinct set of
+    cuts: tracing consumes the model it splits)."""
+    cache: dict[tuple[str, ...], list[list[str]]] = dict(known or {})
+    owners = []
+    for cluster in plan.clusters:
+        key = tuple(cluster.cuts)
+        if key not in cache:
+            specs = split_model(build(), example, list(key))
+            cache[key] = [list(s.module.state_dict().keys()) for s in specs]
+        owners.append({name: node for node, names in zip(cluster.nodes, cache[key]) for name in names})
+    return owners
+
+
+def optimizer_state_keys(task: Any) -> list[str]:
+    """The per-element state keys of the task's optimizer (e.g. exp_avg), from one step on a probe."""
+    probe = torch.nn.Parameter(torch.zeros(2))
+    opt = task.make_optimizer([probe])
+    probe.grad = torch.ones(2)
+    opt.step()
+    return sorted(k for k, v in opt.state[probe].items()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == probe.shape)
+
+
+def averaged_tensors(model: torch.nn.Module, task: Any, with_state: bool) -> tuple[list[str], list[int]]:
+    """The names this swarm averages, in model order, and their element counts: weights and floating-point
+    buffers and, ``with_state``, each trainable parameter's per-element optimizer state right after it."""
+    names = averaged_names(model)
+    state = model.state_dict()
+    numels = [state[n].numel() for n in names]
+    if with_state:
+        stateful = [n for n, p in model.named_parameters() if p.requires_grad]
+        names, numels = with_optimizer_state(names, numels, stateful, optimizer_state_keys(task))
+    return names, numels

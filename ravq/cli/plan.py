@@ -1,0 +1,49 @@
+"""``ravq plan``: plan from the nodes' profiles; print the explanation and write the plan YAML."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import yaml
+
+from ravq.config import ConfigError, load_topology, resolve_task_module
+from ravq.planner import PlanError, cut_plan, make_plan, topology_clusters, training_settings
+from ravq.profile.store import load_profiles
+
+log = logging.getLogger(__name__)
+
+
+def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
+    """`ravq plan`: plan from the profiles; print the explanation and write the plan YAML.  Returns 0, or 1
+    when no plan fits, 2 on a configuration error.  With clusters fixed in the topology only the cuts
+    are planned."""
+    from ravq.profile.blocks import profile_blocks  # torch tracing: only needed here
+
+    try:
+        topology = load_topology(topology_path)
+        nodes = load_profiles(topology, profiles_dir)
+        task = resolve_task_module(topology.task)
+    except ConfigError as err:
+        print(f"error: {err}")
+        return 2
+    training = topology.training
+    blocks = profile_blocks(task, training.micro_batch, max_inflight=training.max_inflight or 1)
+    settings = training_settings(training)
+    try:
+        if all(n.cluster is not None for n in topology.nodes):
+            plan, explanation = cut_plan(topology_clusters(topology), nodes, blocks, **settings)
+        else:
+            plan, explanation = make_plan(nodes, blocks, **settings)
+    except PlanError as err:
+        print(f"error: {err}")
+        return 1
+    print(explanation.format())
+    from ravq.checks import override_warnings
+
+    for warning in override_warnings(topology, plan, nodes):
+        log.warning("%s", warning)
+        print(f"warning: {warning}")
+    Path(out_path).write_text(yaml.safe_dump({"plan": plan.model_dump(mode="json")}, sort_keys=False))
+    print(f"wrote {out_path}")
+    return 0

@@ -1,0 +1,44 @@
+"""The configuration every layer may use: the topology a user writes, the plan, and their loaders.
+
+- ``base``: ``ConfigError`` and the strict model bases;
+- ``topology``: the topology schema (training settings, timeouts, limits, security, broker, nodes);
+- ``plan``: ``Plan`` and ``ClusterPlan``;
+- ``task``: resolving the task module a topology names;
+- ``loading``: reading YAML files into those models, with one-line errors.
+"""
+
+from ravq.config.base import ConfigError
+from ravq.config.loading import load_plan, load_topology, parse_topology
+from ravq.config.plan import ClusterPlan, Plan
+from ravq.config.task import TASK_FUNCTIONS, resolve_task_module
+from ravq.config.topology import (
+    PREDICT_WEIGHTS,
+    BrokerConfig,
+    CompressConfig,
+    LimitConfig,
+    NodeConfig,
+    SecurityConfig,
+    TimeoutConfig,
+    Topology,
+    TrainingConfig,
+)
+
+__all__ = [
+    "PREDICT_WEIGHTS",
+    "TASK_FUNCTIONS",
+    "BrokerConfig",
+    "ClusterPlan",
+    "CompressConfig",
+    "ConfigError",
+    "LimitConfig",
+    "NodeConfig",
+    "Plan",
+    "SecurityConfig",
+    "TimeoutConfig",
+    "Topology",
+    "TrainingConfig",
+    "load_plan",
+    "load_topology",
+    "parse_topology",
+    "resolve_task_module",
+]

@@ -1,0 +1,75 @@
+"""What the simulator knows of each node: its stage, its compute thread's queues and version, its
+averaging rounds, and the counters the report reads.
+
+Shared by the schedule (``training``) and the rings (``rings``), which both change it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ravq.simulate.world import StageSpec
+
+
+@dataclass(eq=False, slots=True)
+class NodeRound:
+    """One averaging round of one node: all its rings at once, from the snapshot at ``version``."""
+
+    round_id: int
+    version: int
+    done: bool = False
+    started_at: float = 0.0
+    rings_left: int = 0
+    aborted: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """One simulated node: its stage, compute thread, queues, version, rounds and counters."""
+
+    spec: StageSpec
+    cluster: int
+    stage: int
+    last: bool
+    epoch: int = 0
+    busy: bool = False
+    blocked: Any = None
+    """What the compute thread waits for: a NodeRound, "queue", or None."""
+    blocked_since: float = 0.0
+    fwd_queue: deque[int] = field(default_factory=deque)
+    bwd_queue: deque[int] = field(default_factory=deque)
+    stash: dict[int, int] = field(default_factory=dict)
+    """Micro-batch -> version its forward used (stage 0: its in-flight micro-batches)."""
+    started: int = 0
+    backwards: int = 0
+    """Backwards done (stage 0's: the cluster's trained micro-batches, lost ones excluded)."""
+    version: int = 0
+    accumulated: int = 0
+    pending_staleness: list[int] = field(default_factory=list)
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    updates: int = 0
+    forwards_total: int = 0
+    backwards_total: int = 0
+    busy_s: float = 0.0
+    first_work: float | None = None
+    end: float = 0.0
+    wait_s: float = 0.0
+    """Compute thread waiting for averaging (hold-back, full round queue, or the round itself)."""
+    pending: list[NodeRound] = field(default_factory=list)
+    snapshot_version: int = -1
+    queued: deque[NodeRound] = field(default_factory=deque)
+    running: NodeRound | None = None
+    rounds_done: int = 0
+    rounds_aborted: int = 0
+    round_s_sum: float = 0.0
+    pipe_bytes: float = 0.0
+    ring_bytes: float = 0.0
+    failures: int = 0
+    down_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.node

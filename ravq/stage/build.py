@@ -1,0 +1,92 @@
+"""Build one node's stage from the task and the plan, and save or resume it from its checkpoint.
+
+``build_stage`` traces the task's model, keeps this node's stage and wraps it in a ``StageWorker``
+with the topology's training settings; stage 0 also gets its cluster's shard of the data.
+``resume`` loads the newest checkpoint of the stage (``ravq.stage.checkpoint``), if any, with its
+optimizer state, version and data position; ``save`` writes one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ravq.config import TrainingConfig
+from ravq.metrics import Metrics
+from ravq.net.compress import Format
+from ravq.net.limits import largest_inbound_frame
+from ravq.stage import checkpoint
+from ravq.stage.pipeline import StageWorker
+from ravq.stage.split import build_task_model, split_model, stage_input_specs
+from ravq.stage.tensors import model_input_needs
+from ravq.stage.types import StageOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class BuiltStage:
+    worker: StageWorker
+    model: torch.nn.Module
+    """The whole model this stage was cut from (the averager reads its names and order)."""
+    stage_names: list[list[str]]
+    """Every stage's state_dict names, in stage order."""
+    largest_frame: int
+    """The largest tensor frame this stage can legitimately receive, in bytes."""
+
+
+def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[int], stage: int, cluster: int,
+                clusters: int, device: str, metrics: Metrics) -> BuiltStage:
+    model = build_task_model(task, seed)
+    example = task.example_inputs(training.micro_batch)
+    specs = split_model(model, example, cuts)
+    in_specs = stage_input_specs(specs, example)
+    options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
+                           update_every=training.update_every, micro_batch=training.micro_batch,
+                           predict_weights=training.predict_weights,
+                           compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block)
+    batches = iter(task.train_batches(training.micro_batch, cluster, clusters, seed)) if stage == 0 else None
+    _, target_example = next(iter(task.train_batches(training.micro_batch, 0, 1, seed)))
+    worker = StageWorker(specs[stage], len(specs), task.make_optimizer, task.loss_fn, options,
+                         device=device, batches=batches, cluster=cluster, metrics=metrics,
+                         model_input_needs=model_input_needs(specs), input_specs=in_specs[stage],
+                         target_example=target_example)
+    return BuiltStage(worker=worker, model=model, stage_names=[list(s.module.state_dict().keys()) for s in specs],
+                      largest_frame=largest_inbound_frame(specs, in_specs, stage, target_example))
+
+
+def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_every: int, name: str) -> str | None:
+    """Load the stage's newest checkpoint into ``worker``; the run id it belongs to, or None if none."""
+    try:
+        ckpt = checkpoint.load_stage(root, cluster, stage)
+    except (FileNotFoundError, ValueError) as err:
+        log.info("%s: no checkpoint to resume from (%s); starting from the seed", name, err)
+        return None
+    worker.module.load_state_dict(ckpt.model)
+    checkpoint.restore_optimizer(worker.optimizer, list(worker.params), ckpt.optimizer["tensors"],
+                                 ckpt.optimizer["rest"])
+    worker.version = ckpt.meta["version"]
+    # count the micro-batches already trained towards training.steps
+    done = ckpt.meta.get("trained", worker.version * update_every)
+    worker.stats.forwards = worker.stats.backwards = worker.trained = done
+    if worker.batches is not None:
+        for _ in range(ckpt.meta["data_position"]):
+            next(worker.batches)
+        worker.data_position = ckpt.meta["data_position"]
+    run_id = ckpt.meta.get("run_id")
+    log.info("%s: resumed at version %d (run %s)", name, worker.version, run_id)
+    return run_id if isinstance(run_id, str) else None
+
+
+def save(worker: StageWorker, root: str, *, cluster: int, stage: int, node: str, run_id: str | None,
+         cluster_nodes: list[str]) -> None:
+    """Write this stage's checkpoint (in the compute thread, or after it ended)."""
+    first = worker.is_first
+    checkpoint.save_stage(root, cluster=cluster, stage=stage, num_stages=worker.num_stages, node=node,
+                          module=worker.module, optimizer=worker.optimizer, version=worker.version,
+                          data_position=worker.trained_prefix if first else 0, run_id=run_id,
+                          cluster_nodes=cluster_nodes,
+                          extra={"trained": worker.trained_prefix if first else worker.trained})

@@ -1,0 +1,163 @@
+"""What a stage's compute thread works on next, and the queues the event loop fills for it.
+
+``Scheduler`` holds, behind one condition variable, the parts of micro-batches that arrived (a
+micro-batch is ready once every stage that sends it a part has), control work submitted from other
+threads (an averaging round's result, a pause's reset), and the stage's pause and stop flags.
+``next`` picks the work in the pipeline's order: control work first, then a ready backward, then a
+ready forward, then (stage 0, holding a credit) a new micro-batch; so a finished micro-batch never
+waits behind a new one and its stashed weights are freed as soon as possible.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from ravq.net.compress import Packed
+from ravq.stage.tensors import Expected, Parts, check_tensors
+from ravq.stage.types import MicroBatch
+
+WAIT_S = 0.5
+"""Longest single wait for work: flags set without a notify (``should_abort``) are seen this soon."""
+
+
+class Schedulable(Protocol):
+    """What the scheduler asks of the stage it schedules (``ravq.stage.pipeline.StageWorker``)."""
+
+    def may_start(self) -> bool:
+        """Stage 0 holds a credit and has data left: it may start a micro-batch now."""
+
+    def finished(self) -> bool:
+        """Nothing is left to do: ``steps`` micro-batches trained, or stopped with none in flight."""
+
+    def idle_reason(self) -> str | None:
+        """What waiting now waits for ("credits", "input"); None when it is not counted."""
+
+    def waited_idle(self, reason: str, seconds: float) -> None:
+        """Count ``seconds`` waited between operations for ``reason``."""
+
+
+Work = tuple[str, Any]
+"""("control", fn), ("bwd", (micro_batch, parts)), ("fwd", (micro_batch, parts)) or ("start", None)."""
+
+
+class Scheduler:
+    """Arrived parts, control work and the pause and stop flags; ``put`` and ``pop_ready`` run with
+    ``cond`` held (the caller looks at its stash under it), every other method takes it itself."""
+
+    def __init__(self, forward_sources: list[int], backward_sources: list[int], limit: int) -> None:
+        self.cond = threading.Condition()
+        self.sources = {"fwd": forward_sources, "bwd": backward_sources}
+        self.parts: dict[str, OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor | Packed]]]] = {
+            "fwd": OrderedDict(), "bwd": OrderedDict()}
+        self.limit = limit
+        """Micro-batches with parts waiting, per direction, beyond which arrivals are refused."""
+        self.control: list[Callable[[Any], None]] = []
+        self.paused = False
+        self.stopping = False
+        self.running = False
+        """True while the compute thread runs the stage: control work submitted now runs there."""
+
+    def put(self, kind: str, micro_batch: MicroBatch, source: int, tensors: dict[str, torch.Tensor | Packed],
+            expected: Expected | None) -> str | None:
+        """Queue ``source``'s part of ``micro_batch`` for ``kind`` ("fwd"/"bwd"), checked against
+        ``expected`` (None: the stage expects no such micro-batch; a forward's tensors must be exactly
+        those).  None if queued, else why it was refused."""
+        parts = self.parts[kind]
+        if source not in self.sources[kind]:
+            return "unexpected_source"
+        if source in parts.get(micro_batch, {}):
+            return "duplicate"
+        if expected is None:
+            return "unexpected_micro_batch"
+        reason = check_tensors(tensors, expected, exact=kind == "fwd")
+        if reason is not None:
+            return reason
+        if len(parts) >= self.limit:
+            return "queue_full"
+        parts.setdefault(micro_batch, {})[source] = tensors
+        self.cond.notify()
+        return None
+
+    def pop_ready(self, kind: str) -> tuple[MicroBatch, Parts] | None:
+        """The oldest micro-batch of ``kind`` with every part in, taken off the queue."""
+        want = len(self.sources[kind])
+        for mb, got in self.parts[kind].items():
+            if len(got) == want:
+                return mb, self.parts[kind].pop(mb)
+        return None
+
+    def next(self, stage: Schedulable, should_abort: Callable[[], bool]) -> Work | None:
+        """Wait for the next work; None when there is none left (finished, stopped, or giving up)."""
+        with self.cond:
+            while True:
+                if self.control:
+                    return "control", self.control.pop(0)
+                if should_abort():
+                    return None
+                if self.paused:
+                    if self.stopping:
+                        return None
+                    self.cond.wait(timeout=WAIT_S)
+                    continue
+                for kind in ("bwd", "fwd"):
+                    ready = self.pop_ready(kind)
+                    if ready is not None:
+                        return kind, ready
+                if stage.may_start():
+                    return "start", None
+                if stage.finished():
+                    return None
+                self._idle(stage)
+
+    def _idle(self, stage: Schedulable) -> None:
+        reason = None if self.stopping else stage.idle_reason()
+        t0 = time.monotonic()
+        self.cond.wait(timeout=WAIT_S)
+        if reason is not None:
+            stage.waited_idle(reason, time.monotonic() - t0)
+
+    def submit(self, fn: Callable[[Any], None]) -> None:
+        with self.cond:
+            self.control.append(fn)
+            self.cond.notify()
+
+    def call(self, fn: Callable[[Any], None]) -> bool:
+        """``submit`` if the compute thread runs the stage (True); False if not."""
+        with self.cond:
+            if not self.running:
+                return False
+            self.submit(fn)
+            return True
+
+    def take_control(self) -> list[Callable[[Any], None]]:
+        """All control work submitted so far, taken off the queue."""
+        with self.cond:
+            pending, self.control = self.control, []
+        return pending
+
+    def pause(self, paused: bool = True) -> None:
+        """Start no new work but control work until ``pause(False)``."""
+        with self.cond:
+            self.paused = paused
+            self.cond.notify()
+
+    def stop(self) -> None:
+        """Start no new micro-batch; ``next`` returns None once the stage finished what is in flight."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
+    def clear_parts(self) -> None:
+        with self.cond:
+            for parts in self.parts.values():
+                parts.clear()
+
+    def depths(self) -> dict[str, int]:
+        with self.cond:
+            return {"forward": len(self.parts["fwd"]), "backward": len(self.parts["bwd"])}

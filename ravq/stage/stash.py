@@ -1,0 +1,145 @@
+"""Weight stashing (PipeDream), with optional weight prediction.
+
+A forward runs on a snapshot of the weights of the current version, taken once per version and shared
+by every micro-batch that used it (``WeightStash``).  Each micro-batch keeps that snapshot with its
+inputs and outputs (``Stashed``) until its backward, so the gradient of micro-batch m is the gradient
+at exactly the weights its forward saw, however many updates happen in between.  Stage 0's credits
+bound the micro-batches in flight, so they bound the stashed memory too.  The gradients of the
+weights are summed into the live parameters (``GradientSum``) until the stage's next update.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+PREDICTION_WINDOW = 64
+"""Backwards whose mean staleness sets how far ``predict_weights`` extrapolates."""
+
+
+@dataclass(slots=True)
+class Stashed:
+    """One micro-batch between its forward and its backward."""
+
+    version: int
+    params: dict[str, torch.Tensor]
+    """The weights its forward ran at (shared with every micro-batch of that version)."""
+    inputs: list[torch.Tensor]
+    """Leaves for everything the stage received (``StageSpec.received``), in that order."""
+    outputs: tuple[torch.Tensor, ...]
+
+    def gradients(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None]
+                  ) -> tuple[dict[str, torch.Tensor | None], dict[int, torch.Tensor | None]]:
+        """Gradients of ``roots`` (weighted by ``root_grads``) at the stashed weights: for each weight
+        that takes one (by name), and for each input that takes one (by ``id`` of the input leaf)."""
+        names = [n for n, w in self.params.items() if w.requires_grad]
+        weights = [self.params[n] for n in names]
+        grad_inputs = [x for x in self.inputs if x.requires_grad]
+        grads: tuple[torch.Tensor | None, ...]
+        if roots:
+            grads = torch.autograd.grad(roots, weights + grad_inputs, root_grads, allow_unused=True)
+        else:
+            grads = (None,) * (len(weights) + len(grad_inputs))
+        return dict(zip(names, grads[: len(names)])), dict(zip(map(id, grad_inputs), grads[len(names):]))
+
+
+class WeightStash:
+    """The weights of a stage's forwards, one snapshot per version, and what predicting them needs: the
+    last update and the staleness of recent backwards."""
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        self.params = params
+        self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.last_update: dict[str, torch.Tensor] | None = None
+        """Each parameter's change in the last optimizer step (for ``predict_weights``)."""
+        self.recent_staleness: deque[int] = deque(maxlen=PREDICTION_WINDOW)
+
+    def weights(self, version: int, predict: float) -> dict[str, torch.Tensor]:
+        """The weights of this version's forwards: one snapshot per version, shared and stashed.
+
+        With ``predict`` (``predict_weights``) k the snapshot is extrapolated to where the weights will
+        be when this forward's gradient is applied, ``s`` updates later (``s`` = the stage's recent mean
+        staleness): w + k * s * (last update).  Optimizers with momentum (Adam, SGD with momentum) change
+        direction slowly, so this lands near the weights the gradient is applied to, as in SpecTrain and
+        PipeMare; k a little above 1 also looks ahead as Nesterov momentum does.  The gradient is still
+        exactly the gradient at the stashed (predicted) weights.  With no staleness the prediction is
+        off, so ``max_inflight: 1`` still trains exactly like one process.
+        """
+        if self.snapshot is None or self.snapshot[0] != version:
+            ahead = self.prediction_steps(predict)
+            with torch.no_grad():
+                if ahead > 0 and self.last_update is not None:
+                    copies = {n: torch.add(p.detach(), self.last_update[n], alpha=ahead).requires_grad_(p.requires_grad)
+                              for n, p in self.params.items()}
+                else:
+                    copies = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+            self.snapshot = (version, copies)
+        return self.snapshot[1]
+
+    def prediction_steps(self, predict: float) -> float:
+        """k x the mean staleness of the last PREDICTION_WINDOW backwards (0 when prediction is off)."""
+        recent = self.recent_staleness
+        if not predict or not recent:
+            return 0.0
+        return predict * sum(recent) / len(recent)
+
+    def step(self, optimizer: torch.optim.Optimizer, predict: float) -> None:
+        """``optimizer.step()``, keeping the update it made when the next forwards extrapolate along it."""
+        if self.prediction_steps(predict) > 0:
+            with torch.no_grad():
+                before = {n: p.detach().clone() for n, p in self.params.items()}
+                optimizer.step()
+                self.last_update = {n: p.detach() - before[n] for n, p in self.params.items()}
+        else:
+            optimizer.step()
+            self.last_update = None
+
+    def forget(self) -> None:
+        """After weights were replaced (catch-up): no cached snapshot, no last update to extrapolate."""
+        self.snapshot = None
+        self.last_update = None
+        self.recent_staleness.clear()
+
+
+class GradientSum:
+    """The weight gradients of the backwards since the last update, summed into the live parameters
+    (each scaled by 1 / ``update_every``), and the version each of those backwards' forward used."""
+
+    def __init__(self, params: dict[str, nn.Parameter], update_every: int) -> None:
+        self.params, self.update_every = params, update_every
+        self.versions: list[int] = []
+
+    def add(self, grads: dict[str, torch.Tensor | None], version: int) -> bool:
+        """Add one backward's gradients (taken at the weights of ``version``); whether an update is due."""
+        scale = 1.0 / self.update_every
+        for name, g in grads.items():
+            if g is None:
+                continue
+            g = g * scale if scale != 1.0 else g
+            p = self.params[name]
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        self.versions.append(version)
+        return len(self.versions) >= self.update_every
+
+    def take_versions(self) -> list[int]:
+        """The versions of the backwards summed since the last update (the update takes them)."""
+        versions, self.versions = self.versions, []
+        return versions
+
+
+def fresh_buffers(module: nn.Module, buffers: dict[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Give these buffers of ``module`` new storage (a copy, also put in ``buffers``) and return them, so
+    that changing them in place (an averaging round's delta) never reaches the forwards in flight:
+    autograd saved the old tensors (BatchNorm saves its running statistics) and checks they are
+    unchanged at backward."""
+    fresh = {}
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        copy = buffers[name].detach().clone()
+        module.get_submodule(owner)._buffers[leaf] = copy
+        buffers[name] = fresh[name] = copy
+    return fresh

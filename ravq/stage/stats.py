@@ -1,0 +1,133 @@
+"""A stage's counters: work done, compute and waiting time, staleness, loss.
+
+``StageStats`` is what a node reports in its heartbeats and summary (``snapshot``).  Its ``record_*``
+methods also feed the Prometheus metrics when the stage has them (``metrics`` None: counters only).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+LOSS_WINDOW = 10
+HISTORY = 100_000
+
+
+def _mean(values: Any) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+@dataclass(kw_only=True, slots=True)
+class StageStats:
+    forwards: int = 0
+    backwards: int = 0
+    updates: int = 0
+    samples: int = 0
+    busy_s: float = 0.0
+    """Forward and backward compute only: waits inside them (``wait_s``) are taken out."""
+    wait_s: dict[str, float] = field(default_factory=dict)
+    """Seconds waited instead of computing, by reason: "input" (no activations or gradients to work
+    on), "credits" (stage 0 at ``max_inflight``), "averaging" (held back for an averaging round),
+    "checkpoint" (writing one)."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    forward_sq_s: float = 0.0
+    """Sum of squared forward durations (with forward_s and forwards: their spread, for ``ravq simulate``)."""
+    backward_sq_s: float = 0.0
+    forward_step_sq_s: float = 0.0
+    """Sum of squared differences of consecutive forward durations from the second on (the first warms
+    up): the part of their spread that changes from one micro-batch to the next (slow drift cancels)."""
+    forward_last_s: float | None = None
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    loss_last: float | None = None
+    loss_first: float | None = None
+    loss_sum: float = 0.0
+    losses: int = 0
+    started_at: float | None = None
+    inflight: int = 0
+    loss_head: list[float] = field(default_factory=list)
+    """The first LOSS_WINDOW losses (for a steadier initial loss than one micro-batch)."""
+    loss_tail: deque[float] = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
+    loss_history: list[float] = field(default_factory=list)
+    """Every micro-batch's loss, in order (last stage only; written to the summary, not heartbeats)."""
+    update_times: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    """Wall-clock time of the latest optimizer steps (summary only: shows how long a stage stalled)."""
+    completed: list[int] = field(default_factory=list)
+    """Stage 0: data index of each micro-batch finished, in order (the first HISTORY; summary only)."""
+
+    def snapshot(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.started_at if self.started_at else 0.0
+        return {
+            "forwards": self.forwards, "backwards": self.backwards, "updates": self.updates,
+            "samples": self.samples, "busy_s": self.busy_s, "wall_s": wall,
+            "busy_fraction": self.busy_s / wall if wall > 0 else 0.0, "wait_s": dict(self.wait_s),
+            "staleness_mean": self.staleness_sum / self.backwards if self.backwards else 0.0,
+            "staleness_max": self.staleness_max, "loss": self.loss_last, "loss_first": self.loss_first,
+            "loss_initial": _mean(self.loss_head), "loss_recent": _mean(self.loss_tail),
+            "inflight": self.inflight, "forward_s": self.forward_s, "backward_s": self.backward_s,
+            "forward_sq_s": self.forward_sq_s, "backward_sq_s": self.backward_sq_s,
+            "forward_step_sq_s": self.forward_step_sq_s,
+        }
+
+    def record_compute(self, phase: str, seconds: float, metrics: Any, inflight: int) -> None:
+        """One forward or backward (``phase``) that computed for ``seconds``; ``inflight`` micro-batches
+        are stashed after it."""
+        self.busy_s += seconds
+        if phase == "forward":
+            self.forward_s += seconds
+            self.forward_sq_s += seconds * seconds
+            if self.forward_last_s is not None and self.forwards > 2:   # not the warm-up forward
+                self.forward_step_sq_s += (seconds - self.forward_last_s) ** 2
+            self.forward_last_s = seconds
+        else:
+            self.backward_s += seconds
+            self.backward_sq_s += seconds * seconds
+        if metrics is not None:
+            metrics.compute_seconds.labels(phase).observe(seconds)
+            metrics.busy_seconds.inc(seconds)
+            metrics.inflight.set(inflight)
+
+    def record_wait(self, reason: str, seconds: float, metrics: Any) -> None:
+        self.wait_s[reason] = self.wait_s.get(reason, 0.0) + seconds
+        if metrics is not None:
+            metrics.wait_seconds.labels(reason).inc(seconds)
+
+    def record_loss(self, value: float, metrics: Any) -> None:
+        self.loss_last = value
+        self.loss_first = value if self.loss_first is None else self.loss_first
+        self.loss_sum += value
+        self.losses += 1
+        if len(self.loss_head) < LOSS_WINDOW:
+            self.loss_head.append(value)
+        self.loss_tail.append(value)
+        self.loss_history.append(value)
+        if metrics is not None:
+            metrics.loss.set(value)
+            metrics.losses.inc(value)
+
+    def record_backward(self, samples: int, metrics: Any) -> None:
+        self.backwards += 1
+        self.samples += samples
+        if metrics is not None:  # ravq_samples_total: the throughput panels read it
+            metrics.samples.inc(samples)
+
+    def record_completed(self, index: int) -> None:
+        """Stage 0 finished the micro-batch of data index ``index``."""
+        if len(self.completed) < HISTORY:
+            self.completed.append(index)
+
+    def record_staleness(self, staleness: int, metrics: Any) -> None:
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        if metrics is not None:
+            metrics.staleness.observe(staleness)
+
+    def record_update(self, version: int, metrics: Any) -> None:
+        self.updates += 1
+        self.update_times.append(time.time())
+        if metrics is not None:
+            metrics.version.set(version)

@@ -1,0 +1,45 @@
+"""What a stage is told and what it hands back: its options, the messages it wants sent, micro-batch ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ravq.net.compress import DEFAULT_BLOCK, Format, Packed
+
+MicroBatch = tuple[int, int]
+"""(cluster, index of the micro-batch in stage 0's data)."""
+
+
+@dataclass(slots=True)
+class Outbound:
+    """A message the stage wants sent: ``kind`` "fwd" or "bwd" to stage ``dest``."""
+
+    kind: str
+    dest: int
+    micro_batch: MicroBatch
+    version: int
+    tensors: dict[str, torch.Tensor | Packed]
+    """Activations and gradients packed when the stage compresses (``StageOptions.compress``)."""
+    generation: int = 0
+    """The cluster generation the work belongs to; work of an older generation is never sent."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StageOptions:
+    steps: int
+    """Micro-batches this cluster trains on."""
+    max_inflight: int
+    update_every: int = 1
+    micro_batch: int = 1
+    predict_weights: float = 0.0
+    """Run each forward at weights extrapolated along the last update by this many times the stage's
+    recent mean staleness (see ``ravq.stage.stash.WeightStash``); 0 runs it at the current weights.  The
+    last update and the staleness window are not checkpointed: after a resume the forwards run unpredicted
+    until the first update, so with staleness > 0 a resume is not bit-exact (an asynchronous resume is
+    not anyway: the micro-batches in flight start over).  With max_inflight 1 it stays exact."""
+    compress: Format = Format.NONE
+    """How activations and gradients leave this stage (``ravq.net.compress``); model inputs and targets never
+    are compressed, and what arrives compressed is restored to the dtype this stage expects."""
+    int8_block: int = DEFAULT_BLOCK

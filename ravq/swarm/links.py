@@ -1,0 +1,99 @@
+"""A node's pipeline links: the ROUTER it binds and a DEALER to each stage of its cluster it sends to.
+
+Owns the sockets of the pipeline (DESIGN.md, sockets set 1) and which peer is which stage.  It turns
+the compute thread's ``Outbound`` work into FORWARD/BACKWARD messages and hands what arrives to the
+stage, dropping (and counting) whatever belongs to another generation of the cluster or to nobody.
+When a standby replaces a lost peer, ``replace`` re-points the links at it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+from ravq.config import Topology
+from ravq.metrics import Metrics
+from ravq.net.compress import Packed
+from ravq.net.options import SocketOptions, endpoint
+from ravq.net.transport import Context, Inbox, Outlink
+from ravq.net.wire import DecodeLimits, Message, MsgType
+from ravq.stage.pipeline import StageWorker
+from ravq.stage.types import Outbound
+
+log = logging.getLogger(__name__)
+
+
+class StageLinks:
+    def __init__(self, *, ctx: Context, topology: Topology, name: str, metrics: Metrics, limits: DecodeLimits,
+                 sock_opts: SocketOptions, generation: Callable[[], int]) -> None:
+        self.ctx, self.topology, self.name, self.metrics = ctx, topology, name, metrics
+        self.limits, self.sock_opts, self.generation = limits, sock_opts, generation
+        self.outlinks: dict[int, Outlink] = {}
+        self.stage_of: dict[str, int] = {}
+        """Stage index of every node of this cluster, by name: who may send to this stage."""
+        self.inbox: Inbox | None = None
+        self.outbound: asyncio.Queue[Outbound] = asyncio.Queue()
+        """What the compute thread produced, in order; ``send_loop`` sends it."""
+
+    def open(self, cluster_nodes: Sequence[str], peers: Iterable[int]) -> None:
+        """Bind this node's pipeline port and connect to the stages ``peers`` of the cluster."""
+        config = self.topology.node(self.name)
+        bind = config.bind_host or config.host
+        self.inbox = Inbox.bind(self.ctx, endpoint(bind, config.pipeline_port), "pipeline", self.metrics,
+                                self.limits, self.sock_opts)
+        self.stage_of = {n: i for i, n in enumerate(cluster_nodes)}
+        for s in sorted(set(peers)):
+            self.outlinks[s] = self._connect(cluster_nodes[s])
+
+    def _connect(self, node: str) -> Outlink:
+        peer = self.topology.node(node)
+        return Outlink.connect(self.ctx, endpoint(peer.host, peer.pipeline_port), "pipeline", peer.name,
+                               self.metrics, self.limits, self.sock_opts, identity=self.name)
+
+    def replace(self, renamed: dict[str, str], cluster_nodes: Sequence[str]) -> None:
+        """Standbys took over lost peers (``renamed``: old name -> new): link to them instead."""
+        self.stage_of = {n: i for i, n in enumerate(cluster_nodes)}
+        for s, link in list(self.outlinks.items()):
+            if link.peer in renamed:
+                link.close()
+                self.outlinks[s] = self._connect(cluster_nodes[s])
+
+    async def send_loop(self) -> None:
+        while True:
+            out = await self.outbound.get()
+            try:
+                if out.generation != self.generation():
+                    continue  # work of a generation the cluster dropped
+                kind = MsgType.FORWARD if out.kind == "fwd" else MsgType.BACKWARD
+                tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
+                packed = {n: t for n, t in out.tensors.items() if isinstance(t, Packed)}
+                msg = Message(type=kind, sender=self.name, micro_batch=out.micro_batch, version=out.version,
+                              meta={"gen": out.generation}, tensors=tensors, packed=packed)
+                await self.outlinks[out.dest].send(msg)
+            finally:
+                self.outbound.task_done()
+
+    async def read_loop(self, worker: StageWorker) -> None:
+        assert self.inbox is not None
+        while True:
+            _, msg = await self.inbox.recv()
+            source = self.stage_of.get(msg.sender)
+            if msg.type not in (MsgType.FORWARD, MsgType.BACKWARD) or source is None or msg.micro_batch is None:
+                self.metrics.bad_messages.labels("pipeline", "unexpected_message").inc()
+                continue
+            if msg.meta.get("gen", 0) != self.generation():
+                self.metrics.bad_messages.labels("pipeline", "other_generation").inc()
+                continue
+            kind = "fwd" if msg.type == MsgType.FORWARD else "bwd"
+            reason = worker.deliver(kind, msg.micro_batch, source, {**msg.tensors, **msg.packed})
+            if reason is not None:
+                self.metrics.bad_messages.labels("pipeline", reason).inc()
+            for queue, depth in worker.queue_depths().items():
+                self.metrics.queue_depth.labels(queue).set(depth)
+
+    def close(self) -> None:
+        for link in self.outlinks.values():
+            link.close()
+        if self.inbox is not None:
+            self.inbox.close()
