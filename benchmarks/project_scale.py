@@ -11,7 +11,7 @@ at 30 TFLOP/s with 24 GiB, 8% workstations at 45 TFLOP/s with 48 GiB, each x U(0
 micro-batch, micro_batch 4; ravq's defaults otherwise (max_inflight = stages, overlapped averaging,
 averaging_lead 1, int8 pipeline and ring compression) with sync_every 500 (DiLoCo's H).  At sync_every 50 the cost model finds averaging
 2.7 B parameters over these links so slow that the planner keeps to one cluster of 3-5 PCs at every size
-(predicted 9.9-11.6 samples/s, simulated 6.1-6.9: credit-bound, see the README).
+(predicted 9.9-11.6 samples/s, simulated 6.1-6.9: credit-bound, see docs/simulator.md).
 
 Plans:
 - planner: ``make_plan`` on all PCs up to 256; above that ``regional_plan`` (``make_plan`` per region,

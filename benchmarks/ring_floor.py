@@ -12,7 +12,7 @@ plain-TCP ring (rank r -> r+1).  Per repeat, alternately in the same run:
 A repeat's time is the slowest rank's; reported figure is the median over repeats (after a warm-up).
 
 This is not ravq: it measures how fast any Python ring can be on this machine, the floor against which
-bench_allreduce's ZeroMQ ring should be read (README, "All-reduce: why the ring is slower than gloo").
+bench_allreduce's ZeroMQ ring should be read (docs/benchmarks.md, "All-reduce: why the ring is slower than gloo").
 ravq's rings stay on ZeroMQ (CURVE encryption, one socket set with the rest of the node); this script
 has no security, no timeouts and no failure handling.
 

@@ -27,7 +27,7 @@ PREDICT_WEIGHTS = 2.0
 
 
 class CompressConfig(UserModel):
-    """Defaults from the measurements in the README (benchmarks/bench_allreduce.py --link-mbit 200,
+    """Defaults from the measurements in docs/compression.md (benchmarks/bench_allreduce.py --link-mbit 200,
     bench_pipeline_link.py, bench_convergence.py --compare-compress): on home links the bytes decide, int8
     moves a quarter of them, and training needed no more samples for it."""
 

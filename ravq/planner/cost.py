@@ -14,7 +14,7 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   per round, spread over the ``sync_every`` steps between rounds (``Problem.averaging_cpu_s``).  On
   the testbed's quarter-core PCs, six one-stage clusters averaging every 2 steps, the event loop and
   ZeroMQ's I/O thread took 11% of the process's CPU and the stages computed 1.15-1.29x their FLOPs
-  (issue #14, item 7 of the README).  When ``max_inflight`` is None every stage of a k-stage cluster
+  (issue #14, item 7 of docs/testbed.md).  When ``max_inflight`` is None every stage of a k-stage cluster
   stashes k micro-batches (the pipeline's default); each block's ``inflight_bytes`` scales with that.
 - The link from stage a to stage b (cut before block e) carries the activations crossing the cut one way
   and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds, counting the bytes
