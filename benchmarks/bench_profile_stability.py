@@ -54,8 +54,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", type=float, default=0.25, help="the PC's CPU quota in cores")
     parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: one round (two new, one old)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.quick:
+        args.runs = 1
     if reason := _emulate.unavailable_reason():
         print(f"cannot emulate a PC here: {reason}")
         return 1

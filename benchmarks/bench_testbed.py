@@ -88,8 +88,13 @@ def main() -> int:
     parser.add_argument("--train-s", type=float)
     parser.add_argument("--cores", type=float, help="cores the PCs may use in all (see testbed.py --cores)")
     parser.add_argument("--no-repeat", action="store_true", help="train the planner's plan once, not twice")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: the first scenario, the planner's plan and Ravnest's, 15 s each, once")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.quick:
+        args.scenarios, args.plans = args.scenarios[:1], "planner,ravnest"
+        args.train_s, args.no_repeat = args.train_s or 15.0, True
     results = []
     for path in args.scenarios:
         try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -19,7 +21,10 @@ from ravq.stage.types import Outbound, StageOptions
 def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int, micro_batch: int = 4,
                  seed: int = 0, update_every: int = 1, cluster: int = 0,
                  num_clusters: int = 1, predict_weights: float = 0.0,
-                 compress: Format = Format.NONE) -> list[StageWorker]:
+                 compress: Format = Format.NONE,
+                 clocks: list[Callable[[], float]] | None = None) -> list[StageWorker]:
+    """One StageWorker per stage of ``task``, cut evenly; ``clocks``: each stage's clock (default
+    time.monotonic)."""
     model = build_task_model(task, seed)
     cuts = even_cuts(candidate_cuts(model, task), stages)
     specs = split_model(model, task.example_inputs(micro_batch), cuts)
@@ -32,7 +37,8 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
     return [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
                         batches=batches if spec.index == 0 else None, cluster=cluster,
                         model_input_needs=needs, input_specs=in_specs[spec.index],
-                        target_example=target_example) for spec in specs]
+                        target_example=target_example, clock=clocks[spec.index] if clocks else time.monotonic)
+            for spec in specs]
 
 
 def _over_the_wire(packed: Packed) -> Packed:

@@ -57,10 +57,12 @@ def test_bench_pipeline_quick_json(tmp_path: Path) -> None:
     assert 0.1 < report["ratio_ravq_over_1f1b"] < 10
 
 
-def test_simulated_device_time_is_an_identity_that_splits_like_any_op() -> None:
-    """The ``device`` preset's op waits off the CPU and leaves values and gradients as they are, and
-    torch.export keeps it as one node, so ravq's splitter cuts the model as it cuts the CPU preset."""
-    import time
+def test_simulated_device_time_is_an_identity_that_splits_like_any_op(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``device`` preset's op waits off the CPU (its sleeps recorded here, not timed) and leaves values
+    and gradients as they are, and torch.export keeps it as one node, so ravq's splitter cuts the model
+    as it cuts the CPU preset."""
+    from types import SimpleNamespace
 
     import torch
 
@@ -68,11 +70,12 @@ def test_simulated_device_time_is_an_identity_that_splits_like_any_op() -> None:
     from benchmarks import synthetic_task
     from ravq.stage.split import split_model
 
+    slept: list[float] = []
+    monkeypatch.setattr(synthetic_task, "time", SimpleNamespace(sleep=slept.append))
     x = torch.randn(3, 5, requires_grad=True)
-    t0 = time.perf_counter()
     y = torch.ops.ravqbench.device_time(x, 0.02)
     y.backward(torch.full_like(y, 2.0))
-    assert time.perf_counter() - t0 >= 0.06  # 20 ms forward, 40 ms backward
+    assert slept == [0.02, 0.04]  # 20 ms forward, 40 ms backward
     assert torch.equal(y, x) and torch.equal(x.grad, torch.full_like(x, 2.0))
 
     task = synthetic_task.SyntheticTask(width=8, layers=1, device_ms=1.0)

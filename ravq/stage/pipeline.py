@@ -60,8 +60,10 @@ class StageWorker:
                  cluster: int = 0, metrics: Any = None,
                  model_input_needs: dict[int, list[int]] | None = None,
                  input_specs: list[tuple[torch.Size, torch.dtype]] | None = None,
-                 target_example: Any = None) -> None:
+                 target_example: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec, self.num_stages, self.options = spec, num_stages, options
+        self.clock = clock
+        """Seconds, monotonic: every duration the stage counts (compute, waits, wall) is read off it."""
         self.device = torch.device(device)
         self.module = spec.module.to(self.device)
         self.params: dict[str, nn.Parameter] = dict(self.module.named_parameters())
@@ -82,13 +84,13 @@ class StageWorker:
         """Stage 0: dropped micro-batches (index, batch), trained again before new data."""
         self._inflight_data: dict[MicroBatch, Any] = {}
         """Stage 0: the batch of each micro-batch in flight, to re-queue it if the pause drops it."""
-        self.stats = StageStats()
+        self.stats = StageStats(clock=clock)
         self.forward_weights = WeightStash(self.params)
         self._stash: dict[MicroBatch, Stashed] = {}
         self._grads = GradientSum(self.params, options.update_every)
         self._fwd_sources = forward_sources(spec, num_stages)
         self._expected_fwd = expected_forward(spec, num_stages, input_specs, target_example)
-        self._sched = Scheduler(self._fwd_sources, spec.consumer_stages, 4 * options.max_inflight + 4)
+        self._sched = Scheduler(self._fwd_sources, spec.consumer_stages, 4 * options.max_inflight + 4, clock)
         self.on_update: Callable[[StageWorker], None] | None = None
         self._waited_in_op = 0.0
         """Seconds of the current forward or backward spent waiting (``waited``), not computing."""
@@ -193,7 +195,7 @@ class StageWorker:
         try:
             while (work := self._sched.next(self, should_abort)) is not None:
                 if self.stats.started_at is None:
-                    self.stats.started_at = time.monotonic()
+                    self.stats.started_at = self.clock()
                 kind, arg = work
                 if kind == "control":
                     arg(self)
@@ -212,9 +214,9 @@ class StageWorker:
                 fn(self)
 
     def waited(self, reason: str, seconds: float) -> None:
-        """Count ``seconds`` the compute thread waited for ``reason`` (compute thread only).  A wait
-        inside a forward or backward (an update hook held back for an averaging round) is taken out of
-        that phase's time, so ``busy_s`` stays compute."""
+        """Count ``seconds`` the compute thread waited for ``reason`` (compute thread only; timed on
+        ``clock``).  A wait inside a forward or backward (an update hook held back for an averaging
+        round) is taken out of that phase's time, so ``busy_s`` stays compute."""
         self.stats.record_wait(reason, seconds, self.metrics)
         self._waited_in_op += seconds
 
@@ -300,7 +302,7 @@ class StageWorker:
                           emit: Emit) -> None:
         """Forward, then send each stage in ``data`` the outputs it reads and its ``data`` (stage 0's
         model inputs and targets, never compressed)."""
-        t0 = time.monotonic()
+        t0 = self.clock()
         outputs = self._forward(mb, gather_inputs(self.spec, parts))
         self._account("forward", t0)
         for dest, extra in data.items():
@@ -308,7 +310,7 @@ class StageWorker:
             emit(Outbound("fwd", dest, mb, self.version, {**self._pack(tensors), **extra}, self.generation))
 
     def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any, emit: Emit) -> None:
-        t0 = time.monotonic()
+        t0 = self.clock()
         self._forward(mb, inputs)
         stash = self._stash[mb]
         out = model_output(self.spec, self._raw_output, stash.inputs)
@@ -318,12 +320,12 @@ class StageWorker:
             loss = self.loss_fn(out, targets)
         self._account("forward", t0)
         self.stats.record_loss(float(loss.detach()), self.metrics)
-        t1 = time.monotonic()
+        t1 = self.clock()
         self._backward_from(mb, stash, [loss], [None], emit)
         self._account("backward", t1)
 
     def _run_backward(self, mb: MicroBatch, parts: Parts, emit: Emit) -> None:
-        t0 = time.monotonic()
+        t0 = self.clock()
         stash = self._stash[mb]
         grads = output_grads(parts, stash.outputs, self.device)
         pairs = [(o, g) for o, g in zip(stash.outputs, grads) if g is not None and o.requires_grad]
@@ -363,6 +365,6 @@ class StageWorker:
 
     def _account(self, phase: str, t0: float) -> None:
         """Count the forward or backward (``phase``) begun at ``t0``, less what it waited (``waited``)."""
-        dt = max(0.0, time.monotonic() - t0 - self._waited_in_op)
+        dt = max(0.0, self.clock() - t0 - self._waited_in_op)
         self._waited_in_op = 0.0
         self.stats.record_compute(phase, dt, self.metrics, len(self._stash))

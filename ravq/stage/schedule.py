@@ -50,8 +50,11 @@ class Scheduler:
     """Arrived parts, control work and the pause and stop flags; ``put`` and ``pop_ready`` run with
     ``cond`` held (the caller looks at its stash under it), every other method takes it itself."""
 
-    def __init__(self, forward_sources: list[int], backward_sources: list[int], limit: int) -> None:
+    def __init__(self, forward_sources: list[int], backward_sources: list[int], limit: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cond = threading.Condition()
+        self.clock = clock
+        """Seconds, monotonic: what an idle wait is timed on (the stage's clock)."""
         self.sources = {"fwd": forward_sources, "bwd": backward_sources}
         self.parts: dict[str, OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor | Packed]]]] = {
             "fwd": OrderedDict(), "bwd": OrderedDict()}
@@ -117,10 +120,10 @@ class Scheduler:
 
     def _idle(self, stage: Schedulable) -> None:
         reason = None if self.stopping else stage.idle_reason()
-        t0 = time.monotonic()
+        t0 = self.clock()
         self.cond.wait(timeout=WAIT_S)
         if reason is not None:
-            stage.waited_idle(reason, time.monotonic() - t0)
+            stage.waited_idle(reason, self.clock() - t0)
 
     def submit(self, fn: Callable[[Any], None]) -> None:
         with self.cond:

@@ -2,12 +2,14 @@
 
 ``StageStats`` is what a node reports in its heartbeats and summary (``snapshot``).  Its ``record_*``
 methods also feed the Prometheus metrics when the stage has them (``metrics`` None: counters only).
+Durations are read off the stage's ``clock`` (``time.monotonic`` unless a test drives a fake one).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,9 +60,11 @@ class StageStats:
     """Wall-clock time of the latest optimizer steps (summary only: shows how long a stage stalled)."""
     completed: list[int] = field(default_factory=list)
     """Stage 0: data index of each micro-batch finished, in order (the first HISTORY; summary only)."""
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+    """Seconds, monotonic: ``started_at`` is on it, and ``snapshot``'s ``wall_s`` reads it (the worker's)."""
 
     def snapshot(self) -> dict[str, Any]:
-        wall = time.monotonic() - self.started_at if self.started_at else 0.0
+        wall = self.clock() - self.started_at if self.started_at is not None else 0.0
         return {
             "forwards": self.forwards, "backwards": self.backwards, "updates": self.updates,
             "samples": self.samples, "busy_s": self.busy_s, "wall_s": wall,
