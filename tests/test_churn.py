@@ -203,6 +203,9 @@ def test_freeze_broker_restart_and_a_kill_while_the_broker_is_down(tmp_path: Pat
         time.sleep(2.0)
         swarm.restart_broker()
         others = [n for n in swarm.nodes if n != "c0s1"]
+        # timed from when the new broker answers: how long a Python process takes to start is the
+        # machine's load (18.5 s after the fault once, beside another test suite), not ravq's detection
+        t_up = watch.until("the new broker to answer", lambda s: True, 60, others)
         t_detect = watch.until("the new broker to see cluster 0 paused",
                                lambda s: _cluster(s, 0).get("state") in ("paused", "recovering"), 60, others)
         time.sleep(max(0.0, t_fault + 5.0 - time.time()))
@@ -211,7 +214,7 @@ def test_freeze_broker_restart_and_a_kill_while_the_broker_is_down(tmp_path: Pat
         t_trains = watch.until("cluster 0 to train again",
                                lambda s: _training(s, 0, 1) and _version(s, "c0s1") > 0, 60, others)
         assert t_trains - t_back <= BACK_WITHIN_S
-        assert t_detect - t_fault <= 3.0 + LOST_S + 2 * HEARTBEAT_S + 5  # broker start + lost_s
+        assert t_detect - t_up <= LOST_S + 2 * HEARTBEAT_S + 3, f"seen {t_detect - t_up:.1f}s after the broker was up"
         events.append((0, {"fault": t_fault, "detect": t_detect, "back": t_back, "trains": t_trains}))
         _final_checks(tmp_path, swarm, ckpt, [2, 2], steps, events, survivors0=["c0s0", "c1s0"])
     finally:
