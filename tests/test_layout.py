@@ -57,8 +57,11 @@ def test_a_broken_layer_is_caught(tmp_path: Path) -> None:
     wire.write_text(wire.read_text() + "\nfrom ravq.stage import checkpoint  # noqa: E402  (a layer broken)\n")
     ring = tmp_path / "ravq" / "average" / "ring.py"
     ring.write_text(ring.read_text() + "\nimport zmq  # noqa: E402\n")
+    segments = tmp_path / "ravq" / "average" / "segments.py"  # imported by ring: a circle
+    segments.write_text(segments.read_text() + "\n\ndef _late() -> None:\n    from ravq.average import ring  # noqa\n")
     proc = subprocess.run([_lint_imports(), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, check=False,
                           timeout=300, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.returncode != 0
     assert "ravq.net.wire -> ravq.stage.checkpoint" in proc.stdout
     assert "ravq.average is not allowed to import zmq" in proc.stdout
+    assert "No cycles are allowed in ravq.average" in proc.stdout
