@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -84,7 +85,28 @@ def cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StoppedWhileStarting(BaseException):
+    """SIGTERM/SIGINT while ``ravq node`` imports torch and its task (before its event loop runs); a
+    BaseException, as KeyboardInterrupt, so no `except Exception` on the way swallows it."""
+
+
+def _stop_while_importing(signum: int, frame: object) -> None:
+    raise _StoppedWhileStarting(signal.Signals(signum).name)
+
+
 def cmd_node(args: argparse.Namespace) -> int:
+    # A stop before the node's own handler runs (importing torch takes seconds on a busy PC) ends the
+    # process at once, with a line and status 0, as systemd expects of a stop; run_node then takes over.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_while_importing)
+    try:
+        return _run_node(args)
+    except _StoppedWhileStarting as sig:
+        log.info("%s: %s while starting (importing): stopping before training", args.name, sig)
+        return 0
+
+
+def _run_node(args: argparse.Namespace) -> int:
     from ravq.checks import check_device
     from ravq.net import listen
     from ravq.net.socket_io import install_uvloop
