@@ -36,7 +36,8 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
                 if node not in names:
                     raise ConfigError(f"{plan_path}: plan names node {node!r} that the topology lacks")
         return plan
-    if any(n.cluster is None for n in topology.nodes):
+    training = [n for n in topology.nodes if not n.standby]  # standbys wait outside the plan
+    if any(n.cluster is None for n in training):
         raise ConfigError("nodes: no node sets 'cluster'; set clusters in the topology or run "
                           "`ravq plan` and pass --plan")
     from ravq.config import resolve_task_module
@@ -49,6 +50,8 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
         candidates = candidate_cuts(build_task_model(task, topology.seed), task)
     clusters: dict[int, list[tuple[int, int, str]]] = {}
     for i, n in enumerate(topology.nodes):
+        if n.standby:
+            continue
         assert n.cluster is not None
         clusters.setdefault(n.cluster, []).append((n.stage if n.stage is not None else i, i, n.name))
     ordered = [[name for _, _, name in sorted(members)] for _, members in sorted(clusters.items())]
