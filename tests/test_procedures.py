@@ -2,7 +2,8 @@
 its steps (tests/test_walkthrough.py's Site: the units' own command lines, as the service user, CURVE
 keys per PC): upgrading ravq on every PC without losing the run (a rolling stop/start: each node resumes
 from its checkpoint), rebooting the broker's PC (training goes on; the broker comes back), adding a PC as
-a standby and rotating a node's key (the topology changed everywhere, then a rolling restart).
+a standby and rotating a node's key (the topology changed everywhere, then a rolling restart), and
+re-planning so that the added PC trains (other cut points: a new run, the old checkpoints set aside).
 
 The upgrade itself (``pip install --upgrade``) is the one command not run: the test's ravq is the
 checkout under test.  Needs root, iproute2, setpriv; skipped with the reason otherwise.
@@ -10,6 +11,7 @@ checkout under test.  Needs root, iproute2, setpriv; skipped with the reason oth
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,14 +62,15 @@ def site() -> Iterator[Site]:
             s.kill_all()
 
 
-def _topology(site: Site, keys: dict[str, str], nodes: list[str]) -> dict[str, Any]:
+def _topology(site: Site, keys: dict[str, str], nodes: list[str], clusters: dict[str, int] = CLUSTERS
+              ) -> dict[str, Any]:
     entries = []
     for pc in nodes:
         entry: dict[str, Any] = {"name": pc, "host": site.addr[pc], "pipeline_port": 5560, "ring_port": 5561,
                                  "device": "cpu", "public_key": keys[pc],
                                  # measurements given: `ravq plan` needs no profiles here
                                  "memory_bytes": 4 << 30, "flops": 1e10, "bandwidth_bytes_per_s": 1e8}
-        entry.update({"cluster": CLUSTERS[pc]} if pc in CLUSTERS else {"standby": True})
+        entry.update({"cluster": clusters[pc]} if pc in clusters else {"standby": True})
         entries.append(entry)
     return {"task": "ravq.tasks.charlm", "seed": 27,
             "training": {"micro_batch": 8, "steps": 1_000_000, "sync_every": 5, "checkpoint_every": 10,
@@ -106,12 +109,13 @@ def _versions(status: dict[str, Any] | None) -> dict[str, int]:
     return {n: int(m.get("stats", {}).get("version") or 0) for n, m in members.items() if m.get("state") == "up"}
 
 
-def _all_train(site: Site, nodes: list[str], above: dict[str, int] | None = None) -> dict[str, int] | None:
+def _all_train(site: Site, nodes: list[str], above: dict[str, int] | None = None,
+               where: dict[str, int] = CLUSTERS) -> dict[str, int] | None:
     """Versions when the clusters of ``nodes`` train and each of ``nodes`` is up past ``above`` (else None)."""
     status = _status(site)
     versions = _versions(status)
     clusters = (status or {}).get("clusters", [])
-    ok = len(clusters) == 2 and all(clusters[CLUSTERS[n]].get("state") == "training" for n in nodes) and all(
+    ok = len(clusters) == 2 and all(clusters[where[n]].get("state") == "training" for n in nodes) and all(
         versions.get(n, 0) > (above or {}).get(n, 0) for n in nodes)
     return versions if ok else None
 
@@ -130,7 +134,7 @@ def _rolling_restart(site: Site, nodes: dict[str, Any], order: list[str], up: li
         assert "resumed at version" in log, log[-2000:]
 
 
-def test_upgrade_broker_reboot_add_a_standby_pc_and_rotate_a_key(site: Site) -> None:
+def test_upgrade_broker_reboot_add_a_standby_pc_rotate_a_key_and_replan(site: Site) -> None:
     keys = {pc: _keygen(site, pc, pc) for pc in TRAINING} | {"broker": _keygen(site, "pc1", "broker")}
     _install(site, _topology(site, keys, TRAINING))
     planned = site.run("pc1", "plan", "--topology", TOPOLOGY, "--profiles", "/etc/ravq", "--out",
@@ -177,6 +181,26 @@ def test_upgrade_broker_reboot_add_a_standby_pc_and_rotate_a_key(site: Site) -> 
         return members.get("pc4", {}).get("phase") == "standby" and members.get("pc4", {}).get("state") == "up"
 
     walk._wait_for("pc4 standing by", standby_up, 240, 2)
+
+    # Re-planning so that pc4 trains (cluster 1: pc3 -> pc4): other cuts, so a new run (the old
+    # checkpoints set aside).
+    replanned = {**CLUSTERS, "pc4": 1}
+    _install(site, _topology(site, keys, PCS, replanned))
+    planned = site.run("pc1", "plan", "--topology", TOPOLOGY, "--profiles", "/etc/ravq", "--out",
+                       "/etc/ravq/plan.yaml", as_user=False)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    for pc in PCS:
+        assert site.stop(nodes[pc]) == 0, pc
+        checkpoints = site.path(pc, "/var/lib/ravq/checkpoints")
+        checkpoints.rename(checkpoints.with_name("checkpoints.before-replan"))
+        checkpoints.mkdir()  # what the unit's StateDirectory= does at start
+        os.chown(checkpoints, site.uid, site.gid)
+    assert site.stop(broker) == 0
+    broker = site.start_unit("pc1", "ravq-broker.service")
+    nodes = {pc: site.start_unit(pc, "ravq-node@.service", pc) for pc in PCS}
+    walk._wait_for("the new plan training", lambda: _all_train(site, PCS, where=replanned), 240, 2)
+    status = _status(site)
+    assert status is not None and [c["nodes"] for c in status["plan"]["clusters"]] == [["pc1", "pc2"], ["pc3", "pc4"]]
     for pc in TRAINING:  # started after the new topology: nobody's key refused (the logs are of those processes)
         assert "refused a connection" not in (site.root / f"{pc}-ravq-node.log").read_text(), pc
     for proc in (*nodes.values(), broker):
