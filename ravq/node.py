@@ -130,6 +130,7 @@ class Node:
         self.links = StageLinks(ctx=self.ctx, topology=self.topology, name=self.name, metrics=self.metrics,
                                 limits=self.limits, sock_opts=self.sock_opts, generation=lambda: self.churn.generation)
         peers = set(worker.spec.consumer_stages) | set(worker.spec.producer_stages)
+        peers |= {h for group in worker.spec.tied for h in group.holders if h != self.stage}  # tied copies' holders
         self.links.open(cluster.nodes, peers | (set(worker._first_destinations()) if worker.is_first else set()))
         if len(plan.clusters) > 1:
             self.averager = Averager(ctx=self.ctx, topology=self.topology, plan=self.churn.current_plan, me=self.name,

@@ -1,0 +1,213 @@
+"""Keeping the copies of a tied weight equal while an asynchronous pipeline trains (DeepSpeed's tied layers).
+
+Every stage holding a copy of a tied weight (``ravq.stage.tied.TiedGroup``) takes the copy's gradient out of
+its own optimizer step: at its j-th step it sends that gradient, its *contribution* j, to the other holders
+(a TIED message; the last stage sends it before its input-gradients, so an upstream holder has it before it
+can finish the same micro-batch).  Tied step j runs on every holder once all contributions j are in: the same
+sum, added in holder order, through the same optimizer state; so the copies go through the same updates, in
+the same order, at different wall times, and are bit-identical whenever every holder has applied the same
+steps (at the end of training they all have).  Nothing waits for a whole pipeline: a forward waits only
+until its copy is at most ``max_inflight - 1`` tied steps behind the stage's own version, which the
+contributions already sent guarantee (with ``max_inflight: 1`` each forward sees every update before it, as
+one process does).
+
+Averaging: only the group's primary (its lowest holder) averages the weight across clusters, under the
+group's key.  The round's delta does not land on its copy directly: it is sent to the other holders with
+the step it follows (the primary's contributions so far), and every holder adds it right after that tied
+step, before the next.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ravq.stage.tied import TiedGroup
+from ravq.stage.types import Outbound
+
+GRAD, DELTA = "g:", "d:"
+"""Tensor name prefixes in a TIED message: a contribution's gradient, or an averaging delta (by averaged
+name: the group's key, or ``key::state`` for its optimizer state)."""
+SEP = "::"
+
+Send = Callable[[int, int, dict[str, torch.Tensor]], None]
+"""send(dest stage, step, tensors)."""
+
+
+class TiedExchange:
+    """One stage's side of its tied weights: contributions made and received, tied steps applied.
+
+    ``receive`` runs on the event loop; everything else in the compute thread."""
+
+    def __init__(self, stage: int, groups: list[TiedGroup], params: Mapping[str, nn.Parameter],
+                 max_inflight: int) -> None:
+        self.stage, self.groups = stage, groups
+        self.param = {g.key: params[g.names[0]] for g in groups}
+        self.lag = max(0, max_inflight - 1)
+        self.contributed = 0
+        """Contributions this stage made (its optimizer steps)."""
+        self.applied = {g.key: 0 for g in groups}
+        """Tied steps applied, per group."""
+        self.cond = threading.Condition()
+        self._grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        """(holder stage, step) -> its contribution's gradients, by group key."""
+        self._deltas: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        """(group key, step it follows) -> the primary's averaging delta, by averaged name."""
+
+    # ----------------------------------------------------------------- what arrives (event loop)
+    def check(self, source: int, tensors: Mapping[str, Any]) -> str | None:
+        """Why a TIED message from ``source`` is refused, or None."""
+        for name, t in tensors.items():
+            key = name.removeprefix(GRAD) if name.startswith(GRAD) else name.removeprefix(DELTA).split(SEP)[0]
+            group = next((g for g in self.groups if g.key == key), None)
+            if group is None or source not in group.holders or source == self.stage:
+                return "unexpected_tied"
+            if name.startswith(DELTA) and source != group.primary:
+                return "unexpected_tied"
+            p = self.param[key]
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:
+                return "tensor_mismatch"
+        return None
+
+    def receive(self, source: int, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        with self.cond:
+            grads = {n.removeprefix(GRAD): t for n, t in tensors.items() if n.startswith(GRAD)}
+            if grads:
+                self._grads.setdefault((source, step), {}).update(grads)
+            for name, t in tensors.items():
+                if name.startswith(DELTA):
+                    full = name.removeprefix(DELTA)
+                    self._deltas.setdefault((full.split(SEP)[0], step), {})[full] = t
+            self.cond.notify_all()
+
+    # ----------------------------------------------------------------- compute thread
+    def contribute(self, send: Send) -> None:
+        """Take this step's gradients of the tied copies out of the stage's update and send them to the other
+        holders (once per step: a no-op until the stage's next step)."""
+        step = self.contributed + 1
+        own: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            p = self.param[g.key]
+            own[g.key] = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = None  # the stage's own optimizer step leaves the copy alone
+        with self.cond:
+            self._grads[(self.stage, step)] = own
+            self.contributed = step
+        for dest in sorted({h for g in self.groups for h in g.holders} - {self.stage}):
+            send(dest, step, {f"{GRAD}{g.key}": own[g.key].detach() for g in self.groups if dest in g.holders})
+
+    def defer_delta(self, deltas: Mapping[str, torch.Tensor], send: Send) -> None:
+        """The primary's averaging deltas (by averaged name): every holder adds them after the tied step this
+        stage contributed last."""
+        after = self.contributed
+        with self.cond:
+            for name, d in deltas.items():
+                self._deltas.setdefault((name.split(SEP)[0], after), {})[name] = d.detach().clone()
+        for dest in sorted({h for g in self.groups for h in g.holders} - {self.stage}):
+            send(dest, after, {f"{DELTA}{n}": d.detach() for n, d in deltas.items()
+                               if dest in self._group(n.split(SEP)[0]).holders})
+
+    def apply_ready(self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter]) -> bool:
+        """Apply every tied step and delta whose parts are all in, in order; whether anything changed."""
+        changed = False
+        for g in self.groups:
+            while True:
+                with self.cond:
+                    delta = self._deltas.pop((g.key, self.applied[g.key]), None)
+                    step = self.applied[g.key] + 1
+                    parts = [self._grads.get((h, step), {}).get(g.key) for h in g.holders]
+                if delta is not None:
+                    self._add_delta(g.key, delta, optimizer)
+                    changed = True
+                    continue
+                if any(p is None for p in parts):
+                    break
+                self._step(g, parts, optimizer, params)  # type: ignore[arg-type]
+                changed = True
+        return changed
+
+    def behind(self) -> bool:
+        """Whether a forward must wait: a copy is more than ``lag`` tied steps behind this stage's own steps."""
+        return min(self.applied.values()) < self.contributed - self.lag
+
+    def primary_behind(self) -> bool:
+        """Whether a group this stage is primary of has not applied the stage's own steps yet (the other
+        holders' contributions to them were sent before this stage's, so they are on their way)."""
+        return any(self.applied[g.key] < self.contributed for g in self.groups if g.primary == self.stage)
+
+    def settled(self) -> bool:
+        """Every step this stage contributed to is applied (at the end of training)."""
+        return min(self.applied.values()) >= self.contributed
+
+    def wait(self, timeout_s: float) -> None:
+        with self.cond:
+            self.cond.wait(timeout_s)
+
+    def _group(self, key: str) -> TiedGroup:
+        return next(g for g in self.groups if g.key == key)
+
+    def _step(self, g: TiedGroup, parts: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+              params: Mapping[str, nn.Parameter]) -> None:
+        """Tied step ``applied + 1`` of group ``g``: the holders' gradients summed in holder order, through the
+        stage's optimizer with every other parameter's gradient held aside."""
+        p = self.param[g.key]
+        total = parts[0].detach().to(p.device).clone()
+        for part in parts[1:]:
+            total.add_(part.to(p.device))
+        others = {q: q.grad for q in params.values() if q is not p}
+        for q in others:
+            q.grad = None
+        p.grad = total
+        optimizer.step()
+        p.grad = None
+        for q, grad in others.items():
+            q.grad = grad
+        with self.cond:
+            step = self.applied[g.key] + 1
+            for h in g.holders:
+                self._grads.get((h, step), {}).pop(g.key, None)
+                if not self._grads.get((h, step), True):
+                    del self._grads[(h, step)]
+            self.applied[g.key] = step
+
+    def _add_delta(self, key: str, delta: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        p = self.param[key]
+        with torch.no_grad():
+            for name, d in sorted(delta.items()):
+                _, _, state_key = name.partition(SEP)
+                target = optimizer.state[p][state_key] if state_key else p
+                target.add_(d.to(target.device))
+
+
+# ----------------------------------------------------------------- the stage's side (``StageWorker``)
+def deliver_tied(worker: Any, micro_batch: tuple[int, int], source: int, tensors: Mapping[str, Any]) -> str | None:
+    """A TIED message arrived (event loop): None if taken (its steps apply in the compute thread), else why not."""
+    tied: TiedExchange | None = worker.tied
+    reason = "unexpected_tied" if tied is None else tied.check(source, tensors)
+    if reason is None:
+        assert tied is not None
+        tied.receive(source, micro_batch[1], tensors)
+        worker.submit(lambda w: apply_tied(w))
+    return reason
+
+
+def send_tied(worker: Any, dest: int, step: int, tensors: dict[str, torch.Tensor]) -> None:
+    worker._emit(Outbound("tied", dest, (worker.cluster, step), worker.version, dict(tensors), worker.generation))
+
+
+def apply_tied(worker: Any, wait: Callable[[], bool] = lambda: False) -> None:
+    """Compute thread: apply the tied steps whose parts are in; while ``wait()``, wait for more (counted as
+    the "tied" wait)."""
+    tied: TiedExchange = worker.tied
+    while True:
+        if tied.apply_ready(worker.optimizer, worker.params):
+            worker.forward_weights.snapshot = None  # forwards from now on run at the new copy
+        if not wait() or worker.should_abort():
+            return
+        t0 = worker.clock()
+        tied.wait(0.5)
+        worker.waited("tied", worker.clock() - t0)
