@@ -28,6 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ravq.stage.tied import merge_stage_states
+
 log = logging.getLogger(__name__)
 
 FORMAT = 2
@@ -295,11 +297,8 @@ def export_cluster(root: str | Path, out: str | Path, cluster: int = 0, run_id: 
         raise CheckpointError(f"{cdir}: cluster {cluster} has {num_stages} stages; run {run_id} lacks {what}. "
                               f"Copy each missing stage's {cdir.name}/stageN.* from the PC that trained it "
                               "(or pass --run-id)")
-    state: dict[str, torch.Tensor] = {}
-    for s in range(num_stages):
-        overlap = set(state) & set(ckpts[s].model)
-        assert not overlap, f"stages share tensors: {sorted(overlap)[:3]}"
-        state.update(ckpts[s].model)
+    state = merge_stage_states([ckpts[s].model for s in range(num_stages)],
+                               [ckpts[s].meta.get("tied", []) for s in range(num_stages)])
     metadata = {"cluster": str(cluster), "run_id": str(run_id)}
     _write_atomic(Path(out), lambda p: save_file(state, str(p), metadata=metadata))
     return {"cluster": cluster, "stages": num_stages, "tensors": len(state), "run_id": run_id,

@@ -11,10 +11,10 @@ until its copy is at most ``max_inflight - 1`` tied steps behind the stage's own
 contributions already sent guarantee (with ``max_inflight: 1`` each forward sees every update before it, as
 one process does).
 
-Averaging: only the group's primary (its lowest holder) averages the weight across clusters, under the
-group's key.  The round's delta does not land on its copy directly: it is sent to the other holders with
-the step it follows (the primary's contributions so far), and every holder adds it right after that tied
-step, before the next.
+Averaging: only the holder of the group's key (its first name; the lowest holder, in every model tried)
+averages the weight across clusters.  The round's delta does not land on its copy directly: it is sent to
+the other holders with the step it follows (that holder's contributions so far: no holder can have applied
+the next one), and every holder, itself included, adds it right after that tied step, before the next.
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ class TiedExchange:
             key = name.removeprefix(GRAD) if name.startswith(GRAD) else name.removeprefix(DELTA).split(SEP)[0]
             group = next((g for g in self.groups if g.key == key), None)
             if group is None or source not in group.holders or source == self.stage:
-                return "unexpected_tied"
-            if name.startswith(DELTA) and source != group.primary:
                 return "unexpected_tied"
             p = self.param[key]
             if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:
@@ -211,3 +209,39 @@ def apply_tied(worker: Any, wait: Callable[[], bool] = lambda: False) -> None:
         t0 = worker.clock()
         tied.wait(0.5)
         worker.waited("tied", worker.clock() - t0)
+
+
+# ----------------------------------------------------------------- averaging (``ravq.average.averager``)
+def held_params(worker: Any) -> dict[str, nn.Parameter]:
+    """The stage's parameters under every name it holds them by (a tied weight's key among them)."""
+    return dict(worker.module.named_parameters(remove_duplicate=False))
+
+
+def tied_sinks(worker: Any, named: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                                        dict[str, torch.Tensor]]:
+    """``named`` with a zero tensor in place of each tied weight (and its optimizer state), and those zeros:
+    an averaging round's delta lands there, and ``hand_over`` gives it to every holder in step order."""
+    tied: TiedExchange | None = worker.tied
+    if tied is None:
+        return dict(named), {}
+    keys = {g.key for g in tied.groups}
+    sinks = {n: torch.zeros_like(t) for n, t in named.items() if n.split(SEP)[0] in keys}
+    return {**named, **sinks}, sinks
+
+
+def hand_over(worker: Any, sinks: Mapping[str, torch.Tensor]) -> None:
+    """Compute thread: the averaging deltas that landed in ``tied_sinks``'s zeros, added by every holder after
+    the tied step this stage contributed last (here at once, if it applied that step)."""
+    moved = {n: d for n, d in sinks.items() if bool(d.any())}
+    if moved:
+        worker.tied.defer_delta(moved, lambda *a: send_tied(worker, *a))
+        apply_tied(worker)
+
+
+def tied_meta(tied: TiedExchange | None) -> list[dict[str, Any]]:
+    """What a stage checkpoint records of its tied copies: each group's names and the tied steps applied
+    (``ravq.stage.tied.merge_stage_states`` exports the copy furthest along under every name)."""
+    if tied is None:
+        return []
+    return [{"key": g.key, "names": list(g.names), "holders": list(g.holders), "applied": tied.applied[g.key]}
+            for g in tied.groups]
