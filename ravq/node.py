@@ -41,6 +41,7 @@ from ravq.net.wire import DecodeLimits
 from ravq.stage import checkpoint
 from ravq.stage.build import BuiltStage, build_stage, resume, save
 from ravq.stage.pipeline import StageWorker
+from ravq.stage.tied_step import close_tied
 from ravq.stage.types import Outbound
 from ravq.swarm.churn import Churn
 from ravq.swarm.links import StageLinks
@@ -239,6 +240,8 @@ class Node:
                 # a cluster was disrupted: clusters ended at different step counts; agree once more
                 t = self.topology.timeouts
                 await self.averager.final_round(t.give_up_s or max(t.connect_s, 3600.0))
+        if worker.tied is not None and not self._force.is_set():  # the last rounds' deltas reach every copy
+            await asyncio.to_thread(close_tied, worker)
         await links.outbound.join()
         if self._draining and not self._force.is_set():
             log.info("%s: drained at step %d", self.name, worker.version)

@@ -172,3 +172,16 @@ def test_merge_takes_the_copy_furthest_along() -> None:
             [{"key": "e", "names": ["h"], "holders": [0, 1], "applied": 4}]]
     state = merge_stage_states([{"e": a, "x": a}, {"h": b}], tied)
     assert set(state) == {"e", "h", "x"} and torch.equal(state["e"], b) and torch.equal(state["h"], b)
+
+
+def test_frame_limit_admits_a_tied_gradient() -> None:
+    """A stage's derived frame limit covers the tied weight's gradient another holder sends it (the
+    vocabulary-sized embedding can be larger than any activation)."""
+    from ravq.net.limits import largest_inbound_frame
+    from ravq.stage.split import stage_input_specs
+
+    specs = _split(zoo.tied, 3)
+    in_specs = stage_input_specs(specs, zoo.tied.example_inputs(2))
+    embed = specs[0].module.get_parameter("embed.weight")
+    for stage in (0, 2):
+        assert largest_inbound_frame(specs, in_specs, stage) >= embed.numel() * embed.element_size()

@@ -21,8 +21,8 @@ from ravq.net.limits import largest_inbound_frame
 from ravq.stage import checkpoint
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.split import build_task_model, split_model, stage_input_specs
-from ravq.stage.tied_step import tied_meta
 from ravq.stage.tensors import model_input_needs
+from ravq.stage.tied_step import tied_meta
 from ravq.stage.types import StageOptions
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,6 @@ from ravq.stage.schedule import Scheduler
 from ravq.stage.split import StageSpec, model_output
 from ravq.stage.stash import GradientSum, Stashed, WeightStash, fresh_buffers
 from ravq.stage.stats import StageStats
-from ravq.stage.tied_step import TiedExchange, apply_tied, deliver_tied, send_tied
 from ravq.stage.tensors import (
     Parts,
     data_for,
@@ -46,6 +45,7 @@ from ravq.stage.tensors import (
     targets_of,
     to_device,
 )
+from ravq.stage.tied_step import TiedExchange, apply_tied, deliver_tied, send_tied
 from ravq.stage.types import MicroBatch, Outbound, StageOptions
 
 Emit = Callable[[Outbound], None]

@@ -29,9 +29,10 @@ from torch import nn
 from ravq.stage.tied import TiedGroup
 from ravq.stage.types import Outbound
 
-GRAD, DELTA = "g:", "d:"
-"""Tensor name prefixes in a TIED message: a contribution's gradient, or an averaging delta (by averaged
-name: the group's key, or ``key::state`` for its optimizer state)."""
+GRAD, DELTA, FIN = "g:", "d:", "fin"
+"""Tensor names in a TIED message: prefixes of a contribution's gradient and of an averaging delta (by
+averaged name: the group's key, or ``key::state`` for its optimizer state); ``fin``: the sender is done
+(it sends nothing after it: ``close_tied``)."""
 SEP = "::"
 
 Send = Callable[[int, int, dict[str, torch.Tensor]], None]
@@ -56,12 +57,20 @@ class TiedExchange:
         self._grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         """(holder stage, step) -> its contribution's gradients, by group key."""
         self._deltas: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-        """(group key, step it follows) -> the primary's averaging delta, by averaged name."""
+        """(group key, step it follows) -> an averaging delta, by averaged name."""
+        self.others = sorted({h for g in groups for h in g.holders} - {stage})
+        """The other stages holding a copy of any of this stage's tied weights."""
+        self.closed: set[int] = set()
+        """Other holders that sent ``fin``: every delta they will ever send is in."""
 
     # ----------------------------------------------------------------- what arrives (event loop)
     def check(self, source: int, tensors: Mapping[str, Any]) -> str | None:
         """Why a TIED message from ``source`` is refused, or None."""
         for name, t in tensors.items():
+            if name == FIN:
+                if source not in self.others:
+                    return "unexpected_tied"
+                continue
             key = name.removeprefix(GRAD) if name.startswith(GRAD) else name.removeprefix(DELTA).split(SEP)[0]
             group = next((g for g in self.groups if g.key == key), None)
             if group is None or source not in group.holders or source == self.stage:
@@ -80,6 +89,8 @@ class TiedExchange:
                 if name.startswith(DELTA):
                     full = name.removeprefix(DELTA)
                     self._deltas.setdefault((full.split(SEP)[0], step), {})[full] = t
+            if FIN in tensors:
+                self.closed.add(source)
             self.cond.notify_all()
 
     # ----------------------------------------------------------------- compute thread
@@ -95,7 +106,7 @@ class TiedExchange:
         with self.cond:
             self._grads[(self.stage, step)] = own
             self.contributed = step
-        for dest in sorted({h for g in self.groups for h in g.holders} - {self.stage}):
+        for dest in self.others:
             send(dest, step, {f"{GRAD}{g.key}": own[g.key].detach() for g in self.groups if dest in g.holders})
 
     def defer_delta(self, deltas: Mapping[str, torch.Tensor], send: Send) -> None:
@@ -105,7 +116,7 @@ class TiedExchange:
         with self.cond:
             for name, d in deltas.items():
                 self._deltas.setdefault((name.split(SEP)[0], after), {})[name] = d.detach().clone()
-        for dest in sorted({h for g in self.groups for h in g.holders} - {self.stage}):
+        for dest in self.others:
             send(dest, after, {f"{DELTA}{n}": d.detach() for n, d in deltas.items()
                                if dest in self._group(n.split(SEP)[0]).holders})
 
@@ -209,6 +220,16 @@ def apply_tied(worker: Any, wait: Callable[[], bool] = lambda: False) -> None:
         t0 = worker.clock()
         tied.wait(0.5)
         worker.waited("tied", worker.clock() - t0)
+
+
+def close_tied(worker: Any) -> None:
+    """After training and the last averaging round (a node's end): tell the other holders this stage sends
+    nothing more, and apply what they send until each of them said so; the copies are then bit-identical,
+    the averaging deltas of the last rounds included."""
+    tied: TiedExchange = worker.tied
+    for dest in tied.others:
+        send_tied(worker, dest, tied.contributed, {FIN: torch.zeros(1)})
+    apply_tied(worker, wait=lambda: not (tied.settled() and set(tied.others) <= tied.closed))
 
 
 # ----------------------------------------------------------------- averaging (``ravq.average.averager``)
