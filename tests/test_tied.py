@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -185,3 +186,31 @@ def test_frame_limit_admits_a_tied_gradient() -> None:
     embed = specs[0].module.get_parameter("embed.weight")
     for stage in (0, 2):
         assert largest_inbound_frame(specs, in_specs, stage) >= embed.numel() * embed.element_size()
+
+
+def test_copies_resynchronise_after_a_disruption() -> None:
+    """A pause drops the work in flight and may load other weights (a checkpoint, a catch-up from another
+    cluster): at resume the key holder's copy and optimizer state go to the other holders, the count of tied
+    steps starts again, and training ends with the copies bit-identical and nothing waiting."""
+    adam = SimpleNamespace(**{**vars(zoo.tied), "make_optimizer": lambda params: torch.optim.Adam(params, lr=1e-2)})
+    workers = make_workers(adam, 3, steps=6, max_inflight=2)
+    run_workers(workers)
+    last = workers[2]
+    with torch.no_grad():
+        last.module.get_parameter("head.weight").add_(1.0)  # as a catch-up from another cluster would
+    for w in workers:
+        w.options.steps = 12
+        w.reset(1)
+    assert last.tied is not None and last.tied.behind()  # no forward before the key holder's copy
+    for w in workers:
+        w.resume(6)
+    last.run_pending()  # the compute thread's work: take the copy that arrived
+    assert not last.tied.behind()
+    first = workers[0].module.get_parameter("embed.weight")
+    assert torch.equal(last.module.get_parameter("head.weight"), first)
+    state0, state2 = (w.optimizer.state[w.module.get_parameter(n)] for w, n in ((workers[0], "embed.weight"),
+                                                                                (last, "head.weight")))
+    assert all(torch.equal(state0[k], state2[k]) for k in state0)
+    run_workers(workers)
+    _assert_copies_equal(workers)
+    assert all(w.trained == 12 for w in workers)

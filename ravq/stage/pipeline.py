@@ -173,10 +173,14 @@ class StageWorker:
                 self._requeue = deque(sorted([*again, *self._requeue], key=lambda item: item[0]))
                 self._inflight_data.clear()
             self.stats.inflight = 0
+            if self.tied is not None:
+                self.tied.reset()
         return dropped
 
     def resume(self, trained: int) -> None:
         """Compute thread: train again, counting ``trained`` micro-batches as finished."""
+        if self.tied is not None:  # the key holder's copy: the same start for every copy
+            self.tied.restart(self.optimizer, lambda *a: send_tied(self, *a))
         with self._sched.cond:
             self.trained = trained
             self._sched.pause(False)

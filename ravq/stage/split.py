@@ -267,10 +267,10 @@ def _check_names(model: nn.Module, specs: list[StageSpec]) -> None:
     parts = [f"{k} is used by stages {v}" for k, v in list(shared.items())[:5]]
     parts += [f"{k} is in no stage" for k in missing[:5]]
     parts += [f"{k} is not a name of the unsplit model" for k in extra[:5]]
-    raise SplitError("cannot split the model so that each weight and persistent buffer lives in one stage: "
-                     + "; ".join(parts) + ". Cut elsewhere (the task's split_points()) so each is used by one "
+    raise SplitError("cannot split the model so that each persistent buffer lives in one stage: "
+                     + "; ".join(parts) + ". Cut elsewhere (the task's split_points()) so each buffer is used by one "
                      "stage, or make a buffer that is a constant non-persistent "
-                     "(register_buffer(..., persistent=False))")
+                     "(register_buffer(..., persistent=False)); weights read by several stages are tied copies")
 
 
 @contextlib.contextmanager

@@ -29,10 +29,10 @@ from torch import nn
 from ravq.stage.tied import TiedGroup
 from ravq.stage.types import Outbound
 
-GRAD, DELTA, FIN = "g:", "d:", "fin"
-"""Tensor names in a TIED message: prefixes of a contribution's gradient and of an averaging delta (by
-averaged name: the group's key, or ``key::state`` for its optimizer state); ``fin``: the sender is done
-(it sends nothing after it: ``close_tied``)."""
+GRAD, DELTA, SET, FIN = "g:", "d:", "s:", "fin"
+"""Tensor names in a TIED message: prefixes of a contribution's gradient, of an averaging delta (by
+averaged name: the group's key, or ``key::state`` for its optimizer state) and of the key holder's copy and
+optimizer state after a disruption (``restart``); ``fin``: the sender is done (``close_tied``)."""
 SEP = "::"
 
 Send = Callable[[int, int, dict[str, torch.Tensor]], None]
@@ -62,6 +62,9 @@ class TiedExchange:
         """The other stages holding a copy of any of this stage's tied weights."""
         self.closed: set[int] = set()
         """Other holders that sent ``fin``: every delta they will ever send is in."""
+        self.synced = {g.key: True for g in groups}
+        """False from a disruption until the key holder's copy arrived (``SET``)."""
+        self._sets: dict[str, dict[str, torch.Tensor]] = {}
 
     # ----------------------------------------------------------------- what arrives (event loop)
     def check(self, source: int, tensors: Mapping[str, Any]) -> str | None:
@@ -71,12 +74,16 @@ class TiedExchange:
                 if source not in self.others:
                     return "unexpected_tied"
                 continue
-            key = name.removeprefix(GRAD) if name.startswith(GRAD) else name.removeprefix(DELTA).split(SEP)[0]
+            key, _, state = name[len(GRAD):].partition(SEP)
             group = next((g for g in self.groups if g.key == key), None)
-            if group is None or source not in group.holders or source == self.stage:
+            if group is None or source not in group.holders or source == self.stage or name[:2] not in (
+                    GRAD, DELTA, SET):
                 return "unexpected_tied"
             p = self.param[key]
-            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:
+            if not isinstance(t, torch.Tensor):
+                return "tensor_mismatch"
+            scalar = name.startswith(SET) and state and t.dim() == 0  # an optimizer's step count
+            if (t.shape != p.shape or t.dtype != p.dtype) and not scalar:
                 return "tensor_mismatch"
         return None
 
@@ -89,9 +96,37 @@ class TiedExchange:
                 if name.startswith(DELTA):
                     full = name.removeprefix(DELTA)
                     self._deltas.setdefault((full.split(SEP)[0], step), {})[full] = t
+                elif name.startswith(SET):
+                    full = name.removeprefix(SET)
+                    self._sets.setdefault(full.split(SEP)[0], {})[full] = t
             if FIN in tensors:
                 self.closed.add(source)
             self.cond.notify_all()
+
+    # ----------------------------------------------------------------- after a disruption (compute thread)
+    def reset(self) -> None:
+        """The cluster paused and dropped its work in flight (and may load other weights): forget every
+        step counted so far; until the key holder's copy arrives, apply and run nothing with it."""
+        with self.cond:
+            self._grads.clear()
+            self._deltas.clear()
+            self._sets.clear()
+            self.contributed = 0
+            self.applied = {g.key: 0 for g in self.groups}
+            self.synced = {g.key: g.key in g.names for g in self.groups}
+
+    def restart(self, optimizer: torch.optim.Optimizer, send: Send) -> None:
+        """The cluster trains again: send the copies (and optimizer state) this stage holds the key of to the
+        other holders, who take them before any tied step of the new count."""
+        for g in self.groups:
+            if g.key not in g.names:
+                continue
+            p = self.param[g.key]
+            state = {k: v for k, v in optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+            tensors = {f"{SET}{g.key}": p.detach(), **{f"{SET}{g.key}{SEP}{k}": v.detach() for k, v in state.items()}}
+            for dest in g.holders:
+                if dest != self.stage:
+                    send(dest, 0, tensors)
 
     # ----------------------------------------------------------------- compute thread
     def contribute(self, send: Send) -> None:
@@ -124,6 +159,13 @@ class TiedExchange:
         """Apply every tied step and delta whose parts are all in, in order; whether anything changed."""
         changed = False
         for g in self.groups:
+            if not self.synced[g.key]:
+                with self.cond:
+                    copy = self._sets.pop(g.key, None)
+                if copy is None:
+                    continue  # nothing of the new count applies before the key holder's copy
+                self._take_copy(g.key, copy, optimizer)
+                changed = True
             while True:
                 with self.cond:
                     delta = self._deltas.pop((g.key, self.applied[g.key]), None)
@@ -140,8 +182,9 @@ class TiedExchange:
         return changed
 
     def behind(self) -> bool:
-        """Whether a forward must wait: a copy is more than ``lag`` tied steps behind this stage's own steps."""
-        return min(self.applied.values()) < self.contributed - self.lag
+        """Whether a forward must wait: a copy is more than ``lag`` tied steps behind this stage's own steps,
+        or waits for the key holder's copy after a disruption."""
+        return not all(self.synced.values()) or min(self.applied.values()) < self.contributed - self.lag
 
     def primary_behind(self) -> bool:
         """Whether a group this stage is primary of has not applied the stage's own steps yet (the other
@@ -150,7 +193,7 @@ class TiedExchange:
 
     def settled(self) -> bool:
         """Every step this stage contributed to is applied (at the end of training)."""
-        return min(self.applied.values()) >= self.contributed
+        return all(self.synced.values()) and min(self.applied.values()) >= self.contributed
 
     def wait(self, timeout_s: float) -> None:
         with self.cond:
@@ -182,6 +225,16 @@ class TiedExchange:
                 if not self._grads.get((h, step), True):
                     del self._grads[(h, step)]
             self.applied[g.key] = step
+
+    def _take_copy(self, key: str, copy: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        p = self.param[key]
+        with torch.no_grad():
+            p.copy_(copy[key])
+        fields = {name.partition(SEP)[2]: t for name, t in copy.items() if SEP in name}
+        if fields:
+            optimizer.state[p] = {k: t.detach().clone().to(p.device if t.dim() else t.device)
+                                  for k, t in fields.items()}
+        self.synced[key] = True
 
     def _add_delta(self, key: str, delta: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         p = self.param[key]

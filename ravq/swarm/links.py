@@ -66,8 +66,8 @@ class StageLinks:
         while True:
             out = await self.outbound.get()
             try:
-                if out.generation != self.generation() and out.kind != "tied":
-                    continue  # work of a generation the cluster dropped (tied steps are counted across them)
+                if out.generation != self.generation():
+                    continue  # work of a generation the cluster dropped
                 kind = _KINDS[out.kind]
                 tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
                 packed = {n: t for n, t in out.tensors.items() if isinstance(t, Packed)}
@@ -86,7 +86,7 @@ class StageLinks:
             if kind is None or source is None or msg.micro_batch is None:
                 self.metrics.bad_messages.labels("pipeline", "unexpected_message").inc()
                 continue
-            if msg.meta.get("gen", 0) != self.generation() and kind != "tied":
+            if msg.meta.get("gen", 0) != self.generation():
                 self.metrics.bad_messages.labels("pipeline", "other_generation").inc()
                 continue
             reason = worker.deliver(kind, msg.micro_batch, source, {**msg.tensors, **msg.packed})
