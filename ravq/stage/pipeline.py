@@ -202,6 +202,8 @@ class StageWorker:
     def run(self, emit: Emit, should_abort: Callable[[], bool] = lambda: False) -> None:
         """Work until this stage has finished ``steps`` micro-batches (or was stopped and drained)."""
         self.should_abort, self._emit = should_abort, emit
+        if self.tied is not None and not self.tied.announced:  # one start for every copy, whatever was loaded
+            self.tied.restart(self.optimizer, lambda *a: send_tied(self, *a))
         self._sched.running = True
         try:
             while (work := self._sched.next(self, should_abort)) is not None:

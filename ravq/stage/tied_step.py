@@ -62,8 +62,11 @@ class TiedExchange:
         """The other stages holding a copy of any of this stage's tied weights."""
         self.closed: set[int] = set()
         """Other holders that sent ``fin``: every delta they will ever send is in."""
-        self.synced = {g.key: True for g in groups}
-        """False from a disruption until the key holder's copy arrived (``SET``)."""
+        self.synced = {g.key: g.key in g.names for g in groups}
+        """False until the key holder's copy arrived (``SET``): at the start (each stage may have loaded its
+        own checkpoint) and after a disruption."""
+        self.announced = False
+        """Whether this stage sent its key copies (``restart``) since it started."""
         self._sets: dict[str, dict[str, torch.Tensor]] = {}
 
     # ----------------------------------------------------------------- what arrives (event loop)
@@ -116,8 +119,9 @@ class TiedExchange:
             self.synced = {g.key: g.key in g.names for g in self.groups}
 
     def restart(self, optimizer: torch.optim.Optimizer, send: Send) -> None:
-        """The cluster trains again: send the copies (and optimizer state) this stage holds the key of to the
-        other holders, who take them before any tied step of the new count."""
+        """Training starts or starts again: send the copies (and optimizer state) this stage holds the key of
+        to the other holders, who take them before any tied step of the new count."""
+        self.announced = True
         for g in self.groups:
             if g.key not in g.names:
                 continue
@@ -288,6 +292,8 @@ def close_tied(worker: Any) -> None:
 # ----------------------------------------------------------------- averaging (``ravq.average.averager``)
 def held_params(worker: Any) -> dict[str, nn.Parameter]:
     """The stage's parameters under every name it holds them by (a tied weight's key among them)."""
+    if getattr(worker, "tied", None) is None:  # (tests average fake stages without a module)
+        return dict(worker.params)
     return dict(worker.module.named_parameters(remove_duplicate=False))
 
 
@@ -295,7 +301,7 @@ def tied_sinks(worker: Any, named: Mapping[str, torch.Tensor]) -> tuple[dict[str
                                                                         dict[str, torch.Tensor]]:
     """``named`` with a zero tensor in place of each tied weight (and its optimizer state), and those zeros:
     an averaging round's delta lands there, and ``hand_over`` gives it to every holder in step order."""
-    tied: TiedExchange | None = worker.tied
+    tied: TiedExchange | None = getattr(worker, "tied", None)  # (tests average fake stages without one)
     if tied is None:
         return dict(named), {}
     keys = {g.key for g in tied.groups}
