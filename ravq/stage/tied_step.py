@@ -15,6 +15,13 @@ Averaging: only the holder of the group's key (its first name; the lowest holder
 averages the weight across clusters.  The round's delta does not land on its copy directly: it is sent to
 the other holders with the step it follows (that holder's contributions so far: no holder can have applied
 the next one), and every holder, itself included, adds it right after that tied step, before the next.
+
+One start: when training starts, and when the cluster resumes after a pause (whose reset drops the steps in
+flight and the count), the key holder sends its copy and optimizer state (SET); the other holders take it
+before any forward or tied step, so copies loaded from different checkpoints or clusters agree again.  At a
+node's end each holder sends ``fin`` after its last averaging round and waits for the others', so the last
+rounds' deltas reach every copy.  A forward's weights are stashed as before; a tied step only drops the
+cached snapshot, so the next forward copies the new weights.
 """
 
 from __future__ import annotations
