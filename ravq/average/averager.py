@@ -49,9 +49,9 @@ from ravq.net.compress import Format
 from ravq.net.options import SocketOptions
 from ravq.net.transport import Context
 from ravq.net.wire import DecodeLimits, Message
+from ravq.stage.meta import build_meta_model
 from ravq.stage.optim import set_clusters
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.split import build_task_model
 from ravq.stage.tied_step import hand_over, held_params, tied_sinks
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class Averager:
         self.initial = {n: v.detach().to("cpu").clone() for n, v in {**held_params(worker), **worker.buffers}.items()}
         self.names, self.numels = averaged_tensors(model, task, self.with_state)
         own_cuts = tuple(plan().clusters[cluster].cuts)
-        self.owners = stage_owners(lambda: build_task_model(task, topology.seed),
+        self.owners = stage_owners(lambda: build_meta_model(task, topology.seed).model,
                                    task.example_inputs(t.micro_batch), plan(), {own_cuts: stage_names})
         self.plan = plan
         self.mailbox = Mailbox()
@@ -245,6 +245,7 @@ class Averager:
         moved = [n for seg in segments if seg.ring_id in result.averaged for n in seg.names if n in self.worker.buffers]
         if moved:
             named = {**named, **self.worker.fresh_buffers(moved)}
+        self.worker.before_weight_change()  # the same for the weights forwards in flight run on
         named, sinks = tied_sinks(self.worker, named)  # a tied weight's delta reaches every copy in step order
         deltas = apply_round(named, segments, snapshots, result)
         hand_over(self.worker, sinks)
@@ -355,6 +356,7 @@ class Averager:
         if result.aborted:
             return ", ".join(sorted({e.reason for e in result.aborted.values()}))
         def apply(w: StageWorker) -> None:
+            w.before_weight_change()
             live, sinks = tied_sinks(w, named)
             apply_round(live, segments, snapshots, result)
             hand_over(w, sinks)

@@ -18,9 +18,7 @@ export carry them as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import nn
 
 
@@ -145,26 +143,3 @@ def _delete(module: nn.Module, name: str) -> None:
     owner, _, leaf = name.rpartition(".")
     del module.get_submodule(owner)._parameters[leaf]
 
-
-def merge_stage_states(states: list[dict[str, torch.Tensor]], tied: list[list[dict[str, Any]]]
-                       ) -> dict[str, torch.Tensor]:
-    """The unsplit model's state_dict from its stages' (``ravq export``): every name once; each tied
-    weight's names all carry the copy that applied the most tied steps (``tied``: each stage's checkpoint
-    record, ``ravq.stage.tied_step.tied_meta``), so the export keeps the tie as the model declares it."""
-    best: dict[str, tuple[int, int]] = {}
-    names: dict[str, set[str]] = {}
-    for stage, groups in enumerate(tied):
-        for g in groups:
-            names.setdefault(g["key"], set()).update(g["names"])
-            if g["key"] not in best or g["applied"] > best[g["key"]][0]:
-                best[g["key"]] = (g["applied"], stage)
-    state: dict[str, torch.Tensor] = {}
-    for stage_state in states:
-        for name, value in stage_state.items():
-            assert name not in state or any(name in n for n in names.values()), f"stages share {name}"
-            state.setdefault(name, value)
-    for key, (_, stage) in best.items():
-        source = states[stage][next(n for n in sorted(names[key]) if n in states[stage])]
-        for name in names[key]:
-            state[name] = source.clone()
-    return state

@@ -166,8 +166,10 @@ class TiedExchange:
             send(dest, after, {f"{DELTA}{n}": d.detach() for n, d in deltas.items()
                                if dest in self._group(n.split(SEP)[0]).holders})
 
-    def apply_ready(self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter]) -> bool:
-        """Apply every tied step and delta whose parts are all in, in order; whether anything changed."""
+    def apply_ready(self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter],
+                    before_change: Callable[[], None]) -> bool:
+        """Apply every tied step and delta whose parts are all in, in order (``before_change()`` first, once);
+        whether anything changed."""
         changed = False
         for g in self.groups:
             if not self.synced[g.key]:
@@ -175,21 +177,20 @@ class TiedExchange:
                     copy = self._sets.pop(g.key, None)
                 if copy is None:
                     continue  # nothing of the new count applies before the key holder's copy
+                changed = changed or _call(before_change)
                 self._take_copy(g.key, copy, optimizer)
-                changed = True
             while True:
                 with self.cond:
                     delta = self._deltas.pop((g.key, self.applied[g.key]), None)
                     step = self.applied[g.key] + 1
                     parts = [self._grads.get((h, step), {}).get(g.key) for h in g.holders]
+                if delta is None and any(p is None for p in parts):
+                    break
+                changed = changed or _call(before_change)
                 if delta is not None:
                     self._add_delta(g.key, delta, optimizer)
-                    changed = True
                     continue
-                if any(p is None for p in parts):
-                    break
                 self._step(g, parts, optimizer, params)  # type: ignore[arg-type]
-                changed = True
         return changed
 
     def behind(self) -> bool:
@@ -256,6 +257,11 @@ class TiedExchange:
                 target.add_(d.to(target.device))
 
 
+def _call(fn: Callable[[], None]) -> bool:
+    fn()
+    return True
+
+
 # ----------------------------------------------------------------- the stage's side (``StageWorker``)
 def deliver_tied(worker: Any, micro_batch: tuple[int, int], source: int, tensors: Mapping[str, Any]) -> str | None:
     """A TIED message arrived (event loop): None if taken (its steps apply in the compute thread), else why not."""
@@ -277,7 +283,7 @@ def apply_tied(worker: Any, wait: Callable[[], bool] = lambda: False) -> None:
     the "tied" wait)."""
     tied: TiedExchange = worker.tied
     while True:
-        if tied.apply_ready(worker.optimizer, worker.params):
+        if tied.apply_ready(worker.optimizer, worker.params, worker.before_weight_change):
             worker.forward_weights.snapshot = None  # forwards from now on run at the new copy
         if not wait() or worker.should_abort():
             return
@@ -327,7 +333,7 @@ def hand_over(worker: Any, sinks: Mapping[str, torch.Tensor]) -> None:
 
 def tied_meta(tied: TiedExchange | None) -> list[dict[str, Any]]:
     """What a stage checkpoint records of its tied copies: each group's names and the tied steps applied
-    (``ravq.stage.tied.merge_stage_states`` exports the copy furthest along under every name)."""
+    (``ravq.stage.export`` writes the copy furthest along under every name)."""
     if tied is None:
         return []
     return [{"key": g.key, "names": list(g.names), "holders": list(g.holders), "applied": tied.applied[g.key]}
