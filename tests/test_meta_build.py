@@ -283,3 +283,17 @@ def test_a_swarm_trains_from_a_pretrained_checkpoint_and_exports_it(tmp_path: Pa
     x = torch.randint(0, charlm.VOCAB, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(exported(x).logits, trained(x).logits, rtol=0, atol=1e-6)
+
+
+def test_profiling_a_model_that_does_not_fit_times_its_largest_block() -> None:
+    """``ravq profile`` times the whole model when it fits in the budget, else its largest block alone,
+    its inputs made by the blocks before it (each given weights only while it runs)."""
+    from ravq.profile.step import training_step_target
+
+    whole, _ = training_step_target(charlm, 2, "cpu", budget_bytes=1 << 40)
+    assert len(whole) == len(list(build_task_model(charlm, 0).parameters()))
+    block, forward = training_step_target(charlm, 2, "cpu", budget_bytes=1)
+    assert 0 < sum(p.numel() for p in block) < sum(p.numel() for p in whole)
+    loss = forward()
+    loss.backward()
+    assert all(p.grad is not None for p in block)
