@@ -10,7 +10,9 @@ stash (docs/convergence.md).
 
 The compensation is optimistic extrapolation (as in Optimistic Adam): the optimizer is handed
 ``g + k * s * (g - g_prev)`` instead of ``g``, where ``g_prev`` is the gradient of the stage's previous
-update and ``k`` is ``training.extrapolate_gradients``.  The difference of consecutive gradients says
+update, ``k`` is ``training.extrapolate_gradients`` and ``s`` the stage's mean staleness over its recent
+backwards (not the update's own: when two forwards share a version their staleness alternates 0, 1, and
+extrapolating only the stale one from a gradient at the same weights did not help; the mean did).  The difference of consecutive gradients says
 where the gradient is heading as the weights move, so the stale gradient is carried forward towards
 the weights it is applied to, and a growing oscillation is damped rather than fed.  An update with no
 staleness is left alone, so ``max_inflight: 1`` still trains exactly like one process.

@@ -355,7 +355,8 @@ class StageWorker:
         for staleness in stalenesses:  # updates applied since each micro-batch's forward
             self.stats.record_staleness(staleness, self.metrics)
             self.forward_weights.recent_staleness.append(staleness)
-        self._extrapolate.apply(sum(stalenesses) / len(stalenesses))
+        recent = self.forward_weights.recent_staleness  # the mean: two forwards may share a version
+        self._extrapolate.apply(sum(recent) / len(recent))
         self.forward_weights.step(self.optimizer, self.options.predict_weights)
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
