@@ -137,6 +137,8 @@ def ravq_losses(args: argparse.Namespace, steps: int) -> tuple[list[list[float]]
            "--micro-batch", str(args.micro_batch), "--sync-every", str(args.sync_every), "--outer-lr", str(args.outer_lr), "--seed", str(args.seed),
            *(["--max-inflight", str(args.max_inflight)] if args.max_inflight else []),
            *(["--predict-weights", str(args.predict_weights)] if args.predict_weights is not None else []),
+           *(["--extrapolate-gradients", str(args.extrapolate_gradients)] if args.extrapolate_gradients is not None
+             else []),
            *(["--average-optimizer-state"] if args.average_optimizer_state else []),
            *(["--compress-pipeline", args.compress_pipeline] if args.compress_pipeline else []),
            *(["--compress-ring", args.compress_ring] if args.compress_ring else []),
@@ -285,6 +287,7 @@ def main() -> None:
     p.add_argument("--outer-lr", type=float, default=1.0)
     p.add_argument("--max-inflight", type=int, default=None, help="default: the number of stages")
     p.add_argument("--predict-weights", type=float, default=None, help="default: ravq's own")
+    p.add_argument("--extrapolate-gradients", type=float, default=None, help="default: ravq's own")
     p.add_argument("--average-optimizer-state", action="store_true")
     p.add_argument("--headroom", type=float, default=1.6, help="ravq trains this many times the budget's samples")
     p.add_argument("--seed", type=int, default=0)

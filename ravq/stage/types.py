@@ -42,7 +42,8 @@ class StageOptions:
     extrapolate_gradients: float = 0.0
     """Delay compensation (``ravq.stage.delay``): a stale update hands the optimizer its gradient
     extrapolated by this many times its staleness along the change since the stage's last update;
-    0 hands it the gradient as it is.  No effect without staleness (max_inflight 1)."""
+    0 hands it the gradient as it is.  No effect without staleness (max_inflight 1).  The last gradient is
+    not checkpointed: after a resume the first update is not extrapolated."""
     compress: Format = Format.NONE
     """How activations and gradients leave this stage (``ravq.net.compress``); model inputs and targets never
     are compressed, and what arrives compressed is restored to the dtype this stage expects."""
