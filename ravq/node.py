@@ -41,6 +41,7 @@ from ravq.net.wire import DecodeLimits
 from ravq.stage import checkpoint
 from ravq.stage.build import BuiltStage, build_stage, resume, save
 from ravq.stage.pipeline import StageWorker
+from ravq.stage.tied_step import close_tied
 from ravq.stage.types import Outbound
 from ravq.swarm.churn import Churn
 from ravq.swarm.links import StageLinks
@@ -130,6 +131,7 @@ class Node:
         self.links = StageLinks(ctx=self.ctx, topology=self.topology, name=self.name, metrics=self.metrics,
                                 limits=self.limits, sock_opts=self.sock_opts, generation=lambda: self.churn.generation)
         peers = set(worker.spec.consumer_stages) | set(worker.spec.producer_stages)
+        peers |= {h for group in worker.spec.tied for h in group.holders if h != self.stage}  # tied copies' holders
         self.links.open(cluster.nodes, peers | (set(worker._first_destinations()) if worker.is_first else set()))
         if len(plan.clusters) > 1:
             self.averager = Averager(ctx=self.ctx, topology=self.topology, plan=self.churn.current_plan, me=self.name,
@@ -238,6 +240,8 @@ class Node:
                 # a cluster was disrupted: clusters ended at different step counts; agree once more
                 t = self.topology.timeouts
                 await self.averager.final_round(t.give_up_s or max(t.connect_s, 3600.0))
+        if worker.tied is not None and not self._force.is_set():  # the last rounds' deltas reach every copy
+            await asyncio.to_thread(close_tied, worker)
         await links.outbound.join()
         if self._draining and not self._force.is_set():
             log.info("%s: drained at step %d", self.name, worker.version)

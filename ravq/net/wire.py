@@ -38,6 +38,7 @@ class MsgType(enum.StrEnum):
     # pipeline links
     FORWARD = "fwd"          # activations (+ model inputs, + targets for the last stage)
     BACKWARD = "bwd"         # gradients w.r.t. a stage's inputs, to their producer
+    TIED = "tied"            # a tied weight's gradient or averaging delta, between the stages holding it
     # broker (clone pattern) and node control
     REGISTER = "register"    # node -> broker: I am up
     HEARTBEAT = "heartbeat"  # node -> broker: alive, with live statistics in meta
@@ -94,7 +95,7 @@ REQUIRED_META: dict[MsgType, dict[str, type | tuple[type, ...]]] = {
     MsgType.UPDATE: {"seq": int},
     MsgType.SNAPSHOT: {"seq": int},
 }
-_NEEDS_MICRO_BATCH = (MsgType.FORWARD, MsgType.BACKWARD)
+_NEEDS_MICRO_BATCH = (MsgType.FORWARD, MsgType.BACKWARD, MsgType.TIED)
 _MSG_TYPES: dict[str, MsgType] = {t.value: t for t in MsgType}  # MsgType(value) costs 10x a lookup
 _MAX_DIMS = 16
 
