@@ -29,7 +29,6 @@ from torch.func import functional_call
 
 from ravq.net import compress
 from ravq.net.compress import Packed
-from ravq.stage.delay import GradientExtrapolation
 from ravq.stage.schedule import Scheduler
 from ravq.stage.split import StageSpec, model_output
 from ravq.stage.stash import GradientSum, Stashed, WeightStash, fresh_buffers
@@ -87,10 +86,9 @@ class StageWorker:
         self._inflight_data: dict[MicroBatch, Any] = {}
         """Stage 0: the batch of each micro-batch in flight, to re-queue it if the pause drops it."""
         self.stats = StageStats(clock=clock)
-        self.forward_weights = WeightStash(self.params)
+        self.forward_weights = WeightStash(self.params, options.extrapolate_gradients * (options.max_inflight > 1))
         self._stash: dict[MicroBatch, Stashed] = {}
         self._grads = GradientSum(self.params, options.update_every)
-        self._extrapolate = GradientExtrapolation(self.params, options.extrapolate_gradients if options.max_inflight > 1 else 0.0)
         self._fwd_sources = forward_sources(spec, num_stages)
         self._expected_fwd = expected_forward(spec, num_stages, input_specs, target_example)
         self._sched = Scheduler(self._fwd_sources, spec.consumer_stages, 4 * options.max_inflight + 4, clock)
@@ -201,7 +199,6 @@ class StageWorker:
     def forget_weight_history(self) -> None:
         """After weights were replaced (catch-up): no cached forward weights, no last update to extrapolate."""
         self.forward_weights.forget()
-        self._extrapolate.forget()
 
     def queue_depths(self) -> dict[str, int]:
         return self._sched.depths()
@@ -381,8 +378,6 @@ class StageWorker:
             staleness = self.version - used  # updates applied since this micro-batch's forward
             self.stats.record_staleness(staleness, self.metrics)
             self.forward_weights.recent_staleness.append(staleness)
-        recent = self.forward_weights.recent_staleness  # the mean: two forwards may share a version
-        self._extrapolate.apply(sum(recent) / len(recent))
         self.forward_weights.step(self.optimizer, self.options.predict_weights, in_flight=bool(self._stash))
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
