@@ -71,3 +71,45 @@ def test_extrapolation_leaves_fresh_updates_alone_and_carries_stale_ones_forward
     p.grad = torch.tensor([1.0, 1.0, 1.0])
     ext.apply(staleness=1.0)
     assert torch.equal(p.grad, torch.tensor([1.0, 1.0, 1.0]))
+
+
+def test_stale_pipeline_is_pipedream_to_float_tolerance() -> None:
+    """The plateau is not a defect: 2 stages, 2 in flight, no prediction or compensation, give the losses of a
+    plain-PyTorch PipeDream (micro-batch k's forward and backward on the first stage at the weights of the
+    version its forward used, applied to the current ones; the last stage fresh)."""
+    from torch.func import functional_call
+
+    from ravq.stage.split import build_task_model
+    from tests import zoo_markov
+
+    torch.set_num_threads(1)
+    task, steps = zoo_markov.gpt2, 30
+    workers = make_workers(task, 2, steps=steps, max_inflight=2, micro_batch=MICRO_BATCH)
+    versions: dict[int, int] = {}
+    forward = workers[0]._forward
+
+    def recording(mb, inputs):  # the version each micro-batch's forward used on the first stage
+        versions[mb[1]] = workers[0].version
+        return forward(mb, inputs)
+
+    workers[0]._forward = recording
+    run_in_order(workers)
+    model = build_task_model(task, 0)
+    params = dict(model.named_parameters())
+    first = [n for n in params if n in workers[0].params]
+    rest = [n for n in params if n not in workers[0].params]
+    optimizers = [task.make_optimizer([params[n] for n in names]) for names in (first, rest)]
+    history = [{n: params[n].detach().clone() for n in first}]
+    batches = task.train_batches(MICRO_BATCH, 0, 1, 0)
+    for k in range(steps):
+        inputs, targets = next(batches)
+        stale = {n: t.clone().requires_grad_(True) for n, t in history[versions[k]].items()}
+        loss = task.loss_fn(functional_call(model, {**stale, **{n: params[n] for n in rest}}, inputs), targets)
+        grads = torch.autograd.grad(loss, [stale[n] for n in first] + [params[n] for n in rest])
+        for name, g in zip(first + rest, grads):
+            params[name].grad = g
+        for opt in optimizers:
+            opt.step()
+        history.append({n: params[n].detach().clone() for n in first})
+        assert abs(float(loss.detach()) - workers[-1].stats.loss_history[k]) < 1e-5, k
+    assert [k - versions[k] for k in range(steps)] == [0] + [1] * (steps - 1)
