@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from ravq.average.averager import Averager
 from ravq.config import Plan, Topology, resolve_task_module
+from ravq.lifecycle import first_error, in_daemon_thread
 from ravq.metrics import Metrics
 from ravq.net.limits import derived_max_message_bytes
 from ravq.net.listen import serve_metrics
@@ -122,7 +123,7 @@ class Node:
         self.rejoining = state["state"] != "starting"
         if self.rejoining:
             self.churn.rejoin(state)
-        built = await asyncio.to_thread(self._build_stage, plan)
+        built = await in_daemon_thread(self._build_stage, plan)  # a stop meanwhile need not wait for the tracer
         self.worker = worker = built.worker
         self._derive_limits(built.largest_frame)
         weights = sum(t.numel() * t.element_size() for t in {**worker.params, **worker.buffers}.values())
@@ -211,6 +212,13 @@ class Node:
                  "to force", self.name, self.worker.stats.inflight, self.worker.version, self.topology.timeouts.drain_s)
         self.worker.stop()
         asyncio.get_running_loop().call_later(self.topology.timeouts.drain_s, self._drain_expired)
+
+    def stop_while_starting(self, sig: signal.Signals) -> None:
+        """SIGTERM/SIGINT before the stage runs (importing, joining, tracing): nothing to drain or save;
+        end create() and leave through shutdown, exit status 0."""
+        if not self._force.is_set():
+            log.info("%s: %s while starting: stopping before training", self.name, sig.name)
+        self._force.set()
 
     def _drain_expired(self) -> None:
         if not self._force.is_set() and self.worker is not None:
@@ -347,11 +355,17 @@ class Node:
 async def run_node(topology: Topology, name: str, options: NodeOptions) -> str | None:
     """create -> run -> shutdown, in one TaskGroup (CURVE's ZAP handler must serve from the first bind)."""
     node = Node(topology, name, options, Metrics(name))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until start() installs the running node's handler
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, node.stop_while_starting, sig)
     try:
         async with asyncio.TaskGroup() as tg:
             if node.sock_opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
                 tg.create_task(node.sock_opts.monitor.serve())
+            starting = tg.create_task(node._force_exit_watch())  # a signal or failure now ends create()
             await node.create(tg)
+            starting.cancel()
             node.start(tg)
     except BaseExceptionGroup as group:
         _, rest = group.split(_Finished)
@@ -361,18 +375,3 @@ async def run_node(topology: Topology, name: str, options: NodeOptions) -> str |
     finally:
         await node.shutdown()
     return node.failure
-
-
-def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The one real error of a TaskGroup, so callers see e.g. a TimeoutError rather than a group."""
-    leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for sub in e.exceptions:
-                walk(sub)
-        else:
-            leaves.append(e)
-
-    walk(group)
-    return leaves[0] if len(leaves) == 1 else group

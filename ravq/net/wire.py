@@ -100,10 +100,17 @@ _MSG_TYPES: dict[str, MsgType] = {t.value: t for t in MsgType}  # MsgType(value)
 _MAX_DIMS = 16
 
 
+WIRE_REASONS = ("missing_field", "bad_field", "header_too_large", "bad_json", "bad_descriptor", "bad_dtype",
+                "bad_shape", "tensor_too_large", "no_frames", "too_many_frames", "bad_version", "bad_type",
+                "frame_count", "frame_size", "bad_codec", "bad_scale")
+"""Every ``WireError.reason`` (``ravq_bad_messages_total{socket,reason}``)."""
+
+
 class WireError(ValueError):
     """A message that failed validation; ``reason`` is a short, fixed label for metrics."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
+        assert reason in WIRE_REASONS, reason  # listed: its series is exported at 0 from the start
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
 
