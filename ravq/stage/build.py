@@ -20,6 +20,8 @@ from ravq.net.compress import Format
 from ravq.net.limits import largest_inbound_frame
 from ravq.stage import checkpoint
 from ravq.stage.pipeline import StageWorker
+from ravq.stage.precision import autocast_for
+from ravq.stage.recipe import recipe_options
 from ravq.stage.split import build_task_model, split_model, stage_input_specs
 from ravq.stage.tensors import model_input_needs
 from ravq.stage.types import StageOptions
@@ -43,11 +45,13 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
     model = build_task_model(task, seed)
     example = task.example_inputs(training.micro_batch)
     specs = split_model(model, example, cuts)
-    in_specs = stage_input_specs(specs, example)
+    with autocast_for(training.precision, "cpu"):  # activations cross cuts in autocast's dtypes
+        in_specs = stage_input_specs(specs, example)
     options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
-                           compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block)
+                           compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block,
+                           recipe=recipe_options(task, training))
     batches = iter(task.train_batches(training.micro_batch, cluster, clusters, seed)) if stage == 0 else None
     _, target_example = next(iter(task.train_batches(training.micro_batch, 0, 1, seed)))
     worker = StageWorker(specs[stage], len(specs), task.make_optimizer, task.loss_fn, options,
@@ -66,8 +70,8 @@ def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_e
         log.info("%s: no checkpoint to resume from (%s); starting from the seed", name, err)
         return None
     worker.module.load_state_dict(ckpt.model)
-    checkpoint.restore_optimizer(worker.optimizer, list(worker.params), ckpt.optimizer["tensors"],
-                                 ckpt.optimizer["rest"])
+    checkpoint.restore_optimizer(worker.optimizer, checkpoint.optimizer_names(worker.optimizer, worker.params),
+                                 ckpt.optimizer["tensors"], ckpt.optimizer["rest"])
     worker.version = ckpt.meta["version"]
     # count the micro-batches already trained towards training.steps
     done = ckpt.meta.get("trained", worker.version * update_every)

@@ -29,6 +29,7 @@ from torch.func import functional_call
 
 from ravq.net import compress
 from ravq.net.compress import Packed
+from ravq.stage.recipe import Recipe, build_optimizer
 from ravq.stage.schedule import Scheduler
 from ravq.stage.split import StageSpec, model_output
 from ravq.stage.stash import GradientSum, Stashed, WeightStash, fresh_buffers
@@ -68,7 +69,7 @@ class StageWorker:
         self.module = spec.module.to(self.device)
         self.params: dict[str, nn.Parameter] = dict(self.module.named_parameters())
         self.buffers: dict[str, torch.Tensor] = dict(self.module.named_buffers())
-        self.optimizer = optimizer_factory(self.params.values())
+        self.optimizer = build_optimizer(optimizer_factory, self.params)
         self.loss_fn, self.batches, self.cluster, self.metrics = loss_fn, batches, cluster, metrics
         self.is_first, self.is_last = spec.index == 0, spec.index == num_stages - 1
         self.model_input_needs = model_input_needs or {}
@@ -97,6 +98,8 @@ class StageWorker:
         self.should_abort: Callable[[], bool] = lambda: False
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
         self._raw_output: Any = None
+        self.recipe = Recipe(self)
+        """LR schedule, precision, global-norm clipping, training metrics (``ravq.stage.recipe``)."""
 
     @property
     def paused(self) -> bool:
@@ -117,19 +120,29 @@ class StageWorker:
 
     # ----------------------------------------------------------------- called from the event loop
     def deliver(self, kind: str, micro_batch: MicroBatch, source: int,
-                tensors: dict[str, torch.Tensor | Packed]) -> str | None:
+                tensors: dict[str, torch.Tensor | Packed], meta: dict[str, Any] | None = None) -> str | None:
         """Hand over an arrived message.  Returns None if accepted, else why it was refused (the
         caller counts and drops it): nothing unexpected ever reaches torch.  A packed tensor is checked
         by the shape and dtype it restores to (its descriptor's, sizes verified by ``ravq.net.wire``) and
-        restored in the compute thread."""
+        restored in the compute thread.  ``meta``: the header's fields for the recipe (``ravq.stage.clip``)."""
         with self._sched.cond:
+            exchange, meta = self.recipe.exchange, meta or {}
+            if exchange is not None and (bad := exchange.check(kind, meta)) is not None:
+                return bad
+            if exchange is not None and kind == "fwd" and meta.get("tail") is True:
+                exchange.receive(kind, micro_batch[1], meta)
+                self._sched.submit(lambda w: w.recipe.on_norms(w, tail=True))
+                return None
             if kind == "fwd":
                 known = micro_batch not in self._stash and micro_batch[0] == self.cluster
                 expected = self._expected_fwd.get(source, {}) if known else None
             else:
                 stash = self._stash.get(micro_batch)
                 expected = None if stash is None else expected_backward(self.spec, stash.outputs, source)
-            return self._sched.put(kind, micro_batch, source, tensors, expected)
+            reason = self._sched.put(kind, micro_batch, source, tensors, expected)
+            if reason is None and exchange is not None and exchange.receive(kind, micro_batch[1], meta):
+                self._sched.submit(lambda w: w.recipe.on_norms(w, tail=False))
+            return reason
 
     def submit(self, fn: Callable[[StageWorker], None]) -> None:
         """Run ``fn(self)`` in the compute thread before any further forward or backward."""
@@ -166,6 +179,8 @@ class StageWorker:
                 self._requeue = deque(sorted([*again, *self._requeue], key=lambda item: item[0]))
                 self._inflight_data.clear()
             self.stats.inflight = 0
+            if self.recipe.exchange is not None:
+                self.recipe.exchange.forget_received()
         return dropped
 
     def resume(self, trained: int) -> None:
@@ -191,6 +206,7 @@ class StageWorker:
     def run(self, emit: Emit, should_abort: Callable[[], bool] = lambda: False) -> None:
         """Work until this stage has finished ``steps`` micro-batches (or was stopped and drained)."""
         self.should_abort = should_abort
+        self.recipe._emit = emit
         self._sched.running = True
         try:
             while (work := self._sched.next(self, should_abort)) is not None:
@@ -206,6 +222,7 @@ class StageWorker:
                 else:
                     self._run_forward(arg[0], arg[1], emit)
             self._flush_update()
+            self.recipe.finish(self)
         finally:
             with self._sched.cond:
                 self._sched.running = False
@@ -230,7 +247,7 @@ class StageWorker:
     def finished(self) -> bool:
         """``steps`` micro-batches trained here (later stages: and stage 0 finished), or stopped and drained."""
         done = self.trained >= self.options.steps and (self.is_first or self.cluster_done())
-        return done or (self._sched.stopping and not self._stash)
+        return (done or (self._sched.stopping and not self._stash)) and not self.recipe.holding
 
     def idle_reason(self) -> str | None:
         """A wait now is for "credits" (stage 0 at ``max_inflight``) or "input"; None before training starts."""
@@ -249,7 +266,7 @@ class StageWorker:
         weights = self.forward_weights.weights(self.version, self.options.predict_weights)
         leaves = [x.detach().to(self.device).requires_grad_(x.is_floating_point() and ref.stage >= 0)
                   for x, ref in zip(inputs, self.spec.received)]
-        with torch.enable_grad():
+        with torch.enable_grad(), self.recipe.autocast():
             out = functional_call(self.module, {**weights, **self.buffers}, tuple(leaves[: len(self.spec.inputs)]))
         self._raw_output = out if self.is_last else None
         outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -307,7 +324,8 @@ class StageWorker:
         self._account("forward", t0)
         for dest, extra in data.items():
             tensors = {f"o{i}": outputs[i].detach() for i, users in self.spec.consumers.items() if dest in users}
-            emit(Outbound("fwd", dest, mb, self.version, {**self._pack(tensors), **extra}, self.generation))
+            emit(Outbound("fwd", dest, mb, self.version, {**self._pack(tensors), **extra}, self.generation,
+                          self.recipe.forward_meta()))
 
     def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any, emit: Emit) -> None:
         t0 = self.clock()
@@ -316,12 +334,13 @@ class StageWorker:
         out = model_output(self.spec, self._raw_output, stash.inputs)
         self._raw_output = None
         targets = to_device(targets, self.device)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.recipe.autocast():
             loss = self.loss_fn(out, targets)
+        root = self.recipe.after_loss(self, mb, loss, out, targets)
         self._account("forward", t0)
         self.stats.record_loss(float(loss.detach()), self.metrics)
         t1 = self.clock()
-        self._backward_from(mb, stash, [loss], [None], emit)
+        self._backward_from(mb, stash, [root], [None], emit)
         self._account("backward", t1)
 
     def _run_backward(self, mb: MicroBatch, parts: Parts, emit: Emit) -> None:
@@ -335,24 +354,30 @@ class StageWorker:
     def _backward_from(self, mb: MicroBatch, stash: Stashed, roots: list[torch.Tensor],
                        root_grads: list[torch.Tensor | None], emit: Emit) -> None:
         weight_grads, grad_of = stash.gradients(roots, root_grads)
+        weight_grads, scale = self.recipe.unscale(mb, weight_grads)
         del self._stash[mb]
         if self._inflight_data.pop(mb, None) is not None:
             self.stats.record_completed(mb[1])
         self.stats.inflight = len(self._stash)
         due = self._grads.add(weight_grads, stash.version)
+        meta = self.recipe.backward_meta(self, mb, due, scale)
         for producer, tensors in input_grads(self.spec, stash.inputs, grad_of).items():
-            emit(Outbound("bwd", producer, mb, self.version, self._pack(tensors), self.generation))
+            emit(Outbound("bwd", producer, mb, self.version, self._pack(tensors), self.generation, meta))
         self.stats.record_backward(self.options.micro_batch, self.metrics)
         self.trained += 1
         if due:
-            self._step()
+            self.recipe.step(self)
 
-    def _step(self) -> None:
-        for used in self._grads.take_versions():
+    def _step(self, versions: list[int] | None = None, skip: bool = False) -> None:
+        """The optimizer step (``skip``: fp16 overflow, no change) of the backwards since the last
+        (``versions``: their forwards' versions, default those ``GradientSum`` holds)."""
+        for used in self._grads.take_versions() if versions is None else versions:
             staleness = self.version - used  # updates applied since this micro-batch's forward
             self.stats.record_staleness(staleness, self.metrics)
             self.forward_weights.recent_staleness.append(staleness)
-        self.forward_weights.step(self.optimizer, self.options.predict_weights)
+        self.recipe.before_step(self)
+        if not skip:
+            self.forward_weights.step(self.optimizer, self.options.predict_weights)
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self.stats.record_update(self.version, self.metrics)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +26,22 @@ class Outbound:
     """Activations and gradients packed when the stage compresses (``StageOptions.compress``)."""
     generation: int = 0
     """The cluster generation the work belongs to; work of an older generation is never sent."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """JSON fields for the header (``ravq.stage.clip``: squared norms, global norms, loss scales)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RecipeOptions:
+    """What ``ravq.stage.recipe.Recipe`` does around a stage's optimizer step."""
+
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 autocast (``ravq.stage.precision``)."""
+    lr_lambda: Callable[[int], float] | None = None
+    """Factor of the task's learning rates at optimizer step v (``ravq.stage.lr``); None: unchanged."""
+    clip_grad_norm: float | None = None
+    """Global gradient norm each step is clipped to (``ravq.stage.clip``); None: no clipping."""
+    metrics_fn: Callable[[Any, Any], Any] | None = None
+    """The task's ``metrics_fn(outputs, targets)`` -> {name: value}, averaged per step (last stage)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,3 +61,4 @@ class StageOptions:
     """How activations and gradients leave this stage (``ravq.net.compress``); model inputs and targets never
     are compressed, and what arrives compressed is restored to the dtype this stage expects."""
     int8_block: int = DEFAULT_BLOCK
+    recipe: RecipeOptions = field(default_factory=RecipeOptions)

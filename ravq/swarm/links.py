@@ -69,7 +69,7 @@ class StageLinks:
                 tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
                 packed = {n: t for n, t in out.tensors.items() if isinstance(t, Packed)}
                 msg = Message(type=kind, sender=self.name, micro_batch=out.micro_batch, version=out.version,
-                              meta={"gen": out.generation}, tensors=tensors, packed=packed)
+                              meta={**out.meta, "gen": out.generation}, tensors=tensors, packed=packed)
                 await self.outlinks[out.dest].send(msg)
             finally:
                 self.outbound.task_done()
@@ -86,7 +86,7 @@ class StageLinks:
                 self.metrics.bad_messages.labels("pipeline", "other_generation").inc()
                 continue
             kind = "fwd" if msg.type == MsgType.FORWARD else "bwd"
-            reason = worker.deliver(kind, msg.micro_batch, source, {**msg.tensors, **msg.packed})
+            reason = worker.deliver(kind, msg.micro_batch, source, {**msg.tensors, **msg.packed}, msg.meta)
             if reason is not None:
                 self.metrics.bad_messages.labels("pipeline", reason).inc()
             for queue, depth in worker.queue_depths().items():
