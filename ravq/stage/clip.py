@@ -39,6 +39,16 @@ import torch
 
 EPS = 1e-6
 """Added to the norm before dividing, as ``clip_grad_norm_`` does."""
+OVERFLOW = -1.0
+"""A squared norm that overflowed (inf or nan), as the JSON header carries it (JSON has no inf)."""
+
+
+def _wire(sq: float) -> float:
+    return sq if math.isfinite(sq) else OVERFLOW
+
+
+def _unwire(sq: float) -> float:
+    return math.inf if sq < 0 else sq
 
 
 @dataclass(slots=True)
@@ -73,7 +83,7 @@ def _parse_sq(value: Any, num_stages: int) -> dict[int, float] | None:
     for key, sq in value.items():
         if not (isinstance(key, str) and key.isdigit() and int(key) < num_stages) or type(sq) not in (int, float):
             return None
-        out[int(key)] = float(sq)
+        out[int(key)] = _unwire(float(sq))
     return out
 
 
@@ -84,7 +94,7 @@ def _parse_norms(value: Any) -> list[tuple[int, float]] | None:
     for item in value:
         if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and type(item[1]) in (int, float)):
             return None
-        out.append((item[0], float(item[1])))
+        out.append((item[0], _unwire(float(item[1]))))
     return out
 
 
@@ -156,7 +166,7 @@ class NormExchange:
                     missing = sorted(set(range(self.num_stages)) - set(sq))
                     raise RuntimeError(f"step of micro-batch {index}: no squared norm from stages {missing}")
                 self._remember(index, sum(sq.values()))
-        return {"sq": {str(k): v for k, v in sq.items()}}
+        return {"sq": {str(k): _wire(v) for k, v in sq.items()}}
 
     def ready(self) -> list[tuple[int, HeldStep, float]]:
         """Held steps whose global norm is known, oldest first, taken off the hold (in order only)."""
@@ -169,10 +179,10 @@ class NormExchange:
                 out.append((index, self.held.pop(index), self.totals[index]))
         return out
 
-    def norms_meta(self) -> list[list[float]]:
+    def norms_meta(self) -> list[list[Any]]:
         """The global norms this stage knows, for its forward messages."""
         with self.lock:
-            return [[step, total] for step, total in self.totals.items()]
+            return [[step, _wire(total)] for step, total in self.totals.items()]
 
     def forget_received(self) -> None:
         """After a pause dropped the work in flight: what arrived for it is void (held steps stay)."""

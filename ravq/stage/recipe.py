@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,6 +83,8 @@ class Recipe:
         self.loss_scale = LossScale() if self.precision == "fp16" and worker.is_last else None
         self.grad_norm: float | None = None
         """The global gradient norm of the last step applied here (before clipping)."""
+        self.applied: deque[tuple[int, float]] = deque(maxlen=1024)
+        """(step, clipping factor) of the steps applied here, newest last (every stage's agree)."""
         self._metric_sums: dict[str, float] = {}
         self._metric_count = 0
         self.train_metrics: dict[str, float] = {}
@@ -140,8 +143,9 @@ class Recipe:
     def apply_ready(self, worker: StageWorker) -> None:
         """Apply every held step whose global norm is known, in order, scaled by the clipping factor."""
         assert self.exchange is not None
-        for _, held, total_sq in self.exchange.ready():
+        for step, held, total_sq in self.exchange.ready():
             coef = clip_factor(total_sq, self.max_norm)
+            self.applied.append((step, coef))
             finite = math.isfinite(total_sq)
             partial = {n: p.grad for n, p in worker.params.items()}  # the next step's backwards so far
             for n, p in worker.params.items():
