@@ -13,6 +13,7 @@ import torch
 
 from ravq.net.compress import Format, Packed
 from ravq.net.wire import Message, MsgType, decode, encode
+from ravq.stage.evaluate import attach, eval_stage_modules
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.precision import autocast_for
 from ravq.stage.recipe import build_optimizer
@@ -39,11 +40,17 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
     opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch,
                         predict_weights=predict_weights, compress=compress, recipe=recipe)
     batches = task.train_batches(micro_batch, cluster, num_clusters, seed)
-    return [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
-                        batches=batches if spec.index == 0 else None, cluster=cluster,
-                        model_input_needs=needs, input_specs=in_specs[spec.index],
-                        target_example=target_example, clock=clocks[spec.index] if clocks else time.monotonic)
-            for spec in specs]
+    workers = [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
+                           batches=batches if spec.index == 0 else None, cluster=cluster,
+                           model_input_needs=needs, input_specs=in_specs[spec.index],
+                           target_example=target_example, clock=clocks[spec.index] if clocks else time.monotonic)
+               for spec in specs]
+    if recipe.eval_every:
+        modules = eval_stage_modules(build_task_model(task, seed), task.example_inputs(micro_batch), cuts,
+                                     [s.module for s in specs])
+        for worker, module in zip(workers, modules):
+            attach(worker, module)
+    return workers
 
 
 def _over_the_wire(packed: Packed) -> Packed:

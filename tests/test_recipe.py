@@ -3,6 +3,7 @@ global-norm clipping and training metrics, each against one process (docs/traini
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from ravq.config import TrainingConfig
 from ravq.stage import build
 from ravq.stage.lr import ScheduleSpec, lr_lambda
 from ravq.stage.recipe import recipe_options
+from ravq.stage.split import build_task_model
 from ravq.stage.types import RecipeOptions
 from tests import models_for_tests as skipnet
 from tests import recipe_tasks
@@ -59,7 +61,7 @@ def test_sync_recipe_equals_one_process(stages: int, precision: str) -> None:
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
     assert min(_reference_norms(skipnet, STEPS)) > MAX_NORM  # the clipping bound every step
-    assert all(w.version == STEPS and not w.recipe.holding for w in workers)
+    assert all(w.version == STEPS and not w.recipe.unfinished(w) for w in workers)
 
 
 def test_recipe_changes_the_weights() -> None:
@@ -166,3 +168,63 @@ def test_fp16_overflow_skips_the_step_on_every_stage_and_halves_the_scale() -> N
     factors = [list(w.recipe.applied) for w in workers]
     assert factors[0] == factors[1] == factors[2]
     assert any(not math.isclose((merged_state(workers)[k] - start[k]).abs().max().item(), 0) for k in start)
+
+
+def _one_process_eval(task, state: dict[str, torch.Tensor], count: int, micro_batch: int = 4) -> float:
+    model = build_task_model(task, 0)
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        losses = [float(task.loss_fn(model(*x), y)) for x, y in itertools.islice(task.eval_batches(micro_batch, 0), count)]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_eval_loss_equals_the_exported_model_in_one_process(stages: int) -> None:
+    """Dropout and BatchNorm in every stage; sync mode: the round at the last step evaluates exactly the final
+    weights and running statistics in eval mode (1e-5), and the round at step 6 those of step 6."""
+    recipe = RecipeOptions(eval_every=6, eval_count=3, eval_batches=recipe_tasks.dropout_bn.eval_batches,
+                           metrics_fn=recipe_tasks.metrics_fn)
+    workers = make_workers(recipe_tasks.dropout_bn, stages, steps=12, max_inflight=1, recipe=recipe)
+    run_workers(workers)
+    ev = workers[-1].recipe.evaluator
+    assert [v for v, _ in ev.history] == [6, 12] and all(w.recipe.evaluator.rounds_done == 2 for w in workers)
+    state = merged_state(workers)
+    assert ev.history[-1][1] == pytest.approx(_one_process_eval(recipe_tasks.dropout_bn, state, 3), abs=1e-5)
+    assert 0.0 <= ev.metrics["accuracy"] <= 1.0
+    assert workers[-1].stats.snapshot()["eval_loss"] == ev.history[-1][1]
+    six = make_workers(recipe_tasks.dropout_bn, stages, steps=6, max_inflight=1)
+    run_workers(six)
+    assert ev.history[0][1] == pytest.approx(_one_process_eval(recipe_tasks.dropout_bn, merged_state(six), 3), abs=1e-5)
+
+
+def test_traced_stages_ignore_eval_mode_so_a_second_graph_is_needed() -> None:
+    """The issue's finding, kept true: module.eval() on a training-mode traced stage changes nothing
+    (dropout stays on), while the eval-mode graph is deterministic and matches model.eval()."""
+    workers = make_workers(recipe_tasks.dropout_bn, 3, steps=1, max_inflight=1,
+                           recipe=RecipeOptions(eval_every=1, eval_batches=recipe_tasks.dropout_bn.eval_batches))
+    run_workers(workers)  # running statistics move: the eval graph must read the stage's own
+    x = torch.randn(4, 8)
+    mods = [w.module for w in workers]
+    for m in mods:
+        m.eval()
+    with torch.no_grad():
+        runs = [mods[2](mods[1](mods[0](x))) for _ in range(2)]
+        evs = [w.recipe.evaluator.module for w in workers]
+        eval_runs = [evs[2](evs[1](evs[0](x))) for _ in range(2)]
+    assert (runs[0] - runs[1]).abs().max() > 1e-3
+    torch.testing.assert_close(eval_runs[0], eval_runs[1], rtol=0, atol=0)
+    model = build_task_model(recipe_tasks.dropout_bn, 0)
+    model.load_state_dict(merged_state(workers))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(eval_runs[0], model(x), rtol=0, atol=1e-6)
+
+
+def test_eval_rounds_run_between_micro_batches_in_flight() -> None:
+    recipe = RecipeOptions(eval_every=5, eval_count=2, eval_batches=recipe_tasks.dropout_bn.eval_batches,
+                           clip_grad_norm=1.0)
+    workers = make_workers(recipe_tasks.dropout_bn, 3, steps=20, max_inflight=3, recipe=recipe)
+    run_workers(workers)
+    assert [v for v, _ in workers[-1].recipe.evaluator.history] == [5, 10, 15, 20]
+    assert all(w.version == 20 for w in workers)

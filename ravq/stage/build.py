@@ -18,7 +18,7 @@ from ravq.config import TrainingConfig
 from ravq.metrics import Metrics
 from ravq.net.compress import Format
 from ravq.net.limits import largest_inbound_frame
-from ravq.stage import checkpoint
+from ravq.stage import checkpoint, evaluate
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.precision import autocast_for
 from ravq.stage.recipe import recipe_options
@@ -51,13 +51,16 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
                            compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block,
-                           recipe=recipe_options(task, training))
+                           recipe=recipe_options(task, training, seed))
     batches = iter(task.train_batches(training.micro_batch, cluster, clusters, seed)) if stage == 0 else None
     _, target_example = next(iter(task.train_batches(training.micro_batch, 0, 1, seed)))
     worker = StageWorker(specs[stage], len(specs), task.make_optimizer, task.loss_fn, options,
                          device=device, batches=batches, cluster=cluster, metrics=metrics,
                          model_input_needs=model_input_needs(specs), input_specs=in_specs[stage],
                          target_example=target_example)
+    if training.eval_every:  # eval-mode graphs: a fresh model traced in eval mode, sharing this stage's weights
+        evaluate.attach(worker, evaluate.eval_stage_modules(build_task_model(task, seed), example, cuts,
+                                                            [s.module for s in specs])[stage])
     return BuiltStage(worker=worker, model=model, stage_names=[list(s.module.state_dict().keys()) for s in specs],
                       largest_frame=largest_inbound_frame(specs, in_specs, stage, target_example))
 

@@ -126,22 +126,19 @@ class StageWorker:
         by the shape and dtype it restores to (its descriptor's, sizes verified by ``ravq.net.wire``) and
         restored in the compute thread.  ``meta``: the header's fields for the recipe (``ravq.stage.clip``)."""
         with self._sched.cond:
-            exchange, meta = self.recipe.exchange, meta or {}
-            if exchange is not None and (bad := exchange.check(kind, meta)) is not None:
-                return bad
-            if exchange is not None and kind == "fwd" and meta.get("tail") is True:
-                exchange.receive(kind, micro_batch[1], meta)
-                self._sched.submit(lambda w: w.recipe.on_norms(w, tail=True))
-                return None
-            if kind == "fwd":
-                known = micro_batch not in self._stash and micro_batch[0] == self.cluster
+            meta = meta or {}
+            kind, verdict = self.recipe.screen(self, kind, micro_batch, meta)
+            if verdict is not None:
+                return verdict or None  # "": the recipe took it
+            if kind != "bwd":
+                known = (kind == "eval" or micro_batch not in self._stash) and micro_batch[0] == self.cluster
                 expected = self._expected_fwd.get(source, {}) if known else None
             else:
                 stash = self._stash.get(micro_batch)
                 expected = None if stash is None else expected_backward(self.spec, stash.outputs, source)
             reason = self._sched.put(kind, micro_batch, source, tensors, expected)
-            if reason is None and exchange is not None and exchange.receive(kind, micro_batch[1], meta):
-                self._sched.submit(lambda w: w.recipe.on_norms(w, tail=False))
+            if reason is None:
+                self.recipe.received(self, kind, micro_batch, meta)
             return reason
 
     def submit(self, fn: Callable[[StageWorker], None]) -> None:
@@ -179,8 +176,7 @@ class StageWorker:
                 self._requeue = deque(sorted([*again, *self._requeue], key=lambda item: item[0]))
                 self._inflight_data.clear()
             self.stats.inflight = 0
-            if self.recipe.exchange is not None:
-                self.recipe.exchange.forget_received()
+            self.recipe.forget_in_flight()
         return dropped
 
     def resume(self, trained: int) -> None:
@@ -219,6 +215,8 @@ class StageWorker:
                     self._run_first_forward(emit)
                 elif kind == "bwd":
                     self._run_backward(arg[0], arg[1], emit)
+                elif kind == "eval":
+                    self.recipe.evaluator.run(self, arg[0], arg[1], emit)
                 else:
                     self._run_forward(arg[0], arg[1], emit)
             self._flush_update()
@@ -247,7 +245,7 @@ class StageWorker:
     def finished(self) -> bool:
         """``steps`` micro-batches trained here (later stages: and stage 0 finished), or stopped and drained."""
         done = self.trained >= self.options.steps and (self.is_first or self.cluster_done())
-        return (done or (self._sched.stopping and not self._stash)) and not self.recipe.holding
+        return (done or (self._sched.stopping and not self._stash)) and not self.recipe.unfinished(self)
 
     def idle_reason(self) -> str | None:
         """A wait now is for "credits" (stage 0 at ``max_inflight``) or "input"; None before training starts."""
@@ -380,6 +378,7 @@ class StageWorker:
             self.forward_weights.step(self.optimizer, self.options.predict_weights)
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        self.recipe.after_step(self)
         self.stats.record_update(self.version, self.metrics)
         if self.on_update is not None:
             self.on_update(self)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ravq.config import TrainingConfig
 from ravq.stage.clip import NormExchange, clip_factor
+from ravq.stage.evaluate import Evaluator
 from ravq.stage.lr import LRSchedule, ScheduleSpec, lr_lambda
 from ravq.stage.precision import LossScale, autocast_for
 from ravq.stage.types import MicroBatch, Outbound, RecipeOptions
@@ -46,7 +47,7 @@ def build_optimizer(make_optimizer: Callable[..., torch.optim.Optimizer],
     return make_optimizer(params.values())
 
 
-def recipe_options(task: Any, training: TrainingConfig) -> RecipeOptions:
+def recipe_options(task: Any, training: TrainingConfig, seed: int = 0) -> RecipeOptions:
     """The recipe a topology's training settings and the task's optional ``lr_lambda`` and ``metrics_fn`` make."""
     sched = training.lr_schedule
     total = sched.total_steps or -(-training.steps // training.update_every)
@@ -58,9 +59,14 @@ def recipe_options(task: Any, training: TrainingConfig) -> RecipeOptions:
     if sched.kind != "constant":
         factor = lr_lambda(ScheduleSpec(sched.kind, sched.warmup_steps, total, sched.min_lr_ratio),
                            task_lambda if callable(task_lambda) else None)
-    metrics_fn = getattr(task, "metrics_fn", None)
+    metrics_fn, eval_batches = getattr(task, "metrics_fn", None), getattr(task, "eval_batches", None)
+    if training.eval_every and not callable(eval_batches):
+        raise ValueError(f"training.eval_every: {training.eval_every} needs the task to define "
+                         "eval_batches(micro_batch, seed)")
     return RecipeOptions(precision=training.precision, lr_lambda=factor, clip_grad_norm=training.clip_grad_norm,
-                         metrics_fn=metrics_fn if callable(metrics_fn) else None)
+                         metrics_fn=metrics_fn if callable(metrics_fn) else None, eval_every=training.eval_every,
+                         eval_count=training.eval_batches, eval_batches=eval_batches if callable(eval_batches) else None,
+                         seed=seed)
 
 
 class Recipe:
@@ -90,6 +96,8 @@ class Recipe:
         self.train_metrics: dict[str, float] = {}
         """The task's ``metrics_fn`` averaged over the micro-batches of the last step (last stage)."""
         self._emit: Callable[[Outbound], None] = lambda out: None
+        self.evaluator = Evaluator(opts.eval_every, opts.eval_count, opts.eval_batches, opts.seed)
+        """Evaluation rounds (``ravq.stage.evaluate``); on once ``evaluator.module`` is set."""
 
     # ----------------------------------------------------------------- forwards and the loss
     @contextlib.contextmanager
@@ -167,19 +175,57 @@ class Recipe:
         step's training metrics."""
         if self.lr is not None:
             self.lr.apply(worker.version)
+        lr = float(worker.optimizer.param_groups[0]["lr"])
+        worker.stats.recipe["lr"] = lr
         if worker.metrics is not None:
-            worker.metrics.learning_rate.set(float(worker.optimizer.param_groups[0]["lr"]))
+            worker.metrics.learning_rate.set(lr)
+        if self.grad_norm is not None:
+            worker.stats.recipe["grad_norm"] = self.grad_norm if math.isfinite(self.grad_norm) else None
         if self._metric_count:
             self.train_metrics = {k: v / self._metric_count for k, v in self._metric_sums.items()}
             self._metric_sums, self._metric_count = {}, 0
+            worker.stats.recipe["train_metrics"] = dict(self.train_metrics)
             if worker.metrics is not None:
                 for name, value in self.train_metrics.items():
                     worker.metrics.train_metric.labels(name).set(value)
 
-    @property
-    def holding(self) -> bool:
-        """Steps wait for their global norm here (the stage is not finished)."""
-        return self.exchange is not None and bool(self.exchange.held)
+    def after_step(self, worker: StageWorker) -> None:
+        """After the optimizer step that made ``worker.version``: stage 0 starts an evaluation round when due."""
+        self.evaluator.after_step(worker, self._emit)
+
+    def unfinished(self, worker: StageWorker) -> bool:
+        """Steps wait here for their global norm, or evaluation rounds are owed (the stage is not done)."""
+        held = self.exchange is not None and bool(self.exchange.held)
+        return held or self.evaluator.owed(worker.version)
+
+    def screen(self, worker: StageWorker, kind: str, mb: MicroBatch, meta: dict[str, Any]) -> tuple[str, str | None]:
+        """Event loop, the stage's lock held: (the queue an arrival goes to, None) to queue it, or (kind,
+        why it is refused), or (kind, "") when the recipe took it (a tail of norms)."""
+        if "eval" in meta or kind == "eval":
+            if type(meta.get("eval")) is not int or kind == "bwd" or not self.evaluator.enabled:
+                return kind, "unexpected_message"
+            kind = "eval"
+        if self.exchange is None:
+            return kind, None
+        bad = self.exchange.check(kind, meta)
+        if bad is None and kind == "fwd" and meta.get("tail") is True:
+            self.exchange.receive(kind, mb[1], meta)
+            worker.submit(lambda w: w.recipe.on_norms(w, tail=True))
+            return kind, ""
+        return kind, bad
+
+    def received(self, worker: StageWorker, kind: str, mb: MicroBatch, meta: dict[str, Any]) -> None:
+        """Event loop: an arrival was queued; record its norms (and apply the steps they complete)."""
+        if self.exchange is not None and self.exchange.receive("bwd" if kind == "bwd" else "fwd", mb[1], meta):
+            worker.submit(lambda w: w.recipe.on_norms(w, tail=False))
+
+    def forget_in_flight(self) -> None:
+        """A pause dropped the work in flight: what arrived for it is void, and evaluation rounds it cut
+        short are not waited for."""
+        if self.exchange is not None:
+            self.exchange.forget_received()
+        self.evaluator.seen.clear()
+        self.evaluator.rounds_done = 1 << 62
 
     # ----------------------------------------------------------------- messages
     def forward_meta(self) -> dict[str, Any]:

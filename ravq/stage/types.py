@@ -42,6 +42,13 @@ class RecipeOptions:
     """Global gradient norm each step is clipped to (``ravq.stage.clip``); None: no clipping."""
     metrics_fn: Callable[[Any, Any], Any] | None = None
     """The task's ``metrics_fn(outputs, targets)`` -> {name: value}, averaged per step (last stage)."""
+    eval_every: int = 0
+    """Optimizer steps between evaluation rounds (``ravq.stage.evaluate``); 0: none."""
+    eval_count: int = 8
+    """Micro-batches of held-out data per round."""
+    eval_batches: Callable[[int, int], Any] | None = None
+    """The task's ``eval_batches(micro_batch, seed)`` (stage 0 reads it)."""
+    seed: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
