@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ravq.stage.recipe import build_optimizer
+
 log = logging.getLogger(__name__)
 
 MEMORY_HEADROOM = 0.1
@@ -52,7 +54,7 @@ def _training_step(task: Any, micro_batch: int, device: str, optimizer: bool) ->
     inputs, targets = next(iter(task.train_batches(micro_batch, 0, 1, 0)))
     inputs = tuple(x.to(device) for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
     targets = targets.to(device)
-    update = task.make_optimizer(model.parameters()) if optimizer else None
+    update = build_optimizer(task.make_optimizer, dict(model.named_parameters())) if optimizer else None
 
     def forward_backward() -> None:
         model.zero_grad(set_to_none=True)

@@ -158,7 +158,8 @@ class Evaluator:
         self.metrics = {k: v / self.count for k, v in self._metric_sums.pop(round_, {}).items()}
         self.history.append((round_ * self.every, loss))
         worker.stats.recipe.update({"eval_loss": loss, "eval_loss_first": self.history[0][1],
-                                    "eval_version": round_ * self.every, "eval_metrics": dict(self.metrics)})
+                                    "eval_version": round_ * self.every, "eval_metrics": dict(self.metrics),
+                                    "eval_history": [list(h) for h in self.history[-64:]]})
         if worker.metrics is not None:
             worker.metrics.eval_loss.set(loss)
             worker.metrics.evaluations.inc()

@@ -65,7 +65,7 @@ class StageLinks:
             try:
                 if out.generation != self.generation():
                     continue  # work of a generation the cluster dropped
-                kind = MsgType.FORWARD if out.kind == "fwd" else MsgType.BACKWARD
+                kind = MsgType.BACKWARD if out.kind == "bwd" else MsgType.FORWARD  # "eval": a forward marked eval
                 tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
                 packed = {n: t for n, t in out.tensors.items() if isinstance(t, Packed)}
                 msg = Message(type=kind, sender=self.name, micro_batch=out.micro_batch, version=out.version,
