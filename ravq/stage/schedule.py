@@ -78,7 +78,7 @@ class Scheduler:
             return "duplicate"
         if expected is None:
             return "unexpected_micro_batch"
-        reason = check_tensors(tensors, expected, exact=kind == "fwd")
+        reason = check_tensors(tensors, expected, exact=kind != "bwd")
         if reason is not None:
             return reason
         if len(parts) >= self.limit:
