@@ -115,9 +115,10 @@ class Evaluator:
             inputs = gather_inputs(worker.spec, parts)
             out = self._forward(worker, inputs)
             targets = to_device(targets_of(parts[0]) if targets is None else targets, worker.device)
+            full = model_output(worker.spec, out, inputs)  # what the unsplit model returns
             with torch.no_grad(), worker.recipe.autocast():
-                loss = float(worker.loss_fn(model_output(worker.spec, out, inputs), targets))
-                scores = dict(worker.recipe.metrics_fn(out, targets)) if worker.recipe.metrics_fn else {}
+                loss = float(worker.loss_fn(full, targets))
+                scores = dict(worker.recipe.metrics_fn(full, targets)) if worker.recipe.metrics_fn else {}
             round_ = mb[1] // self.count
             self._loss_sum[round_] = self._loss_sum.get(round_, 0.0) + loss
             sums = self._metric_sums.setdefault(round_, {})
