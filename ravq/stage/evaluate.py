@@ -133,8 +133,15 @@ class Evaluator:
         names = {n for n, _ in [*self.module.named_parameters(), *self.module.named_buffers()]}
         weights = {n: t for n, t in {**worker.params, **worker.buffers}.items() if n in names}
         args = tuple(x.to(worker.device) for x in inputs[: len(worker.spec.inputs)])
+        t0 = worker.clock()
         with torch.no_grad(), worker.recipe.autocast():
-            return functional_call(self.module, weights, args)
+            out = functional_call(self.module, weights, args)
+        seconds = worker.clock() - t0  # busy, not waiting (the forward/backward statistics stay training's)
+        worker.stats.busy_s += seconds
+        if worker.metrics is not None:
+            worker.metrics.compute_seconds.labels("eval").observe(seconds)
+            worker.metrics.busy_seconds.inc(seconds)
+        return out
 
     def _forward_and_send(self, worker: StageWorker, mb: MicroBatch, parts: Parts,
                           data: dict[int, dict[str, torch.Tensor]], emit: Callable[[Outbound], None]) -> None:
