@@ -204,7 +204,7 @@ def test_traced_stages_ignore_eval_mode_so_a_second_graph_is_needed() -> None:
     workers = make_workers(recipe_tasks.dropout_bn, 3, steps=1, max_inflight=1,
                            recipe=RecipeOptions(eval_every=1, eval_batches=recipe_tasks.dropout_bn.eval_batches))
     run_workers(workers)  # running statistics move: the eval graph must read the stage's own
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     mods = [w.module for w in workers]
     for m in mods:
         m.eval()
@@ -218,7 +218,7 @@ def test_traced_stages_ignore_eval_mode_so_a_second_graph_is_needed() -> None:
     model.load_state_dict(merged_state(workers))
     model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(eval_runs[0], model(x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(eval_runs[0], model(x), rtol=0, atol=1e-5)
 
 
 def test_eval_rounds_run_between_micro_batches_in_flight() -> None:

@@ -61,12 +61,10 @@ class HeldStep:
 
 
 def squared_norm(grads: dict[str, torch.Tensor | None]) -> float:
-    """Sum of squares of every gradient, in float64 (inf/nan when one overflowed)."""
-    total = 0.0
-    for g in grads.values():
-        if g is not None:
-            total += float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2)
-    return total
+    """Sum of squares of every gradient (inf/nan when one overflowed): each tensor's norm in float32, as
+    ``clip_grad_norm_`` takes it, summed in float64, with one device sync."""
+    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads.values() if g is not None]
+    return float(torch.stack(norms).double().square().sum()) if norms else 0.0
 
 
 def clip_factor(total_sq: float, max_norm: float | None) -> float:

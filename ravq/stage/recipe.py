@@ -232,8 +232,16 @@ class Recipe:
         return {} if self.exchange is None else {"norms": self.exchange.norms_meta()}
 
     def on_norms(self, worker: StageWorker, tail: bool) -> None:
-        """Global norms arrived (control work): apply the steps they complete; relay a tail message."""
+        """Global norms arrived (control work): apply the steps they complete; relay a tail message.  The
+        steps' time counts as busy (inside a backward it would have; waits in the update hook do not)."""
+        t0, worker._waited_in_op = worker.clock(), 0.0
         self.apply_ready(worker)
+        seconds = max(0.0, worker.clock() - t0 - worker._waited_in_op)
+        worker._waited_in_op = 0.0
+        worker.stats.busy_s += seconds
+        if worker.metrics is not None:
+            worker.metrics.compute_seconds.labels("step").observe(seconds)
+            worker.metrics.busy_seconds.inc(seconds)
         if tail and not worker.is_last:
             self.send_tail(worker, worker.spec.consumer_stages)
 
