@@ -13,9 +13,8 @@ import torch
 
 from ravq.net.compress import Format, Packed
 from ravq.net.wire import Message, MsgType, decode, encode
-from ravq.stage.evaluate import attach, eval_stage_modules
+from ravq.stage.evaluate import attach, eval_stage_module
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.precision import autocast_for
 from ravq.stage.recipe import build_optimizer
 from ravq.stage.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
 from ravq.stage.tensors import model_input_needs
@@ -34,8 +33,7 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
     specs = split_model(model, task.example_inputs(micro_batch), cuts)
     needs = model_input_needs(specs)
     recipe = recipe or RecipeOptions()
-    with autocast_for(recipe.precision, "cpu"):  # activations cross cuts in autocast's dtypes
-        in_specs = stage_input_specs(specs, task.example_inputs(micro_batch))
+    in_specs = stage_input_specs(specs, task.example_inputs(micro_batch))
     _, target_example = next(task.train_batches(micro_batch, 0, 1, seed))
     opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch,
                         predict_weights=predict_weights, compress=compress, recipe=recipe)
@@ -46,10 +44,8 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
                            target_example=target_example, clock=clocks[spec.index] if clocks else time.monotonic)
                for spec in specs]
     if recipe.eval_every:
-        modules = eval_stage_modules(build_task_model(task, seed), task.example_inputs(micro_batch), cuts,
-                                     [s.module for s in specs])
-        for worker, module in zip(workers, modules):
-            attach(worker, module)
+        for i, worker in enumerate(workers):
+            attach(worker, eval_stage_module(task, seed, task.example_inputs(micro_batch), cuts, i, worker.module))
     return workers
 
 

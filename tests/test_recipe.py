@@ -185,6 +185,7 @@ def test_eval_loss_equals_the_exported_model_in_one_process(stages: int) -> None
     weights and running statistics in eval mode (1e-5), and the round at step 6 those of step 6."""
     recipe = RecipeOptions(eval_every=6, eval_count=3, eval_batches=recipe_tasks.dropout_bn.eval_batches,
                            metrics_fn=recipe_tasks.metrics_fn)
+    torch.manual_seed(0)  # dropout masks: the 6-step run below must draw the same ones
     workers = make_workers(recipe_tasks.dropout_bn, stages, steps=12, max_inflight=1, recipe=recipe)
     run_workers(workers)
     ev = workers[-1].recipe.evaluator
@@ -193,6 +194,7 @@ def test_eval_loss_equals_the_exported_model_in_one_process(stages: int) -> None
     assert ev.history[-1][1] == pytest.approx(_one_process_eval(recipe_tasks.dropout_bn, state, 3), abs=1e-5)
     assert 0.0 <= ev.metrics["accuracy"] <= 1.0
     assert workers[-1].stats.snapshot()["eval_loss"] == ev.history[-1][1]
+    torch.manual_seed(0)
     six = make_workers(recipe_tasks.dropout_bn, stages, steps=6, max_inflight=1)
     run_workers(six)
     assert ev.history[0][1] == pytest.approx(_one_process_eval(recipe_tasks.dropout_bn, merged_state(six), 3), abs=1e-5)

@@ -28,7 +28,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ravq.stage.split import model_output, split_model
+from ravq.stage.materialize import materialize
+from ravq.stage.meta import build_meta_model, retarget_device, to_meta
+from ravq.stage.split import build_task_model, model_output
 from ravq.stage.tensors import Parts, data_for, gather_inputs, targets_of, to_device
 from ravq.stage.trace import split_pipe
 from ravq.stage.types import MicroBatch, Outbound
@@ -38,25 +40,32 @@ StageWorker = Any
 """``ravq.stage.pipeline.StageWorker`` (it imports this module, not the other way round)."""
 
 
-def eval_stage_modules(fresh_model: nn.Module, example_args: tuple[Any, ...], cuts: list[str],
-                       train_modules: list[nn.Module]) -> list[nn.Module]:
-    """Each stage's graph traced in eval mode from ``fresh_model`` (a model not traced before: torch's
-    tracer leaves its split markers on a model), sharing the training stages' tensors by name."""
-    fresh_model.eval()
+def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts: list[str], stage: int,
+                      train_module: nn.Module) -> nn.Module:
+    """Stage ``stage``'s graph traced in eval mode from a fresh copy of the task's model (on ``meta``: torch's
+    tracer leaves its split markers on a model it traced, so the training model cannot be traced again),
+    its parameters and buffers then pointed at ``train_module``'s tensors (no second copy of the weights)."""
+    try:
+        model, meta = build_meta_model(task, seed).model, True
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta is traced with real weights
+        model, meta = build_task_model(task, seed), False
+    model.eval()
     if cuts:
-        pipe = split_pipe(fresh_model, example_args, cuts)
-        modules = [pipe.get_stage_module(i) for i in range(len(train_modules))]
+        pipe = split_pipe(model, to_meta(example_args) if meta else example_args, cuts)
+        module = pipe.get_stage_module(stage)
     else:
-        modules = [split_model(fresh_model, example_args, [])[0].module]
-    for module, train in zip(modules, train_modules):
-        live = {**dict(train.named_parameters()), **dict(train.named_buffers())}
-        for name, _ in [*module.named_parameters(), *module.named_buffers()]:
-            owner, _, leaf = name.rpartition(".")
-            sub = module.get_submodule(owner)
-            table = sub._parameters if leaf in sub._parameters else sub._buffers
-            assert name in live, f"eval graph has {name}, which the training stage lacks"
-            table[leaf] = live[name]
-    return modules
+        module = model
+    if meta:  # real values for what the graph holds besides weights (constants); the weights come next
+        materialize(module, task, seed)
+        retarget_device(module, "meta", next(iter(train_module.parameters()), torch.empty(0)).device)
+    live = {**dict(train_module.named_parameters()), **dict(train_module.named_buffers())}
+    for name, _ in [*module.named_parameters(), *module.named_buffers()]:
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        table = sub._parameters if leaf in sub._parameters else sub._buffers
+        assert name in live, f"eval graph has {name}, which the training stage lacks"
+        table[leaf] = live[name]
+    return module
 
 
 def attach(worker: StageWorker, module: nn.Module) -> None:

@@ -78,6 +78,10 @@ class Recipe:
         self.device = worker.device
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"training.precision: must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.precision != "fp32":  # activations arrive in whatever float dtype autocast gave their last op
+            worker._expected_fwd = {src: {name: (shape, None if name[0] == "o" and dtype.is_floating_point else dtype)
+                                          for name, (shape, dtype) in names.items()}
+                                    for src, names in worker._expected_fwd.items()}
         self.lr = LRSchedule(worker.optimizer, opts.lr_lambda) if opts.lr_lambda is not None else None
         self.exchange: NormExchange | None = None
         if self.max_norm is not None or self.precision == "fp16":
