@@ -98,8 +98,7 @@ class StageWorker:
         self.should_abort: Callable[[], bool] = lambda: False
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
         self._raw_output: Any = None
-        self.recipe = Recipe(self)
-        """LR schedule, precision, global-norm clipping, training metrics (``ravq.stage.recipe``)."""
+        self.recipe = Recipe(self)  # LR schedule, precision, clipping, evaluation, metrics (ravq.stage.recipe)
 
     @property
     def paused(self) -> bool:
@@ -126,8 +125,7 @@ class StageWorker:
         by the shape and dtype it restores to (its descriptor's, sizes verified by ``ravq.net.wire``) and
         restored in the compute thread.  ``meta``: the header's fields for the recipe (``ravq.stage.clip``)."""
         with self._sched.cond:
-            meta = meta or {}
-            kind, verdict = self.recipe.screen(self, kind, micro_batch, meta)
+            kind, verdict = self.recipe.screen(self, kind, micro_batch, meta := meta or {})
             if verdict is not None:
                 return verdict or None  # "": the recipe took it
             if kind != "bwd":
@@ -372,8 +370,7 @@ class StageWorker:
             self.recipe.step(self)
 
     def _step(self, versions: list[int] | None = None, skip: bool = False) -> None:
-        """The optimizer step (``skip``: fp16 overflow, no change) of the backwards since the last
-        (``versions``: their forwards' versions, default those ``GradientSum`` holds)."""
+        """Step on the backwards since the last (their forwards' ``versions``); ``skip``: fp16 overflow."""
         for used in self._grads.take_versions() if versions is None else versions:
             staleness = self.version - used  # updates applied since this micro-batch's forward
             self.stats.record_staleness(staleness, self.metrics)
