@@ -1,12 +1,11 @@
 """The asynchronous stage: one stage's weights, forwards, backwards and updates, and its control surface.
 
-No sockets here.  A ``StageWorker`` owns one stage's weights and optimizer and runs in the node's
-single compute thread.  The event loop hands it arrivals with ``deliver``; it hands back what must
-be sent through an ``emit`` callback.  Stage 0 reads the data and holds the credits that bound the
-micro-batches in flight (``max_inflight``), which bounds both stashed memory and staleness.  Its parts:
-``ravq.stage.schedule`` picks the next work (backward before forward), forwards run at stashed weights
-(``ravq.stage.stash``), messages' tensors are named and checked as ``ravq.stage.tensors`` says, and
-``ravq.stage.stats`` counts the work.
+No sockets here.  A ``StageWorker`` owns one stage's weights and optimizer and runs in the node's single compute
+thread.  The event loop hands it arrivals with ``deliver``; it hands back what must be sent through an ``emit``
+callback.  Stage 0 reads the data and holds the credits that bound the micro-batches in flight (``max_inflight``),
+which bounds both stashed memory and staleness.  Its parts: ``ravq.stage.schedule`` picks the next work (backward
+before forward), forwards run at stashed weights (``ravq.stage.stash``), messages' tensors are named and checked as
+``ravq.stage.tensors`` says, ``ravq.stage.stats`` counts the work, ``ravq.stage.recipe`` does the rest of training.
 
 Churn: a micro-batch is named by its index in stage 0's data, and every message carries the cluster
 *generation* it belongs to.  When a member of the cluster is lost, every stage ``pause``s and
@@ -29,6 +28,7 @@ from torch.func import functional_call
 
 from ravq.net import compress
 from ravq.net.compress import Packed
+from ravq.stage.arrivals import deliver
 from ravq.stage.recipe import Recipe, build_optimizer
 from ravq.stage.schedule import Scheduler
 from ravq.stage.split import StageSpec, model_output
@@ -37,7 +37,6 @@ from ravq.stage.stats import StageStats
 from ravq.stage.tensors import (
     Parts,
     data_for,
-    expected_backward,
     expected_forward,
     forward_sources,
     gather_inputs,
@@ -46,6 +45,7 @@ from ravq.stage.tensors import (
     targets_of,
     to_device,
 )
+from ravq.stage.tied_step import TiedExchange, apply_tied, deliver_tied, send_tied
 from ravq.stage.types import MicroBatch, Outbound, StageOptions
 
 Emit = Callable[[Outbound], None]
@@ -98,6 +98,9 @@ class StageWorker:
         self.should_abort: Callable[[], bool] = lambda: False
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
         self._raw_output: Any = None
+        self.tied = TiedExchange(spec.index, spec.tied, dict(self.module.named_parameters(remove_duplicate=False)),
+                                 options.max_inflight) if spec.tied else None  # copies of tied weights (tied_step)
+        self._emit: Emit = lambda out: None
         self.recipe = Recipe(self)  # LR schedule, precision, clipping, evaluation, metrics (ravq.stage.recipe)
 
     @property
@@ -120,24 +123,10 @@ class StageWorker:
     # ----------------------------------------------------------------- called from the event loop
     def deliver(self, kind: str, micro_batch: MicroBatch, source: int,
                 tensors: dict[str, torch.Tensor | Packed], meta: dict[str, Any] | None = None) -> str | None:
-        """Hand over an arrived message.  Returns None if accepted, else why it was refused (the
-        caller counts and drops it): nothing unexpected ever reaches torch.  A packed tensor is checked
-        by the shape and dtype it restores to (its descriptor's, sizes verified by ``ravq.net.wire``) and
-        restored in the compute thread.  ``meta``: the header's fields for the recipe (``ravq.stage.clip``)."""
-        with self._sched.cond:
-            kind, verdict = self.recipe.screen(self, kind, micro_batch, meta := meta or {})
-            if verdict is not None:
-                return verdict or None  # "": the recipe took it
-            if kind != "bwd":
-                known = (kind == "eval" or micro_batch not in self._stash) and micro_batch[0] == self.cluster
-                expected = self._expected_fwd.get(source, {}) if known else None
-            else:
-                stash = self._stash.get(micro_batch)
-                expected = None if stash is None else expected_backward(self.spec, stash.outputs, source)
-            reason = self._sched.put(kind, micro_batch, source, tensors, expected)
-            if reason is None:
-                self.recipe.received(self, kind, micro_batch, meta)
-            return reason
+        """An arrived message and its header ``meta`` (``ravq.stage.arrivals``): None if queued, else why not."""
+        if kind == "tied":
+            return deliver_tied(self, micro_batch, source, tensors)
+        return deliver(self, kind, micro_batch, source, tensors, meta or {})
 
     def submit(self, fn: Callable[[StageWorker], None]) -> None:
         """Run ``fn(self)`` in the compute thread before any further forward or backward."""
@@ -174,11 +163,15 @@ class StageWorker:
                 self._requeue = deque(sorted([*again, *self._requeue], key=lambda item: item[0]))
                 self._inflight_data.clear()
             self.stats.inflight = 0
+            if self.tied is not None:
+                self.tied.reset()
             self.recipe.forget_in_flight()
         return dropped
 
     def resume(self, trained: int) -> None:
         """Compute thread: train again, counting ``trained`` micro-batches as finished."""
+        if self.tied is not None:  # the key holder's copy: the same start for every copy
+            self.tied.restart(self.optimizer, lambda *a: send_tied(self, *a))
         with self._sched.cond:
             self.trained = trained
             self._sched.pause(False)
@@ -204,8 +197,9 @@ class StageWorker:
     # ----------------------------------------------------------------- the compute thread
     def run(self, emit: Emit, should_abort: Callable[[], bool] = lambda: False) -> None:
         """Work until this stage has finished ``steps`` micro-batches (or was stopped and drained)."""
-        self.should_abort = should_abort
-        self.recipe._emit = emit
+        self.should_abort, self._emit = should_abort, emit
+        if self.tied is not None and not self.tied.announced:  # one start for every copy, whatever was loaded
+            self.tied.restart(self.optimizer, lambda *a: send_tied(self, *a))
         self._sched.running = True
         try:
             while (work := self._sched.next(self, should_abort)) is not None:
@@ -223,6 +217,8 @@ class StageWorker:
                 else:
                     self._run_forward(arg[0], arg[1], emit)
             self._flush_update()
+            if self.tied is not None:  # the copies end equal: every tied step this stage took part in is applied
+                apply_tied(self, wait=lambda: not self.tied.settled())  # type: ignore[union-attr]
             self.recipe.finish(self)
         finally:
             with self._sched.cond:
@@ -243,7 +239,11 @@ class StageWorker:
         """Stage 0 holds a credit (fewer than ``max_inflight`` in flight) and has data left."""
         more = bool(self._requeue) or self.data_position < self.options.steps
         return (self.is_first and not self._sched.stopping and more
-                and len(self._stash) < self.options.max_inflight)
+                and len(self._stash) < self.options.max_inflight and self.may_forward())
+
+    def may_forward(self) -> bool:
+        """Tied copies are no more than ``max_inflight - 1`` tied steps behind (``ravq.stage.tied_step``)."""
+        return self.tied is None or not self.tied.behind()
 
     def finished(self) -> bool:
         """``steps`` micro-batches trained here (later stages: and stage 0 finished), or stopped and drained."""
@@ -337,11 +337,10 @@ class StageWorker:
         targets = to_device(targets, self.device)
         with torch.enable_grad(), self.recipe.autocast():
             loss = self.loss_fn(out, targets)
-        root = self.recipe.after_loss(self, mb, loss, out, targets)
         self._account("forward", t0)
         self.stats.record_loss(float(loss.detach()), self.metrics)
         t1 = self.clock()
-        self._backward_from(mb, stash, [root], [None], emit)
+        self._backward_from(mb, stash, [self.recipe.after_loss(self, mb, loss, out, targets)], [None], emit)
         self._account("backward", t1)
 
     def _run_backward(self, mb: MicroBatch, parts: Parts, emit: Emit) -> None:
@@ -361,6 +360,8 @@ class StageWorker:
             self.stats.record_completed(mb[1])
         self.stats.inflight = len(self._stash)
         due = self._grads.add(weight_grads, stash.version)
+        if due and self.tied is not None:  # before the input-gradients: upstream holders need it first
+            self.tied.contribute(lambda *a: send_tied(self, *a))
         meta = self.recipe.backward_meta(self, mb, due, scale)
         for producer, tensors in input_grads(self.spec, stash.inputs, grad_of).items():
             emit(Outbound("bwd", producer, mb, self.version, self._pack(tensors), self.generation, meta))
@@ -369,8 +370,7 @@ class StageWorker:
         if due:
             self.recipe.step(self)
 
-    def _step(self, versions: list[int] | None = None, skip: bool = False) -> None:
-        """Step on the backwards since the last (their forwards' ``versions``); ``skip``: fp16 overflow."""
+    def _step(self, versions: list[int] | None = None, skip: bool = False) -> None:  # skip: fp16 overflow
         for used in self._grads.take_versions() if versions is None else versions:
             staleness = self.version - used  # updates applied since this micro-batch's forward
             self.stats.record_staleness(staleness, self.metrics)
@@ -380,6 +380,8 @@ class StageWorker:
             self.forward_weights.step(self.optimizer, self.options.predict_weights, in_flight=bool(self._stash))
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        if self.tied is not None:
+            apply_tied(self, wait=lambda: self.tied.primary_behind())  # type: ignore[union-attr]
         self.recipe.after_step(self)
         self.stats.record_update(self.version, self.metrics)
         if self.on_update is not None:
@@ -387,6 +389,8 @@ class StageWorker:
 
     def _flush_update(self) -> None:
         if self._grads.versions:
+            if self.tied is not None:
+                self.tied.contribute(lambda *a: send_tied(self, *a))
             self._step()
 
     def _account(self, phase: str, t0: float) -> None:

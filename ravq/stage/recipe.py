@@ -99,7 +99,6 @@ class Recipe:
         self._metric_count = 0
         self.train_metrics: dict[str, float] = {}
         """The task's ``metrics_fn`` averaged over the micro-batches of the last step (last stage)."""
-        self._emit: Callable[[Outbound], None] = lambda out: None
         self.evaluator = Evaluator(opts.eval_every, opts.eval_count, opts.eval_batches, opts.seed)
         """Evaluation rounds (``ravq.stage.evaluate``); on once ``evaluator.module`` is set."""
 
@@ -195,7 +194,7 @@ class Recipe:
 
     def after_step(self, worker: StageWorker) -> None:
         """After the optimizer step that made ``worker.version``: stage 0 starts an evaluation round when due."""
-        self.evaluator.after_step(worker, self._emit)
+        self.evaluator.after_step(worker, worker._emit)
 
     def unfinished(self, worker: StageWorker) -> bool:
         """Steps wait here for their global norm, or evaluation rounds are owed (the stage is not done)."""
@@ -253,7 +252,7 @@ class Recipe:
         """The norms of the last steps, on a message without tensors (nothing follows to carry them)."""
         meta = {**self.forward_meta(), "tail": True}
         for dest in dests:
-            self._emit(Outbound("fwd", dest, (worker.cluster, worker.data_position), worker.version, {},
+            worker._emit(Outbound("fwd", dest, (worker.cluster, worker.data_position), worker.version, {},
                                 worker.generation, meta))
 
     def finish(self, worker: StageWorker) -> None:
