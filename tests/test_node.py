@@ -65,6 +65,9 @@ def test_demo_learns_and_reports(tmp_path: Path) -> None:
         assert 0 < node["busy_fraction"] <= 1
         assert node["bytes_sent"] > 0 and node["bytes_received"] > 0
     assert report["nodes"][0]["staleness_mean"] > 0  # asynchronous: stage 0 runs ahead
+    curve = report["eval_loss"]  # six evaluations on held-out data by default (docs/training.md)
+    assert [step for step, _ in curve] == [20, 40, 60, 80, 100, 120]
+    assert curve[-1][1] < curve[0][1] - 0.1, curve  # validation loss falls
 
 
 def _write_topology(tmp_path: Path, steps: int, ckpt: Path, drain_s: float = 10.0) -> Path:

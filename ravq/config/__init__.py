@@ -10,6 +10,7 @@
 from ravq.config.base import ConfigError
 from ravq.config.loading import load_plan, load_topology, parse_topology
 from ravq.config.plan import ClusterPlan, Plan
+from ravq.config.recipe import LRScheduleConfig
 from ravq.config.task import TASK_FUNCTIONS, resolve_task_module
 from ravq.config.topology import (
     EXTRAPOLATE_GRADIENTS,
@@ -32,6 +33,7 @@ __all__ = [
     "ClusterPlan",
     "CompressConfig",
     "ConfigError",
+    "LRScheduleConfig",
     "LimitConfig",
     "NodeConfig",
     "Plan",

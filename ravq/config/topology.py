@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ravq.config.base import ConfigError, UserModel
+from ravq.config.recipe import LRScheduleConfig
 
 Port = int
 
@@ -92,6 +93,18 @@ class TrainingConfig(UserModel):
     """Optimizer steps between a node's progress lines at INFO (loss, samples/s, staleness, waits)."""
     compress: CompressConfig = CompressConfig()
     """Compression of pipeline and ring traffic (fewer bytes on slow links)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast of forwards and the loss on the stage's device (weights and optimizer state stay fp32):
+    bf16, or fp16 with a dynamic loss scale the cluster's stages agree on (docs/training.md)."""
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()
+    """Learning-rate schedule, stepped by the cluster's optimizer step on every stage alike."""
+    clip_grad_norm: float | None = Field(None, gt=0)
+    """Clip each optimizer step's gradient to this global norm (over all stages of the cluster; the stages
+    exchange their squared norms along the pipeline).  None: no clipping."""
+    eval_every: int = Field(0, ge=0)
+    """Optimizer steps between evaluations over the task's eval_batches; 0: never."""
+    eval_batches: int = Field(8, ge=1)
+    """Micro-batches of held-out data per evaluation."""
 
 
 class TimeoutConfig(UserModel):

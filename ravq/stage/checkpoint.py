@@ -117,6 +117,13 @@ def _read_meta(path: Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) and isinstance(meta.get("checkpoint_id"), str) else None
 
 
+def optimizer_names(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> list[str]:
+    """Parameter names in the optimizer's own order: its state dict numbers parameters group by group,
+    which is not the module's order once a task builds groups (e.g. no weight decay on biases)."""
+    name_of = {id(p): n for n, p in params.items()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor],
                                                                                      dict[str, Any]]:
     """Split an optimizer's state into named tensors and JSON-able rest (param indices -> names)."""
@@ -155,7 +162,7 @@ def save_stage(root: str | Path, *, cluster: int, stage: int, num_stages: int, n
     """Write one stage's checkpoint (the previous one is kept as ``.prev``); returns the JSON path."""
     files = _Files.of(Path(root), cluster, stage)
     files.tensors.parent.mkdir(parents=True, exist_ok=True)
-    names = [n for n, _ in module.named_parameters()]
+    names = optimizer_names(optimizer, dict(module.named_parameters()))
     # written tensor by tensor from the live state (this runs in the compute thread, or after it ended):
     # no copy of the stage or of its optimizer state
     tensors = {f"model.{k}": v for k, v in module.state_dict().items()}
