@@ -39,12 +39,14 @@ from ravq.net.listen import serve_metrics
 from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits
 from ravq.stage import checkpoint
-from ravq.stage.build import BuiltStage, build_stage, resume, save
+from ravq.stage.build import BuiltStage, build_stage, save
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.types import Outbound
+from ravq.swarm import resume
 from ravq.swarm.churn import Churn
 from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership, beat_on_cadence
+from ravq.swarm.stopping import Stopping
 from ravq.tuning import cpu_budget
 
 log = logging.getLogger(__name__)
@@ -85,10 +87,11 @@ class Node:
         self.cluster = self.stage = -1
         self.averager: Averager | None = None
         self.failure: str | None = None
-        self._draining = False
-        self._force = asyncio.Event()
+        self.stopping = Stopping(name=name, drain_s=topology.timeouts.drain_s, churn=self.churn,
+                                 membership=self.membership)
+        self._force = self.stopping.force
         self.run_id: str | None = None
-        """The run this stage's weights belong to: the broker's, or the resumed checkpoint's."""
+        """The run this stage's weights belong to: the broker's (``brokers.run``)."""
         self.rejoining = False
         self._stage_bytes = 0
         """What this stage takes in memory (weights, gradients, optimizer state, a stash per micro-batch in
@@ -111,6 +114,9 @@ class Node:
             serve_metrics(self.metrics, self.config.metrics_port, self.config.bind_host or self.config.host)
         plan = await self.membership.join()
         self.run_id = self.membership.run_id
+        if self.topology.training.resume is not None:
+            log.warning("%s: training.resume is deprecated and ignored: a node always resumes from the newest "
+                        "checkpoint of the broker's run (a new run: `ravq broker --new-run`)", self.name)
         tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
         if not any(self.name in c.nodes for c in plan.clusters):
             plan = await self.churn.standby(self._memory_bytes())
@@ -121,6 +127,12 @@ class Node:
         self.rejoining = state["state"] != "starting"
         if self.rejoining:
             self.churn.rejoin(state)
+        root = self.topology.training.checkpoint_dir
+        if root:  # refuse another run's checkpoints before the slow part; tell the cluster what we hold
+            self.membership.report["checkpoints"] = resume.check_run(
+                root, cluster=self.cluster, stage=self.stage, run_id=self.run_id,
+                explicit=self.membership.run_explicit, name=self.name)
+            self.churn.beat_now.set()
         built = await asyncio.to_thread(self._build_stage, plan)
         self.worker = worker = built.worker
         self._derive_limits(built.largest_frame)
@@ -137,10 +149,14 @@ class Node:
                                      stage_names=built.stage_names, task=self.task,
                                      metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits)
             self.averager.silent_s = self.membership.silent_s
+            self.averager.run_id = self.run_id
         self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
         if not self.rejoining:
             await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
+            if root:  # the whole cluster starts: resume from one consistent point of the run
+                version = await resume.agree(self.membership, cluster.nodes, self.name, self.topology.timeouts.connect_s)
+                await asyncio.to_thread(self._load, version)
             self.churn.set_phase("training")
         compress = self.topology.training.compress
         log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)", self.name,
@@ -169,13 +185,19 @@ class Node:
         built = build_stage(self.task, training, seed=self.topology.seed, cuts=list(plan.clusters[self.cluster].cuts),
                             stage=self.stage, cluster=self.cluster, clusters=len(plan.clusters),
                             device=self.config.device, metrics=self.metrics)
+        self.worker = built.worker
         if training.checkpoint_dir:
             checkpoint.remove_temp_files(training.checkpoint_dir, self.cluster, self.stage)
-            if training.resume or self.rejoining:
-                run_id = resume(built.worker, training.checkpoint_dir, cluster=self.cluster, stage=self.stage,
-                                update_every=training.update_every, name=self.name)
-                self.run_id = run_id or self.run_id
+            if self.rejoining:  # its cluster goes on: its own newest checkpoint, then the catch-up
+                self._load(None)
         return built
+
+    def _load(self, version: int | None) -> None:
+        training = self.topology.training
+        assert self.worker is not None and training.checkpoint_dir
+        resume.load(self.worker, training.checkpoint_dir, cluster=self.cluster, stage=self.stage,
+                    update_every=training.update_every, name=self.name, run_id=self.run_id, version=version,
+                    metrics=self.metrics, micro_batch=training.micro_batch)
 
     # ------------------------------------------------------------------ run
     def start(self, tg: asyncio.TaskGroup) -> None:
@@ -200,21 +222,7 @@ class Node:
 
     def _on_signal(self) -> None:
         assert self.worker is not None
-        if self._draining:
-            log.warning("%s: second signal: forcing exit", self.name)
-            self._force.set()
-            return
-        self._draining = True
-        log.info("%s: draining %d in-flight micro-batch(es) at step %d (up to %.0fs, timeouts.drain_s); send again "
-                 "to force", self.name, self.worker.stats.inflight, self.worker.version, self.topology.timeouts.drain_s)
-        self.worker.stop()
-        asyncio.get_running_loop().call_later(self.topology.timeouts.drain_s, self._drain_expired)
-
-    def _drain_expired(self) -> None:
-        if not self._force.is_set() and self.worker is not None:
-            log.warning("%s: drain limit of %.0fs reached with %d micro-batch(es) still in flight (a peer is slow or "
-                        "gone); forcing exit", self.name, self.topology.timeouts.drain_s, self.worker.stats.inflight)
-        self._force.set()
+        self.stopping.on_signal(self.worker)
 
     async def _force_exit_watch(self) -> None:
         await self._force.wait()
@@ -228,18 +236,22 @@ class Node:
             loop.call_soon_threadsafe(links.outbound.put_nowait, out)
 
         worker.on_update = self._after_update
-        await asyncio.to_thread(worker.run, emit, self._force.is_set)
-        if not self._draining and not self._force.is_set():
+        await asyncio.to_thread(worker.run, emit, self.stopping.should_abort)
+        if self.stopping.leaving:  # nothing to wait for: the cluster pauses and redoes what was in flight
+            log.info("%s: left the run at step %d", self.name, worker.version)
+            raise _Finished
+        self.stopping.trained_out = not self._force.is_set()
+        if not self.stopping.draining and not self._force.is_set():
             self.churn.set_phase("finishing")
         if self.averager is not None and not self._force.is_set():
             await self.averager.drain()
             await asyncio.to_thread(worker.run_pending)
-            if not self._draining and any(c.get("generation", 0) > 0 for c in self.membership.clusters):
+            if not self.stopping.draining and any(c.get("generation", 0) > 0 for c in self.membership.clusters):
                 # a cluster was disrupted: clusters ended at different step counts; agree once more
                 t = self.topology.timeouts
                 await self.averager.final_round(t.give_up_s or max(t.connect_s, 3600.0))
         await links.outbound.join()
-        if self._draining and not self._force.is_set():
+        if self.stopping.draining and not self._force.is_set():
             log.info("%s: drained at step %d", self.name, worker.version)
         elif not self._force.is_set():
             log.info("%s: training done at step %d (%d micro-batches)", self.name, worker.version, worker.stats.backwards)
@@ -296,8 +308,12 @@ class Node:
         worker, root = self.worker, self.topology.training.checkpoint_dir
         assert worker is not None and root is not None
         t0 = time.monotonic()
+        plan = self.churn.current_plan()
+        rounds = self.averager.queue.completed if self.averager is not None else 0
+        extra = resume.lineage(worker, self.run_id, caught_up_from=self.churn.caught_up_from, epoch=plan.epoch,
+                               clusters_in_rings=len(plan.clusters) - len(plan.excluded), rounds=rounds)
         save(worker, root, cluster=self.cluster, stage=self.stage, node=self.name, run_id=self.run_id,
-             cluster_nodes=list(self.churn.current_plan().clusters[self.cluster].nodes))
+             cluster_nodes=list(plan.clusters[self.cluster].nodes), extra=extra)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
 
@@ -322,12 +338,13 @@ class Node:
             await asyncio.to_thread(self._save_checkpoint)
         if self.worker is not None:
             with contextlib.suppress(Exception):
-                await self.membership.heartbeat(self.stats(), done=not self._force.is_set())
+                await self.membership.heartbeat(self.stats(), done=self.stopping.done)
         if self.options.summary_path:
             st = self.worker.stats if self.worker else None
             final = {**self.stats(), "loss_history": st.loss_history if st else [],
                      "update_times": list(st.update_times) if st else [], "completed": st.completed if st else [],
-                     "final_round": bool(self.averager and self.averager.final_done)}
+                     "final_round": bool(self.averager and self.averager.final_done),
+                     "ended": self.stopping.ended(self.failure)}
             Path(self.options.summary_path).write_text(json.dumps(final))
         if self.links is not None:
             self.links.close()

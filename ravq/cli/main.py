@@ -68,6 +68,9 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
+    if args.state_dir is not None:
+        broker = topology.broker.model_copy(update={"state_dir": args.state_dir})
+        topology = topology.model_copy(update={"broker": broker})
     plan = plan_for(topology, args.plan)
     metrics = Metrics("broker")
     metrics.set_role("broker")
@@ -80,7 +83,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
         opts = socket_options_for(topology, "broker", args.key_dir, metrics)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    run_broker(topology, plan, metrics, opts)
+    run_broker(topology, plan, metrics, opts, new_run=args.new_run)
     return 0
 
 
@@ -209,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--topology", required=True)
     b.add_argument("--plan", help="plan YAML from `ravq plan` (default: the topology's clusters, even split)")
     b.add_argument("--key-dir", help="directory with broker.key_secret (CURVE)")
+    b.add_argument("--state-dir", help="where the run survives restarts (default: broker.state_dir)")
+    b.add_argument("--new-run", action="store_true",
+                   help="start a new training run instead of continuing the one in the state directory")
     b.set_defaults(func=cmd_broker)
 
     n = sub.add_parser("node", help="run one node")

@@ -28,6 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ravq.stage import lineage
+
 log = logging.getLogger(__name__)
 
 FORMAT = 2
@@ -219,6 +221,39 @@ def _candidates(files: _Files) -> list[dict[str, Any]]:
     return sorted(metas, key=lambda m: (m.get("version", -1), m.get("written_at", 0.0)), reverse=True)
 
 
+def stage_metas(root: str | Path, cluster: int, stage: int) -> list[dict[str, Any]]:
+    """The JSON halves of a stage's checkpoints (current and previous), newest first; not verified."""
+    return _candidates(_Files.of(Path(root), cluster, stage))
+
+
+def set_aside(root: str | Path, cluster: int, stage: int, run_id: str) -> list[Path]:
+    """Move this stage's checkpoint files of runs other than ``run_id`` into ``cluster{c}/run-{RUN}/``
+    (never loaded, never deleted); returns where they went."""
+    files = _Files.of(Path(root), cluster, stage)
+    moved = []
+    for path in (files.meta, files.prev_meta, files.tensors, files.prev_tensors):
+        run = _file_run(path)
+        if run is None or run == run_id:
+            continue
+        target = path.parent / f"run-{run or 'unknown'}" / path.name
+        target.parent.mkdir(exist_ok=True)
+        os.replace(path, target)
+        moved.append(target)
+    return moved
+
+
+def _file_run(path: Path) -> str | None:
+    """The run a checkpoint file belongs to ("" for one written without a run id); None: no such file,
+    or not readable as ours."""
+    if path.suffix == ".json":
+        meta = _read_meta(path)
+        return None if meta is None else str(meta.get("run_id") or "")
+    if not path.exists() or _tensor_file_id(path) is None:
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("run_id", "")
+
+
 def _check_pair(files: _Files, meta: dict[str, Any]) -> tuple[Path | None, str]:
     """The tensor file that belongs to ``meta`` and checks out, or None and why not."""
     if meta.get("format") != FORMAT:
@@ -236,12 +271,15 @@ def _check_pair(files: _Files, meta: dict[str, Any]) -> tuple[Path | None, str]:
     return None, reason
 
 
-def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None) -> StageCheckpoint:
-    """The newest checkpoint of a stage whose JSON and tensors check out (of ``run_id`` if given)."""
+def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None,
+               version: int | None = None) -> StageCheckpoint:
+    """The newest checkpoint of a stage whose JSON and tensors check out (of ``run_id`` and at ``version``
+    if given)."""
     files = _Files.of(Path(root), cluster, stage)
-    metas = [m for m in _candidates(files) if run_id is None or m.get("run_id") == run_id]
+    metas = [m for m in _candidates(files) if (run_id is None or m.get("run_id") == run_id)
+             and (version is None or m.get("version") == version)]
     if not metas:
-        run = f" of run {run_id}" if run_id else ""
+        run = (f" of run {run_id}" if run_id else "") + (f" at version {version}" if version is not None else "")
         raise FileNotFoundError(f"no checkpoint{run} for cluster {cluster} stage {stage} in {root}")
     problems = []
     for meta in metas:
@@ -257,6 +295,23 @@ def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = 
         optim = {k: v for k, v in tensors.items() if k.startswith("optim.")}
         return StageCheckpoint(model=model, optimizer={"tensors": optim, "rest": meta["optimizer"]}, meta=meta)
     raise CheckpointError(f"cluster {cluster} stage {stage} in {root}: no usable checkpoint ({'; '.join(problems)})")
+
+
+def _coexisting(root: Path, cluster: int, run_id: str | None,
+                newest: dict[int, StageCheckpoint]) -> dict[int, StageCheckpoint]:
+    """The newest checkpoint of every stage of ``run_id`` such that all of them coexisted
+    (``ravq.stage.lineage``); CheckpointError naming each stage's checkpoints when none did."""
+    stages = sorted(newest)
+    metas = [[m for m in _candidates(_Files.of(root, cluster, s)) if m.get("run_id") == run_id] for s in stages]
+    points = [[lineage.Point.of(m) for m in ms] for ms in metas]
+    if lineage.coexisted([lineage.Point.of(newest[s].meta) for s in stages]):
+        return newest
+    choice = lineage.consistent_choice(points)
+    if choice is None:
+        raise CheckpointError(f"{root / f'cluster{cluster}'}: the stages of run {run_id} hold versions that "
+                              f"never coexisted ({lineage.describe(points)}); export each stage's own PC's "
+                              "newest checkpoints together, or train on until every stage saves again")
+    return {s: load_stage(root, cluster, s, run_id, metas[i][choice[i]]["version"]) for i, s in enumerate(stages)}
 
 
 def export_cluster(root: str | Path, out: str | Path, cluster: int = 0, run_id: str | None = None) -> dict[str, Any]:
@@ -281,6 +336,8 @@ def export_cluster(root: str | Path, out: str | Path, cluster: int = 0, run_id: 
             ckpts[s] = load_stage(root, cluster, s, run_id)
         except FileNotFoundError:
             other_runs[s] = {str(m.get("run_id")) for m in _candidates(_Files.of(root, cluster, s))}
+    if not other_runs and ckpts:
+        ckpts = _coexisting(root, cluster, run_id, ckpts)
     counts = {c.meta["num_stages"] for c in ckpts.values()}
     if len(counts) > 1:
         raise CheckpointError(f"{cdir}: stages of run {run_id} disagree on the number of stages "
