@@ -52,13 +52,13 @@ class Broker:
         self.known = {n.name for n in topology.nodes}
         self.incarnation = f"{time.time():.6f}"
         self.state_dir = topology.broker.state_dir
-        self.run = open_run(self.state_dir, plan, new_run=new_run)
+        self.the_run = open_run(self.state_dir, plan, new_run=new_run)
         """The training run (``brokers.run``): continued from the state directory after a restart."""
-        self.run_id = self.run.run_id
+        self.run_id = self.the_run.run_id
         """Names this training run; every checkpoint carries it, so no node loads another run's stage and
         `ravq export` never merges stages of different runs."""
         # Ring round ids start from the plan epoch, so epochs grow across broker restarts too (brokers.run).
-        self.plan = self.run.plan
+        self.plan = self.the_run.plan
         in_plan = {n for c in self.plan.clusters for n in c.nodes}
         self.book = Book(self.plan, lost_s=self.heartbeat_timeout_s, now=clock(),
                          replace_s=topology.timeouts.replace_s,
@@ -70,7 +70,7 @@ class Broker:
         return self.book.members
 
     def state(self) -> dict[str, Any]:
-        return {"plan": self.plan.model_dump(), "run_id": self.run_id, "run_explicit": self.run.explicit,
+        return {"plan": self.plan.model_dump(), "run_id": self.run_id, "run_explicit": self.the_run.explicit,
                 **self.book.public(),
                 "silent_s": self.silence()}
 
@@ -100,8 +100,8 @@ class Broker:
             self.book.plan = self.plan
             log.info("rings now exclude clusters %s", excluded or "none")
         if self.plan is not before:  # the run's membership and epoch survive a restart of this broker
-            self.run.plan = self.plan
-            save_run(self.state_dir, self.run)
+            self.the_run.plan = self.plan
+            save_run(self.state_dir, self.the_run)
 
     def _count_members(self) -> None:
         for state in NODE_STATES:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -297,6 +299,8 @@ class Averager:
             self.metrics.bad_messages.labels("ring", "bad_catchup_request").inc()
             await inbox.reply(identity, catchup.reply_for(self.me, msg, None, "bad request"), msg.sender)
             return
+        if os.environ.get("RAVQ_FAULT") == "kill_in_catchup":  # fault injection for tests: a holder dies mid-way
+            os.kill(os.getpid(), signal.SIGKILL)
         tensors, version = await self.in_compute(lambda w: (catchup.stage_tensors(w, names), w.version))
         lineage = {"run_id": self.run_id, "version": version}  # read with the tensors: one consistent copy
         await inbox.reply(identity, catchup.reply_for(self.me, msg, tensors, lineage=lineage), msg.sender)
