@@ -93,6 +93,8 @@ class Node:
         self.run_id: str | None = None
         """The run this stage's weights belong to: the broker's (``brokers.run``)."""
         self.rejoining = False
+        self._resuming_at = 0
+        """The version this stage resumes from, reported until the stage is built."""
         self._stage_bytes = 0
         """What this stage takes in memory (weights, gradients, optimizer state, a stash per micro-batch in
         flight): a standby replacing this node needs at least as much."""
@@ -127,13 +129,20 @@ class Node:
         self.rejoining = state["state"] != "starting"
         if self.rejoining:
             self.churn.rejoin(state)
-        root = self.topology.training.checkpoint_dir
+        root, agreeing = self.topology.training.checkpoint_dir, None
         if root:  # refuse another run's checkpoints before the slow part; tell the cluster what we hold
-            self.membership.report["checkpoints"] = resume.check_run(
+            held = self.membership.report["checkpoints"] = resume.check_run(
                 root, cluster=self.cluster, stage=self.stage, run_id=self.run_id,
                 explicit=self.membership.run_explicit, name=self.name)
             self.churn.beat_now.set()
+            self._resuming_at = held[0]["version"] if held else 0  # exported (and reported) from now on
+            self.metrics.version.set(self._resuming_at)
+            if not self.rejoining:  # the whole cluster starts: it resumes from one consistent point of the run
+                agreeing = tg.create_task(resume.agree(self.membership, plan.clusters[self.cluster].nodes, self.name,
+                                                       self.topology.timeouts.connect_s))
         built = await asyncio.to_thread(self._build_stage, plan)
+        if agreeing is not None:
+            await asyncio.to_thread(self._load, built.worker, await agreeing)
         self.worker = worker = built.worker
         self._derive_limits(built.largest_frame)
         weights = sum(t.numel() * t.element_size() for t in {**worker.params, **worker.buffers}.values())
@@ -154,9 +163,6 @@ class Node:
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
         if not self.rejoining:
             await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
-            if root:  # the whole cluster starts: resume from one consistent point of the run
-                version = await resume.agree(self.membership, cluster.nodes, self.name, self.topology.timeouts.connect_s)
-                await asyncio.to_thread(self._load, version)
             self.churn.set_phase("training")
         compress = self.topology.training.compress
         log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)", self.name,
@@ -185,17 +191,16 @@ class Node:
         built = build_stage(self.task, training, seed=self.topology.seed, cuts=list(plan.clusters[self.cluster].cuts),
                             stage=self.stage, cluster=self.cluster, clusters=len(plan.clusters),
                             device=self.config.device, metrics=self.metrics)
-        self.worker = built.worker
         if training.checkpoint_dir:
             checkpoint.remove_temp_files(training.checkpoint_dir, self.cluster, self.stage)
             if self.rejoining:  # its cluster goes on: its own newest checkpoint, then the catch-up
-                self._load(None)
+                self._load(built.worker, None)
         return built
 
-    def _load(self, version: int | None) -> None:
+    def _load(self, worker: StageWorker, version: int | None) -> None:
         training = self.topology.training
-        assert self.worker is not None and training.checkpoint_dir
-        resume.load(self.worker, training.checkpoint_dir, cluster=self.cluster, stage=self.stage,
+        assert training.checkpoint_dir
+        resume.load(worker, training.checkpoint_dir, cluster=self.cluster, stage=self.stage,
                     update_every=training.update_every, name=self.name, run_id=self.run_id, version=version,
                     metrics=self.metrics, micro_batch=training.micro_batch)
 
@@ -324,7 +329,7 @@ class Node:
         return {**snap, **ring, "name": self.name, "failure": self.failure, "cluster": self.cluster, "stage": self.stage,
                 "phase": self.churn.phase, "generation": self.churn.generation,
                 "pauses": total("ravq_pauses_total"),
-                "version": worker.version if worker else 0, "trained": worker.trained if worker else 0,
+                "version": worker.version if worker else self._resuming_at, "trained": worker.trained if worker else 0,
                 "bytes_sent": total("ravq_bytes_sent_total"),
                 "bytes_received": total("ravq_bytes_received_total"),
                 "ring_bytes_sent": total("ravq_bytes_sent_total", socket="ring"),

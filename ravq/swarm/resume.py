@@ -42,7 +42,7 @@ def check_run(root: str, *, cluster: int, stage: int, run_id: str | None, explic
         where = f"{root}/cluster{cluster}/stage{stage}"
         if not explicit:
             raise CheckpointError(
-                f"{where}: checkpoints of run {', '.join(other)}, but the broker runs {run_id}; refusing to load "
+                f"{name}: {where}: checkpoints of run {', '.join(other)}, but the broker runs {run_id}; refusing to load "
                 "or overwrite them: restart the broker with that run's state directory to continue it, or start "
                 "a new run with `ravq broker --new-run` (or give this node a new checkpoint_dir)")
         moved = checkpoint.set_aside(root, cluster, stage, run_id)
