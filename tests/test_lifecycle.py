@@ -203,10 +203,12 @@ def test_a_holder_killed_during_a_catch_up_never_sends_weights_backwards(tmp_pat
         watch.until("cluster 1 to train again", lambda s: _training(s, 1, 1) and _version(s, "c1s1") > 0, 120,
                     ["c0s0", "c1s0"])
         assert "catch-up from peers failed" in swarm.log("c1s1")
+        watch.until("cluster 0 paused (c0s1 died)", lambda s: _cluster(s, 0).get("state") == "paused", 60, survivors)
+        generation = _cluster(watch.samples[-1][1], 0)["generation"]
         swarm.env["c0s1"] = {}
         swarm.start("c0s1")
-        watch.until("cluster 0 to train again", lambda s: _training(s, 0, 3) and _version(s, "c0s1") > 0, 180,
-                    survivors)
+        watch.until("cluster 0 to train again", lambda s: _training(s, 0, generation) and _version(s, "c0s1") > 0,
+                    180, survivors)
         resumed, _ = _resumed_at(swarm, "c0s1")
         status = watch.poll() or {}
         assert resumed > 300 and _version(status, "c0s1") >= resumed, (resumed, _version(status, "c0s1"))
