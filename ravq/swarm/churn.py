@@ -213,7 +213,7 @@ class Churn:
         try:
             holders: dict[str, dict[str, Any]] = {}
             tensors = await self._averager.fetch_catchup(holders)
-            own = {"run_id": self.membership.run_id, "version": self._worker.version if self._worker else 0}
+            own = {"run_id": self._averager.run_id, "version": self._worker.version if self._worker else 0}
             refused = older(own, holders)
             if refused is not None:  # weights only move forward: never replace newer state with older
                 kept = f"kept its own weights (version {own['version']}): {refused}"

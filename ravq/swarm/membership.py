@@ -79,7 +79,12 @@ class Membership:
                 else:
                     log.info("%s: %s is back (%s)", self.name, node, member_state)
         self.members = members
-        self.run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
+        run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
+        if self.run_id is not None and run_id != self.run_id:
+            log.warning("%s: the broker now runs %s, not %s (it restarted without broker.state_dir?): this node "
+                        "goes on with its run's weights; a restarted node will refuse them", self.name, run_id,
+                        self.run_id)
+        self.run_id = run_id
         self.run_explicit = bool(state.get("run_explicit"))
         checkpoints = state.get("checkpoints")
         self.checkpoints = dict(checkpoints) if isinstance(checkpoints, dict) else {}
