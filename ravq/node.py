@@ -11,7 +11,8 @@ in flight and keeps weights and optimizer), and once every member is up again it
 live holders in other clusters when the broker says so) and reports ready; when all are ready the
 broker lets the cluster train again.  A node exits only on a signal, at the end of training, or after
 ``timeouts.give_up_s`` paused.  A node that starts while its cluster is not starting (it restarted)
-loads its checkpoint, if any, and joins through the same recovery.  ``ravq.swarm.churn.Churn`` owns that
+loads its checkpoint, if any, and joins through the same recovery.  Every stage resumes from its run's
+checkpoints (``ravq.swarm.resume``); a signal while the run goes on is a leave (``ravq.swarm.stopping``).  ``ravq.swarm.churn.Churn`` owns that
 state; this module only composes the parts.
 """
 
@@ -46,6 +47,7 @@ from ravq.swarm import resume
 from ravq.swarm.churn import Churn
 from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership, beat_on_cadence
+from ravq.swarm.progress import log_progress
 from ravq.swarm.stopping import Stopping
 from ravq.tuning import cpu_budget
 
@@ -219,7 +221,8 @@ class Node:
         tg.create_task(self._force_exit_watch())
         tg.create_task(self.churn.follow_cluster())
         tg.create_task(self.churn.watch_paused())
-        tg.create_task(self._log_progress())
+        tg.create_task(log_progress(self.name, self.worker, self.stats, self.topology.training.log_every,
+                                    self.topology.training.steps))
         if self.averager is not None:
             tg.create_task(self.averager.serve())
             tg.create_task(self.averager.run_rounds())
@@ -271,27 +274,6 @@ class Node:
             t0 = time.monotonic()
             self._save_checkpoint()
             worker.waited("checkpoint", time.monotonic() - t0)
-
-    async def _log_progress(self) -> None:
-        """One INFO line every training.log_every optimizer steps, so a person can follow training."""
-        worker, every = self.worker, self.topology.training.log_every
-        assert worker is not None
-        next_at, last_t, last_samples = every, time.monotonic(), 0
-        while True:
-            await asyncio.sleep(0.5)
-            if worker.version < next_at:
-                continue
-            next_at = (worker.version // every + 1) * every
-            st, now = self.stats(), time.monotonic()
-            rate = (st["samples"] - last_samples) / max(now - last_t, 1e-9)
-            last_t, last_samples = now, st["samples"]
-            loss = f"loss {st['loss_recent']:.4f}" if st.get("loss_recent") is not None else "no loss (not last stage)"
-            ring = (f"; averaging {st['allreduce_rounds']} rounds, {st['allreduce_aborts']} aborted, "
-                    f"{st['averaging_waits']} waits ({st['averaging_wait_seconds']:.1f}s)"
-                    if "allreduce_rounds" in st else "")
-            log.info("%s: step %d, micro-batch %d/%d, %s, %.1f samples/s, staleness %.2f (max %d), busy %.0f%%, "
-                     "%d in flight%s", self.name, worker.version, st["trained"], self.topology.training.steps, loss,
-                     rate, st["staleness_mean"], st["staleness_max"], 100 * st["busy_fraction"], st["inflight"], ring)
 
     async def _heartbeats(self) -> None:
         """A heartbeat every interval on a fixed cadence, and one at once when ``churn.beat_now`` is set

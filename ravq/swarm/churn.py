@@ -169,6 +169,7 @@ class Churn:
         assert worker is not None
         log.warning("%s: cluster %d paused (generation %d): %s", self.name, self.cluster, generation, reason)
         self.generation = generation  # from now on messages of the old generation are dropped
+        self.membership.report.pop("kept", None)  # what this stage kept was said of the previous generation
         self.paused_since = self.paused_since or time.monotonic()
         self.set_phase("paused")
         self.metrics.pauses.inc()
@@ -209,7 +210,6 @@ class Churn:
         if not from_peers or self._averager is None:
             return
         self.set_phase("catching_up")
-        self.membership.report.pop("kept", None)
         try:
             holders: dict[str, dict[str, Any]] = {}
             tensors = await self._averager.fetch_catchup(holders)
