@@ -321,8 +321,10 @@ class Node:
                 "bad_messages": total("ravq_bad_messages_total")}
 
     async def shutdown(self) -> None:
+        t0 = time.monotonic()
         if self.worker is not None and self.topology.training.checkpoint_dir:
             await asyncio.to_thread(self._save_checkpoint)
+        saved = time.monotonic() - t0
         if self.worker is not None:
             with contextlib.suppress(Exception):
                 await self.membership.heartbeat(self.stats(), done=self.stopping.done)
@@ -341,6 +343,8 @@ class Node:
         if self.sock_opts.monitor is not None:
             self.sock_opts.monitor.close()
         self.ctx.term()
+        log.info("%s: %s; shut down in %.2fs (final checkpoint %.2fs)", self.name, self.stopping.ended(self.failure),
+                 time.monotonic() - t0, saved)
 
 
 async def run_node(topology: Topology, name: str, options: NodeOptions) -> str | None:

@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from ravq.config import ClusterPlan, ConfigError, Plan, Topology, load_plan, load_topology
 
@@ -112,8 +114,17 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 1
     if failure:
         print(f"ravq node {args.name}: {failure}", file=sys.stderr)
-        return 1
-    return 0
+    _exit_now(1 if failure else 0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End a node that has written its checkpoint and summary, sent its last heartbeat and closed every
+    socket, without the interpreter's teardown: tearing torch and its thousands of objects down costs
+    about a CPU-second, which on a busy PC is several seconds of a `systemctl stop` (issue #27)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
