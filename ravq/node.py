@@ -11,9 +11,9 @@ in flight and keeps weights and optimizer), and once every member is up again it
 live holders in other clusters when the broker says so) and reports ready; when all are ready the
 broker lets the cluster train again.  A node exits only on a signal, at the end of training, or after
 ``timeouts.give_up_s`` paused.  A node that starts while its cluster is not starting (it restarted)
-loads its checkpoint, if any, and joins through the same recovery.  Every stage resumes from its run's
-checkpoints (``ravq.swarm.resume``); a signal while the run goes on is a leave (``ravq.swarm.stopping``).  ``ravq.swarm.churn.Churn`` owns that
-state; this module only composes the parts.
+loads its checkpoint, if any, and joins through the same recovery.  ``ravq.swarm.churn.Churn`` owns that
+state; this module only composes the parts.  Every stage resumes from its run's checkpoints
+(``ravq.swarm.resume``); a signal while the run goes on is a leave (``ravq.swarm.stopping``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership, beat_on_cadence
 from ravq.swarm.progress import log_progress
 from ravq.swarm.stopping import Stopping
-from ravq.tuning import cpu_budget
+from ravq.tuning import cpu_budget, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class Node:
             final = {**self.stats(), "loss_history": st.loss_history if st else [],
                      "update_times": list(st.update_times) if st else [], "completed": st.completed if st else [],
                      "final_round": bool(self.averager and self.averager.final_done),
-                     "ended": self.stopping.ended(self.failure)}
+                     "ended": self.stopping.ended(self.failure), "peak_rss_bytes": peak_rss_bytes()}
             Path(self.options.summary_path).write_text(json.dumps(final))
         if self.links is not None:
             self.links.close()

@@ -14,7 +14,8 @@ from brokers.run import RUN_FILE, open_run, save_run
 from ravq.config import ClusterPlan, ConfigError, Plan
 from ravq.metrics import Metrics
 from ravq.stage import checkpoint
-from ravq.stage.checkpoint import CheckpointError, export_cluster, save_stage
+from ravq.stage.checkpoint import CheckpointError, save_stage
+from ravq.stage.export import export_cluster
 from ravq.stage.lineage import Point, coexisted, consistent_choice, older
 from ravq.swarm.resume import check_run
 
