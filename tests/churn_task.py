@@ -13,7 +13,7 @@ from tests.models_for_tests import build_model, example_inputs, make_optimizer, 
 from tests.models_for_tests import loss_fn as _loss_fn
 
 __all__ = ["build_model", "example_inputs", "loss_fn", "make_optimizer", "split_points", "train_batches"]
-PAUSE_S = float(os.environ.get("CHURN_TASK_PAUSE_S", 1 / 80))
+PAUSE_S = float(os.environ.get("CHURN_TASK_PAUSE_S") or 1 / 80)
 
 
 def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
