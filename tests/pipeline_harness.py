@@ -20,7 +20,7 @@ from ravq.stage.types import Outbound, StageOptions
 
 def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int, micro_batch: int = 4,
                  seed: int = 0, update_every: int = 1, cluster: int = 0,
-                 num_clusters: int = 1, predict_weights: float = 0.0,
+                 num_clusters: int = 1, predict_weights: float = 0.0, extrapolate_gradients: float = 0.0,
                  compress: Format = Format.NONE,
                  clocks: list[Callable[[], float]] | None = None) -> list[StageWorker]:
     """One StageWorker per stage of ``task``, cut evenly; ``clocks``: each stage's clock (default
@@ -32,7 +32,8 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
     in_specs = stage_input_specs(specs, task.example_inputs(micro_batch))
     _, target_example = next(task.train_batches(micro_batch, 0, 1, seed))
     opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch,
-                        predict_weights=predict_weights, compress=compress)
+                        predict_weights=predict_weights, extrapolate_gradients=extrapolate_gradients,
+                        compress=compress)
     batches = task.train_batches(micro_batch, cluster, num_clusters, seed)
     return [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
                         batches=batches if spec.index == 0 else None, cluster=cluster,
@@ -99,3 +100,35 @@ def train_one_process(task: ModuleType, *, steps: int, micro_batch: int = 4, see
         torch.stack(losses).mean().backward()
         opt.step()
     return model.state_dict()
+
+
+def run_in_order(workers: list[StageWorker]) -> None:
+    """Run the stages in one thread, deterministically: each turn the lowest stage with work ready does
+    one piece of it (``Scheduler.next``'s choice: backward, then forward, then a new micro-batch).  So
+    stage 0 fills its credits before later stages run, and in steady state each stage's staleness is
+    its distance from the last stage, as on a pipeline whose later stages answer at once."""
+    outbox: list[tuple[int, Outbound, int]] = []
+
+    def emit_from(src: int) -> Callable[[Outbound], None]:
+        return lambda out: outbox.append((out.dest, out, src))
+
+    emits = [emit_from(w.spec.index) for w in workers]
+    while True:
+        while outbox:
+            dest, out, src = outbox.pop(0)
+            tensors = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _over_the_wire(v)
+                       for k, v in out.tensors.items()}
+            assert workers[dest].deliver(out.kind, out.micro_batch, src, tensors) is None
+        ready = [w for w in workers if w._sched.has_ready() or w.may_start()]
+        if not ready:
+            break
+        worker = ready[0]
+        kind, arg = worker._sched.next(worker, lambda: False)
+        if kind == "start":
+            worker._run_first_forward(emits[worker.spec.index])
+        elif kind == "bwd":
+            worker._run_backward(arg[0], arg[1], emits[worker.spec.index])
+        else:
+            worker._run_forward(arg[0], arg[1], emits[worker.spec.index])
+    for w in workers:
+        w._flush_update()

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from ravq.config import PREDICT_WEIGHTS, ConfigError, parse_topology
+from ravq.config import EXTRAPOLATE_GRADIENTS, PREDICT_WEIGHTS, ConfigError, parse_topology
 from ravq.net.listen import Listeners, ports_of
 
 DEFAULT_TASK = "ravq.tasks.charlm"
@@ -48,6 +48,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, default=1.0, help="step size of each average (1: plain average)")
     p.add_argument("--predict-weights", type=float, default=PREDICT_WEIGHTS,
                    help="weight prediction horizon, in multiples of a stage's staleness (0: off)")
+    p.add_argument("--extrapolate-gradients", type=float, default=EXTRAPOLATE_GRADIENTS,
+                   help="delay compensation of stale updates, in multiples of their staleness (0: off)")
     p.add_argument("--average-optimizer-state", action="store_true", help="average optimizer state (Adam moments) too")
     p.add_argument("--compress-pipeline", choices=["none", "bf16", "fp16", "int8"], default="none",
                    help="activations and gradients on pipeline links (default none: on loopback bytes are free "
@@ -100,7 +102,8 @@ def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, A
     training: dict[str, Any] = {
         "micro_batch": args.micro_batch, "steps": args.steps, "max_inflight": args.max_inflight,
         "update_every": args.update_every, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
-        "predict_weights": args.predict_weights, "average_optimizer_state": args.average_optimizer_state,
+        "predict_weights": args.predict_weights, "extrapolate_gradients": args.extrapolate_gradients,
+        "average_optimizer_state": args.average_optimizer_state,
         "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
     }
     training["compress"] = {"pipeline": args.compress_pipeline, "ring": args.compress_ring}

@@ -12,6 +12,7 @@ from ravq.config.loading import load_plan, load_topology, parse_topology
 from ravq.config.plan import ClusterPlan, Plan
 from ravq.config.task import TASK_FUNCTIONS, resolve_task_module
 from ravq.config.topology import (
+    EXTRAPOLATE_GRADIENTS,
     PREDICT_WEIGHTS,
     BrokerConfig,
     CompressConfig,
@@ -24,6 +25,7 @@ from ravq.config.topology import (
 )
 
 __all__ = [
+    "EXTRAPOLATE_GRADIENTS",
     "PREDICT_WEIGHTS",
     "TASK_FUNCTIONS",
     "BrokerConfig",

@@ -25,6 +25,9 @@ def _check_port(value: int) -> int:
 PREDICT_WEIGHTS = 2.0
 """Default horizon factor of weight prediction (measured on the demo task: bench_convergence.py)."""
 
+EXTRAPOLATE_GRADIENTS = 2.0
+"""Default delay compensation (ravq.stage.delay; measured in docs/convergence.md)."""
+
 
 class CompressConfig(UserModel):
     """Defaults from the measurements in docs/compression.md (benchmarks/bench_allreduce.py --link-mbit 200,
@@ -56,6 +59,11 @@ class TrainingConfig(UserModel):
     by this many times its measured staleness, so the gradient is taken near the weights it is applied
     to.  0 runs forwards at the current weights (plain weight stashing).  No effect without staleness
     (max_inflight 1).  The last update is not checkpointed, so with staleness a resume is not bit-exact."""
+    extrapolate_gradients: float = Field(EXTRAPOLATE_GRADIENTS, ge=0, le=8)
+    """Delay compensation: a stale update hands the optimizer its gradient extrapolated by this many
+    times its staleness along the change since the stage's previous update (``ravq.stage.delay``); without
+    it Adam with one step of delay stalled a small GPT-2 at the unigram plateau.  0 turns it off.  No
+    effect without staleness (max_inflight 1)."""
     sync_every: int = Field(10, ge=1)
     """Optimizer steps between parameter averages across clusters."""
     overlap_averaging: bool = True

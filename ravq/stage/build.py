@@ -52,6 +52,7 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
     options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
+                           extrapolate_gradients=training.extrapolate_gradients,
                            compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block)
     batches = iter(task.train_batches(training.micro_batch, cluster, clusters, seed)) if stage == 0 else None
     _, target_example = next(iter(task.train_batches(training.micro_batch, 0, 1, seed)))

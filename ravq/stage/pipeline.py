@@ -86,7 +86,7 @@ class StageWorker:
         self._inflight_data: dict[MicroBatch, Any] = {}
         """Stage 0: the batch of each micro-batch in flight, to re-queue it if the pause drops it."""
         self.stats = StageStats(clock=clock)
-        self.forward_weights = WeightStash(self.params)
+        self.forward_weights = WeightStash(self.params, options.extrapolate_gradients * (options.max_inflight > 1))
         self._stash: dict[MicroBatch, Stashed] = {}
         self._grads = GradientSum(self.params, options.update_every)
         self._fwd_sources = forward_sources(spec, num_stages)

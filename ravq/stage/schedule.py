@@ -98,6 +98,11 @@ class Scheduler:
                 return mb, self.parts[kind].pop(mb)
         return None
 
+    def has_ready(self) -> bool:
+        """Whether a micro-batch has every part in, in either direction."""
+        with self.cond:
+            return any(len(got) == len(self.sources[kind]) for kind in ("bwd", "fwd") for got in self.parts[kind].values())
+
     def next(self, stage: Schedulable, should_abort: Callable[[], bool]) -> Work | None:
         """Wait for the next work; None when there is none left (finished, stopped, or giving up)."""
         with self.cond:

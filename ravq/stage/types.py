@@ -39,6 +39,11 @@ class StageOptions:
     last update and the staleness window are not checkpointed: after a resume the forwards run unpredicted
     until the first update, so with staleness > 0 a resume is not bit-exact (an asynchronous resume is
     not anyway: the micro-batches in flight start over).  With max_inflight 1 it stays exact."""
+    extrapolate_gradients: float = 0.0
+    """Delay compensation (``ravq.stage.delay``): a stale update hands the optimizer its gradient
+    extrapolated by this many times its staleness along the change since the stage's last update;
+    0 hands it the gradient as it is.  No effect without staleness (max_inflight 1).  The last gradient is
+    not checkpointed: after a resume the first update is not extrapolated."""
     compress: Format = Format.NONE
     """How activations and gradients leave this stage (``ravq.net.compress``); model inputs and targets never
     are compressed, and what arrives compressed is restored to the dtype this stage expects."""
