@@ -165,7 +165,8 @@ class Swarm:
         plan = ["--plan", plan_path] if plan_path else []
         for node in topology["nodes"]:  # all ports before the first child: a taken one fails the demo at once
             self._listeners.hold(ports_of(self._served, node["name"]))
-        self.broker = self._start("broker", ["broker", "--topology", str(topo_path), *plan, *keys])
+        # every demo is a new run: checkpoints an earlier demo left in --checkpoint-dir are set aside, not loaded
+        self.broker = self._start("broker", ["broker", "--topology", str(topo_path), "--new-run", *plan, *keys])
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
         for node in topology["nodes"]:
             name = node["name"]

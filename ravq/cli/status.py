@@ -84,6 +84,7 @@ def format_status(status: dict[str, Any]) -> str:
              + " | ".join(" -> ".join(c.get("nodes", [])) for c in clusters)]
     for c, cs in enumerate(status.get("clusters", [])):
         why = f": {cs['reason']}" if cs.get("reason") else ""
+        why += f" [{cs['note']}]" if cs.get("note") else ""
         lines.append(f"cluster {c}: {cs.get('state')} (generation {cs.get('generation', 0)}){why}")
     lines.append(f"{'node':<16}{'state':<12}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}"
                  f"{'val':>8}  waiting")

@@ -87,8 +87,10 @@ class TrainingConfig(UserModel):
     """Directory for stage checkpoints; None disables checkpoints."""
     ring_chunk_bytes: int = Field(4 << 20, ge=1024)
     """Piece size in which ring all-reduce streams a chunk."""
-    resume: bool = False
-    """Resume every stage from the newest checkpoint in checkpoint_dir."""
+    resume: bool | None = None
+    """Deprecated and ignored: every node resumes from the newest checkpoint of the broker's run in
+    checkpoint_dir (a restart never starts from the seed); a new run is started with `ravq broker
+    --new-run` or a new checkpoint directory.  Setting it logs a warning."""
     log_every: int = Field(50, ge=1)
     """Optimizer steps between a node's progress lines at INFO (loss, samples/s, staleness, waits)."""
     compress: CompressConfig = CompressConfig()
@@ -160,6 +162,10 @@ class BrokerConfig(UserModel):
     """Prometheus HTTP port of the broker; None: no metrics server."""
     public_key: str | None = None
     """CURVE public key (Z85, 40 characters) of the broker."""
+    state_dir: str | None = None
+    """Directory where the broker keeps the training run (its id, plan epoch and membership), so that a
+    restarted broker continues the same run and every node resumes from that run's checkpoints
+    (``brokers.run``).  None: the run lasts as long as the broker process (a restart starts a new one)."""
 
     _ports = field_validator("pub_port", "router_port", "metrics_port")(
         lambda v: v if v is None else _check_port(v)

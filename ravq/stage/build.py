@@ -91,10 +91,12 @@ def _traced(task: Any, seed: int, example: tuple[Any, ...], cuts: list[str], sta
     return model, specs, in_specs
 
 
-def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_every: int, name: str) -> str | None:
-    """Load the stage's newest checkpoint into ``worker``; the run id it belongs to, or None if none."""
+def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_every: int, name: str,
+           run_id: str | None = None, version: int | None = None) -> str | None:
+    """Load the stage's newest checkpoint (of ``run_id``, at ``version``, when given) into ``worker``; the
+    run id it belongs to, or None if none."""
     try:
-        ckpt = checkpoint.load_stage(root, cluster, stage)
+        ckpt = checkpoint.load_stage(root, cluster, stage, run_id, version)
     except (FileNotFoundError, ValueError) as err:
         log.info("%s: no checkpoint to resume from (%s); starting from the seed", name, err)
         return None
@@ -115,7 +117,7 @@ def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_e
 
 
 def save(worker: StageWorker, root: str, *, cluster: int, stage: int, node: str, run_id: str | None,
-         cluster_nodes: list[str]) -> None:
+         cluster_nodes: list[str], extra: dict[str, Any] | None = None) -> None:
     """Write this stage's checkpoint (in the compute thread, or after it ended)."""
     first = worker.is_first
     checkpoint.save_stage(root, cluster=cluster, stage=stage, num_stages=worker.num_stages, node=node,
@@ -123,4 +125,4 @@ def save(worker: StageWorker, root: str, *, cluster: int, stage: int, node: str,
                           data_position=worker.trained_prefix if first else 0, run_id=run_id,
                           cluster_nodes=cluster_nodes,
                           extra={"trained": worker.trained_prefix if first else worker.trained,
-                                 "tied": tied_meta(worker.tied)})
+                                 "tied": tied_meta(worker.tied), **(extra or {})})
