@@ -164,6 +164,7 @@ def _topology(site: Site, keys: dict[str, str]) -> str:
               "device": "cpu", "cluster": CLUSTERS[pc], "public_key": keys[pc]} for pc in PCS]
     data = {"task": "ravq.tasks.charlm", "seed": 13,
             "training": {"micro_batch": 8, "steps": 100000, "sync_every": 5, "checkpoint_every": 10, "log_every": 10,
+                         "eval_every": 5,
                          "checkpoint_dir": "/var/lib/ravq/checkpoints"},
             "timeouts": {"drain_s": 10, "connect_s": 60},
             "security": {"curve": True, "key_dir": "/etc/ravq/keys"},
