@@ -88,6 +88,31 @@ def test_async_clipping_scales_each_step_alike_on_every_stage() -> None:
     assert all(w.stats.staleness_max <= 3 for w in workers)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stage_0_sends_each_norm_on_at_once_with_micro_batches_in_flight(stages: int) -> None:
+    """With 2 in flight, the norm of step v leaves stage 0 on a message of its own right after the step, not
+    first on the forward of micro-batch v + 2 (a later stage applied the step as that forward arrived,
+    between it and its backward: on the round trip, docs/training.md).  Every stage's arrivals from its
+    producer show it: step v's norm comes before micro-batch v + 2, also where a middle stage relays it."""
+    steps = 10
+    workers = make_workers(skipnet, stages, steps=steps, max_inflight=2, recipe=RecipeOptions(clip_grad_norm=MAX_NORM))
+    arrivals: list[list[tuple[str, int, list[int]]]] = [[] for _ in workers]
+    for s, w in enumerate(workers[1:], start=1):
+        def record(kind, mb, source, tensors, meta=None, s=s, deliver=w.deliver):
+            if kind == "fwd" and source == s - 1:
+                arrivals[s].append(("tail" if (meta or {}).get("tail") else "fwd", mb[1],
+                                    [step for step, _ in (meta or {}).get("norms", [])]))
+            return deliver(kind, mb, source, tensors, meta)
+        w.deliver = record
+    run_workers(workers)
+    assert all(w.version == steps for w in workers)
+    for s in range(1, stages):
+        for v in range(steps - 2):
+            first_norm = next(i for i, (_, _, norms) in enumerate(arrivals[s]) if v in norms)
+            forward = next(i for i, (kind, index, _) in enumerate(arrivals[s]) if kind == "fwd" and index == v + 2)
+            assert first_norm < forward, (s, v, arrivals[s])
+
+
 def test_named_params_groups_lr_lambda_and_resume_are_exact(tmp_path: Path) -> None:
     """A task's make_optimizer(named_params) with decay groups in another order than the module's and the
     task's lr_lambda: sync equals one process, and a run checkpointed at step 10 and resumed ends where

@@ -13,15 +13,21 @@ ride on the pipeline's own traffic:
   forward it sends; each stage relays what it knows on its own forwards.  A stage holds each step's
   gradients aside (not in ``.grad``: the next step's backwards accumulate there) until the step's global
   norm arrives, then applies the step, scaled by ``min(1, max_norm / (norm + 1e-6))`` as
-  ``torch.nn.utils.clip_grad_norm_`` scales it.  After its last step stage 0 sends the norms on a
-  *tail* message with no tensors, which each stage relays the same way.
+  ``torch.nn.utils.clip_grad_norm_`` scales it.  With micro-batches in flight stage 0 also sends each
+  step's norm at once, on a *tail* message with no tensors (which each stage relays the same way), rather
+  than only on its next forward; and after its last step it sends one anyway.
 
 Which step's norm a stage uses: always its own step's, so every stage of the cluster scales step v by the
 same factor.  The price is paid in staleness, not in waiting: nothing blocks, but stage s applies step v
-only when the forward carrying v's norm arrives from stage 0, i.e. after the forwards already in flight;
-with ``max_inflight`` k every stage's updates lag by up to k - 1 micro-batches (stage 0's lag is what it
-was; later stages' lag grows to stage 0's).  With ``max_inflight: 1`` the norm of step v arrives with
-the next micro-batch's forward, before that forward runs: exactly ``clip_grad_norm_`` in one process.
+only once v's norm has come from stage 0 (as control work, after the operation it is running), i.e.
+after the backwards and forwards already in flight; with ``max_inflight`` k every stage's updates lag by
+up to k - 1 micro-batches (stage 0's lag is what it was; later stages' lag grows to stage 0's).  Sent only
+on stage 0's next forward, the norm arrived *with* that forward, so a later stage applied the step between
+the forward's arrival and its backward leaving: on the micro-batch's round trip, which made stage 0 wait
+longer for credits (docs/training.md); sent at once, it arrives while the later stage is still working on
+an earlier micro-batch, and the step runs after that one's messages are sent.  With ``max_inflight: 1``
+nothing is sent early: the norm of step v arrives with the next micro-batch's forward, before that
+forward runs: exactly ``clip_grad_norm_`` in one process.
 
 A step is named by the index of the micro-batch that completed it (stages finish backwards in stage 0's
 order), so re-queued micro-batches after a pause overwrite the held step they made before it.

@@ -145,11 +145,15 @@ class Recipe:
         return meta
 
     def step(self, worker: StageWorker) -> None:
-        """A step's backwards are done here: step now, or (exchanging norms) when its global norm is known."""
+        """A step's backwards are done here (its backward messages sent): step now, or (exchanging norms) once
+        its global norm is known.  Stage 0 knows it now; with micro-batches in flight it also sends the norm on
+        at once, on a message of its own, rather than only on its next forward (see ``send_tail``)."""
         if self.exchange is None:
             worker._step()
-        else:
-            self.apply_ready(worker)
+            return
+        if worker.is_first and not worker.is_last and worker.options.max_inflight > 1:
+            self.send_tail(worker, worker._first_destinations())
+        self.apply_ready(worker)
 
     def apply_ready(self, worker: StageWorker) -> None:
         """Apply every held step whose global norm is known, in order, scaled by the clipping factor."""
@@ -249,7 +253,8 @@ class Recipe:
             self.send_tail(worker, worker.spec.consumer_stages)
 
     def send_tail(self, worker: StageWorker, dests: list[int]) -> None:
-        """The norms of the last steps, on a message without tensors (nothing follows to carry them)."""
+        """The norms this stage knows, on a message without tensors: stage 0's after each step when micro-batches
+        are in flight (``step``) and after its last step (nothing follows to carry them), relayed by each stage."""
         meta = {**self.forward_meta(), "tail": True}
         for dest in dests:
             worker._emit(Outbound("fwd", dest, (worker.cluster, worker.data_position), worker.version, {},
