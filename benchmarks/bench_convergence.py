@@ -74,9 +74,12 @@ a fraction of a percent of each activation and gradient.
     python benchmarks/bench_convergence.py [--seed N | --seeds N ...] [--compare-compress P:R ...]
                                            [--compress-pipeline F] [--compress-ring F] [--quick] [--json]
     python benchmarks/bench_convergence.py --compare-inflight [--tasks T ...] [--seeds N ...] [--steps 120]
+                                           [--inflight-headroom 1.5] [--also 'predict-weights 0' ...]
 
 ``--compare-inflight`` (issue #25): one cluster of 2 stages on the transformers tasks, 1 micro-batch in
-flight (synchronous) against the defaults and against the defaults without delay compensation; figures in
+flight (synchronous) against the defaults and against the defaults without delay compensation (and any
+``--also`` settings); ``--inflight-headroom`` lets those train longer than the synchronous run, so the wall
+time they need to reach its final loss is measured even when that takes more samples; figures in
 docs/convergence.md.
 """
 
@@ -247,10 +250,14 @@ def compare_inflight(args: argparse.Namespace) -> None:
     compensation: loss at the same samples, and wall time to reach the synchronous run's final loss."""
     settings = {"1 in flight": ["--max-inflight", "1"], "default": [],
                 "no compensation": ["--extrapolate-gradients", "0"]}
+    settings.update({f"--{flags}": [f"--{f}" if i % 2 == 0 else f for i, f in enumerate(flags.split())]
+                     for flags in args.also or []})
     window, out = args.window, []
+    longer = int(args.steps * args.inflight_headroom)  # the asynchronous runs may train past the synchronous one
     for task in args.tasks or IN_FLIGHT_TASKS:
         for seed in args.seeds or [args.seed]:
-            curves = {name: demo_curve(task, args.steps, args.micro_batch, seed, extra) for name, extra in settings.items()}
+            curves = {name: demo_curve(task, args.steps if name == "1 in flight" else longer, args.micro_batch, seed,
+                                       extra) for name, extra in settings.items()}
             sync_loss, sync_t = curves["1 in flight"]
             target = trailing_mean(sync_loss, window)[-1]
             print(f"{task} seed {seed}: {args.steps} micro-batches of {args.micro_batch}; 1 in flight ends at loss "
@@ -258,17 +265,19 @@ def compare_inflight(args: argparse.Namespace) -> None:
             row: dict = {"task": task, "seed": seed, "sync_final": target, "sync_s": sync_t[-1], "runs": {}}
             for name, (loss, t) in curves.items():
                 smooth = trailing_mean(loss, window)
-                marks = [len(loss) * q // 4 - 1 for q in (1, 2, 3, 4)]
+                marks = [args.steps * q // 4 - 1 for q in (1, 2, 3, 4)]
                 at = [smooth[m] / trailing_mean(sync_loss, window)[m] for m in marks]
                 reach = next((i for i in range(window - 1, len(smooth)) if smooth[i] <= target), None)
                 reach_s = t[reach] if reach is not None else None
-                row["runs"][name] = {"final": smooth[-1], "ratio_at_quarters": at, "reach_step": reach,
-                                     "reach_s": reach_s, "total_s": t[-1]}
-                print(f"  {name:16} final {smooth[-1]:.4f} ({smooth[-1] / target:.3f}x); loss / synchronous at "
+                final = smooth[args.steps - 1]
+                row["runs"][name] = {"final": final, "ratio_at_quarters": at, "reach_step": reach,
+                                     "reach_s": reach_s, "total_s": t[args.steps - 1], "trained": len(loss)}
+                print(f"  {name:16} final {final:.4f} ({final / target:.3f}x); loss / synchronous at "
                       f"1/4..4/4 of the samples: " + ", ".join(f"{a:.3f}" for a in at)
                       + (f"; reaches {target:.4f} at micro-batch {reach + 1}, {reach_s:.2f}s "
                          f"({reach_s / sync_t[-1]:.2f}x the synchronous run's time)" if reach is not None
-                         else "; never reaches it") + f"; whole run {t[-1]:.2f}s")
+                         else f"; does not reach it in {len(loss)} micro-batches")
+                      + f"; {args.steps} micro-batches in {t[args.steps - 1]:.2f}s")
             out.append(row)
     if args.json:
         print(json.dumps({"benchmark": "convergence_inflight", "steps": args.steps, "micro_batch": args.micro_batch,
@@ -306,6 +315,11 @@ def main() -> None:
                         "tasks (--tasks); loss at the same samples and wall time to the synchronous final loss")
     p.add_argument("--tasks", nargs="+", default=None, help=f"with --compare-inflight (default: {IN_FLIGHT_TASKS})")
     p.add_argument("--steps", type=int, default=120, help="with --compare-inflight: micro-batches per run")
+    p.add_argument("--inflight-headroom", type=float, default=1.0,
+                   help="with --compare-inflight: the asynchronous runs train this many times --steps, so the time "
+                        "they take to reach the synchronous run's final loss can be measured")
+    p.add_argument("--also", nargs="+", metavar="'FLAG VALUE ...'", default=None,
+                   help="with --compare-inflight: more settings, e.g. 'predict-weights 0'")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
