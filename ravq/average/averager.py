@@ -334,11 +334,13 @@ class Averager:
             await asyncio.to_thread(call, self.worker)
         return await asyncio.wrap_future(future)
 
-    async def fetch_catchup(self, lineages: dict[str, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
-        """This stage's tensors from their live holders in another cluster (CatchupError if none); each
-        holder's lineage (run id, version) goes into ``lineages``."""
+    async def fetch_catchup(self, lineages: dict[str, dict[str, Any]] | None = None,
+                            source: int | None = None) -> dict[str, torch.Tensor]:
+        """This stage's tensors from their live holders in another cluster (``source`` when it trains; CatchupError
+        if none); each holder's lineage (run id, version) goes into ``lineages``."""
         plan = self.plan()
-        by_node = catchup.holders(plan, self.cluster, self.owners, list({**self.worker.params, **self.worker.buffers}))
+        by_node = catchup.holders(plan, self.cluster, self.owners, list({**self.worker.params, **self.worker.buffers}),
+                                  source)
         t0 = time.monotonic()
         tensors = await catchup.fetch(self.port.outlinks, self.me, by_node, self.topology.timeouts.request_s,
                                       lineages)
