@@ -8,17 +8,18 @@ from typing import Any
 import pytest
 import torch
 
+from ravq.config import PREDICT_WEIGHTS
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.schedule import Scheduler
 from tests import models_for_tests as skipnet
 from tests.pipeline_harness import make_workers, merged_state, run_workers, train_one_process
 
 
-@pytest.mark.parametrize("predict_weights", [0.0, 2.0], ids=["plain", "predict-2"])
+@pytest.mark.parametrize("predict_weights", [0.0, PREDICT_WEIGHTS], ids=["plain", "predict-default"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 5])
 def test_sync_pipeline_equals_one_process(stages: int, predict_weights: float) -> None:
     """max_inflight=1: the split model must train exactly like the unsplit one (the correctness anchor),
-    with weight prediction off and on (no staleness: nothing to predict)."""
+    with weight prediction off and at the configured default (no staleness: nothing to predict)."""
     workers = make_workers(skipnet, stages, steps=25, max_inflight=1, predict_weights=predict_weights)
     run_workers(workers)
     want = train_one_process(skipnet, steps=25)

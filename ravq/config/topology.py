@@ -23,9 +23,8 @@ def _check_port(value: int) -> int:
     return value
 
 
-PREDICT_WEIGHTS = 0.0
-"""Default horizon factor of weight prediction: off since delay compensation (``EXTRAPOLATE_GRADIENTS``) is on;
-the two together sometimes stalled a GPT-2 (docs/convergence.md, "Prediction and compensation together")."""
+PREDICT_WEIGHTS = 2.0
+"""Default horizon factor of weight prediction (measured on the demo task: bench_convergence.py)."""
 
 EXTRAPOLATE_GRADIENTS = 2.0
 """Default delay compensation (ravq.stage.delay; measured in docs/convergence.md)."""
