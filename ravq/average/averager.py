@@ -277,6 +277,10 @@ class Averager:
             self._seen_epoch = plan.epoch
             if aborted := self.mailbox.abort_open("plan_changed"):
                 log.info("%s: plan epoch %d: abandoned %d open ring round(s)", self.me, plan.epoch, aborted)
+            # Ring links outlive plan epochs: a peer kept is never reconnected, a new one is linked now,
+            # before the epoch's first round (round 0 would otherwise pay the connection).
+            if added := self.port.ensure(m for seg in self.segments(plan) for m in seg.ring):
+                log.info("%s: plan epoch %d: %d new ring link(s)", self.me, plan.epoch, added)
 
     async def serve(self) -> None:
         """The ring socket's one reader."""
