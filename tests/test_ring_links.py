@@ -156,3 +156,18 @@ def test_a_plan_epoch_keeps_the_ring_links_of_peers_it_keeps() -> None:
     finally:
         port.close()
         ctx.term()
+
+
+def test_a_curve_node_gets_a_second_io_thread_when_it_has_the_cpus() -> None:
+    from types import SimpleNamespace
+
+    import pytest
+
+    from ravq.net.options import CURVE_IO_THREADS, io_threads
+
+    curve = SocketOptions(curve=SimpleNamespace())
+    assert io_threads(SocketOptions(), 8) == 1  # plaintext: ZeroMQ's one thread
+    assert io_threads(curve, 8) == CURVE_IO_THREADS == 2
+    assert io_threads(curve, 1) == 1  # a one-CPU node: a second thread would only take turns
+    with pytest.raises(ValueError, match="cpus"):
+        io_threads(curve, 0)
