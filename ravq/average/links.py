@@ -7,6 +7,7 @@ to the ``Mailbox`` and catch-up requests to the averager.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -21,6 +22,8 @@ from ravq.net.compress import Packed
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.transport import Context, Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
+
+log = logging.getLogger(__name__)
 
 
 class RingLinks:
@@ -76,9 +79,11 @@ class RingPort:
     def ensure(self, peers: Iterable[str]) -> int:
         """Connect to each of ``peers`` not linked yet (a new plan's ring members); links to peers already
         linked stay as they are.  Returns how many were connected."""
-        new = [p for p in peers if p != self.me and p not in self.outlinks]
+        new = [p for p in dict.fromkeys(peers) if p != self.me and p not in self.outlinks]
         for peer in new:
             self.outlinks[peer] = self._connect(peer)
+        if new:
+            log.info("%s: new ring link(s) to %s", self.me, ", ".join(new))
         return len(new)
 
     async def serve(self, mailbox: Mailbox,
