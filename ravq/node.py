@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from ravq.average.averager import Averager
 from ravq.config import Plan, Topology, resolve_task_module
+from ravq.config.routes import declared_reach
 from ravq.metrics import Metrics
 from ravq.net.limits import derived_max_message_bytes
 from ravq.net.listen import serve_metrics
@@ -130,15 +131,16 @@ class Node:
         self.links = StageLinks(ctx=self.ctx, topology=self.topology, name=self.name, metrics=self.metrics,
                                 limits=self.limits, sock_opts=self.sock_opts, generation=lambda: self.churn.generation)
         peers = set(worker.spec.consumer_stages) | set(worker.spec.producer_stages)
-        self.links.open(cluster.nodes, peers | (set(worker._first_destinations()) if worker.is_first else set()))
+        self.links.bind()
         if len(plan.clusters) > 1:
             self.averager = Averager(ctx=self.ctx, topology=self.topology, plan=self.churn.current_plan, me=self.name,
                                      cluster=self.cluster, worker=worker, model=built.model,
                                      stage_names=built.stage_names, task=self.task,
                                      metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits)
             self.averager.silent_s = self.membership.silent_s
-        self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
+        await self._link(everyone, cluster.nodes, peers | (set(worker._first_destinations()) if worker.is_first else set()))
+        self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
         if not self.rejoining:
             await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
             self.churn.set_phase("training")
@@ -146,6 +148,22 @@ class Node:
         log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)", self.name,
                  self.cluster, self.stage, len(cluster.nodes), sum(p.numel() for p in worker.params.values()),
                  compress.pipeline, compress.ring)
+
+    async def _link(self, everyone: list[str], cluster_nodes: list[str], peers: set[int]) -> None:
+        """Have the broker dial this node's ports back, then open every link along its route (issue #24:
+        ravq.config.routes): a node that is rejoining waits for its own verdict only."""
+        assert self.links is not None
+        ports = ["pipeline", "ring"] if self.averager is not None else ["pipeline"]
+        names = [self.name] if self.rejoining else everyone
+        reach = {**declared_reach(self.topology),
+                 **await self.membership.wait_reach(names, ports, self.topology.timeouts.connect_s)}
+        self.metrics.node_reachable.labels(self.name).set(float(reach.get(self.name, True)))
+        log.info("%s: %s (%s)", self.name, "reachable" if reach.get(self.name, True) else "behind NAT: dialling out",
+                 self.membership.reach.get(self.name, "declared"))
+        self.links.reach = reach
+        self.links.open(cluster_nodes, peers)
+        if self.averager is not None:
+            self.averager.port.connect(reach)
 
     def _memory_bytes(self) -> int:
         if self.config.memory_bytes is not None:
@@ -315,7 +333,9 @@ class Node:
                 "payload_wire_bytes_sent": total("ravq_payload_wire_bytes_total", direction="sent"),
                 "payload_logical_bytes_sent": total("ravq_payload_logical_bytes_total",
                                                      direction="sent"),
-                "bad_messages": total("ravq_bad_messages_total")}
+                "bad_messages": total("ravq_bad_messages_total"),
+                "routes": {"pipeline": self.links.routes if self.links else {},
+                           "ring": self.averager.port.routes if self.averager else {}}}
 
     async def shutdown(self) -> None:
         if self.worker is not None and self.topology.training.checkpoint_dir:

@@ -16,9 +16,11 @@ import torch
 from ravq.average.mailbox import Mailbox, received_piece
 from ravq.average.rounds import ROUNDS_PER_EPOCH
 from ravq.config import Topology
+from ravq.config.routes import relays, route
 from ravq.metrics import Metrics
 from ravq.net.compress import Packed
 from ravq.net.options import SocketOptions, endpoint
+from ravq.net.routed import Links, RoutedLink
 from ravq.net.transport import Context, Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
 
@@ -26,7 +28,7 @@ from ravq.net.wire import DecodeLimits, Message, MsgType
 class RingLinks:
     """``ravq.average.ring.RingLink`` over one DEALER per ring peer."""
 
-    def __init__(self, me: str, outlinks: dict[str, Outlink], fault: str | None = None) -> None:
+    def __init__(self, me: str, outlinks: dict[str, Outlink | RoutedLink], fault: str | None = None) -> None:
         self.me, self.outlinks = me, outlinks
         self._kill_round = int(fault.split(":")[1]) if fault and fault.startswith("kill_in_round:") else None
 
@@ -49,21 +51,39 @@ def ring_chunk(sender: str, meta: dict[str, int], piece: torch.Tensor | Packed) 
 
 
 class RingPort:
-    """This node's ring sockets: the ROUTER its ring peers send to, and a DEALER to each of them."""
+    """This node's ring sockets: the ROUTER its ring peers send to, and a link to each of them (a DEALER
+    to its ROUTER, or over this ROUTER when one end is behind NAT: ``ravq.net.routed``).
+
+    The ROUTER binds at once (the broker dials it back); ``connect`` links to the peers once their
+    reachability is known."""
 
     def __init__(self, ctx: Context, topology: Topology, me: str, peers: Iterable[str], metrics: Metrics,
                  limits: DecodeLimits, sock_opts: SocketOptions) -> None:
         self.ctx, self.topology, self.me, self.metrics = ctx, topology, me, metrics
         self.limits, self.sock_opts = limits, sock_opts
         bind = topology.node(me).bind_host or topology.node(me).host
-        self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts)
-        self.outlinks = {p: self._connect(p) for p in peers}
+        self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts,
+                                me=me)
+        self.peers = sorted(peers)
+        self.reach: dict[str, bool] = {}
+        self._links = Links(ctx=ctx, inbox=self.inbox, me=me, socket="ring", metrics=metrics, limits=limits,
+                            opts=sock_opts, port_of={n.name: (n.host, n.ring_port) for n in topology.nodes})
+        self.outlinks: dict[str, Outlink | RoutedLink] = {}
         self.link = RingLinks(me, self.outlinks, os.environ.get("RAVQ_FAULT"))
 
-    def _connect(self, peer: str) -> Outlink:
-        node = self.topology.node(peer)
-        return Outlink.connect(self.ctx, endpoint(node.host, node.ring_port), "ring", peer, self.metrics,
-                               self.limits, self.sock_opts, identity=self.me)
+    def connect(self, reach: Mapping[str, bool]) -> None:
+        """Link to every ring peer along its route (``reach``: who can be dialled)."""
+        self.reach = dict(reach)
+        for p in self.peers:
+            if p not in self.outlinks:
+                self.outlinks[p] = self._connect(p)
+
+    @property
+    def routes(self) -> dict[str, str]:
+        return dict(self._links.routes)
+
+    def _connect(self, peer: str) -> Outlink | RoutedLink:
+        return self._links.open(peer, route(self.me, peer, self.reach, relays(self.topology)))
 
     async def serve(self, mailbox: Mailbox,
                     answer_catchup: Callable[[bytes, Message], Awaitable[None]]) -> None:
@@ -79,6 +99,8 @@ class RingPort:
                                       str(msg.meta.get("reason", ""))[:64])
             elif msg.type == MsgType.CATCHUP_REQ:
                 await answer_catchup(identity, msg)
+            elif msg.type == MsgType.CATCHUP and msg.sender in self._links.routed:
+                self._links.routed[msg.sender].deliver(msg)  # a reply over this ROUTER (a routed link)
             else:
                 self.metrics.bad_messages.labels("ring", "unexpected_message").inc()
 
@@ -88,6 +110,7 @@ class RingPort:
         for old, new in renamed.items():
             if old in self.outlinks:
                 self.outlinks.pop(old).close()
+                self._links.forget(old)
             if new != self.me and new not in self.outlinks and is_peer(new):
                 self.outlinks[new] = self._connect(new)
 
