@@ -281,3 +281,43 @@ def test_over_curve_strangers_and_impostors_get_nothing_through(tmp_path: Path) 
     assert _count(relay_metrics, "spoofed_source") == 3
     assert relay_metrics.total("ravq_auth_failures_total", reason="unknown_key") >= 1
     assert relay_metrics.total("ravq_relayed_messages_total") == 1
+
+
+# --------------------------------------------------------------------------- profile probes behind NAT
+
+
+def test_profile_probes_measure_every_link_when_nodes_are_behind_nat() -> None:
+    """``ravq profile`` on three PCs at once, two declared behind NAT: the reachable one is probed over
+    the connections they dial, and the two behind NAT measure each other through the relay."""
+    from ravq.cli.demo import free_ports
+    from ravq.profile.links import ProbeConfig, profile_links
+
+    ports = free_ports(5)
+    topo = Topology.model_validate({
+        "task": "tasks_for_tests", "broker": {"pub_port": ports[0], "router_port": ports[1], "relay_port": ports[2]},
+        "nodes": [{"name": "a", "pipeline_port": ports[3], "ring_port": ports[4]},
+                  *({"name": n, "pipeline_port": p, "ring_port": p + 1, "reachable": False}
+                    for n, p in (("b", free_ports(1)[0]), ("c", free_ports(1)[0])))]})
+    metrics = Metrics("relay")
+    config = ProbeConfig(stream_s=0.05, repeats=2, pings=2)
+
+    async def run() -> list[dict[str, object]]:
+        ctx = zmq.asyncio.Context()
+        relay = Relay(ctx, f"tcp://127.0.0.1:{ports[2]}", ["a", "b", "c"], metrics,
+                      SocketOptions(linger_ms=0, max_message_bytes=1 << 24), name="broker", queue_bytes=1 << 26)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                serving = tg.create_task(relay.serve())
+                try:
+                    return list(await asyncio.gather(*(profile_links(topo, n, wait_s=20, config=config)
+                                                       for n in ("a", "b", "c"))))
+                finally:
+                    serving.cancel()
+        finally:
+            relay.close()
+            ctx.destroy(linger=0)
+
+    found = asyncio.run(asyncio.wait_for(run(), 90))
+    assert [set(f) for f in found] == [{"b", "c"}, {"a", "c"}, {"a", "b"}]
+    assert metrics.total("ravq_relayed_bytes_total", source="b", destination="c") > 0
+    assert metrics.total("ravq_relayed_bytes_total", source="c", destination="b") > 0

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 0.02
 """Longest pause between two tries of a send the peer cannot take yet (not connected, or its pipe full)."""
-MAX_REPLIES = 64
-"""Catch-up replies held for a ``recv`` (more are counted and dropped)."""
+MAX_REPLIES = 1024
+"""Replies (catch-up, probe acknowledgements) held for a ``recv``; more are counted and dropped."""
 
 
 class RoutedLink:
