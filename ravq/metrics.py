@@ -251,7 +251,7 @@ class Metrics:
                                          buckets=_LATENCY_BUCKETS, registry=r)
         # NAT traversal (issue #24): reachability, link routes, relays
         self.node_reachable = Gauge("ravq_node_reachable", "1: others can dial this node; 0: behind NAT "
-                                    "(measured by the broker's dial-back, or declared)", ["node"], registry=r)
+                                    "(measured by the broker's dial-back, or declared)", ["member"], registry=r)
         self.link_routes = Gauge("ravq_link_route", "Route of this node's link to a peer: 0 direct, 1 the peer "
                                  "dials in, 2 this node dials out, 3 through a relay", ["socket", "peer"], registry=r)
         self.relayed_bytes = HopCounter("ravq_relayed_bytes_total", "Bytes a relay forwarded, per link",
