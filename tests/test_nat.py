@@ -73,3 +73,41 @@ def test_behind_nat_sync_training_equals_one_process(tmp_path: Path, curve: bool
     assert routes["c0s1"]["ring"]["c1s1"] == "relay:broker"
     assert all(swarm.summary(n)["allreduce_rounds"] == 12 for n in swarm.nodes)
     assert all(swarm.summary(n)["bad_messages"] == 0 for n in swarm.nodes)
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("victim", ["c1s1", "c0s1"], ids=["relayed", "dialling"])
+def test_a_node_behind_nat_killed_and_restarted_rejoins(tmp_path: Path, victim: str) -> None:
+    """kill -9 of a node behind NAT, then a restart (a new process: new source ports, as a new NAT
+    mapping gives): it dials out again (to its peer, or to the relay), nothing waits to dial it; its
+    cluster pauses, resumes once it is back, and every process ends training with exit status 0.
+    Asserted on the broker's events (generation, state, the node's version), not on durations."""
+    from tests.test_churn import HEARTBEAT_S, LOST_S, Watch, _cluster, _training, _version
+
+    training = {"steps": 1200, "micro_batch": 4, "sync_every": 5, "checkpoint_every": 40,
+                "checkpoint_dir": str(tmp_path / "ckpt")}
+    topo = nat_topology(training)
+    topo["task"] = "tests.churn_task"
+    topo["timeouts"] = {"heartbeat_interval_s": HEARTBEAT_S, "lost_s": LOST_S, "ring_step_s": 5.0}
+    swarm = Swarm(tmp_path, topo)
+    hit = int(victim[1])
+    others = [n for n in swarm.nodes if n != victim and n[1] == victim[1]]  # the other cluster may finish first
+    try:
+        watch = Watch(swarm)
+        watch.until("training", lambda s: _training(s, hit, 0) and _version(s, victim) > 5, 300, list(swarm.nodes))
+        generation = _cluster(watch.poll() or {}, hit).get("generation", 0)
+        swarm.nodes[victim].kill()
+        swarm.nodes[victim].wait(10)
+        watch.until(f"cluster {hit} to pause", lambda s: _cluster(s, hit).get("generation", 0) > generation, 60, others)
+        swarm.start(victim)
+        watch.until(f"{victim} to be measured again and its cluster to train",
+                    lambda s: s.get("reach", {}).get(victim) == "behind_nat" and _training(s, hit, generation + 1)
+                    and _version(s, victim) > 0 and s["members"][victim]["state"] == "up", 400, others)
+        codes = swarm.wait(timeout_s=600)
+        assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
+    finally:
+        swarm.close()
+    routes = swarm.summary(victim)["routes"]
+    assert routes["pipeline"] == ({"c1s0": "relay:broker"} if victim == "c1s1" else {"c0s0": "dial"})
+    assert routes["ring"]["c0s0"] == "dial" and routes["ring"]["c0s1" if victim == "c1s1" else "c1s1"] == "relay:broker"
+    assert all(swarm.summary(n)["final_round"] for n in swarm.nodes)
