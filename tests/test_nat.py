@@ -76,6 +76,7 @@ def test_behind_nat_sync_training_equals_one_process(tmp_path: Path, curve: bool
 
 
 @pytest.mark.fault
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("victim", ["c1s1", "c0s1"], ids=["relayed", "dialling"])
 def test_a_node_behind_nat_killed_and_restarted_rejoins(tmp_path: Path, victim: str) -> None:
     """kill -9 of a node behind NAT, then a restart (a new process: new source ports, as a new NAT
