@@ -239,28 +239,37 @@ def test_over_curve_strangers_and_impostors_get_nothing_through(tmp_path: Path) 
 
     async def body() -> None:
         n1, n2 = (node(n, Curve.from_topology(topo, n, tmp_path, Metrics(n))) for n in ("n1", "n2"))
-        # n3 is listed but dials with n1's routing id: the relay sees n3's key behind "n1#pipeline"
         n3_inbox, _ = node("n3", Curve.from_topology(topo, "n3", tmp_path, Metrics("n3")))
+        n3_other, _ = node("n3", Curve.from_topology(topo, "n3", tmp_path, Metrics("n3")))
         public, secret = (k.decode() for k in zmq.curve_keypair())
         peers = {"relay": topo.relays[0].public_key or ""}
         stranger_inbox, stranger_links = node("n1", Curve(name="n1", public=public, secret=secret, peers=peers,
                                                           metrics=Metrics("stranger")))
         try:
-            dial(n3_inbox, addr, "relay", "relay", relay_id("n1", "pipeline"))
-            forged = RoutedLink(n3_inbox, "n2", n3_inbox.metrics, relay="relay")
-            stranger = stranger_links.open("n2", Route(RELAY, point))
             good = n1[1].open("n2", Route(RELAY, point))
             n2[1].open("n1", Route(RELAY, point))
+            await good.send(_message("n1", 1))
+            assert (await asyncio.wait_for(n2[0].recv(), WAIT_S))[1].micro_batch == (0, 1)
+            # n3 (listed) dials as n1's pipeline connection (taken: refused, no handover) and as n1's ring
+            # connection (free: admitted, but its key is n3's, so everything it sends is a spoofed source)
+            dial(n3_other, addr, "relay", "relay", relay_id("n1", "pipeline"))
+            dial(n3_inbox, addr, "relay", "relay", relay_id("n1", "ring"))
+            taken = RoutedLink(n3_other, "n2", n3_other.metrics, relay="relay")
+            forged = RoutedLink(n3_inbox, "n2", n3_inbox.metrics, relay="relay")
+            stranger = stranger_links.open("n2", Route(RELAY, point))  # a key nobody listed
             for seq in range(3):
-                await forged.send(_message("n1", seq))
+                await forged.send(_message("n1", 10 + seq))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stranger.send(_message("n1", 10 + seq)), 0.1)
-            await asyncio.sleep(0.5)
+                    await asyncio.wait_for(taken.send(_message("n1", 30 + seq)), 0.1)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stranger.send(_message("n1", 20 + seq)), 0.1)
             await good.send(_message("n1", 99))
             _, msg = await asyncio.wait_for(n2[0].recv(), WAIT_S)
             assert msg.micro_batch == (0, 99)  # nothing of the forged or the stranger's came first
+            await good.send(_message("n1", 100))  # n1's own connection was not taken over
+            assert (await asyncio.wait_for(n2[0].recv(), WAIT_S))[1].micro_batch == (0, 100)
         finally:
-            for inbox in (n1[0], n2[0], n3_inbox, stranger_inbox):
+            for inbox in (n1[0], n2[0], n3_inbox, n3_other, stranger_inbox):
                 inbox.close()
 
     async def run() -> None:
@@ -278,9 +287,9 @@ def test_over_curve_strangers_and_impostors_get_nothing_through(tmp_path: Path) 
     for c in curves:
         c.close()
     assert all(terminate(c) for c in contexts)
-    assert _count(relay_metrics, "spoofed_source") == 3
     assert relay_metrics.total("ravq_auth_failures_total", reason="unknown_key") >= 1
-    assert relay_metrics.total("ravq_relayed_messages_total") == 1
+    assert relay_metrics.total("ravq_relayed_messages_total") == 3
+    assert _count(relay_metrics, "spoofed_source") >= 1  # the ring connection's (routing id n1, key n3)
 
 
 # --------------------------------------------------------------------------- profile probes behind NAT

@@ -43,6 +43,8 @@ SOCKETS = ("pipeline", "ring", "probe")
 RELAY_HWM = 16
 """ZeroMQ's queue per connection, in messages, each way (the relay's own queue is bounded in bytes)."""
 MAX_BACKOFF_S = 0.02
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
+"""ZMTP heartbeats on every relay connection: one silent for 5 s is closed (its routing id is free again)."""
 
 
 class _Queue:
@@ -68,7 +70,12 @@ class Relay:
         for option in (zmq.SNDHWM, zmq.RCVHWM):
             sock.setsockopt(option, RELAY_HWM)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a destination not connected yet: keep it queued
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a node that restarted (or got a new NAT mapping) takes over
+        # No ROUTER_HANDOVER: a connection that holds a routing id keeps it, so no other listed key can take
+        # over a node's traffic by presenting its routing id.  A node that restarts gets its id back once
+        # the old connection is gone: at once when its process died (the kernel closes the socket), within
+        # the heartbeat timeout when the old path went silent (a router that rebooted, a NAT mapping lost).
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.ROUTING_ID, name.encode())
         self.authenticated = opts.curve is not None
         if opts.curve is not None:

@@ -26,7 +26,7 @@ import zmq
 
 from ravq.config.routes import ACCEPT, DIAL, DIRECT, RELAY, Route
 from ravq.metrics import Metrics
-from ravq.net.options import endpoint
+from ravq.net.options import SocketOptions, endpoint
 from ravq.net.socket_io import HopMetrics
 from ravq.net.transport import Context, Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, encode
@@ -93,11 +93,8 @@ class RoutedLink:
             raise TimeoutError(f"no reply from {self.peer} within {timeout_s:.1f}s") from None
 
     def close(self) -> None:
-        if self.dialled is not None and not self.inbox.sock.closed:
-            try:
-                self.inbox.sock.disconnect(self.dialled)
-            except zmq.ZMQError:  # never connected, or the socket is gone
-                pass
+        """Nothing to close: the connection (if this end dialled it) stays with the ROUTER, which may link
+        to the same peer again (libzmq aborts on a second connection with the same routing id)."""
 
 
 def relay_id(node: str, socket: str) -> str:
@@ -113,6 +110,8 @@ def dial(inbox: Inbox, addr: str, peer: str, key_name: str, routing_id: str | No
     """Connect ``inbox``'s ROUTER to ``peer``'s ROUTER at ``addr`` (``key_name``: whose CURVE key to
     pin: the peer's, or the broker's for the broker's relay; ``routing_id``: what this connection is
     called there, if not the socket's own)."""
+    if peer in inbox.dialled:  # libzmq aborts the process on a second connection with one routing id
+        raise ValueError(f"{inbox.name}: already dialled {peer}")
     sock, curve = inbox.sock, inbox.opts.curve if inbox.opts is not None else None
     if curve is not None:
         sock.curve_server = False  # this connection's side of the handshake; the bound side stays a server
@@ -134,7 +133,7 @@ class Links:
     relay dialled once whatever number of links go through it."""
 
     def __init__(self, *, ctx: Context, inbox: Inbox, me: str, socket: str, metrics: Metrics,
-                 limits: DecodeLimits, opts: object, port_of: Mapping[str, tuple[str, int]]) -> None:
+                 limits: DecodeLimits, opts: SocketOptions, port_of: Mapping[str, tuple[str, int]]) -> None:
         """``port_of``: peer -> (host, port) of its ROUTER for this socket kind."""
         self.ctx, self.inbox, self.me, self.socket = ctx, inbox, me, socket
         self.metrics, self.limits, self.opts, self.port_of = metrics, limits, opts, port_of
@@ -149,13 +148,14 @@ class Links:
         self.routes[peer] = f"relay:{route.relay.name}" if route.relay is not None else route.kind
         if route.kind == DIRECT:
             return Outlink.connect(self.ctx, endpoint(*self.port_of[peer]), self.socket, peer, self.metrics, self.limits,
-                                   self.opts, identity=self.me)  # type: ignore[arg-type]
+                                   self.opts, identity=self.me)
         link: RoutedLink
         if route.kind == ACCEPT:
             link = RoutedLink(self.inbox, peer, self.metrics)
         elif route.kind == DIAL:
             addr = endpoint(*self.port_of[peer])
-            dial(self.inbox, addr, peer, key_name or peer)
+            if peer not in self.inbox.dialled:  # else the connection made before is still there
+                dial(self.inbox, addr, peer, key_name or peer)
             link = RoutedLink(self.inbox, peer, self.metrics, dialled=addr)
         else:
             assert route.kind == RELAY and route.relay is not None
