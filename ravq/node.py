@@ -46,7 +46,7 @@ from ravq.stage.types import Outbound
 from ravq.swarm.churn import Churn
 from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership, beat_on_cadence
-from ravq.tuning import cpu_budget
+from ravq.tuning import cpu_budget, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +347,8 @@ class Node:
             st = self.worker.stats if self.worker else None
             final = {**self.stats(), "loss_history": st.loss_history if st else [],
                      "update_times": list(st.update_times) if st else [], "completed": st.completed if st else [],
-                     "final_round": bool(self.averager and self.averager.final_done)}
+                     "final_round": bool(self.averager and self.averager.final_done),
+                     "peak_rss_bytes": peak_rss_bytes()}
             Path(self.options.summary_path).write_text(json.dumps(final))
         if self.links is not None:
             self.links.close()

@@ -100,3 +100,14 @@ def _read(path: Path) -> str | None:
         return path.read_text().strip()
     except (OSError, ValueError):
         return None
+
+
+def peak_rss_bytes(status: str = "/proc/self/status") -> int | None:
+    """This process's peak resident memory (Linux's VmHWM), or None where the kernel does not say."""
+    try:
+        for line in Path(status).read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -33,7 +33,7 @@ def _averager(outer_lr: float, initial: torch.Tensor) -> Averager:
 
     avg = Averager.__new__(Averager)
     avg.outer_lr, avg.anchors, avg._pending, avg.initial = outer_lr, {}, [], {"w": initial.clone()}
-    avg.worker = SimpleNamespace(buffers={})  # type: ignore[assignment]
+    avg.worker = SimpleNamespace(buffers={}, before_weight_change=lambda: None)  # type: ignore[assignment]
     avg.compression = None  # float32 rings (ravq.average.ring_compression not in play)
     avg.hold_s = 5.0
     avg.silent_s = lambda node: 0.0
@@ -173,7 +173,8 @@ def _held(lead: int, version: int, polls: _Polls, waits: list[str]) -> tuple[Ave
     avg = _averager(1.0, torch.zeros(NUMEL))
     avg.lead, avg.timeout_s, avg.me, avg.hold_backs, avg.held_s, avg.with_state = lead, 100.0, "c0", 0, 0.0, False
     live = torch.full((NUMEL,), 3.0)
-    avg.worker = SimpleNamespace(version=version, params={"w": live}, buffers={},  # type: ignore[assignment]
+    avg.worker = SimpleNamespace(version=version, before_weight_change=lambda: None,  # type: ignore[assignment]
+                                 params={"w": live}, buffers={},
                                  should_abort=polls, waited=lambda reason, seconds: waits.append(reason))
     done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
     avg._pending.append(_Pending(1, 5, done, [SEGMENT], {0: torch.ones(NUMEL)}))

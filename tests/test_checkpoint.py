@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from ravq.stage import checkpoint
-from ravq.stage.checkpoint import CheckpointError, export_cluster, load_stage, remove_temp_files, save_stage
+from ravq.stage.checkpoint import CheckpointError, load_stage, remove_temp_files, save_stage
+from ravq.stage.export import export_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -45,3 +45,22 @@ def test_a_count_that_goes_back_starts_over() -> None:
     meter.update(1.0, 300)
     assert meter.update(2.0, 10) == 0.0  # a node restarted: no negative rate
     assert meter.update(3.0, 110) == pytest.approx(100.0)
+
+
+def test_summary_survives_a_node_that_failed_at_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A node that fails before training writes a summary without statistics: the demo's report is built
+    from the others (it used to end in KeyError: 'wall_s'), or is None when no node trained."""
+    import json
+
+    from ravq.cli.demo_view import summarize
+
+    trained = {"name": "c0s0", "cluster": 0, "stage": 0, "wall_s": 2.0, "samples": 64, "backwards": 8,
+               "loss_initial": 3.0, "loss_recent": 2.0}
+    failed = {"name": "c0s1", "cluster": 0, "stage": 1, "failure": "cannot split the model", "version": 0}
+    (tmp_path / "summary-c0s0.json").write_text(json.dumps(trained))
+    (tmp_path / "summary-c0s1.json").write_text(json.dumps(failed))
+    data = {"nodes": [{"name": "c0s0"}, {"name": "c0s1"}]}
+    report = summarize(tmp_path, data, 5.0)
+    assert report is not None and report["samples"] == 64 and report["steps"] == 8
+    (tmp_path / "summary-c0s0.json").unlink()
+    assert summarize(tmp_path, data, 5.0) is None

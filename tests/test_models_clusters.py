@@ -107,7 +107,8 @@ def test_demo_reports_a_plan_error_from_the_broker(tmp_path: Path) -> None:
                            "--clusters", "1", "--stages", "4", "--steps", "5", "--run-dir", str(tmp_path / "run")],
                           cwd=ROOT, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "ravq demo: broker failed:" in proc.stderr and "4 stages need 0..2 cut points" in proc.stderr, proc.stderr
+    assert "ravq demo: broker failed:" in proc.stderr and "4 stages need 3 cut point(s) and the model offers 2" in proc.stderr, proc.stderr
+    assert "give the task a split_points()" in proc.stderr, proc.stderr  # how to get more
     assert "no answer from the broker" not in proc.stderr, proc.stderr
 
 

@@ -49,9 +49,9 @@ from ravq.net.compress import Format
 from ravq.net.options import SocketOptions
 from ravq.net.transport import Context
 from ravq.net.wire import DecodeLimits, Message
+from ravq.stage.meta import build_meta_model
 from ravq.stage.optim import set_clusters
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.split import build_task_model
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Averager:
         self.initial = {n: v.detach().to("cpu").clone() for n, v in {**worker.params, **worker.buffers}.items()}
         self.names, self.numels = averaged_tensors(model, task, self.with_state)
         own_cuts = tuple(plan().clusters[cluster].cuts)
-        self.owners = stage_owners(lambda: build_task_model(task, topology.seed),
+        self.owners = stage_owners(lambda: build_meta_model(task, topology.seed).model,
                                    task.example_inputs(t.micro_batch), plan(), {own_cuts: stage_names})
         self.plan = plan
         self.mailbox = Mailbox()
@@ -244,6 +244,7 @@ class Averager:
         moved = [n for seg in segments if seg.ring_id in result.averaged for n in seg.names if n in self.worker.buffers]
         if moved:
             named = {**named, **self.worker.fresh_buffers(moved)}
+        self.worker.before_weight_change()  # the same for the weights forwards in flight run on
         deltas = apply_round(named, segments, snapshots, result)
         if self.compression is not None:
             keep_non_negative_state(named, segments, snapshots, result)
@@ -351,7 +352,7 @@ class Averager:
             link=self.port.link, mailbox=self.mailbox, piece_bytes=self.piece_bytes, timeout_s=wait_s)
         if result.aborted:
             return ", ".join(sorted({e.reason for e in result.aborted.values()}))
-        await self.in_compute(lambda w: apply_round(named, segments, snapshots, result))
+        await self.in_compute(lambda w: (w.before_weight_change(), apply_round(named, segments, snapshots, result)))
         return None
 
     def stats(self) -> dict[str, Any]:

@@ -55,6 +55,7 @@ def apply_tensors(worker: StageWorker, tensors: Mapping[str, torch.Tensor]) -> i
     """Load fetched tensors into the stage (compute thread): weights, buffers and optimizer state.
     Returns how many tensors it loaded."""
     loaded = 0
+    worker.before_weight_change()
     with torch.no_grad():
         for name, value in tensors.items():
             base, _, key = name.partition(OPTIM_SEP)

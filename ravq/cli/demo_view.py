@@ -155,6 +155,7 @@ def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, A
             nodes.append(json.loads(path.read_text()))
         except (OSError, ValueError):  # a node that crashed or was killed before writing one
             continue
+    nodes = [n for n in nodes if "wall_s" in n]  # a node that failed before training wrote no statistics
     if not nodes:
         return None
     per_cluster: dict[int, list[dict[str, Any]]] = {}

@@ -39,13 +39,14 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
         raise ConfigError("nodes: no node sets 'cluster'; set clusters in the topology or run "
                           "`ravq plan` and pass --plan")
     from ravq.config import resolve_task_module
-    from ravq.stage.split import build_task_model, candidate_cuts, even_cuts
+    from ravq.stage.meta import build_meta_model
+    from ravq.stage.split import candidate_cuts, even_cuts
 
     task = resolve_task_module(topology.task)
     if callable(getattr(task, "split_points", None)):
         candidates = list(task.split_points())
     else:
-        candidates = candidate_cuts(build_task_model(task, topology.seed), task)
+        candidates = candidate_cuts(build_meta_model(task, topology.seed).model, task)
     clusters: dict[int, list[tuple[int, int, str]]] = {}
     for i, n in enumerate(topology.nodes):
         assert n.cluster is not None
@@ -114,13 +115,22 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ravq.stage.checkpoint import export_cluster
+    from ravq.stage.export import export_cluster
 
+    model = None
+    if args.topology:
+        from ravq.config import resolve_task_module
+        from ravq.stage.meta import build_meta_model
+
+        topology = load_topology(args.topology)
+        model = build_meta_model(resolve_task_module(topology.task), topology.seed).model
     try:
-        info = export_cluster(args.checkpoint_dir, args.out, args.cluster, args.run_id)
+        info = export_cluster(args.checkpoint_dir, args.out, args.cluster, args.run_id, model=model)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from None
-    print(f"wrote {args.out}: cluster {info['cluster']}, run {info['run_id']}, {info['stages']} stages, "
+    kind = "a transformers directory (from_pretrained)" if info["format"] == "transformers" else \
+        "a safetensors state_dict (load_state_dict(strict=True))"
+    print(f"wrote {args.out}: {kind}; cluster {info['cluster']}, run {info['run_id']}, {info['stages']} stages, "
           f"{info['tensors']} tensors, stage versions {info['versions']}")
     return 0
 
@@ -230,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     e.add_argument("--cluster", type=int, default=0)
     e.add_argument("--run-id", help="export this run (default: the run of the newest checkpoint)")
+    e.add_argument("--topology", help="the run's topology: checks the export against the task's model, and writes "
+                                      "a transformers model as a from_pretrained directory")
     e.set_defaults(func=cmd_export)
 
     s = sub.add_parser("status", help="ask the broker for membership and live statistics")

@@ -1,7 +1,8 @@
 """The model's profile per candidate block, for the planner: bytes, FLOPs and memory.
 
-The model is cut at every candidate cut (``ravq.stage.split.split_model``, torch's pipelining tracer); each
-piece is a block.  One real micro-batch (the task's first training batch) runs through the blocks one
+The model is built on ``meta`` and cut at every candidate cut (``ravq.stage.split.split_model``, torch's
+pipelining tracer); each piece is a block, given real weights only while it is measured, so profiling
+never holds more than one block.  One real micro-batch (the task's first training batch) runs through the blocks one
 by one, each block forward and backward under torch's ``FlopCounterMode``, each block's inputs detached
 so its backward is counted alone.  Per block:
 
@@ -25,6 +26,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ravq.planner import BlockProfile
+from ravq.stage.materialize import materialize
+from ravq.stage.meta import build_meta_model, retarget_device
 from ravq.stage.split import StageSpec, candidate_cuts, model_output, split_model
 
 
@@ -42,8 +45,8 @@ def profile_blocks(task: Any, micro_batch: int, *, max_inflight: int = 1, optimi
     """One BlockProfile per candidate block of the task's model, in model order."""
     if micro_batch < 1 or max_inflight < 1:
         raise ValueError(f"micro_batch and max_inflight must be >= 1, got {micro_batch} and {max_inflight}")
+    model = build_meta_model(task, seed).model  # one block at a time gets real weights, then loses them
     torch.manual_seed(seed)
-    model = task.build_model()
     cuts = list(cuts) if cuts is not None else candidate_cuts(model, task)
     specs = split_model(model, _as_tuple(task.example_inputs(micro_batch)), cuts)
     inputs, targets = next(iter(task.train_batches(micro_batch, 0, 1, seed)))
@@ -53,7 +56,10 @@ def profile_blocks(task: Any, micro_batch: int, *, max_inflight: int = 1, optimi
     for spec in specs:
         args = [inputs[ref.index] if ref.stage < 0 else outputs[ref.stage][ref.index] for ref in spec.received]
         loss = task.loss_fn if spec.index == len(specs) - 1 else None
+        materialize(spec.module, task, seed)
+        retarget_device(spec.module, "meta", "cpu")
         m = _measure(spec, args, loss, targets, task.make_optimizer if optimizer_state_factor is None else None)
+        spec.module.to("meta")
         outputs.append(tuple(o.detach() for o in m.outputs if isinstance(o, torch.Tensor)))
         measured.append(m)
     first = next(iter(dict(model.named_children())), "input")

@@ -45,18 +45,19 @@ def measure_matmul_flops(device: str = "cpu", seconds: float = 1.0, size: int = 
 
 
 def _training_step(task: Any, micro_batch: int, device: str, optimizer: bool) -> tuple[Callable[[], None], float]:
-    """One training step of the task's whole model on one real micro-batch, and its forward + backward
+    """One training step of the task's model (whole, or its largest block when the whole does not fit in
+    half of the usable memory: ``ravq.profile.step``) on one real micro-batch, and its forward + backward
     FLOPs (counted as the block profile counts them)."""
+    from ravq.profile.step import training_step_target
+
     torch.manual_seed(0)
-    model = task.build_model().to(device)
-    inputs, targets = next(iter(task.train_batches(micro_batch, 0, 1, 0)))
-    inputs = tuple(x.to(device) for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
-    targets = targets.to(device)
-    update = task.make_optimizer(model.parameters()) if optimizer else None
+    params, forward = training_step_target(task, micro_batch, device, usable_memory_bytes(device) // 2)
+    update = task.make_optimizer(iter(params)) if optimizer else None
 
     def forward_backward() -> None:
-        model.zero_grad(set_to_none=True)
-        task.loss_fn(model(*inputs), targets).backward()
+        for p in params:
+            p.grad = None
+        forward().backward()
 
     def step() -> None:
         forward_backward()
@@ -180,7 +181,9 @@ def cgroup_memory_free(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "
 def model_param_bytes(task: Any) -> int:
     """Float32 bytes of the task's model's parameters (0 when it cannot be built here)."""
     try:
-        return sum(4 * p.numel() for p in task.build_model().parameters())
+        from ravq.stage.meta import build_meta_model
+
+        return sum(4 * p.numel() for p in build_meta_model(task, 0).model.parameters())
     except (RuntimeError, ValueError, TypeError) as err:
         log.warning("profile: the task's model could not be built (%s)", err)
         return 0

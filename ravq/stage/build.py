@@ -1,7 +1,10 @@
 """Build one node's stage from the task and the plan, and save or resume it from its checkpoint.
 
-``build_stage`` traces the task's model, keeps this node's stage and wraps it in a ``StageWorker``
-with the topology's training settings; stage 0 also gets its cluster's shard of the data.
+``build_stage`` traces the task's model on the ``meta`` device (``ravq.stage.meta``), gives only this
+node's stage real weights (``ravq.stage.materialize``: the same values whatever the cut, or a pretrained
+checkpoint's, read tensor by tensor) and wraps it in a ``StageWorker`` with the topology's training
+settings; stage 0 also gets its cluster's shard of the data.  No node ever holds more of the model than
+its stage.
 ``resume`` loads the newest checkpoint of the stage (``ravq.stage.checkpoint``), if any, with its
 optimizer state, version and data position; ``save`` writes one.
 """
@@ -9,6 +12,7 @@ optimizer state, version and data position; ``save`` writes one.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +23,10 @@ from ravq.metrics import Metrics
 from ravq.net.compress import Format
 from ravq.net.limits import largest_inbound_frame
 from ravq.stage import checkpoint
+from ravq.stage.materialize import materialize
+from ravq.stage.meta import build_meta_model, retarget_device
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.split import build_task_model, split_model, stage_input_specs
+from ravq.stage.split import StageSpec, build_task_model, split_model, stage_input_specs
 from ravq.stage.tensors import model_input_needs
 from ravq.stage.types import StageOptions
 
@@ -31,7 +37,7 @@ log = logging.getLogger(__name__)
 class BuiltStage:
     worker: StageWorker
     model: torch.nn.Module
-    """The whole model this stage was cut from (the averager reads its names and order)."""
+    """The whole model this stage was cut from, on ``meta`` (the averager reads its names and order)."""
     stage_names: list[list[str]]
     """Every stage's state_dict names, in stage order."""
     largest_frame: int
@@ -40,10 +46,8 @@ class BuiltStage:
 
 def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[int], stage: int, cluster: int,
                 clusters: int, device: str, metrics: Metrics) -> BuiltStage:
-    model = build_task_model(task, seed)
     example = task.example_inputs(training.micro_batch)
-    specs = split_model(model, example, cuts)
-    in_specs = stage_input_specs(specs, example)
+    model, specs, in_specs = _traced(task, seed, example, cuts, stage, device)
     options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
@@ -56,6 +60,29 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
                          target_example=target_example)
     return BuiltStage(worker=worker, model=model, stage_names=[list(s.module.state_dict().keys()) for s in specs],
                       largest_frame=largest_inbound_frame(specs, in_specs, stage, target_example))
+
+
+def _traced(task: Any, seed: int, example: tuple[Any, ...], cuts: list[str], stage: int,
+            device: str) -> tuple[torch.nn.Module, list[StageSpec], list[list[Any]]]:
+    """The model on meta, its stages and their input shapes, with this stage's weights made real.  A model
+    that cannot be traced on meta is traced with real weights (the same values), at the whole model's cost."""
+    try:
+        model = build_meta_model(task, seed).model
+        specs = split_model(model, example, cuts)
+        in_specs = stage_input_specs(specs, example)
+    except Exception as err:  # noqa: BLE001 - user code: the real trace says what is wrong, if anything is
+        log.warning("the model cannot be traced on the meta device (%s: %s); tracing it with real weights, "
+                    "which needs the whole model in memory", type(err).__name__, str(err)[:300])
+        model = build_task_model(task, seed)
+        specs = split_model(model, example, cuts)
+        retarget_device(specs[stage].module, "cpu", device)
+        return model, specs, stage_input_specs(specs, example)
+    t0 = time.monotonic()
+    report = materialize(specs[stage].module, task, seed)
+    retarget_device(specs[stage].module, "meta", device)
+    log.info("stage %d: %d tensors made real in %.1fs%s", stage, report.names, time.monotonic() - t0,
+             f" ({len(report.loaded)} from the pretrained checkpoint)" if report.loaded else "")
+    return model, specs, in_specs
 
 
 def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_every: int, name: str) -> str | None:

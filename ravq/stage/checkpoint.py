@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from ravq.stage.safetensors_io import entry, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -154,17 +156,19 @@ def save_stage(root: str | Path, *, cluster: int, stage: int, num_stages: int, n
     files = _Files.of(Path(root), cluster, stage)
     files.tensors.parent.mkdir(parents=True, exist_ok=True)
     names = [n for n, _ in module.named_parameters()]
-    tensors = {f"model.{k}": v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
+    # written tensor by tensor from the live state (this runs in the compute thread, or after it ended):
+    # no copy of the stage or of its optimizer state
+    tensors = {f"model.{k}": v for k, v in module.state_dict().items()}
     opt_tensors, opt_rest = optimizer_tensors(optimizer, names)
-    tensors.update({k: v.detach().to("cpu").contiguous().clone() for k, v in opt_tensors.items()})
+    tensors.update(opt_tensors)
     checkpoint_id = secrets.token_hex(8)
     # A directory of this save's own: safetensors itself writes through a temporary file beside its target.
     tmp_dir = files.tensors.with_name(f".stage{stage}.tmp{os.getpid()}")
     tmp_dir.mkdir(exist_ok=True)
     tmp_tensors, tmp_meta = tmp_dir / files.tensors.name, tmp_dir / files.meta.name
     try:
-        save_file(tensors, str(tmp_tensors), metadata={"format": str(FORMAT), "checkpoint_id": checkpoint_id,
-                                                       "run_id": run_id or ""})
+        write_safetensors(tmp_tensors, [entry(k, v) for k, v in tensors.items()],
+                          metadata={"format": str(FORMAT), "checkpoint_id": checkpoint_id, "run_id": run_id or ""})
         os.chmod(tmp_tensors, 0o666 & ~_umask())  # safetensors makes it 0600; the JSON follows the umask
         _fsync(tmp_tensors)
         meta = {
@@ -236,8 +240,8 @@ def _check_pair(files: _Files, meta: dict[str, Any]) -> tuple[Path | None, str]:
     return None, reason
 
 
-def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None) -> StageCheckpoint:
-    """The newest checkpoint of a stage whose JSON and tensors check out (of ``run_id`` if given)."""
+def select_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None) -> tuple[dict[str, Any], Path]:
+    """The JSON and tensor file of a stage's newest checkpoint that checks out (of ``run_id`` if given)."""
     files = _Files.of(Path(root), cluster, stage)
     metas = [m for m in _candidates(files) if run_id is None or m.get("run_id") == run_id]
     if not metas:
@@ -252,55 +256,32 @@ def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = 
         if problems:
             log.warning("cluster %d stage %d: newest checkpoint unusable (%s); using version %s",
                         cluster, stage, "; ".join(problems), meta.get("version"))
-        tensors = load_file(str(path))
-        model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-        optim = {k: v for k, v in tensors.items() if k.startswith("optim.")}
-        return StageCheckpoint(model=model, optimizer={"tensors": optim, "rest": meta["optimizer"]}, meta=meta)
+        return meta, path
     raise CheckpointError(f"cluster {cluster} stage {stage} in {root}: no usable checkpoint ({'; '.join(problems)})")
 
 
-def export_cluster(root: str | Path, out: str | Path, cluster: int = 0, run_id: str | None = None) -> dict[str, Any]:
-    """Merge the stages of one cluster into the unsplit model's state_dict, saved as safetensors.
+def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None) -> StageCheckpoint:
+    """The newest checkpoint of a stage whose JSON and tensors check out (of ``run_id`` if given)."""
+    meta, path = select_stage(root, cluster, stage, run_id)
+    tensors = load_file(str(path))
+    model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    optim = {k: v for k, v in tensors.items() if k.startswith("optim.")}
+    return StageCheckpoint(model=model, optimizer={"tensors": optim, "rest": meta["optimizer"]}, meta=meta)
 
-    Every stage 0..n-1 must be there, from the same run (``run_id``, or the run of the newest stage)
-    and agree on n; otherwise CheckpointError names the missing stages and their nodes, or the runs."""
-    root = Path(root)
+
+def stages_found(root: Path, cluster: int) -> list[int]:
+    """The stage numbers with a checkpoint JSON under ``root/cluster{cluster}``."""
     cdir = root / f"cluster{cluster}"
-    found = sorted({int(p.name.split(".")[0].removeprefix("stage")) for p in cdir.glob("stage*.json")
-                    if p.name.split(".")[0].removeprefix("stage").isdigit()}) if cdir.is_dir() else []
-    if not found:
-        raise FileNotFoundError(f"no stage checkpoints under {cdir}")
-    if run_id is None:  # the run of the newest checkpoint in the directory
-        newest = max((m for s in found for m in _candidates(_Files.of(root, cluster, s))),
-                     key=lambda m: m.get("written_at", 0.0), default={})
-        run_id = newest.get("run_id")
-    ckpts: dict[int, StageCheckpoint] = {}
-    other_runs: dict[int, set[str]] = {}
-    for s in found:
-        try:
-            ckpts[s] = load_stage(root, cluster, s, run_id)
-        except FileNotFoundError:
-            other_runs[s] = {str(m.get("run_id")) for m in _candidates(_Files.of(root, cluster, s))}
-    counts = {c.meta["num_stages"] for c in ckpts.values()}
-    if len(counts) > 1:
-        raise CheckpointError(f"{cdir}: stages of run {run_id} disagree on the number of stages "
-                              f"({sorted(counts)}): checkpoints of different plans")
-    num_stages = counts.pop() if counts else len(found)
-    missing = [s for s in range(num_stages) if s not in ckpts]
-    if missing:
-        nodes = next((c.meta.get("cluster_nodes") for c in ckpts.values() if c.meta.get("cluster_nodes")), None)
-        what = ", ".join(f"stage {s}" + (f" (node {nodes[s]})" if nodes and s < len(nodes) else "")
-                         + (f" [only run(s) {', '.join(sorted(other_runs[s]))}]" if s in other_runs else "")
-                         for s in missing)
-        raise CheckpointError(f"{cdir}: cluster {cluster} has {num_stages} stages; run {run_id} lacks {what}. "
-                              f"Copy each missing stage's {cdir.name}/stageN.* from the PC that trained it "
-                              "(or pass --run-id)")
-    state: dict[str, torch.Tensor] = {}
-    for s in range(num_stages):
-        overlap = set(state) & set(ckpts[s].model)
-        assert not overlap, f"stages share tensors: {sorted(overlap)[:3]}"
-        state.update(ckpts[s].model)
-    metadata = {"cluster": str(cluster), "run_id": str(run_id)}
-    _write_atomic(Path(out), lambda p: save_file(state, str(p), metadata=metadata))
-    return {"cluster": cluster, "stages": num_stages, "tensors": len(state), "run_id": run_id,
-            "versions": [ckpts[s].meta["version"] for s in range(num_stages)]}
+    return sorted({int(p.name.split(".")[0].removeprefix("stage")) for p in cdir.glob("stage*.json")
+                   if p.name.split(".")[0].removeprefix("stage").isdigit()}) if cdir.is_dir() else []
+
+
+def newest_run(root: Path, cluster: int, stages: list[int]) -> str | None:
+    """The run id of the newest checkpoint among ``stages``."""
+    newest = max((m for s in stages for m in _candidates(_Files.of(root, cluster, s))),
+                 key=lambda m: m.get("written_at", 0.0), default={})
+    return newest.get("run_id")
+
+
+def runs_of(root: Path, cluster: int, stage: int) -> set[str]:
+    return {str(m.get("run_id")) for m in _candidates(_Files.of(root, cluster, stage))}

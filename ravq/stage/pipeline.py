@@ -180,6 +180,11 @@ class StageWorker:
         pending = [mb[1] for mb in self._inflight_data] + [i for i, _ in self._requeue]
         return min(pending, default=self.data_position)
 
+    def before_weight_change(self) -> None:
+        """Compute thread, before anything but the optimizer changes the weights in place (averaging,
+        catch-up): forwards in flight keep the weights they ran at (``WeightStash.before_change``)."""
+        self.forward_weights.before_change(bool(self._stash))
+
     def forget_weight_history(self) -> None:
         """After weights were replaced (catch-up): no cached forward weights, no last update to extrapolate."""
         self.forward_weights.forget()
@@ -352,7 +357,7 @@ class StageWorker:
             staleness = self.version - used  # updates applied since this micro-batch's forward
             self.stats.record_staleness(staleness, self.metrics)
             self.forward_weights.recent_staleness.append(staleness)
-        self.forward_weights.step(self.optimizer, self.options.predict_weights)
+        self.forward_weights.step(self.optimizer, self.options.predict_weights, in_flight=bool(self._stash))
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self.stats.record_update(self.version, self.metrics)

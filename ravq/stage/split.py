@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.utils._pytree import TreeSpec
 
+from ravq.stage.meta import build_meta_model, is_meta, shape_pass, to_meta
 from ravq.stage.trace import split_pipe
 
 
@@ -114,8 +115,9 @@ def candidate_cuts(model: nn.Module, task: Any = None) -> list[str]:
 def even_cuts(candidates: list[str], num_stages: int) -> list[str]:
     """``num_stages - 1`` cuts spread evenly over the candidates."""
     if not 1 <= num_stages <= len(candidates) + 1:
-        raise ValueError(f"stages: {num_stages} stages need 0..{len(candidates)} cut points; "
-                         f"the model offers {len(candidates)}")
+        raise ValueError(f"stages: {num_stages} stages need {num_stages - 1} cut point(s) and the model offers "
+                         f"{len(candidates)}; give the task a split_points() listing more module names where a "
+                         "stage may begin (e.g. every block of a ModuleList), or plan fewer stages")
     slots = len(candidates) + 1
     return [candidates[round(i * slots / num_stages) - 1] for i in range(1, num_stages)]
 
@@ -147,7 +149,7 @@ def split_model(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]
     _refuse_tied(model)
     leaves, out_spec = _output_structure(model, example_args)
     try:
-        pipe = split_pipe(model, example_args, cuts)
+        pipe = split_pipe(model, to_meta(example_args) if is_meta(model) else example_args, cuts)
     except Exception as err:  # torch's tracer: any failure means "cannot split this model"
         raise SplitError(_tracer_advice(err)) from err
     graph = pipe.split_gm.graph
@@ -198,8 +200,9 @@ def _attach_output(last: StageSpec, graph: fx.Graph, leaves: list[Any], out_spec
 def _output_structure(model: nn.Module, example_args: tuple[Any, ...]) -> tuple[list[Any], TreeSpec]:
     """The leaves and structure of what the model returns, from one forward on the example inputs
     (buffers and random state left as they were).  Refuses outputs the tracer cannot carry."""
-    with keep_buffers([model]), torch.no_grad(), torch.random.fork_rng(devices=[]):
-        out = model(*example_args)
+    with shape_pass([model], example_args) as args, keep_buffers([model]), torch.no_grad(), \
+            torch.random.fork_rng(devices=[]):
+        out = model(*args)
     with_paths, spec = pytree.tree_flatten_with_path(out)
     for path, leaf in with_paths:
         if isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (bool, int, float, str)):
@@ -217,15 +220,37 @@ def _output_structure(model: nn.Module, example_args: tuple[Any, ...]) -> tuple[
 
 
 def _tracer_advice(err: BaseException) -> str:
-    """torch's tracer error with its root cause (torch's own message only says it "cannot capture")."""
+    """torch's tracer error with its root cause (torch's own message only says it "cannot capture") and the
+    line of the user's code it points at, which a long message would otherwise bury."""
     causes = [err]
     while causes[-1].__cause__ is not None and len(causes) < 10:
         causes.append(causes[-1].__cause__)  # type: ignore[arg-type]
     root = causes[-1]
-    text = " ".join(str(root).split())[:600]
-    return (f"torch's tracer cannot capture the model as one graph ({type(root).__name__}: {text}). Typical fixes: "
+    text = " ".join(str(root).split())
+    where = _user_frames(root)
+    if len(text) > 600:
+        text = text[:600] + " ..."
+    return (f"torch's tracer cannot capture the model as one graph ({type(root).__name__}: {text})"
+            + (f" [in your code: {where}]" if where else "") + ". Typical fixes: "
             "use_cache=False (transformers), no data-dependent Python control flow in forward, return tensors "
             "in a tuple/dict/ModelOutput; or give the task split_points() that avoid the failing module")
+
+
+def _user_frames(err: BaseException) -> str:
+    """The frames outside torch and the standard library that the error names: those in torch's own "from
+    user code" section, else the innermost such frame of the traceback."""
+    import re
+    import traceback
+
+    def outside(path: str) -> bool:
+        return not any(part in path for part in ("/torch/", "/site-packages/torch", "/lib/python3", "<frozen"))
+
+    named = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\s*\n\s*(.*)', str(err))
+    frames = [f"{path}:{line} in {func}: {code.strip()}" for path, line, func, code in named if outside(path)]
+    if not frames:
+        tb = [f for f in traceback.extract_tb(err.__traceback__) if outside(f.filename)]
+        frames = [f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in tb[-1:]]
+    return "; ".join(frames[-3:])
 
 
 def _refuse_tied(model: nn.Module) -> None:
@@ -293,9 +318,13 @@ def keep_buffers(modules: Sequence[nn.Module]) -> Iterator[None]:
 
 
 def build_task_model(task: Any, seed: int) -> nn.Module:
-    """The task's model with the weights every cluster starts from."""
-    torch.manual_seed(seed)
-    return task.build_model()
+    """The whole task model with real weights, as every cluster starts from it (``ravq.stage.materialize``'s
+    rule: the same values a stage of any cut gets).  For one process: references, tests, export checks."""
+    from ravq.stage.materialize import materialize
+
+    blueprint = build_meta_model(task, seed)
+    materialize(blueprint.model, task, seed)
+    return blueprint.model
 
 
 TensorSpec = tuple[torch.Size, torch.dtype]
@@ -308,9 +337,11 @@ def stage_input_specs(specs: list[StageSpec], example_args: tuple[Any, ...]) -> 
     Nodes use these to reject a well-formed message whose tensors do not fit before torch sees it."""
     outputs: dict[int, tuple[torch.Tensor, ...]] = {}
     result = []
-    with keep_buffers([s.module for s in specs]), torch.no_grad(), torch.random.fork_rng(devices=[]):
+    modules = [s.module for s in specs]
+    with shape_pass(modules, example_args) as args, keep_buffers(modules), torch.no_grad(), \
+            torch.random.fork_rng(devices=[]):
         for spec in specs:
-            got = [example_args[r.index] if r.stage < 0 else outputs[r.stage][r.index] for r in spec.received]
+            got = [args[r.index] if r.stage < 0 else outputs[r.stage][r.index] for r in spec.received]
             result.append([(a.shape, a.dtype) for a in got])
             if spec.index < len(specs) - 1:
                 out = spec.module(*got[: len(spec.inputs)])

@@ -1,7 +1,8 @@
 """Weight stashing (PipeDream), with optional weight prediction.
 
 A forward runs on a snapshot of the weights of the current version, taken once per version and shared
-by every micro-batch that used it (``WeightStash``).  Each micro-batch keeps that snapshot with its
+by every micro-batch that used it (``WeightStash``): the live weights themselves until they are about to
+change, then a copy for the micro-batches still in flight (none with one micro-batch in flight).  Each micro-batch keeps that snapshot with its
 inputs and outputs (``Stashed``) until its backward, so the gradient of micro-batch m is the gradient
 at exactly the weights its forward saw, however many updates happen in between.  Stage 0's credits
 bound the micro-batches in flight, so they bound the stashed memory too.  The gradients of the
@@ -54,6 +55,8 @@ class WeightStash:
     def __init__(self, params: dict[str, nn.Parameter]) -> None:
         self.params = params
         self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.aliased = False
+        """Whether the snapshot's tensors are the live weights' storage (see ``before_change``)."""
         self.last_update: dict[str, torch.Tensor] | None = None
         """Each parameter's change in the last optimizer step (for ``predict_weights``)."""
         self.recent_staleness: deque[int] = deque(maxlen=PREDICTION_WINDOW)
@@ -75,10 +78,28 @@ class WeightStash:
                 if ahead > 0 and self.last_update is not None:
                     copies = {n: torch.add(p.detach(), self.last_update[n], alpha=ahead).requires_grad_(p.requires_grad)
                               for n, p in self.params.items()}
-                else:
-                    copies = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+                    self.aliased = False
+                else:  # the live weights' storage, until they are about to change (``before_change``);
+                    # ``.data`` has a version counter of its own: the live weights' fresh storage moves on
+                    copies = {n: p.data.requires_grad_(p.requires_grad) for n, p in self.params.items()}
+                    self.aliased = True
             self.snapshot = (version, copies)
         return self.snapshot[1]
+
+    def before_change(self, in_flight: bool) -> None:
+        """Call before the live weights change in place (optimizer step, averaging, catch-up).  A snapshot
+        that is the live weights and that forwards in flight still use keeps their storage, and the live
+        weights move to fresh storage: a stash costs memory only while an update falls between a forward
+        and its backward, so with one micro-batch in flight a stage never holds a second copy."""
+        if self.snapshot is None or not self.aliased:
+            return
+        if in_flight:
+            with torch.no_grad():
+                for p in self.params.values():
+                    p.data = p.data.clone()
+        else:
+            self.snapshot = None
+        self.aliased = False
 
     def prediction_steps(self, predict: float) -> float:
         """k x the mean staleness of the last PREDICTION_WINDOW backwards (0 when prediction is off)."""
@@ -87,8 +108,9 @@ class WeightStash:
             return 0.0
         return predict * sum(recent) / len(recent)
 
-    def step(self, optimizer: torch.optim.Optimizer, predict: float) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, predict: float, in_flight: bool) -> None:
         """``optimizer.step()``, keeping the update it made when the next forwards extrapolate along it."""
+        self.before_change(in_flight)
         if self.prediction_steps(predict) > 0:
             with torch.no_grad():
                 before = {n: p.detach().clone() for n, p in self.params.items()}
@@ -101,6 +123,7 @@ class WeightStash:
     def forget(self) -> None:
         """After weights were replaced (catch-up): no cached snapshot, no last update to extrapolate."""
         self.snapshot = None
+        self.aliased = False
         self.last_update = None
         self.recent_staleness.clear()
 

@@ -65,6 +65,10 @@ class CharGPT(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(N_LAYERS))
         self.ln_f = nn.LayerNorm(D_MODEL)
         self.head = nn.Linear(D_MODEL, VOCAB)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The model's own parameter (each layer resets its own): how ravq initialises it on any stage."""
         nn.init.normal_(self.pos, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""The task's model without its weights: parameters on the ``meta`` device, so no PC ever holds the model.
+
+``build_meta_model`` runs the task's ``build_model`` with every parameter swapped for a ``meta`` tensor
+the moment a module registers it (so a layer's own initialisation in ``__init__`` costs nothing), then
+moves the buffers to ``meta`` too, keeping their values aside: buffers are small and often computed in
+``__init__`` (rotary frequencies, position ids) where no initialiser could recompute them.  The model is
+put in train mode: a ``from_pretrained`` model arrives in eval mode and must not train with dropout off.
+
+Tracing, the planner's block profile, averaging owners and ``ravq plan`` all work on this model;
+``ravq.stage.materialize`` gives one stage real weights.  ``shape_pass`` runs the model (or a stage) on
+fake tensors, for what a pass over example inputs reveals: output structure, shapes, dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class Blueprint:
+    model: nn.Module
+    """The task's model, every parameter and buffer on ``meta``, in train mode."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each buffer's value as the model's constructor left it (qualified name -> CPU tensor)."""
+    pretrained: str | None = None
+    """A checkpoint the model's constructor named (a ``from_pretrained`` model's path), if any."""
+
+
+def _param_to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    if param is None or param.is_meta:
+        return None
+    return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+
+
+def build_meta_model(task: Any, seed: int) -> Blueprint:
+    """The task's model on ``meta``, built with the run's seed (buffers made at random stay reproducible)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        handle = register_module_parameter_registration_hook(_param_to_meta)
+        try:
+            model = task.build_model()
+        finally:
+            handle.remove()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the task's build_model() returned {type(model).__name__}, not a torch.nn.Module")
+    buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers(remove_duplicate=False)
+               if not b.is_meta}
+    with torch.no_grad():
+        model.to("meta")  # parameters registered outside __setattr__ (rare) and every buffer
+    model.train()
+    return Blueprint(model=model, buffers=buffers, pretrained=_named_checkpoint(model))
+
+
+def _named_checkpoint(model: nn.Module) -> str | None:
+    """The directory a transformers ``from_pretrained`` read (its weights are not kept: every stage reads
+    its own tensors from there instead)."""
+    config = getattr(model, "config", None)
+    path = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
+    if not path:
+        return None
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        return None
+    log.warning("the task's build_model() loaded a pretrained model from %s: each stage reads only its own "
+                "tensors from there; build the model from its config and name the checkpoint (the task's "
+                "`pretrained`) so that no PC reads the whole checkpoint at start", path)
+    return str(path)
+
+
+def is_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def to_meta(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@contextlib.contextmanager
+def shape_pass(modules: list[nn.Module], example_args: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    """The example inputs to run ``modules`` on for shapes, dtypes and structure: as they are for real
+    modules; fake tensors (on ``meta``) for a meta model, which libraries such as transformers treat as
+    tracing (no data-dependent checks)."""
+    if not any(is_meta(m) for m in modules):
+        yield example_args
+        return
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in to_meta(example_args))
+
+
+def retarget_device(module: nn.Module, old: torch.device | str, new: torch.device | str) -> int:
+    """Rewrite the ``device`` that tracing baked into a stage graph's ops (``torch.arange(t, device=x.device)``
+    traced on ``meta`` makes meta tensors) from ``old`` to ``new``; returns how many ops changed."""
+    old, new = torch.device(old), torch.device(new)
+    changed = 0
+    for sub in module.modules():
+        gm = getattr(sub, "graph_module", sub)  # torch's InterpreterModule keeps its graph there
+        graph = getattr(gm, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        count = 0
+        for node in graph.nodes:
+            if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
+                    and node.kwargs["device"] == old:
+                node.update_kwarg("device", new)
+                count += 1
+        if count:
+            gm.recompile()
+            changed += count
+    return changed

@@ -1,0 +1,278 @@
+"""Models built on ``meta``: each stage gets real weights of its own only, the same whatever the cut; a
+pretrained checkpoint is read per stage; export writes what the model loads; errors say what to do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from ravq.stage.export import export_cluster
+from ravq.stage.materialize import MaterializeError, materialize
+from ravq.stage.meta import build_meta_model, is_meta, retarget_device
+from ravq.stage.split import SplitError, build_task_model, candidate_cuts, even_cuts, split_model
+from ravq.tasks import charlm
+from tests import zoo
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2_task() -> SimpleNamespace:
+    from ravq.tasks.hf_causal_lm import make_task
+
+    return make_task("gpt2", layers=3, hidden=32, heads=2, context=16)
+
+
+@pytest.mark.parametrize("task", [charlm, zoo.rotary, zoo.batchnorm, zoo.structured, "gpt2", "llama"],
+                         ids=["charlm", "rotary", "batchnorm", "structured", "gpt2", "llama"])
+def test_every_stage_starts_from_the_same_weights_whatever_the_cut(task: object) -> None:
+    """Two plans with different cuts: each stage's tensors equal the one-process model's, bit for bit, and
+    the rest of the model stays on meta (a node never holds more than its stage)."""
+    if isinstance(task, str):
+        from ravq.tasks.hf_causal_lm import make_task
+
+        task = make_task(task, layers=4, hidden=32, heads=2, context=16)
+    reference = build_task_model(task, 5).state_dict()
+    example = task.example_inputs(2)  # type: ignore[attr-defined]
+    candidates = candidate_cuts(build_meta_model(task, 5).model, task)
+    for stages in (2, 3):
+        specs = split_model(build_meta_model(task, 5).model, example, even_cuts(candidates, stages))
+        for spec in specs:
+            assert is_meta(spec.module)
+            materialize(spec.module, task, 5)
+            assert not is_meta(spec.module)
+            for name, value in spec.module.state_dict().items():
+                assert torch.equal(value, reference[name]), (stages, spec.index, name)
+        assert all(not is_meta(s.module) for s in specs)
+
+
+def test_a_different_seed_gives_other_weights() -> None:
+    a, b = build_task_model(charlm, 1).state_dict(), build_task_model(charlm, 2).state_dict()
+    assert not torch.equal(a["blocks.0.qkv.weight"], b["blocks.0.qkv.weight"])
+
+
+class _OwnParameter(nn.Module):
+    """A bare parameter set in ``__init__`` with no reset_parameters: only the constructor knows its value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_a_parameter_no_initialiser_sets_takes_the_constructors_value(caplog: pytest.LogCaptureFixture) -> None:
+    task = SimpleNamespace(build_model=_OwnParameter)
+    model = build_meta_model(task, 3).model
+    report = materialize(model, task, 3)
+    assert report.from_constructor == ["scale"]
+    torch.manual_seed(3)
+    assert torch.equal(model.scale, _OwnParameter().scale)
+    assert "no initialiser sets scale" in caplog.text
+
+
+def test_a_task_init_weights_runs_last_per_module() -> None:
+    seen: list[str] = []
+
+    def init_weights(module: nn.Module, name: str) -> None:
+        seen.append(name)
+        if isinstance(module, nn.Linear):
+            nn.init.zeros_(module.weight)
+
+    task = SimpleNamespace(build_model=lambda: nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)),
+                           init_weights=init_weights)
+    model = build_task_model(task, 0)
+    assert torch.count_nonzero(model[0].weight) == 0 and torch.count_nonzero(model[2].weight) == 0
+    assert seen == ["0", "2", ""]  # children first; only modules that own tensors, and their ancestors
+
+
+class _Eval(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(self.a(x)))
+
+
+def test_a_model_built_in_eval_mode_trains_with_dropout() -> None:
+    """``from_pretrained`` gives a model in eval mode; the stages must still train with dropout on."""
+    task = SimpleNamespace(build_model=lambda: _Eval().eval())
+    specs = split_model(build_meta_model(task, 0).model, (torch.ones(4, 8),), ["drop"])
+    materialize(specs[1].module, task, 0)
+    retarget_device(specs[1].module, "meta", "cpu")
+    h = torch.ones(4, 8)
+    outs = {tuple(specs[1].module(h).flatten().tolist()) for _ in range(4)}
+    assert len(outs) > 1, "dropout is off"
+
+
+def test_plan_errors_say_how_to_get_more_cut_points() -> None:
+    with pytest.raises(ValueError, match="split_points"):
+        even_cuts(["a", "b"], 4)
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent control flow: the tracer cannot capture it
+            h = -h
+        return self.b(h)
+
+
+def test_a_tracer_error_names_the_line_in_the_users_code() -> None:
+    with pytest.raises(SplitError) as err:
+        split_model(_Branchy(), (torch.ones(2, 4),), ["b"])
+    assert "test_meta_build.py" in str(err.value) and "h.sum() > 0" in str(err.value)
+
+
+def _save_pretrained(tmp: Path, tied: bool) -> nn.Module:
+    config = transformers.GPT2Config(n_embd=32, n_layer=3, n_head=2, n_positions=16, vocab_size=charlm.VOCAB,
+                                     use_cache=False, tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(11)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(tmp)
+    return model.eval()
+
+
+def test_a_pretrained_checkpoint_is_read_per_stage(tmp_path: Path) -> None:
+    """A GPT-2 saved with save_pretrained, loaded stage by stage (each stage reads only its own tensors):
+    the pipeline's logits equal the unsplit model's."""
+    original = _save_pretrained(tmp_path / "gpt2", tied=False)
+    task = SimpleNamespace(build_model=lambda: transformers.GPT2LMHeadModel(original.config),
+                           pretrained=str(tmp_path / "gpt2"))
+    x = torch.randint(0, charlm.VOCAB, (2, 16))
+    specs = split_model(build_meta_model(task, 0).model, (x,), ["transformer.h.1", "transformer.h.2"])
+    loaded = []
+    for spec in specs:
+        report = materialize(spec.module, task, 0)
+        retarget_device(spec.module, "meta", "cpu")
+        assert sorted(report.loaded) == sorted(spec.module.state_dict().keys()) and not report.missing
+        loaded += report.loaded
+    assert sorted(loaded) == sorted(original.state_dict().keys())
+    with torch.no_grad():
+        torch.testing.assert_close(_pipeline(specs, (x,)).logits, original(x).logits, rtol=0, atol=1e-5)
+
+
+def _pipeline(specs: list, args: tuple) -> object:  # type: ignore[type-arg]
+    """The stages run one after the other, each handed what it receives, as nodes do."""
+    from ravq.stage.split import model_output
+
+    outputs: dict[int, tuple] = {}  # type: ignore[type-arg]
+    for spec in specs:
+        got = [args[r.index] if r.stage < 0 else outputs[r.stage][r.index] for r in spec.received]
+        raw = spec.module(*got[: len(spec.inputs)])
+        outputs[spec.index] = tuple(raw) if isinstance(raw, (tuple, list)) else (raw,)
+    return model_output(specs[-1], raw, got)
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused(tmp_path: Path) -> None:
+    _save_pretrained(tmp_path / "gpt2", tied=False)
+    other = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=2, n_positions=16, vocab_size=charlm.VOCAB,
+                                    use_cache=False, tie_word_embeddings=False)
+    task = SimpleNamespace(build_model=lambda: transformers.GPT2LMHeadModel(other), pretrained=str(tmp_path / "gpt2"))
+    with pytest.raises(MaterializeError, match="has shape"):
+        build_task_model(task, 0)
+
+
+def test_export_writes_what_the_model_loads(tmp_path: Path) -> None:
+    """Stage checkpoints of a 3-stage charlm: the export (a tensor at a time) loads with strict=True and
+    holds each stage's weights; checked against the task's model, a wrong model is refused."""
+    from ravq.stage.checkpoint import save_stage
+
+    model = build_meta_model(charlm, 0).model
+    specs = split_model(model, charlm.example_inputs(2), even_cuts(candidate_cuts(model, charlm), 3))
+    for spec in specs:
+        materialize(spec.module, charlm, 0)
+        opt = torch.optim.SGD(spec.module.parameters(), lr=0.1)
+        save_stage(tmp_path, cluster=0, stage=spec.index, num_stages=3, node=f"n{spec.index}", module=spec.module,
+                   optimizer=opt, version=4, data_position=0, run_id="r")
+    out = tmp_path / "model.safetensors"
+    info = export_cluster(tmp_path, out, 0, model=build_meta_model(charlm, 0).model)
+    assert info["format"] == "state_dict" and info["versions"] == [4, 4, 4]
+    from safetensors.torch import load_file
+
+    fresh = charlm.build_model()
+    fresh.load_state_dict(load_file(str(out)), strict=True)
+    assert torch.equal(fresh.state_dict()["pos"], build_task_model(charlm, 0).state_dict()["pos"])
+    with pytest.raises(ValueError, match="do not hold the task's model"):
+        export_cluster(tmp_path, out, 0, model=build_meta_model(zoo.rotary, 0).model)
+
+
+def test_ravq_export_writes_a_from_pretrained_directory(tmp_path: Path) -> None:
+    """With the topology, a transformers model is exported as a directory from_pretrained loads."""
+    import yaml
+
+    from ravq.stage.checkpoint import save_stage
+
+    task = _gpt2_task()
+    model = build_meta_model(task, 0).model
+    specs = split_model(model, task.example_inputs(2), ["transformer.h.2"])
+    for spec in specs:
+        materialize(spec.module, task, 0)
+        save_stage(tmp_path / "ckpt", cluster=0, stage=spec.index, num_stages=2, node=f"n{spec.index}",
+                   module=spec.module, optimizer=torch.optim.SGD(spec.module.parameters(), lr=0.1), version=1,
+                   data_position=0, run_id="r")
+    topology = {"task": "tests.test_meta_build:GPT2_TASK", "nodes": [{"name": "a", "pipeline_port": 1, "ring_port": 2}],
+                "broker": {"pub_port": 3, "router_port": 4}}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(topology))
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                           "--out", str(out), "--topology", str(tmp_path / "t.yaml")],
+                          cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "from_pretrained" in proc.stdout
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    want = build_task_model(task, 0).eval()
+    x = torch.randint(0, charlm.VOCAB, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, want(x).logits, rtol=0, atol=1e-6)
+
+
+GPT2_TASK = _gpt2_task()
+
+
+def test_a_swarm_trains_from_a_pretrained_checkpoint_and_exports_it(tmp_path: Path) -> None:
+    """A 1x2 swarm starts from a saved GPT-2 (each node reads its stage's tensors), trains, checkpoints;
+    `ravq export --topology` writes a directory from_pretrained loads, whose logits are the trained
+    stages' logits."""
+    from ravq.stage.checkpoint import load_stage
+    from tests.swarm import Swarm, local_topology
+
+    original = _save_pretrained(tmp_path / "gpt2", tied=False)
+    ckpt = tmp_path / "ckpt"
+    training = {"steps": 6, "micro_batch": 2, "max_inflight": 1, "checkpoint_dir": str(ckpt)}
+    env = {"RAVQ_TEST_PRETRAINED": str(tmp_path / "gpt2")}
+    swarm = Swarm(tmp_path, local_topology("tests.pretrained_task", [2], training),
+                  env={"c0s0": env, "c0s1": env})
+    try:
+        codes = swarm.wait(timeout_s=300)
+        assert all(c == 0 for c in codes.values()), {n: swarm.log(n)[-2000:] for n, c in codes.items() if c}
+    finally:
+        swarm.close()
+    assert "from the pretrained checkpoint" in swarm.log("c0s0") + swarm.log("c0s1")
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out", str(out),
+                           "--topology", str(swarm.path)], cwd=Path(__file__).parent.parent,
+                          env={**__import__("os").environ, **env}, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    exported = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    trained = transformers.GPT2LMHeadModel(original.config).eval()
+    state = {**load_stage(ckpt, 0, 0).model, **load_stage(ckpt, 0, 1).model}
+    trained.load_state_dict(state, strict=True)
+    assert not torch.equal(state["lm_head.weight"], original.state_dict()["lm_head.weight"])  # it trained
+    x = torch.randint(0, charlm.VOCAB, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x).logits, trained(x).logits, rtol=0, atol=1e-6)
