@@ -1,7 +1,13 @@
 """Training through churn: a 2x2 swarm with a random node killed every M seconds and restarted R seconds
-later (as systemd's Restart= would), against the same swarm left alone, in the same invocation.
+later (as systemd's Restart= would), against the same swarm left alone, in the same invocation; with
+``--mix`` a third run where some faults are clean stops (SIGTERM, restarted once the node exited) and
+one is a power cut (the broker and every node killed, all restarted).
 
-    python benchmarks/bench_churn.py [--minutes N] [--kill-every M] [--restart-after R] [--quick] [--json]
+    python benchmarks/bench_churn.py [--minutes N] [--kill-every M] [--restart-after R] [--mix] [--quick] [--json]
+
+Everything is measured from outside the processes, as a supervisor sees it: a recovery runs from the
+fault (kill, SIGTERM, power cut) to the broker reporting the cluster training again, so the node's
+process start (Python, torch, tracing its stage) is in it.
 
 Both runs train the demo task (``ravq.tasks.charlm``) for the same wall time.  Progress is what the
 clusters finished and kept: each cluster's stage 0 counts the micro-batches whose backward completed
@@ -69,6 +75,11 @@ class Run:
     def _start(self, name: str) -> subprocess.Popen[bytes]:
         return self._spawn(["node", "--topology", str(self.path), "--name", name, "--threads", "1"], name)
 
+    def restart_all(self) -> None:
+        """After a power cut: the broker's PC and every node's come back (systemd starts the units)."""
+        self.broker = self._spawn(["broker", "--topology", str(self.path)], "broker")
+        self.nodes = {n.name: self._start(n.name) for n in self.topology.nodes}
+
     def poll(self) -> dict[str, Any] | None:
         status = status_once(self.topology, None, timeout_s=1.0)
         if status is not None:
@@ -101,40 +112,112 @@ def wait_training(run: Run, timeout_s: float = 180) -> None:
     raise TimeoutError("the swarm did not start training")
 
 
+def schedule(args: argparse.Namespace, seconds: float) -> list[str]:
+    """The kind of each event, one every kill_every s: kills, with ``--stops`` clean stops (every third
+    event from the third) and, with ``--power-cut``, one power cut in the middle."""
+    n = max(1, int(seconds // args.kill_every) - (1 if seconds % args.kill_every == 0 else 0))
+    kinds = ["kill"] * n
+    for i in range(2, n, 3)[:args.stops]:
+        kinds[i] = "stop"
+    if args.power_cut:
+        kinds[min(n - 1, n // 2 + (1 if kinds[n // 2] == "stop" else 0))] = "power_cut"
+    return kinds
+
+
+class Events:
+    """Faults in flight: what was done when, the restarts due, and each recovery as the broker reports it
+    (a cluster training again in a newer generation; after a power cut, every cluster training under the
+    new broker)."""
+
+    def __init__(self, run: Run, restart_after: float) -> None:
+        self.run, self.restart_after = run, restart_after
+        self.pending: list[dict[str, Any]] = []
+        self.done: list[dict[str, Any]] = []
+
+    def fault(self, kind: str, victim: str, status: dict[str, Any]) -> None:
+        now = time.monotonic()
+        event: dict[str, Any] = {"kind": kind, "victim": victim, "at": now, "restart_at": None}
+        if kind == "power_cut":
+            event["versions_before"] = {n: m.get("stats", {}).get("version", 0)
+                                        for n, m in status.get("members", {}).items()}
+            for proc in [*self.run.nodes.values(), self.run.broker]:
+                proc.send_signal(signal.SIGKILL)
+            for proc in [*self.run.nodes.values(), self.run.broker]:
+                proc.wait()
+            for other in self.pending:  # interrupted: the new broker starts from generation 0
+                other["interrupted"] = True
+                self.done.append(other)
+            self.pending.clear()
+            event["restart_at"] = time.monotonic() + self.restart_after
+        else:
+            event["cluster"] = int(victim[1])
+            event["gen"] = (status.get("clusters") or [{}, {}])[event["cluster"]].get("generation", 0)
+            proc = self.run.nodes[victim]
+            proc.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
+            if kind == "kill":
+                proc.wait()
+                event["restart_at"] = time.monotonic() + self.restart_after
+        self.pending.append(event)
+
+    def step(self, status: dict[str, Any] | None) -> None:
+        now = time.monotonic()
+        for e in self.pending:
+            if e["kind"] == "stop" and e["restart_at"] is None and self.run.nodes[e["victim"]].poll() is not None:
+                e["stop_s"], e["exit_code"] = now - e["at"], self.run.nodes[e["victim"]].returncode
+                e["restart_at"] = now + self.restart_after  # systemctl restart, or a PC that reboots
+            if e["restart_at"] is not None and now >= e["restart_at"] and not e.get("restarted"):
+                if e["kind"] == "power_cut":
+                    self.run.restart_all()
+                else:
+                    self.run.nodes[e["victim"]] = self.run._start(e["victim"])
+                e["restarted"] = True
+        if status is None:
+            return
+        clusters = status.get("clusters") or []
+        for e in list(self.pending):
+            if not e.get("restarted"):
+                continue
+            if e["kind"] == "power_cut":
+                members = status.get("members", {})
+                back = len(clusters) == 2 and all(c.get("state") == "training" for c in clusters) and all(
+                    m.get("state") == "up" and m.get("stats", {}).get("version", 0) > 0 for m in members.values())
+                if back:
+                    e["versions_after"] = {n: m.get("stats", {}).get("version", 0) for n, m in members.items()}
+            else:
+                cs = clusters[e["cluster"]] if len(clusters) > e["cluster"] else {}
+                back = cs.get("state") == "training" and cs.get("generation", 0) > e["gen"]
+            if back:
+                e["recovery_s"] = time.monotonic() - e["at"]
+                self.pending.remove(e)
+                self.done.append(e)
+
+
 def measure(run: Run, seconds: float, churn: argparse.Namespace | None, rng: random.Random) -> dict[str, Any]:
-    """Train for ``seconds``; with ``churn``, kill a random node every kill_every s, restart it
-    restart_after s later, and time each recovery (kill -> its cluster training again)."""
+    """Train for ``seconds``; with ``churn``, one event every kill_every s (``schedule``): a kill -9 of a
+    random node, restarted restart_after s later (as systemd's Restart= would); a clean stop (SIGTERM,
+    restarted restart_after s after it exited); a power cut (kill -9 of the broker and every node, all
+    restarted restart_after s later).  Each recovery is timed from the fault to the broker saying the
+    cluster trains again: as a supervisor sees it, process start included."""
     wait_training(run)
     start = run.poll() or {}
     t0 = time.monotonic()
+    load0 = os.getloadavg()
     trained0, _ = run.progress(start)
-    next_kill = t0 + (churn.kill_every if churn else float("inf"))
-    pending: list[dict[str, Any]] = []
-    recoveries: list[float] = []
-    kills = 0
+    kinds = schedule(churn, seconds) if churn else []
+    events = Events(run, churn.restart_after if churn else 0.0)
+    next_event, done_work, last_trained = t0 + (churn.kill_every if churn else float("inf")), 0, trained0
     while time.monotonic() - t0 < seconds:
         now = time.monotonic()
-        if now >= next_kill:
-            victim = rng.choice(sorted(run.nodes))
-            cluster = int(victim[1])
-            status = run.poll() or {}
-            gen = (status.get("clusters") or [{}, {}])[cluster].get("generation", 0)
-            run.nodes[victim].send_signal(signal.SIGKILL)
-            run.nodes[victim].wait()
-            kills += 1
-            pending.append({"victim": victim, "cluster": cluster, "gen": gen, "killed": now, "restarted": False})
-            next_kill = now + churn.kill_every  # type: ignore[union-attr]
-        for event in pending:
-            if not event["restarted"] and now - event["killed"] >= churn.restart_after:  # type: ignore[union-attr]
-                run.nodes[event["victim"]] = run._start(event["victim"])
-                event["restarted"] = True
+        if now >= next_event and kinds:
+            kind = kinds.pop(0)
+            events.fault(kind, rng.choice(sorted(run.nodes)), run.poll() or {})
+            next_event = now + churn.kill_every  # type: ignore[union-attr]
         status = run.poll()
+        events.step(status)
         if status is not None:
-            for event in list(pending):
-                cs = (status.get("clusters") or [{}, {}])[event["cluster"]]
-                if event["restarted"] and cs.get("state") == "training" and cs.get("generation", 0) > event["gen"]:
-                    recoveries.append(time.monotonic() - event["killed"])
-                    pending.remove(event)
+            trained, _ = run.progress(status)
+            done_work += max(0, trained - last_trained) if len(status.get("members", {})) == 4 else 0
+            last_trained = trained if len(status.get("members", {})) == 4 else last_trained
         time.sleep(0.25)
     end = run.poll() or run.samples[-1][1]
     trained, loss = run.progress(end)
@@ -142,8 +225,24 @@ def measure(run: Run, seconds: float, churn: argparse.Namespace | None, rng: ran
     curve = [(ts - t0, *run.progress(s)) for ts, s in run.samples if ts >= t0]
     return {"seconds": elapsed, "micro_batches": trained - trained0, "trained_total": trained,
             "samples_per_s": (trained - trained0) * run.topology.training.micro_batch / elapsed,
-            "final_loss": loss, "kills": kills, "recoveries_s": recoveries, "unrecovered": len(pending),
-            "curve": curve}
+            "work_samples_per_s": done_work * run.topology.training.micro_batch / elapsed,
+            "final_loss": loss, "events": events.done, "unrecovered": events.pending, "curve": curve,
+            "load": [round(x, 2) for x in (*load0, *os.getloadavg())]}
+
+
+def summary(events: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    rec = sorted(e["recovery_s"] for e in events if e["kind"] == kind and "recovery_s" in e)
+    out: dict[str, Any] = {"count": sum(e["kind"] == kind for e in events),
+                           "p50": round(statistics.median(rec), 1) if rec else None,
+                           "p90": round(rec[min(len(rec) - 1, int(0.9 * len(rec)))], 1) if rec else None,
+                           "all": [round(x, 1) for x in rec]}
+    if kind == "stop":
+        out["stop_s"] = [round(e["stop_s"], 1) for e in events if e["kind"] == kind and "stop_s" in e]
+        out["exit_codes"] = [e.get("exit_code") for e in events if e["kind"] == kind]
+    if kind == "power_cut":
+        out["versions"] = [{"before": e.get("versions_before"), "after": e.get("versions_after")}
+                           for e in events if e["kind"] == kind]
+    return out
 
 
 def loss_at(curve: list[tuple[float, int, float | None]], trained: int) -> float | None:
@@ -154,53 +253,70 @@ def loss_at(curve: list[tuple[float, int, float | None]], trained: int) -> float
     return None
 
 
-def one(args: argparse.Namespace, root: Path, name: str, churn: bool) -> dict[str, Any]:
+def one(args: argparse.Namespace, root: Path, name: str, churn: argparse.Namespace | None) -> dict[str, Any]:
     run = Run(root / name, args)
     try:
-        return measure(run, args.minutes * 60, args if churn else None, random.Random(args.seed))
+        return measure(run, args.minutes * 60, churn, random.Random(args.seed))
     finally:
         run.close()
 
 
+def report(name: str, base: dict[str, Any], run: dict[str, Any], restart_after: float) -> dict[str, Any]:
+    events = run["events"] + run["unrecovered"]
+    out = {"samples_per_s": round(run["samples_per_s"], 1), "work_samples_per_s": round(run["work_samples_per_s"], 1),
+           "ratio": round(run["samples_per_s"] / base["samples_per_s"], 3) if base["samples_per_s"] else None,
+           "final_loss": run["final_loss"], "undisturbed_loss_at_same_samples": loss_at(base["curve"],
+                                                                                         run["trained_total"]),
+           "kill": summary(events, "kill"), "stop": summary(events, "stop"), "power_cut": summary(events, "power_cut"),
+           "interrupted": sum(bool(e.get("interrupted")) for e in events),
+           "unrecovered": [e["kind"] for e in run["unrecovered"]], "load": run["load"]}
+    print(f"{name}: {run['samples_per_s']:.1f} samples/s kept ({run['work_samples_per_s']:.1f} trained), ratio "
+          f"{out['ratio']}, final loss {run['final_loss']}; load {run['load'][:3]} -> {run['load'][3:]}")
+    for kind in ("kill", "stop", "power_cut"):
+        k = out[kind]
+        if k["count"]:
+            extra = f", stop took {k['stop_s']} s (exit {k['exit_codes']})" if kind == "stop" else ""
+            extra += f", versions {k['versions']}" if kind == "power_cut" else ""
+            print(f"  {kind} x{k['count']} (restart {restart_after:g}s after): recovery p50 {k['p50']}s, p90 "
+                  f"{k['p90']}s, all {k['all']}{extra}")
+    if out["unrecovered"] or out["interrupted"]:
+        print(f"  unrecovered at the end: {out['unrecovered']}; interrupted by the power cut: {out['interrupted']}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=3.0, help="training time of each run")
-    p.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
-    p.add_argument("--restart-after", type=float, default=5.0, help="seconds from a kill to the restart")
+    p.add_argument("--minutes", type=float, default=6.0, help="training time of each run")
+    p.add_argument("--kill-every", type=float, default=60.0, help="seconds between faults")
+    p.add_argument("--restart-after", type=float, default=1.0,
+                   help="seconds from a kill (or a stopped node's exit) to its restart (the units' RestartSec)")
+    p.add_argument("--mix", action="store_true", help="a third run: kills, --stops clean stops and one power cut")
+    p.add_argument("--stops", type=int, default=2, help="with --mix: clean stops (SIGTERM, restart once exited)")
     p.add_argument("--lost-s", type=float, default=6.0)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--checkpoint-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the run directories (logs)")
-    p.add_argument("--quick", action="store_true", help="1 minute, a kill every 20 s (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="1 minute, a fault every 20 s (a smoke run)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.quick:
-        args.minutes, args.kill_every, args.restart_after = 1.0, 20.0, 3.0
+        args.minutes, args.kill_every = 1.0, 20.0
     root = Path(tempfile.mkdtemp(prefix="rq11-churn-"))
-    base = one(args, root, "undisturbed", churn=False)
-    churn = one(args, root, "churn", churn=True)
-    rec = sorted(churn["recoveries_s"])
-    result = {
-        "minutes": args.minutes, "kill_every_s": args.kill_every, "restart_after_s": args.restart_after,
-        "samples_per_s": {"undisturbed": round(base["samples_per_s"], 1), "churn": round(churn["samples_per_s"], 1)},
-        "ratio": round(churn["samples_per_s"] / base["samples_per_s"], 3) if base["samples_per_s"] else None,
-        "final_loss": {"undisturbed": base["final_loss"], "churn": churn["final_loss"],
-                       "undisturbed_at_same_samples": loss_at(base["curve"], churn["trained_total"])},
-        "kills": churn["kills"], "unrecovered": churn["unrecovered"],
-        "recovery_s": {"p50": round(statistics.median(rec), 1) if rec else None,
-                       "p90": round(rec[min(len(rec) - 1, int(0.9 * len(rec)))], 1) if rec else None,
-                       "all": [round(x, 1) for x in rec]},
-        "run_dir": str(root) if args.keep else None,
-    }
+    base = one(args, root, "undisturbed", None)
+    kills = one(args, root, "churn", argparse.Namespace(**{**vars(args), "stops": 0, "power_cut": False}))
+    mixed = one(args, root, "mixed", argparse.Namespace(**{**vars(args), "power_cut": True})) if args.mix else None
+    print(f"undisturbed: {base['samples_per_s']:.1f} samples/s, final loss {base['final_loss']}; load "
+          f"{base['load'][:3]} -> {base['load'][3:]}")
+    result = {"minutes": args.minutes, "fault_every_s": args.kill_every, "restart_after_s": args.restart_after,
+              "undisturbed": {"samples_per_s": round(base["samples_per_s"], 1), "final_loss": base["final_loss"],
+                              "load": base["load"]},
+              "kills": report("kills", base, kills, args.restart_after),
+              "mixed": report("kills + stops + power cut", base, mixed, args.restart_after) if mixed else None,
+              "run_dir": str(root) if args.keep else None}
     if not args.keep:
         import shutil
         shutil.rmtree(root, ignore_errors=True)
-    print(f"undisturbed: {base['samples_per_s']:.1f} samples/s, final loss {base['final_loss']}")
-    print(f"churn ({churn['kills']} kills, restart after {args.restart_after:g}s): {churn['samples_per_s']:.1f} "
-          f"samples/s, final loss {churn['final_loss']}; ratio {result['ratio']}")
-    print(f"recovery (kill -> cluster trains again): p50 {result['recovery_s']['p50']}s, "
-          f"p90 {result['recovery_s']['p90']}s")
     if args.json:
         print(json.dumps(result))
 

@@ -109,6 +109,12 @@ class Broker:
         for c, cs in enumerate(self.book.clusters):
             for state in CLUSTER_STATES:
                 self.metrics.cluster_state.labels(str(c), state).set(float(cs.state == state))
+        for name, m in self.members.items():
+            for state in NODE_STATES:
+                self.metrics.broker_member_state.labels(name, state).set(float(m.state == state))
+        self.metrics.cluster_waiting_for.clear()
+        for (c, member), why in waiting_for(self.book).items():
+            self.metrics.cluster_waiting_for.labels(str(c), member, why).set(1)
 
     def _observe_recoveries(self) -> None:
         for seconds in self.book.recoveries:
@@ -204,7 +210,8 @@ class Broker:
         b = self.topology.broker
         bind = b.bind_host or b.host
         pub = Publisher.bind(ctx, endpoint(bind, b.pub_port), self.metrics, self.opts)
-        inbox = Inbox.bind(ctx, endpoint(bind, b.router_port), "broker", self.metrics, self.limits, self.opts)
+        inbox = Inbox.bind(ctx, endpoint(bind, b.router_port), "broker", self.metrics, self.limits, self.opts,
+                           one_shot_clients=True)  # `ravq status` connects, asks once and leaves
         relay = self._relay(ctx)
         log.info("broker up: pub %d, router %d, %d nodes in plan%s", b.pub_port, b.router_port,
                  sum(len(c.nodes) for c in self.plan.clusters),
@@ -247,6 +254,20 @@ class Broker:
 
 class _Stopped(Exception):
     pass
+
+
+def waiting_for(book: Book) -> dict[tuple[int, str], str]:
+    """(cluster, member) -> why, for each member a cluster that does not train waits for: the members
+    that are not up (lost, missing, ...) or, once all are, those not yet ready (what they do now)."""
+    waiting: dict[tuple[int, str], str] = {}
+    for c, (cs, cluster) in enumerate(zip(book.clusters, book.plan.clusters)):
+        if cs.state not in ("paused", "recovering"):
+            continue
+        members = {n: book.members[n] for n in cluster.nodes if n in book.members}
+        down = {n: m.state for n, m in members.items() if m.state != "up"}
+        waiting |= {(c, n): why for n, why in (down or {n: m.phase for n, m in members.items()
+                                                       if m.ready < cs.generation}).items()}
+    return waiting
 
 
 def _public(m: Member, now: float) -> dict[str, Any]:

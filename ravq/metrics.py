@@ -25,6 +25,11 @@ from prometheus_client.utils import floatToGoString
 _LATENCY_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 _COMPUTE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+ABORT_REASONS = ("timeout", "send_timeout", "bad_piece", "base_mismatch", "peer_abort", "peer_moved_on", "skipped",
+                 "plan_changed")
+"""Why an averaging round aborts (``ravq.average``): ``ravq_allreduce_aborts_total{reason}`` exists at 0 for
+each from the start, so a dashboard's ``increase()`` counts the first abort (a labelled counter born at its
+first increment would hide it)."""
 
 
 def _use_created() -> bool:
@@ -220,6 +225,9 @@ class Metrics:
                                            buckets=_LATENCY_BUCKETS, registry=r)
         self.allreduce_aborts = Counter("ravq_allreduce_aborts_total", "Averaging rounds aborted",
                                         ["reason"], registry=r)
+        for reason in ABORT_REASONS:
+            self.allreduce_aborts.labels(reason)
+        self.peer_timeouts.labels("pipeline", "give_up")  # the node's one (ravq.swarm.churn)
         self.allreduce_bytes = Counter("ravq_allreduce_bytes_total", "Segment bytes sent in rings",
                                        ["ring"], registry=r)
         self.process_info = Gauge("ravq_process_info", "1: this process's role and, for a node, its cluster and "
@@ -229,6 +237,13 @@ class Metrics:
         self.broker_nodes = Gauge("ravq_broker_nodes", "Nodes known to the broker by state: up, lost, done",
                                   ["state"], registry=r)
         self.broker_seq = Gauge("ravq_broker_sequence", "Sequence number of the latest update", registry=r)
+        self.broker_member_state = Gauge(
+            "ravq_broker_member_state", "1 for the state each node is in as the broker sees it (missing, up, lost, "
+            "done): names the node that is down", ["member", "state"], registry=r)
+        self.cluster_waiting_for = Gauge(
+            "ravq_cluster_waiting_for", "1 for each member a cluster that does not train waits for, and why (the "
+            "member's state: lost, missing; or what it does: paused, catching_up, starting...)",
+            ["cluster", "member", "why"], registry=r)
         self.broker_requests = Counter("ravq_broker_requests_total", "Requests answered", ["type"], registry=r)
         # --- churn
         self.broker_phases = Gauge("ravq_broker_node_phases", "Nodes up, by what they say they do "

@@ -34,6 +34,7 @@ import zmq.asyncio
 from ravq.average.averager import Averager
 from ravq.config import Plan, Topology, resolve_task_module
 from ravq.config.routes import declared_reach
+from ravq.lifecycle import first_error, in_daemon_thread
 from ravq.metrics import Metrics
 from ravq.net.limits import derived_max_message_bytes
 from ravq.net.listen import serve_metrics
@@ -42,6 +43,7 @@ from ravq.net.wire import DecodeLimits
 from ravq.stage import checkpoint
 from ravq.stage.build import BuiltStage, build_stage, resume, save
 from ravq.stage.pipeline import StageWorker
+from ravq.stage.tied_step import close_tied
 from ravq.stage.types import Outbound
 from ravq.swarm.churn import Churn
 from ravq.swarm.links import StageLinks
@@ -122,7 +124,7 @@ class Node:
         self.rejoining = state["state"] != "starting"
         if self.rejoining:
             self.churn.rejoin(state)
-        built = await asyncio.to_thread(self._build_stage, plan)
+        built = await in_daemon_thread(self._build_stage, plan)  # a stop meanwhile need not wait for the tracer
         self.worker = worker = built.worker
         self._derive_limits(built.largest_frame)
         weights = sum(t.numel() * t.element_size() for t in {**worker.params, **worker.buffers}.values())
@@ -131,6 +133,7 @@ class Node:
         self.links = StageLinks(ctx=self.ctx, topology=self.topology, name=self.name, metrics=self.metrics,
                                 limits=self.limits, sock_opts=self.sock_opts, generation=lambda: self.churn.generation)
         peers = set(worker.spec.consumer_stages) | set(worker.spec.producer_stages)
+        peers |= {h for group in worker.spec.tied for h in group.holders if h != self.stage}  # tied copies' holders
         self.links.bind()
         if len(plan.clusters) > 1:
             self.averager = Averager(ctx=self.ctx, topology=self.topology, plan=self.churn.current_plan, me=self.name,
@@ -228,6 +231,13 @@ class Node:
         self.worker.stop()
         asyncio.get_running_loop().call_later(self.topology.timeouts.drain_s, self._drain_expired)
 
+    def stop_while_starting(self, sig: signal.Signals) -> None:
+        """SIGTERM/SIGINT before the stage runs (importing, joining, tracing): nothing to drain or save;
+        end create() and leave through shutdown, exit status 0."""
+        if not self._force.is_set():
+            log.info("%s: %s while starting: stopping before training", self.name, sig.name)
+        self._force.set()
+
     def _drain_expired(self) -> None:
         if not self._force.is_set() and self.worker is not None:
             log.warning("%s: drain limit of %.0fs reached with %d micro-batch(es) still in flight (a peer is slow or "
@@ -256,6 +266,8 @@ class Node:
                 # a cluster was disrupted: clusters ended at different step counts; agree once more
                 t = self.topology.timeouts
                 await self.averager.final_round(t.give_up_s or max(t.connect_s, 3600.0))
+        if worker.tied is not None and not self._force.is_set():  # the last rounds' deltas reach every copy
+            await asyncio.to_thread(close_tied, worker)
         await links.outbound.join()
         if self._draining and not self._force.is_set():
             log.info("%s: drained at step %d", self.name, worker.version)
@@ -363,11 +375,17 @@ class Node:
 async def run_node(topology: Topology, name: str, options: NodeOptions) -> str | None:
     """create -> run -> shutdown, in one TaskGroup (CURVE's ZAP handler must serve from the first bind)."""
     node = Node(topology, name, options, Metrics(name))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until start() installs the running node's handler
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, node.stop_while_starting, sig)
     try:
         async with asyncio.TaskGroup() as tg:
             if node.sock_opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
                 tg.create_task(node.sock_opts.monitor.serve())
+            starting = tg.create_task(node._force_exit_watch())  # a signal or failure now ends create()
             await node.create(tg)
+            starting.cancel()
             node.start(tg)
     except BaseExceptionGroup as group:
         _, rest = group.split(_Finished)
@@ -377,18 +395,3 @@ async def run_node(topology: Topology, name: str, options: NodeOptions) -> str |
     finally:
         await node.shutdown()
     return node.failure
-
-
-def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The one real error of a TaskGroup, so callers see e.g. a TimeoutError rather than a group."""
-    leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for sub in e.exceptions:
-                walk(sub)
-        else:
-            leaves.append(e)
-
-    walk(group)
-    return leaves[0] if len(leaves) == 1 else group

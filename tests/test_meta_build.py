@@ -146,10 +146,12 @@ def _save_pretrained(tmp: Path, tied: bool) -> nn.Module:
     return model.eval()
 
 
-def test_a_pretrained_checkpoint_is_read_per_stage(tmp_path: Path) -> None:
-    """A GPT-2 saved with save_pretrained, loaded stage by stage (each stage reads only its own tensors):
-    the pipeline's logits equal the unsplit model's."""
-    original = _save_pretrained(tmp_path / "gpt2", tied=False)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_pretrained_checkpoint_is_read_per_stage(tmp_path: Path, tied: bool) -> None:
+    """A GPT-2 saved with save_pretrained (tied: the file holds the embedding once, the last stage's head
+    reads it too), loaded stage by stage, each stage reading only its own tensors: the pipeline's logits
+    equal the unsplit model's."""
+    original = _save_pretrained(tmp_path / "gpt2", tied=tied)
     task = SimpleNamespace(build_model=lambda: transformers.GPT2LMHeadModel(original.config),
                            pretrained=str(tmp_path / "gpt2"))
     x = torch.randint(0, charlm.VOCAB, (2, 16))
@@ -158,9 +160,13 @@ def test_a_pretrained_checkpoint_is_read_per_stage(tmp_path: Path) -> None:
     for spec in specs:
         report = materialize(spec.module, task, 0)
         retarget_device(spec.module, "meta", "cpu")
-        assert sorted(report.loaded) == sorted(spec.module.state_dict().keys()) and not report.missing
+        assert report.loaded and not report.missing and not report.from_constructor
+        assert len(report.loaded) == report.names  # every tensor of the stage came from the checkpoint
         loaded += report.loaded
-    assert sorted(loaded) == sorted(original.state_dict().keys())
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "gpt2" / "model.safetensors"), framework="pt") as f:
+        assert set(loaded) == set(f.keys())  # the stages together read the file once over
     with torch.no_grad():
         torch.testing.assert_close(_pipeline(specs, (x,)).logits, original(x).logits, rtol=0, atol=1e-5)
 
@@ -250,7 +256,7 @@ def test_a_swarm_trains_from_a_pretrained_checkpoint_and_exports_it(tmp_path: Pa
     from ravq.stage.checkpoint import load_stage
     from tests.swarm import Swarm, local_topology
 
-    original = _save_pretrained(tmp_path / "gpt2", tied=False)
+    original = _save_pretrained(tmp_path / "gpt2", tied=True)
     ckpt = tmp_path / "ckpt"
     training = {"steps": 6, "micro_batch": 2, "max_inflight": 1, "checkpoint_dir": str(ckpt)}
     env = {"RAVQ_TEST_PRETRAINED": str(tmp_path / "gpt2")}
@@ -273,6 +279,21 @@ def test_a_swarm_trains_from_a_pretrained_checkpoint_and_exports_it(tmp_path: Pa
     state = {**load_stage(ckpt, 0, 0).model, **load_stage(ckpt, 0, 1).model}
     trained.load_state_dict(state, strict=True)
     assert not torch.equal(state["lm_head.weight"], original.state_dict()["lm_head.weight"])  # it trained
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # and stayed tied
     x = torch.randint(0, charlm.VOCAB, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(exported(x).logits, trained(x).logits, rtol=0, atol=1e-6)
+
+
+def test_profiling_a_model_that_does_not_fit_times_its_largest_block() -> None:
+    """``ravq profile`` times the whole model when it fits in the budget, else its largest block alone,
+    its inputs made by the blocks before it (each given weights only while it runs)."""
+    from ravq.profile.step import training_step_target
+
+    whole, _ = training_step_target(charlm, 2, "cpu", budget_bytes=1 << 40)
+    assert len(whole) == len(list(build_task_model(charlm, 0).parameters()))
+    block, forward = training_step_target(charlm, 2, "cpu", budget_bytes=1)
+    assert 0 < sum(p.numel() for p in block) < sum(p.numel() for p in whole)
+    loss = forward()
+    loss.backward()
+    assert all(p.grad is not None for p in block)

@@ -177,6 +177,9 @@ class _Stage:
     def may_start(self) -> bool:
         return False
 
+    def may_forward(self) -> bool:
+        return True
+
     def finished(self) -> bool:
         return False
 

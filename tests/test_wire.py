@@ -45,7 +45,7 @@ def required_meta(mtype: MsgType) -> dict[str, Any]:
 
 
 def make_message(mtype: MsgType = MsgType.FORWARD, /, **tensors: torch.Tensor) -> Message:
-    needs_mb = mtype in (MsgType.FORWARD, MsgType.BACKWARD)
+    needs_mb = mtype in (MsgType.FORWARD, MsgType.BACKWARD, MsgType.TIED)
     return Message(type=mtype, sender="stage-0", micro_batch=(1, 42) if needs_mb else None, version=5,
                    sent_at=1_700_000_000.25, meta={**required_meta(mtype), "note": "hi"}, tensors=tensors)
 

@@ -5,7 +5,8 @@
   buffer, computed once under ``@torch.no_grad`` and fed to every layer across the cuts;
 - ``structured``: returns a dataclass (registered with pytree, as ``transformers.ModelOutput`` is)
   holding a dict, one of its tensors made before the last stage;
-- ``tied``: an embedding tied to the output head (ravq refuses it, naming both).
+- ``tied``: an embedding tied to the output head (its first and last stage each hold a copy);
+- ``unused``: a weight and a buffer ``forward`` never reads (stage 0 keeps them).
 """
 
 from __future__ import annotations
@@ -193,6 +194,20 @@ class TiedNet(nn.Module):
 
 
 tied = _task(TiedNet, lambda mb: (torch.zeros(mb, SEQ, dtype=torch.long),), _lm_loss, _token_batches, ["mid", "head"])
+
+
+class UnusedNet(TiedNet):
+    """TiedNet with a weight and a persistent buffer in its head that ``forward`` never reads (as a BERT MLM
+    head's ``bias`` once untied from its decoder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.spare = nn.Parameter(torch.randn(VOCAB))
+        self.head.register_buffer("count", torch.arange(3.0))
+
+
+unused = _task(UnusedNet, lambda mb: (torch.zeros(mb, SEQ, dtype=torch.long),), _lm_loss, _token_batches,
+               ["mid", "head"])
 
 UNIFORM_LM_LOSS = math.log(VOCAB)
 

@@ -52,6 +52,7 @@ from ravq.net.wire import DecodeLimits, Message
 from ravq.stage.meta import build_meta_model
 from ravq.stage.optim import set_clusters
 from ravq.stage.pipeline import StageWorker
+from ravq.stage.tied_step import hand_over, held_params, tied_sinks
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Averager:
         self.anchors: dict[tuple[str, ...], torch.Tensor] = {}
         self._pending: list[PendingRound] = []
         """Overlapped rounds snapshotted and not applied yet, oldest first (compute thread only)."""
-        self.initial = {n: v.detach().to("cpu").clone() for n, v in {**worker.params, **worker.buffers}.items()}
+        self.initial = {n: v.detach().to("cpu").clone() for n, v in {**held_params(worker), **worker.buffers}.items()}
         self.names, self.numels = averaged_tensors(model, task, self.with_state)
         own_cuts = tuple(plan().clusters[cluster].cuts)
         self.owners = stage_owners(lambda: build_meta_model(task, topology.seed).model,
@@ -130,9 +131,9 @@ class Averager:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         worker = self.worker
-        named: dict[str, torch.Tensor] = {**worker.params, **worker.buffers}
+        named: dict[str, torch.Tensor] = {**held_params(worker), **worker.buffers}  # a tied weight's every name
         if self.with_state:
-            named.update(optimizer_state_tensors(worker.optimizer, worker.params))
+            named.update(optimizer_state_tensors(worker.optimizer, held_params(worker)))
         return named
 
     # ------------------------------------------------------------ compute thread
@@ -245,7 +246,9 @@ class Averager:
         if moved:
             named = {**named, **self.worker.fresh_buffers(moved)}
         self.worker.before_weight_change()  # the same for the weights forwards in flight run on
+        named, sinks = tied_sinks(self.worker, named)  # a tied weight's delta reaches every copy in step order
         deltas = apply_round(named, segments, snapshots, result)
+        hand_over(self.worker, sinks)
         if self.compression is not None:
             keep_non_negative_state(named, segments, snapshots, result)
         record_applied(self._pending, segments, deltas, shifts)
@@ -352,7 +355,13 @@ class Averager:
             link=self.port.link, mailbox=self.mailbox, piece_bytes=self.piece_bytes, timeout_s=wait_s)
         if result.aborted:
             return ", ".join(sorted({e.reason for e in result.aborted.values()}))
-        await self.in_compute(lambda w: (w.before_weight_change(), apply_round(named, segments, snapshots, result)))
+        def apply(w: StageWorker) -> None:
+            w.before_weight_change()
+            live, sinks = tied_sinks(w, named)
+            apply_round(live, segments, snapshots, result)
+            hand_over(w, sinks)
+
+        await self.in_compute(apply)
         return None
 
     def stats(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +36,8 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
                 if node not in names:
                     raise ConfigError(f"{plan_path}: plan names node {node!r} that the topology lacks")
         return plan
-    if any(n.cluster is None for n in topology.nodes):
+    training = [n for n in topology.nodes if not n.standby]  # standbys wait outside the plan
+    if any(n.cluster is None for n in training):
         raise ConfigError("nodes: no node sets 'cluster'; set clusters in the topology or run "
                           "`ravq plan` and pass --plan")
     from ravq.config import resolve_task_module
@@ -49,6 +51,8 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
         candidates = candidate_cuts(build_meta_model(task, topology.seed).model, task)
     clusters: dict[int, list[tuple[int, int, str]]] = {}
     for i, n in enumerate(topology.nodes):
+        if n.standby:
+            continue
         assert n.cluster is not None
         clusters.setdefault(n.cluster, []).append((n.stage if n.stage is not None else i, i, n.name))
     ordered = [[name for _, _, name in sorted(members)] for _, members in sorted(clusters.items())]
@@ -85,7 +89,28 @@ def cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StoppedWhileStarting(BaseException):
+    """SIGTERM/SIGINT while ``ravq node`` imports torch and its task (before its event loop runs); a
+    BaseException, as KeyboardInterrupt, so no `except Exception` on the way swallows it."""
+
+
+def _stop_while_importing(signum: int, frame: object) -> None:
+    raise _StoppedWhileStarting(signal.Signals(signum).name)
+
+
 def cmd_node(args: argparse.Namespace) -> int:
+    # A stop before the node's own handler runs (importing torch takes seconds on a busy PC) ends the
+    # process at once, with a line and status 0, as systemd expects of a stop; run_node then takes over.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_while_importing)
+    try:
+        return _run_node(args)
+    except _StoppedWhileStarting as sig:
+        log.info("%s: %s while starting (importing): stopping before training", args.name, sig)
+        return 0
+
+
+def _run_node(args: argparse.Namespace) -> int:
     from ravq.checks import check_device
     from ravq.net import listen
     from ravq.net.socket_io import install_uvloop

@@ -25,7 +25,9 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
 
     try:
         topology = load_topology(topology_path)
-        nodes = load_profiles(topology, profiles_dir)
+        # standbys wait outside the plan: neither planned nor profiled
+        nodes = load_profiles(topology.model_copy(update={"nodes": [n for n in topology.nodes if not n.standby]}),
+                              profiles_dir)
         task = resolve_task_module(topology.task)
     except ConfigError as err:
         print(f"error: {err}")
@@ -34,7 +36,7 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
     blocks = profile_blocks(task, training.micro_batch, max_inflight=training.max_inflight or 1)
     settings = training_settings(training)
     def make(profiles: Sequence[NodeProfile]) -> tuple[Plan, Explanation]:
-        if all(n.cluster is not None for n in topology.nodes):
+        if all(n.cluster is not None for n in topology.nodes if not n.standby):
             return cut_plan(topology_clusters(topology), profiles, blocks, **settings)
         return make_plan(profiles, blocks, **settings)
 

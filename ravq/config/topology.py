@@ -168,6 +168,9 @@ class NodeConfig(UserModel):
     """Torch device: cpu, cuda, cuda:N, mps."""
     cluster: int | None = Field(None, ge=0)
     """Cluster index; if no node sets it, the planner chooses."""
+    standby: bool = False
+    """A spare in no cluster: it waits and takes the stage of a node lost for ``timeouts.replace_s`` (its
+    memory must fit).  No ``cluster`` with it; the other nodes' clusters need no plan file."""
     stage: int | None = Field(None, ge=0)
     """Position in its cluster's pipeline; default: listing order."""
     public_key: str | None = None
@@ -311,11 +314,19 @@ class Topology(UserModel):
 
 
 def _check_clusters(nodes: list[NodeConfig]) -> None:
-    with_cluster = [i for i, n in enumerate(nodes) if n.cluster is not None]
-    if with_cluster and len(with_cluster) < len(nodes):
-        i = next(i for i, n in enumerate(nodes) if n.cluster is None)
+    for i, node in enumerate(nodes):
+        if node.standby and (node.cluster is not None or node.stage is not None):
+            raise ValueError(f"nodes[{i}]: a standby is in no cluster; remove its 'cluster' and 'stage' or "
+                             "'standby: true'")
+    training = [(i, n) for i, n in enumerate(nodes) if not n.standby]
+    if not training:
+        raise ValueError("nodes: every node is a standby; at least one must train")
+    with_cluster = [i for i, n in training if n.cluster is not None]
+    if with_cluster and len(with_cluster) < len(training):
+        i = next(i for i, n in training if n.cluster is None)
         raise ValueError(f"nodes[{i}].cluster: missing, but nodes[{with_cluster[0]}] sets one; "
-                         "set 'cluster' on every node or on none (then the planner chooses)")
+                         "set 'cluster' on every node or on none (then the planner chooses), or "
+                         "'standby: true' on a spare")
     positions: dict[tuple[int, int], int] = {}
     for i, node in enumerate(nodes):
         if node.cluster is None or node.stage is None:

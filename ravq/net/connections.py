@@ -6,6 +6,11 @@ connections that fail their handshake (``handshake_failed``: garbage, a wrong pr
 that gives up) and established ones that close (``closed``: a peer that went away, or one ZeroMQ
 dropped for announcing a frame over ``limits.max_message_bytes``).  ``ravq.net.security.Curve`` is one
 that also authenticates, and counts failed handshakes as authentication failures instead.
+
+A socket that serves one-shot requests (the broker's ROUTER: ``ravq status``, the demo's live view)
+sees clients come and go by design, so its closed connections are not counted there (``count_closed``);
+its failed handshakes are.  Every series a watched socket can count is exported at 0 from the start,
+so ``increase()`` sees its first event.
 """
 
 from __future__ import annotations
@@ -50,13 +55,25 @@ class ConnectionMonitor:
         self._unserved: list[tuple[zmq.asyncio.Socket, str]] = []  # (socket, "" for ZAP or server name)
         self._wakeup: asyncio.Event | None = None
         self._warned: set[tuple[str, str, str]] = set()
+        self._closes_normal: set[str] = set()
+        """Sockets whose closed connections are not counted (``watch(count_closed=False)``)."""
 
-    def watch(self, sock: zmq.asyncio.Socket, name: str) -> None:
-        """Follow the connections of server socket ``sock`` (before it binds)."""
+    def watch(self, sock: zmq.asyncio.Socket, name: str, *, count_closed: bool = True) -> None:
+        """Follow the connections of server socket ``sock`` (before it binds).  ``count_closed``: count
+        established connections that close (False where clients come and go by design)."""
         monitor = sock.get_monitor_socket(_MONITORED)
         monitor.linger = 0
         self._monitors.append((monitor, name))
+        if not count_closed:
+            self._closes_normal.add(name)
+        self._zero(name)
         self._adopt(monitor, name)
+
+    def _zero(self, socket: str) -> None:
+        """Export the series ``socket`` may count at 0 (a counter born at its first event hides it)."""
+        self.metrics.connections_dropped.labels(socket, "handshake_failed")
+        if socket not in self._closes_normal:
+            self.metrics.connections_dropped.labels(socket, "closed")
 
     async def serve(self) -> None:
         """Watch every server socket (and answer ZAP requests, for CURVE), until cancelled."""
@@ -108,6 +125,8 @@ class ConnectionMonitor:
                     self._handshake_failed(server, where)
                 elif value in established:
                     established.discard(value)
+                    if server in self._closes_normal:
+                        continue
                     self.metrics.connections_dropped.labels(server, "closed").inc()
                     self._note(server, "closed", where, "a connection closed (peer gone, or dropped for a frame "
                                                         "over limits.max_message_bytes)", logging.INFO)

@@ -27,13 +27,17 @@ def largest_inbound_frame(specs: list[Any], input_specs: list[list[tuple[Any, An
     """Bytes of the largest tensor frame ``stage`` can receive on its pipeline link.
 
     ``specs`` are the cluster's StageSpecs, ``input_specs`` every stage's (shape, dtype) inputs from
-    ``ravq.stage.split.stage_input_specs``; a stage's output gradient has the shape of the consumer input it feeds."""
+    ``ravq.stage.split.stage_input_specs``; a stage's output gradient has the shape of the consumer input it feeds, and a tied weight's gradient (a
+TIED message) that of the weight."""
     sizes = [_nbytes(shape, dtype) for shape, dtype in input_specs[stage]]
     for s, spec in enumerate(specs):
         sizes += [_nbytes(shape, dtype)
                   for ref, (shape, dtype) in zip(spec.received, input_specs[s]) if ref.stage == stage]
     if stage == len(specs) - 1 and stage > 0:
         sizes += [_nbytes(t.shape, t.dtype) for t in _tensors(target_example)]
+    for group in getattr(specs[stage], "tied", []):  # a tied weight's gradient from another holder
+        weight = specs[stage].module.get_parameter(group.names[0])
+        sizes.append(weight.numel() * weight.element_size())
     return max(sizes, default=0)
 
 

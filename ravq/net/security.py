@@ -207,6 +207,10 @@ def keygen_main(name: str, key_dir: str, owner: str | None = None) -> int:
 # --------------------------------------------------------------------------- authentication
 
 
+AUTH_FAILURES = ("unknown_key", "bad_mechanism", "handshake_failed")
+"""Reasons a server socket refuses a connection (``ravq_auth_failures_total{socket,reason}``)."""
+
+
 class Curve(ConnectionMonitor):
     """One process's CURVE identity and its ZAP authenticator; the ``curve`` of ``SocketOptions``.
 
@@ -251,14 +255,15 @@ class Curve(ConnectionMonitor):
                                f"topology lists for {name!r} ({peers[name]})")
         return cls(name=name, public=public, secret=secret, peers=peers, metrics=metrics)
 
-    def make_server(self, sock: zmq.asyncio.Socket, name: str) -> None:
-        """Make ``sock`` (not yet bound) a CURVE server that admits only listed keys."""
+    def make_server(self, sock: zmq.asyncio.Socket, name: str, *, count_closed: bool = True) -> None:
+        """Make ``sock`` (not yet bound) a CURVE server that admits only listed keys (``count_closed``:
+        see ``ConnectionMonitor.watch``)."""
         self._ensure_zap(sock.context)
         sock.curve_secretkey = self._secret.encode("ascii")
         sock.curve_publickey = self.public.encode("ascii")
         sock.curve_server = True
         sock.zap_domain = name.encode()  # ZAP requests then name the socket they come from
-        self.watch(sock, name)
+        self.watch(sock, name, count_closed=count_closed)
 
     def make_client(self, sock: zmq.Socket[Any], peer: str) -> None:
         """Make ``sock`` (not yet connected) a CURVE client that trusts only ``peer``'s listed key."""
@@ -326,6 +331,12 @@ class Curve(ConnectionMonitor):
 
     def _handshake_failed(self, socket: str, where: str) -> None:
         self._refuse(socket, "handshake_failed", where)
+
+    def _zero(self, socket: str) -> None:
+        for reason in AUTH_FAILURES:
+            self.metrics.auth_failures.labels(socket, reason)
+        if socket not in self._closes_normal:
+            self.metrics.connections_dropped.labels(socket, "closed")
 
     def _refuse(self, socket: str, reason: str, where: str) -> None:
         self.metrics.auth_failures.labels(socket, reason).inc()

@@ -21,7 +21,7 @@ from ravq.metrics import Metrics
 from ravq.net import listen
 from ravq.net.options import SocketOptions
 from ravq.net.socket_io import HopMetrics, SocketIo, configure
-from ravq.net.wire import DecodeLimits, Message, WireError, decode, encode
+from ravq.net.wire import WIRE_REASONS, DecodeLimits, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,17 @@ class Inbox:
         """Peers this node reaches through a relay: replies to them go there."""
         self._io = SocketIo(sock)
         self._hops = HopMetrics(metrics, name)
+        for reason in (*WIRE_REASONS, "no_identity", *(("sender_mismatch",) if authenticated else ())):
+            metrics.bad_messages.labels(name, reason)  # at 0 from the start: increase() sees the first
 
     @classmethod
     def bind(cls, ctx: zmq.asyncio.Context, addr: str, name: str, metrics: Metrics,
-             limits: DecodeLimits, opts: SocketOptions, me: str = "") -> Inbox:
+             limits: DecodeLimits, opts: SocketOptions, me: str = "", *, one_shot_clients: bool = False) -> Inbox:
         """``me``: this process's name as its routing id, for the connections this ROUTER dials itself
         (``ravq.net.routed``: a node behind NAT dials out); it also refuses (EHOSTUNREACH) to send to a
-        peer that is not connected instead of dropping silently."""
+        peer that is not connected instead of dropping silently.  ``one_shot_clients``: clients that
+        connect for one request and leave (the broker's: ``ravq status``), so a closed connection is no
+        dropped one."""
         sock = ctx.socket(zmq.ROUTER)
         configure(sock, opts)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -59,9 +63,9 @@ class Inbox:
             sock.setsockopt(zmq.ROUTING_ID, me.encode())
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if opts.curve is not None:
-            opts.curve.make_server(sock, name)
+            opts.curve.make_server(sock, name, count_closed=not one_shot_clients)
         elif opts.monitor is not None:
-            opts.monitor.watch(sock, name)
+            opts.monitor.watch(sock, name, count_closed=not one_shot_clients)
         listen.bind(sock, addr, name)
         return cls(sock, name, metrics, limits, authenticated=opts.curve is not None, opts=opts)
 

@@ -38,6 +38,7 @@ class MsgType(enum.StrEnum):
     # pipeline links
     FORWARD = "fwd"          # activations (+ model inputs, + targets for the last stage)
     BACKWARD = "bwd"         # gradients w.r.t. a stage's inputs, to their producer
+    TIED = "tied"            # a tied weight's gradient or averaging delta, between the stages holding it
     # broker (clone pattern) and node control
     REGISTER = "register"    # node -> broker: I am up
     HEARTBEAT = "heartbeat"  # node -> broker: alive, with live statistics in meta
@@ -95,15 +96,22 @@ REQUIRED_META: dict[MsgType, dict[str, type | tuple[type, ...]]] = {
     MsgType.UPDATE: {"seq": int},
     MsgType.SNAPSHOT: {"seq": int},
 }
-_NEEDS_MICRO_BATCH = (MsgType.FORWARD, MsgType.BACKWARD)
+_NEEDS_MICRO_BATCH = (MsgType.FORWARD, MsgType.BACKWARD, MsgType.TIED)
 _MSG_TYPES: dict[str, MsgType] = {t.value: t for t in MsgType}  # MsgType(value) costs 10x a lookup
 _MAX_DIMS = 16
+
+
+WIRE_REASONS = ("missing_field", "bad_field", "header_too_large", "bad_json", "bad_descriptor", "bad_dtype",
+                "bad_shape", "tensor_too_large", "no_frames", "too_many_frames", "bad_version", "bad_type",
+                "frame_count", "frame_size", "bad_codec", "bad_scale")
+"""Every ``WireError.reason`` (``ravq_bad_messages_total{socket,reason}``)."""
 
 
 class WireError(ValueError):
     """A message that failed validation; ``reason`` is a short, fixed label for metrics."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
+        assert reason in WIRE_REASONS, reason  # listed: its series is exported at 0 from the start
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
 

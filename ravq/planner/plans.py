@@ -169,12 +169,12 @@ def evaluate_plan(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Blo
 
 def topology_clusters(topology: Topology) -> list[list[str]]:
     """Node names per cluster in stage order, from the topology (one cluster when none is set)."""
-    nodes = topology.nodes
+    nodes = [n for n in topology.nodes if not n.standby]  # standbys wait outside the plan
     if all(n.cluster is None for n in nodes):
         return [[n.name for n in nodes]]
     clusters: dict[int, list[tuple[int, int, str]]] = {}
     for i, n in enumerate(nodes):
-        assert n.cluster is not None   # the topology sets it on every node or on none
+        assert n.cluster is not None   # the topology sets it on every training node or on none
         clusters.setdefault(n.cluster, []).append((n.stage if n.stage is not None else i, i, n.name))
     return [[name for _, _, name in sorted(members)] for _, members in sorted(clusters.items())]
 

@@ -28,6 +28,7 @@ from ravq.stage.meta import build_meta_model, retarget_device
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.split import StageSpec, build_task_model, split_model, stage_input_specs
 from ravq.stage.tensors import model_input_needs
+from ravq.stage.tied_step import tied_meta
 from ravq.stage.types import StageOptions
 
 log = logging.getLogger(__name__)
@@ -116,4 +117,5 @@ def save(worker: StageWorker, root: str, *, cluster: int, stage: int, node: str,
                           module=worker.module, optimizer=worker.optimizer, version=worker.version,
                           data_position=worker.trained_prefix if first else 0, run_id=run_id,
                           cluster_nodes=cluster_nodes,
-                          extra={"trained": worker.trained_prefix if first else worker.trained})
+                          extra={"trained": worker.trained_prefix if first else worker.trained,
+                                 "tied": tied_meta(worker.tied)})

@@ -44,6 +44,7 @@ def export_cluster(root: str | Path, out: str | Path, cluster: int = 0, run_id: 
     metas, paths = _stages(root, cluster, run_id)
     run_id = metas[0].get("run_id")
     sources = _sources(paths)
+    _furthest_copies(sources, metas)
     names = list(sources)
     hf = model is not None and callable(getattr(getattr(model, "config", None), "to_json_file", None))
     if model is not None:
@@ -111,6 +112,23 @@ def _sources(paths: list[Path]) -> dict[str, list[_Source]]:
                     sources.setdefault(key.removeprefix("model."), []).append(
                         _Source(stage, path, key, tuple(sl.get_shape()), NAMES[sl.get_dtype()]))
     return sources
+
+
+def _furthest_copies(sources: dict[str, list[_Source]], metas: list[dict[str, Any]]) -> None:
+    """Every name of a tied weight held by several stages (``ravq.stage.tied``) reads the copy that applied
+    the most tied steps (each stage's checkpoint records them): one value under all its names, equal to
+    every copy once training ended."""
+    best: dict[str, tuple[int, int]] = {}
+    names: dict[str, set[str]] = {}
+    for stage, meta in enumerate(metas):
+        for group in meta.get("tied", []):
+            names.setdefault(group["key"], set()).update(group["names"])
+            if group["key"] not in best or group["applied"] > best[group["key"]][0]:
+                best[group["key"]] = (group["applied"], stage)
+    for key, (_, stage) in best.items():
+        source = next(s for n in sorted(names[key]) for s in sources.get(n, []) if s.stage == stage)
+        for name in names[key]:
+            sources[name] = [source]
 
 
 def _model_names(model: nn.Module, sources: dict[str, list[_Source]], *, keep_aliases: bool) -> list[str]:

@@ -45,6 +45,7 @@ from ravq.stage.tensors import (
     targets_of,
     to_device,
 )
+from ravq.stage.tied_step import TiedExchange, apply_tied, deliver_tied, send_tied
 from ravq.stage.types import MicroBatch, Outbound, StageOptions
 
 Emit = Callable[[Outbound], None]
@@ -97,6 +98,10 @@ class StageWorker:
         self.should_abort: Callable[[], bool] = lambda: False
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
         self._raw_output: Any = None
+        self.tied = TiedExchange(spec.index, spec.tied, dict(self.module.named_parameters(remove_duplicate=False)),
+                                 options.max_inflight) if spec.tied else None
+        """This stage's copies of weights tied with other stages (``ravq.stage.tied_step``), if any."""
+        self._emit: Emit = lambda out: None
 
     @property
     def paused(self) -> bool:
@@ -122,6 +127,8 @@ class StageWorker:
         caller counts and drops it): nothing unexpected ever reaches torch.  A packed tensor is checked
         by the shape and dtype it restores to (its descriptor's, sizes verified by ``ravq.net.wire``) and
         restored in the compute thread."""
+        if kind == "tied":
+            return deliver_tied(self, micro_batch, source, tensors)
         with self._sched.cond:
             if kind == "fwd":
                 known = micro_batch not in self._stash and micro_batch[0] == self.cluster
@@ -166,10 +173,14 @@ class StageWorker:
                 self._requeue = deque(sorted([*again, *self._requeue], key=lambda item: item[0]))
                 self._inflight_data.clear()
             self.stats.inflight = 0
+            if self.tied is not None:
+                self.tied.reset()
         return dropped
 
     def resume(self, trained: int) -> None:
         """Compute thread: train again, counting ``trained`` micro-batches as finished."""
+        if self.tied is not None:  # the key holder's copy: the same start for every copy
+            self.tied.restart(self.optimizer, lambda *a: send_tied(self, *a))
         with self._sched.cond:
             self.trained = trained
             self._sched.pause(False)
@@ -195,7 +206,9 @@ class StageWorker:
     # ----------------------------------------------------------------- the compute thread
     def run(self, emit: Emit, should_abort: Callable[[], bool] = lambda: False) -> None:
         """Work until this stage has finished ``steps`` micro-batches (or was stopped and drained)."""
-        self.should_abort = should_abort
+        self.should_abort, self._emit = should_abort, emit
+        if self.tied is not None and not self.tied.announced:  # one start for every copy, whatever was loaded
+            self.tied.restart(self.optimizer, lambda *a: send_tied(self, *a))
         self._sched.running = True
         try:
             while (work := self._sched.next(self, should_abort)) is not None:
@@ -211,6 +224,8 @@ class StageWorker:
                 else:
                     self._run_forward(arg[0], arg[1], emit)
             self._flush_update()
+            if self.tied is not None:  # the copies end equal: every tied step this stage took part in is applied
+                apply_tied(self, wait=lambda: not self.tied.settled())  # type: ignore[union-attr]
         finally:
             with self._sched.cond:
                 self._sched.running = False
@@ -230,7 +245,11 @@ class StageWorker:
         """Stage 0 holds a credit (fewer than ``max_inflight`` in flight) and has data left."""
         more = bool(self._requeue) or self.data_position < self.options.steps
         return (self.is_first and not self._sched.stopping and more
-                and len(self._stash) < self.options.max_inflight)
+                and len(self._stash) < self.options.max_inflight and self.may_forward())
+
+    def may_forward(self) -> bool:
+        """Tied copies are no more than ``max_inflight - 1`` tied steps behind (``ravq.stage.tied_step``)."""
+        return self.tied is None or not self.tied.behind()
 
     def finished(self) -> bool:
         """``steps`` micro-batches trained here (later stages: and stage 0 finished), or stopped and drained."""
@@ -345,6 +364,8 @@ class StageWorker:
             self.stats.record_completed(mb[1])
         self.stats.inflight = len(self._stash)
         due = self._grads.add(weight_grads, stash.version)
+        if due and self.tied is not None:  # before the input-gradients: upstream holders need it first
+            self.tied.contribute(lambda *a: send_tied(self, *a))
         for producer, tensors in input_grads(self.spec, stash.inputs, grad_of).items():
             emit(Outbound("bwd", producer, mb, self.version, self._pack(tensors), self.generation))
         self.stats.record_backward(self.options.micro_batch, self.metrics)
@@ -360,12 +381,16 @@ class StageWorker:
         self.forward_weights.step(self.optimizer, self.options.predict_weights, in_flight=bool(self._stash))
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        if self.tied is not None:
+            apply_tied(self, wait=lambda: self.tied.primary_behind())  # type: ignore[union-attr]
         self.stats.record_update(self.version, self.metrics)
         if self.on_update is not None:
             self.on_update(self)
 
     def _flush_update(self) -> None:
         if self._grads.versions:
+            if self.tied is not None:
+                self.tied.contribute(lambda *a: send_tied(self, *a))
             self._step()
 
     def _account(self, phase: str, t0: float) -> None:

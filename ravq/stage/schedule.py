@@ -32,6 +32,9 @@ class Schedulable(Protocol):
     def may_start(self) -> bool:
         """Stage 0 holds a credit and has data left: it may start a micro-batch now."""
 
+    def may_forward(self) -> bool:
+        """Its weights are ready for a forward (tied copies not too far behind)."""
+
     def finished(self) -> bool:
         """Nothing is left to do: ``steps`` micro-batches trained, or stopped with none in flight."""
 
@@ -109,7 +112,7 @@ class Scheduler:
                     self.cond.wait(timeout=WAIT_S)
                     continue
                 for kind in ("bwd", "fwd"):
-                    ready = self.pop_ready(kind)
+                    ready = self.pop_ready(kind) if kind == "bwd" or stage.may_forward() else None
                     if ready is not None:
                         return kind, ready
                 if stage.may_start():

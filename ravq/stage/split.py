@@ -25,6 +25,7 @@ from torch import fx, nn
 from torch.utils._pytree import TreeSpec
 
 from ravq.stage.meta import build_meta_model, is_meta, shape_pass, to_meta
+from ravq.stage.tied import TiedGroup, settle_ties, tie_groups
 from ravq.stage.trace import split_pipe
 
 
@@ -55,6 +56,8 @@ class StageSpec:
     this stage's index: one of its own outputs).  None for an unsplit model (its output is used as is)."""
     output_spec: TreeSpec | None = None
     """The structure ``output_leaves`` are put back into (a ModelOutput, dataclass, dict, tuple...)."""
+    tied: list[TiedGroup] = field(default_factory=list)
+    """The tied weights this stage holds a copy of, beside other stages (``ravq.stage.tied``)."""
 
     @property
     def received(self) -> list[InputRef]:
@@ -146,7 +149,7 @@ def split_model(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]
             raise ValueError(f"cuts: {cut!r} is not a module of the model")
     if not cuts:
         return [_whole_model_stage(model, example_args)]
-    _refuse_tied(model)
+    groups = tie_groups(model)
     leaves, out_spec = _output_structure(model, example_args)
     try:
         pipe = split_pipe(model, to_meta(example_args) if is_meta(model) else example_args, cuts)
@@ -173,6 +176,8 @@ def split_model(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]
                 if spec.index not in users:
                     users.append(spec.index)
     _mark_non_persistent(model, specs)
+    for index, tied in settle_ties(model, [s.module for s in specs], groups).items():
+        specs[index].tied = tied
     _check_names(model, specs)
     return specs
 
@@ -253,19 +258,6 @@ def _user_frames(err: BaseException) -> str:
     return "; ".join(frames[-3:])
 
 
-def _refuse_tied(model: nn.Module) -> None:
-    """Tied weights (one tensor under several names, e.g. an embedding shared with the output head): the
-    tracer gives each stage its own copy, so they would silently stop being tied."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    tied = [group for group in names.values() if len(group) > 1]
-    if tied:
-        listed = "; ".join(" = ".join(group) for group in tied)
-        raise SplitError(f"tied weights: {listed} are one tensor, and split stages each hold their own weights; "
-                         "untie them (transformers: tie_word_embeddings=False) or train the model as one stage")
-
-
 def _mark_non_persistent(model: nn.Module, specs: list[StageSpec]) -> None:
     """The tracer makes every buffer persistent; give back the model's non-persistent ones (e.g. rotary
     embeddings' ``inv_freq``) their kind: on the stages that use them, never saved, checkpointed or averaged."""
@@ -284,13 +276,15 @@ def _whole_model_stage(model: nn.Module, example_args: tuple[Any, ...]) -> Stage
 
 
 def _check_names(model: nn.Module, specs: list[StageSpec]) -> None:
-    """Every parameter and persistent buffer lands in exactly one stage under its own name."""
+    """Every parameter and persistent buffer lands in a stage under its own name, and only a tied one
+    (``ravq.stage.tied``) in several."""
     want = list(model.state_dict().keys())
     holders: dict[str, list[int]] = {}
     for spec in specs:
         for k in spec.module.state_dict():
             holders.setdefault(k, []).append(spec.index)
-    shared = {k: v for k, v in holders.items() if len(v) > 1}
+    tied = {n for spec in specs for group in spec.tied for n in group.names}
+    shared = {k: v for k, v in holders.items() if len(v) > 1 and k not in tied}
     missing = [k for k in want if k not in holders]
     extra = [k for k in holders if k not in set(want)]
     if not (shared or missing or extra):
@@ -298,10 +292,10 @@ def _check_names(model: nn.Module, specs: list[StageSpec]) -> None:
     parts = [f"{k} is used by stages {v}" for k, v in list(shared.items())[:5]]
     parts += [f"{k} is in no stage" for k in missing[:5]]
     parts += [f"{k} is not a name of the unsplit model" for k in extra[:5]]
-    raise SplitError("cannot split the model so that each weight and persistent buffer lives in one stage: "
-                     + "; ".join(parts) + ". Cut elsewhere (the task's split_points()) so each is used by one "
+    raise SplitError("cannot split the model so that each persistent buffer lives in one stage: "
+                     + "; ".join(parts) + ". Cut elsewhere (the task's split_points()) so each buffer is used by one "
                      "stage, or make a buffer that is a constant non-persistent "
-                     "(register_buffer(..., persistent=False))")
+                     "(register_buffer(..., persistent=False)); weights read by several stages are tied copies")
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """A node's pipeline links: the ROUTER it binds and a DEALER to each stage of its cluster it sends to.
 
 Owns the sockets of the pipeline (DESIGN.md, sockets set 1) and which peer is which stage.  It turns
-the compute thread's ``Outbound`` work into FORWARD/BACKWARD messages and hands what arrives to the
+the compute thread's ``Outbound`` work into FORWARD/BACKWARD messages (and TIED ones between the stages
+holding copies of a tied weight, ``ravq.stage.tied_step``) and hands what arrives to the
 stage, dropping (and counting) whatever belongs to another generation of the cluster or to nobody.
 When a standby replaces a lost peer, ``replace`` re-points the links at it.
 """
@@ -24,6 +25,8 @@ from ravq.stage.pipeline import StageWorker
 from ravq.stage.types import Outbound
 
 log = logging.getLogger(__name__)
+
+_KINDS = {"fwd": MsgType.FORWARD, "bwd": MsgType.BACKWARD, "tied": MsgType.TIED}
 
 
 class StageLinks:
@@ -89,7 +92,7 @@ class StageLinks:
             try:
                 if out.generation != self.generation():
                     continue  # work of a generation the cluster dropped
-                kind = MsgType.FORWARD if out.kind == "fwd" else MsgType.BACKWARD
+                kind = _KINDS[out.kind]
                 tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
                 packed = {n: t for n, t in out.tensors.items() if isinstance(t, Packed)}
                 msg = Message(type=kind, sender=self.name, micro_batch=out.micro_batch, version=out.version,
@@ -103,13 +106,13 @@ class StageLinks:
         while True:
             _, msg = await self.inbox.recv()
             source = self.stage_of.get(msg.sender)
-            if msg.type not in (MsgType.FORWARD, MsgType.BACKWARD) or source is None or msg.micro_batch is None:
+            kind = next((k for k, t in _KINDS.items() if t == msg.type), None)
+            if kind is None or source is None or msg.micro_batch is None:
                 self.metrics.bad_messages.labels("pipeline", "unexpected_message").inc()
                 continue
             if msg.meta.get("gen", 0) != self.generation():
                 self.metrics.bad_messages.labels("pipeline", "other_generation").inc()
                 continue
-            kind = "fwd" if msg.type == MsgType.FORWARD else "bwd"
             reason = worker.deliver(kind, msg.micro_batch, source, {**msg.tensors, **msg.packed})
             if reason is not None:
                 self.metrics.bad_messages.labels("pipeline", reason).inc()

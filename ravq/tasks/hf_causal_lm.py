@@ -2,12 +2,10 @@
 
 Written the obvious way: ``build_model`` returns the ``transformers`` model, ``loss_fn`` takes its usual
 output (a ``CausalLMOutputWithPast``; ravq rebuilds it on the last stage however many stages there are)
-and reads ``.logits``.  Two settings make a model splittable:
-
-- ``use_cache=False``: a key/value cache (``DynamicCache``) is for generation; it is not a tensor, so it
-  cannot cross a stage cut or reach the loss;
-- ``tie_word_embeddings=False``: with tied weights the embedding and the output head are one tensor used
-  by the first and the last stage; every stage holds its own weights, so ravq refuses tied weights.
+and reads ``.logits``.  One setting makes a model splittable: ``use_cache=False`` (a key/value cache,
+``DynamicCache``, is for generation; it is not a tensor, so it cannot cross a stage cut or reach the loss).
+GPT-2 ties its output head to its input embedding (``tie_word_embeddings``, transformers' default): the first
+and the last stage each hold a copy and keep them equal (``ravq.stage.tied_step``).
 
 The data is the built-in character corpus (``ravq.tasks.charlm``: CPython's documentation, shipped with
 Python).  ``ravq demo --task ravq.tasks.hf_causal_lm`` trains the Llama-style model; ``...:gpt2`` a
@@ -68,7 +66,7 @@ def loss_fn(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
 def _build(kind: str, *, layers: int, hidden: int, heads: int, context: int) -> nn.Module:
     import transformers
 
-    common: dict[str, Any] = {"vocab_size": VOCAB, "use_cache": False, "tie_word_embeddings": False,
+    common: dict[str, Any] = {"vocab_size": VOCAB, "use_cache": False,
                               "bos_token_id": 0, "eos_token_id": 0}
     if kind == "llama":
         llama = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,

@@ -1,0 +1,340 @@
+"""Keeping the copies of a tied weight equal while an asynchronous pipeline trains (DeepSpeed's tied layers).
+
+Every stage holding a copy of a tied weight (``ravq.stage.tied.TiedGroup``) takes the copy's gradient out of
+its own optimizer step: at its j-th step it sends that gradient, its *contribution* j, to the other holders
+(a TIED message; the last stage sends it before its input-gradients, so an upstream holder has it before it
+can finish the same micro-batch).  Tied step j runs on every holder once all contributions j are in: the same
+sum, added in holder order, through the same optimizer state; so the copies go through the same updates, in
+the same order, at different wall times, and are bit-identical whenever every holder has applied the same
+steps (at the end of training they all have).  Nothing waits for a whole pipeline: a forward waits only
+until its copy is at most ``max_inflight - 1`` tied steps behind the stage's own version, which the
+contributions already sent guarantee (with ``max_inflight: 1`` each forward sees every update before it, as
+one process does).
+
+Averaging: only the holder of the group's key (its first name; the lowest holder, in every model tried)
+averages the weight across clusters.  The round's delta does not land on its copy directly: it is sent to
+the other holders with the step it follows (that holder's contributions so far: no holder can have applied
+the next one), and every holder, itself included, adds it right after that tied step, before the next.
+
+One start: when training starts, and when the cluster resumes after a pause (whose reset drops the steps in
+flight and the count), the key holder sends its copy and optimizer state (SET); the other holders take it
+before any forward or tied step, so copies loaded from different checkpoints or clusters agree again.  At a
+node's end each holder sends ``fin`` after its last averaging round and waits for the others', so the last
+rounds' deltas reach every copy.  A forward's weights are stashed as before; a tied step only drops the
+cached snapshot, so the next forward copies the new weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ravq.stage.tied import TiedGroup
+from ravq.stage.types import Outbound
+
+GRAD, DELTA, SET, FIN = "g:", "d:", "s:", "fin"
+"""Tensor names in a TIED message: prefixes of a contribution's gradient, of an averaging delta (by
+averaged name: the group's key, or ``key::state`` for its optimizer state) and of the key holder's copy and
+optimizer state after a disruption (``restart``); ``fin``: the sender is done (``close_tied``)."""
+SEP = "::"
+
+Send = Callable[[int, int, dict[str, torch.Tensor]], None]
+"""send(dest stage, step, tensors)."""
+
+
+class TiedExchange:
+    """One stage's side of its tied weights: contributions made and received, tied steps applied.
+
+    ``receive`` runs on the event loop; everything else in the compute thread."""
+
+    def __init__(self, stage: int, groups: list[TiedGroup], params: Mapping[str, nn.Parameter],
+                 max_inflight: int) -> None:
+        self.stage, self.groups = stage, groups
+        self.param = {g.key: params[g.names[0]] for g in groups}
+        self.lag = max(0, max_inflight - 1)
+        self.contributed = 0
+        """Contributions this stage made (its optimizer steps)."""
+        self.applied = {g.key: 0 for g in groups}
+        """Tied steps applied, per group."""
+        self.cond = threading.Condition()
+        self._grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        """(holder stage, step) -> its contribution's gradients, by group key."""
+        self._deltas: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        """(group key, step it follows) -> an averaging delta, by averaged name."""
+        self.others = sorted({h for g in groups for h in g.holders} - {stage})
+        """The other stages holding a copy of any of this stage's tied weights."""
+        self.closed: set[int] = set()
+        """Other holders that sent ``fin``: every delta they will ever send is in."""
+        self.synced = {g.key: g.key in g.names for g in groups}
+        """False until the key holder's copy arrived (``SET``): at the start (each stage may have loaded its
+        own checkpoint) and after a disruption."""
+        self.announced = False
+        """Whether this stage sent its key copies (``restart``) since it started."""
+        self._sets: dict[str, dict[str, torch.Tensor]] = {}
+
+    # ----------------------------------------------------------------- what arrives (event loop)
+    def check(self, source: int, tensors: Mapping[str, Any]) -> str | None:
+        """Why a TIED message from ``source`` is refused, or None."""
+        for name, t in tensors.items():
+            if name == FIN:
+                if source not in self.others:
+                    return "unexpected_tied"
+                continue
+            key, _, state = name[len(GRAD):].partition(SEP)
+            group = next((g for g in self.groups if g.key == key), None)
+            if group is None or source not in group.holders or source == self.stage or name[:2] not in (
+                    GRAD, DELTA, SET):
+                return "unexpected_tied"
+            p = self.param[key]
+            if not isinstance(t, torch.Tensor):
+                return "tensor_mismatch"
+            scalar = name.startswith(SET) and state and t.dim() == 0  # an optimizer's step count
+            if (t.shape != p.shape or t.dtype != p.dtype) and not scalar:
+                return "tensor_mismatch"
+        return None
+
+    def receive(self, source: int, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        with self.cond:
+            grads = {n.removeprefix(GRAD): t for n, t in tensors.items() if n.startswith(GRAD)}
+            if grads:
+                self._grads.setdefault((source, step), {}).update(grads)
+            for name, t in tensors.items():
+                if name.startswith(DELTA):
+                    full = name.removeprefix(DELTA)
+                    self._deltas.setdefault((full.split(SEP)[0], step), {})[full] = t
+                elif name.startswith(SET):
+                    full = name.removeprefix(SET)
+                    self._sets.setdefault(full.split(SEP)[0], {})[full] = t
+            if FIN in tensors:
+                self.closed.add(source)
+            self.cond.notify_all()
+
+    # ----------------------------------------------------------------- after a disruption (compute thread)
+    def reset(self) -> None:
+        """The cluster paused and dropped its work in flight (and may load other weights): forget every
+        step counted so far; until the key holder's copy arrives, apply and run nothing with it."""
+        with self.cond:
+            self._grads.clear()
+            self._deltas.clear()
+            self._sets.clear()
+            self.contributed = 0
+            self.applied = {g.key: 0 for g in self.groups}
+            self.synced = {g.key: g.key in g.names for g in self.groups}
+
+    def restart(self, optimizer: torch.optim.Optimizer, send: Send) -> None:
+        """Training starts or starts again: send the copies (and optimizer state) this stage holds the key of
+        to the other holders, who take them before any tied step of the new count."""
+        self.announced = True
+        for g in self.groups:
+            if g.key not in g.names:
+                continue
+            p = self.param[g.key]
+            state = {k: v for k, v in optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+            tensors = {f"{SET}{g.key}": p.detach(), **{f"{SET}{g.key}{SEP}{k}": v.detach() for k, v in state.items()}}
+            for dest in g.holders:
+                if dest != self.stage:
+                    send(dest, 0, tensors)
+
+    # ----------------------------------------------------------------- compute thread
+    def contribute(self, send: Send) -> None:
+        """Take this step's gradients of the tied copies out of the stage's update and send them to the other
+        holders (once per step: a no-op until the stage's next step)."""
+        step = self.contributed + 1
+        own: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            p = self.param[g.key]
+            own[g.key] = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = None  # the stage's own optimizer step leaves the copy alone
+        with self.cond:
+            self._grads[(self.stage, step)] = own
+            self.contributed = step
+        for dest in self.others:
+            send(dest, step, {f"{GRAD}{g.key}": own[g.key].detach() for g in self.groups if dest in g.holders})
+
+    def defer_delta(self, deltas: Mapping[str, torch.Tensor], send: Send) -> None:
+        """The primary's averaging deltas (by averaged name): every holder adds them after the tied step this
+        stage contributed last."""
+        after = self.contributed
+        with self.cond:
+            for name, d in deltas.items():
+                self._deltas.setdefault((name.split(SEP)[0], after), {})[name] = d.detach().clone()
+        for dest in self.others:
+            send(dest, after, {f"{DELTA}{n}": d.detach() for n, d in deltas.items()
+                               if dest in self._group(n.split(SEP)[0]).holders})
+
+    def apply_ready(self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter],
+                    before_change: Callable[[], None]) -> bool:
+        """Apply every tied step and delta whose parts are all in, in order (``before_change()`` first, once);
+        whether anything changed."""
+        changed = False
+        for g in self.groups:
+            if not self.synced[g.key]:
+                with self.cond:
+                    copy = self._sets.pop(g.key, None)
+                if copy is None:
+                    continue  # nothing of the new count applies before the key holder's copy
+                changed = changed or _call(before_change)
+                self._take_copy(g.key, copy, optimizer)
+            while True:
+                with self.cond:
+                    delta = self._deltas.pop((g.key, self.applied[g.key]), None)
+                    step = self.applied[g.key] + 1
+                    parts = [self._grads.get((h, step), {}).get(g.key) for h in g.holders]
+                if delta is None and any(p is None for p in parts):
+                    break
+                changed = changed or _call(before_change)
+                if delta is not None:
+                    self._add_delta(g.key, delta, optimizer)
+                    continue
+                self._step(g, parts, optimizer, params)  # type: ignore[arg-type]
+        return changed
+
+    def behind(self) -> bool:
+        """Whether a forward must wait: a copy is more than ``lag`` tied steps behind this stage's own steps,
+        or waits for the key holder's copy after a disruption."""
+        return not all(self.synced.values()) or min(self.applied.values()) < self.contributed - self.lag
+
+    def primary_behind(self) -> bool:
+        """Whether a group this stage is primary of has not applied the stage's own steps yet (the other
+        holders' contributions to them were sent before this stage's, so they are on their way)."""
+        return any(self.applied[g.key] < self.contributed for g in self.groups if g.primary == self.stage)
+
+    def settled(self) -> bool:
+        """Every step this stage contributed to is applied (at the end of training)."""
+        return all(self.synced.values()) and min(self.applied.values()) >= self.contributed
+
+    def wait(self, timeout_s: float) -> None:
+        with self.cond:
+            self.cond.wait(timeout_s)
+
+    def _group(self, key: str) -> TiedGroup:
+        return next(g for g in self.groups if g.key == key)
+
+    def _step(self, g: TiedGroup, parts: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+              params: Mapping[str, nn.Parameter]) -> None:
+        """Tied step ``applied + 1`` of group ``g``: the holders' gradients summed in holder order, through the
+        stage's optimizer with every other parameter's gradient held aside."""
+        p = self.param[g.key]
+        total = parts[0].detach().to(p.device).clone()
+        for part in parts[1:]:
+            total.add_(part.to(p.device))
+        others = {q: q.grad for q in params.values() if q is not p}
+        for q in others:
+            q.grad = None
+        p.grad = total
+        optimizer.step()
+        p.grad = None
+        for q, grad in others.items():
+            q.grad = grad
+        with self.cond:
+            step = self.applied[g.key] + 1
+            for h in g.holders:
+                self._grads.get((h, step), {}).pop(g.key, None)
+                if not self._grads.get((h, step), True):
+                    del self._grads[(h, step)]
+            self.applied[g.key] = step
+
+    def _take_copy(self, key: str, copy: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        p = self.param[key]
+        with torch.no_grad():
+            p.copy_(copy[key])
+        fields = {name.partition(SEP)[2]: t for name, t in copy.items() if SEP in name}
+        if fields:
+            optimizer.state[p] = {k: t.detach().clone().to(p.device if t.dim() else t.device)
+                                  for k, t in fields.items()}
+        self.synced[key] = True
+
+    def _add_delta(self, key: str, delta: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        p = self.param[key]
+        with torch.no_grad():
+            for name, d in sorted(delta.items()):
+                _, _, state_key = name.partition(SEP)
+                target = optimizer.state[p][state_key] if state_key else p
+                target.add_(d.to(target.device))
+
+
+def _call(fn: Callable[[], None]) -> bool:
+    fn()
+    return True
+
+
+# ----------------------------------------------------------------- the stage's side (``StageWorker``)
+def deliver_tied(worker: Any, micro_batch: tuple[int, int], source: int, tensors: Mapping[str, Any]) -> str | None:
+    """A TIED message arrived (event loop): None if taken (its steps apply in the compute thread), else why not."""
+    tied: TiedExchange | None = worker.tied
+    reason = "unexpected_tied" if tied is None else tied.check(source, tensors)
+    if reason is None:
+        assert tied is not None
+        tied.receive(source, micro_batch[1], tensors)
+        worker.submit(lambda w: apply_tied(w))
+    return reason
+
+
+def send_tied(worker: Any, dest: int, step: int, tensors: dict[str, torch.Tensor]) -> None:
+    worker._emit(Outbound("tied", dest, (worker.cluster, step), worker.version, dict(tensors), worker.generation))
+
+
+def apply_tied(worker: Any, wait: Callable[[], bool] = lambda: False) -> None:
+    """Compute thread: apply the tied steps whose parts are in; while ``wait()``, wait for more (counted as
+    the "tied" wait)."""
+    tied: TiedExchange = worker.tied
+    while True:
+        if tied.apply_ready(worker.optimizer, worker.params, worker.before_weight_change):
+            worker.forward_weights.snapshot = None  # forwards from now on run at the new copy
+        if not wait() or worker.should_abort():
+            return
+        t0 = worker.clock()
+        tied.wait(0.5)
+        worker.waited("tied", worker.clock() - t0)
+
+
+def close_tied(worker: Any) -> None:
+    """After training and the last averaging round (a node's end): tell the other holders this stage sends
+    nothing more, and apply what they send until each of them said so; the copies are then bit-identical,
+    the averaging deltas of the last rounds included."""
+    tied: TiedExchange = worker.tied
+    for dest in tied.others:
+        send_tied(worker, dest, tied.contributed, {FIN: torch.zeros(1)})
+    apply_tied(worker, wait=lambda: not (tied.settled() and set(tied.others) <= tied.closed))
+
+
+# ----------------------------------------------------------------- averaging (``ravq.average.averager``)
+def held_params(worker: Any) -> dict[str, nn.Parameter]:
+    """The stage's parameters under every name it holds them by (a tied weight's key among them)."""
+    if getattr(worker, "tied", None) is None:  # (tests average fake stages without a module)
+        return dict(worker.params)
+    return dict(worker.module.named_parameters(remove_duplicate=False))
+
+
+def tied_sinks(worker: Any, named: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                                        dict[str, torch.Tensor]]:
+    """``named`` with a zero tensor in place of each tied weight (and its optimizer state), and those zeros:
+    an averaging round's delta lands there, and ``hand_over`` gives it to every holder in step order."""
+    tied: TiedExchange | None = getattr(worker, "tied", None)  # (tests average fake stages without one)
+    if tied is None:
+        return dict(named), {}
+    keys = {g.key for g in tied.groups}
+    sinks = {n: torch.zeros_like(t) for n, t in named.items() if n.split(SEP)[0] in keys}
+    return {**named, **sinks}, sinks
+
+
+def hand_over(worker: Any, sinks: Mapping[str, torch.Tensor]) -> None:
+    """Compute thread: the averaging deltas that landed in ``tied_sinks``'s zeros, added by every holder after
+    the tied step this stage contributed last (here at once, if it applied that step)."""
+    moved = {n: d for n, d in sinks.items() if bool(d.any())}
+    if moved:
+        worker.tied.defer_delta(moved, lambda *a: send_tied(worker, *a))
+        apply_tied(worker)
+
+
+def tied_meta(tied: TiedExchange | None) -> list[dict[str, Any]]:
+    """What a stage checkpoint records of its tied copies: each group's names and the tied steps applied
+    (``ravq.stage.export`` writes the copy furthest along under every name)."""
+    if tied is None:
+        return []
+    return [{"key": g.key, "names": list(g.names), "holders": list(g.holders), "applied": tied.applied[g.key]}
+            for g in tied.groups]
