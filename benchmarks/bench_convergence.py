@@ -73,6 +73,11 @@ a fraction of a percent of each activation and gradient.
 
     python benchmarks/bench_convergence.py [--seed N | --seeds N ...] [--compare-compress P:R ...]
                                            [--compress-pipeline F] [--compress-ring F] [--quick] [--json]
+    python benchmarks/bench_convergence.py --compare-inflight [--tasks T ...] [--seeds N ...] [--steps 120]
+
+``--compare-inflight`` (issue #25): one cluster of 2 stages on the transformers tasks, 1 micro-batch in
+flight (synchronous) against the defaults and against the defaults without delay compensation; figures in
+docs/convergence.md.
 """
 
 from __future__ import annotations
@@ -132,6 +137,8 @@ def ravq_losses(args: argparse.Namespace, steps: int) -> tuple[list[list[float]]
            "--micro-batch", str(args.micro_batch), "--sync-every", str(args.sync_every), "--outer-lr", str(args.outer_lr), "--seed", str(args.seed),
            *(["--max-inflight", str(args.max_inflight)] if args.max_inflight else []),
            *(["--predict-weights", str(args.predict_weights)] if args.predict_weights is not None else []),
+           *(["--extrapolate-gradients", str(args.extrapolate_gradients)] if args.extrapolate_gradients is not None
+             else []),
            *(["--average-optimizer-state"] if args.average_optimizer_state else []),
            *(["--compress-pipeline", args.compress_pipeline] if args.compress_pipeline else []),
            *(["--compress-ring", args.compress_ring] if args.compress_ring else []),
@@ -213,6 +220,61 @@ def run_seed(args: argparse.Namespace, seed: int, references: dict[str, dict] | 
             "samples_per_second": report["samples_per_second"], "allreduce_rounds": report["allreduce_rounds"]}
 
 
+IN_FLIGHT_TASKS = ["tests.zoo_markov:gpt2", "tests.zoo_markov:llama", "ravq.tasks.hf_causal_lm:gpt2",
+                   "ravq.tasks.hf_causal_lm:llama"]
+"""The transformers tasks (GPT-2 and Llama from configs, random weights): issue #25's trial (a Markov chain,
+Adam lr 3e-3) and the character corpus (ravq.tasks.hf_causal_lm)."""
+
+
+def demo_curve(task: str, steps: int, micro_batch: int, seed: int, extra: list[str]) -> tuple[list[float], list[float]]:
+    """One cluster of 2 stages (``ravq demo``): the last stage's loss per micro-batch and the seconds since
+    its first update at which each was applied."""
+    run = Path(tempfile.mkdtemp(prefix="ravq-inflight-"))
+    cmd = [sys.executable, "-m", "ravq", "demo", "--quiet", "--no-curve", "--task", task, "--clusters", "1",
+           "--stages", "2", "--steps", str(steps), "--micro-batch", str(micro_batch), "--seed", str(seed),
+           "--threads", "1", *extra, "--run-dir", str(run), "--report", str(run / "report.json")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"ravq demo failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    summary = json.loads((run / "summary-c0s1.json").read_text())
+    times = summary["update_times"]
+    return summary["loss_history"], [t - times[0] for t in times]
+
+
+def compare_inflight(args: argparse.Namespace) -> None:
+    """Per task and seed: 2 stages with 1 micro-batch in flight (synchronous: equals one process) against
+    the defaults (2 in flight, weight prediction, delay compensation) and against the defaults without delay
+    compensation: loss at the same samples, and wall time to reach the synchronous run's final loss."""
+    settings = {"1 in flight": ["--max-inflight", "1"], "default": [],
+                "no compensation": ["--extrapolate-gradients", "0"]}
+    window, out = args.window, []
+    for task in args.tasks or IN_FLIGHT_TASKS:
+        for seed in args.seeds or [args.seed]:
+            curves = {name: demo_curve(task, args.steps, args.micro_batch, seed, extra) for name, extra in settings.items()}
+            sync_loss, sync_t = curves["1 in flight"]
+            target = trailing_mean(sync_loss, window)[-1]
+            print(f"{task} seed {seed}: {args.steps} micro-batches of {args.micro_batch}; 1 in flight ends at loss "
+                  f"{target:.4f} (mean of the last {window}) after {sync_t[-1]:.2f}s")
+            row: dict = {"task": task, "seed": seed, "sync_final": target, "sync_s": sync_t[-1], "runs": {}}
+            for name, (loss, t) in curves.items():
+                smooth = trailing_mean(loss, window)
+                marks = [len(loss) * q // 4 - 1 for q in (1, 2, 3, 4)]
+                at = [smooth[m] / trailing_mean(sync_loss, window)[m] for m in marks]
+                reach = next((i for i in range(window - 1, len(smooth)) if smooth[i] <= target), None)
+                reach_s = t[reach] if reach is not None else None
+                row["runs"][name] = {"final": smooth[-1], "ratio_at_quarters": at, "reach_step": reach,
+                                     "reach_s": reach_s, "total_s": t[-1]}
+                print(f"  {name:16} final {smooth[-1]:.4f} ({smooth[-1] / target:.3f}x); loss / synchronous at "
+                      f"1/4..4/4 of the samples: " + ", ".join(f"{a:.3f}" for a in at)
+                      + (f"; reaches {target:.4f} at micro-batch {reach + 1}, {reach_s:.2f}s "
+                         f"({reach_s / sync_t[-1]:.2f}x the synchronous run's time)" if reach is not None
+                         else "; never reaches it") + f"; whole run {t[-1]:.2f}s")
+            out.append(row)
+    if args.json:
+        print(json.dumps({"benchmark": "convergence_inflight", "steps": args.steps, "micro_batch": args.micro_batch,
+                          "window": window, "rows": out}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="ravq.tasks.charlm")
@@ -225,6 +287,7 @@ def main() -> None:
     p.add_argument("--outer-lr", type=float, default=1.0)
     p.add_argument("--max-inflight", type=int, default=None, help="default: the number of stages")
     p.add_argument("--predict-weights", type=float, default=None, help="default: ravq's own")
+    p.add_argument("--extrapolate-gradients", type=float, default=None, help="default: ravq's own")
     p.add_argument("--average-optimizer-state", action="store_true")
     p.add_argument("--headroom", type=float, default=1.6, help="ravq trains this many times the budget's samples")
     p.add_argument("--seed", type=int, default=0)
@@ -238,9 +301,21 @@ def main() -> None:
                    help="per seed, also run ravq with these compression settings (e.g. bf16:bf16 int8:int8) and "
                         "report the samples each needs over uncompressed ravq's (none:none, run first); target: "
                         "mean over seeds <= 1.05")
+    p.add_argument("--compare-inflight", action="store_true",
+                   help="1 cluster of 2 stages: 1 micro-batch in flight against the defaults, on the transformers "
+                        "tasks (--tasks); loss at the same samples and wall time to the synchronous final loss")
+    p.add_argument("--tasks", nargs="+", default=None, help=f"with --compare-inflight (default: {IN_FLIGHT_TASKS})")
+    p.add_argument("--steps", type=int, default=120, help="with --compare-inflight: micro-batches per run")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.compare_inflight:
+        if args.micro_batch == 16 and "--micro-batch" not in sys.argv:
+            args.micro_batch = 8  # the trial of issue #25
+        if "--window" not in sys.argv:
+            args.window = 10
+        compare_inflight(args)
+        return
     if args.quick:
         args.budget, args.window = 120, 20
     t0 = time.monotonic()

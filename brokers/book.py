@@ -1,7 +1,8 @@
 """The broker's membership book: who is up, which clusters train, pause or recover.  No sockets.
 
 A node is ``missing`` (in the plan, never heard from by this broker), ``up``, ``lost`` (silent for
-``lost_s``) or ``done``.  A cluster is ``starting`` (first start, until every member registered),
+``lost_s``), ``left`` (stopped while the run goes on: SIGTERM, an upgrade, a reboot; its cluster pauses
+at once, a standby may take its stage, it rejoins when it comes back) or ``done`` (its training is over).  A cluster is ``starting`` (first start, until every member registered),
 ``training``, ``paused`` (a member lost or restarted), ``recovering`` (every member up again: each
 drops its in-flight work, catches up and reports ready) or ``done``.  Every disruption increments the
 cluster's *generation*; a cluster trains again once every member reported ready for the current one,
@@ -24,8 +25,8 @@ from ravq.config import Plan
 
 log = logging.getLogger(__name__)
 
-NODE_STATES = ("missing", "up", "lost", "done")
-PHASES = ("starting", "training", "paused", "catching_up", "finishing", "standby")
+NODE_STATES = ("missing", "up", "lost", "left", "done")
+PHASES = ("starting", "training", "paused", "catching_up", "finishing", "standby", "leaving")
 """What a node says it is doing (in its heartbeats); ``ravq status`` shows it for nodes that are up."""
 CLUSTER_STATES = ("starting", "training", "paused", "recovering", "done")
 
@@ -50,7 +51,11 @@ class Member:
     memory_bytes: int = 0
     """A standby's usable memory."""
     lost_at: float | None = None
+    """When it was lost or left."""
     stats: dict[str, Any] = field(default_factory=dict)
+    checkpoints: list[Any] | None = None
+    """Its stage's checkpoints of this run as it reported them (None: not reported yet); every member of
+    a starting cluster reads them to agree on one consistent point to resume from (ravq.swarm.resume)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,10 +68,13 @@ class ClusterState:
     """Whether the members load their stages from other clusters before resuming."""
     reason: str = ""
     disrupted_at: float | None = None
+    note: str = ""
+    """What the members reported about their recovery (a stage that kept its own weights because no
+    holder was fresher); kept until the next disruption."""
 
     def public(self) -> dict[str, Any]:
         return {"state": self.state, "generation": self.generation, "trained": self.trained,
-                "catchup": self.catchup, "reason": self.reason}
+                "catchup": self.catchup, "reason": self.reason, "note": self.note}
 
 
 class Book:
@@ -100,6 +108,7 @@ class Book:
         return {"members": {n: m.state for n, m in self.members.items()},
                 "phases": {n: m.phase for n, m in self.members.items()},
                 "incarnations": {n: m.incarnation for n, m in self.members.items()},
+                "checkpoints": {n: m.checkpoints for n, m in self.members.items() if m.checkpoints is not None},
                 "clusters": [cs.public() for cs in self.clusters]}
 
     # ------------------------------------------------------------------ events
@@ -115,6 +124,7 @@ class Book:
             log.info("node %s is back (restarted) while cluster %d is paused", node, c)
         m.state, m.incarnation, m.last_seen, m.registered = "up", incarnation, now, True
         m.phase, m.ready, m.gen = ("starting" if c is not None else "standby"), -1, 0
+        m.checkpoints, m.lost_at = None, None
         return True
 
     def heartbeat(self, node: str, meta: dict[str, Any], now: float) -> bool:
@@ -137,15 +147,40 @@ class Book:
         m.trained = _int(meta.get("trained"), m.trained)
         m.stage_bytes = _int(meta.get("stage_bytes"), m.stage_bytes)
         m.memory_bytes = _int(meta.get("memory_bytes"), m.memory_bytes)
-        new_state = "done" if meta.get("done") else "up"
+        checkpoints = meta.get("checkpoints")
+        if isinstance(checkpoints, list) and checkpoints != m.checkpoints:
+            m.checkpoints, changed = checkpoints[:8], True
+        new_state = "left" if meta.get("left") else "done" if meta.get("done") else "up"
         if m.state != new_state:
             if m.state == "lost":
                 log.info("node %s is back", node)
             m.state = new_state
             changed = True
+            if new_state == "left":
+                changed |= self._left(node, m, c, now)
         if c is not None:
+            changed |= self._note(c, node, m, meta.get("kept"))
             changed |= self._adopt(c, m, now)
         return changed
+
+    def _left(self, node: str, m: Member, c: int | None, now: float) -> bool:
+        """A node said it stops while the run goes on: pause its cluster at once (no ``lost_s`` wait)."""
+        m.lost_at = now
+        log.info("node %s left (stopped while the run goes on)", node)
+        if c is not None and self.clusters[c].state in ("training", "recovering", "starting", "paused"):
+            self._disrupt(c, f"{node} left", now)
+        return True
+
+    def _note(self, c: int, node: str, m: Member, kept: Any) -> bool:
+        """A member of the current generation kept its own weights (no holder was fresher): say so."""
+        cs = self.clusters[c]
+        if not isinstance(kept, str) or not kept or m.gen != cs.generation:
+            return False
+        note = f"{node} {kept[:160]}"
+        if note in cs.note:
+            return False
+        cs.note = f"{cs.note}; {note}" if cs.note else note
+        return True
 
     def _adopt(self, c: int, m: Member, now: float) -> bool:
         """Rebuild a cluster's state from a member's heartbeat (after a broker restart), and notice a
@@ -196,7 +231,7 @@ class Book:
         """Hand the stage of a member lost for ``replace_s`` to a standby whose memory fits; else say why
         the cluster stays paused."""
         nodes = self.plan.clusters[c].nodes
-        gone = [n for n in nodes if self.members[n].state == "lost"
+        gone = [n for n in nodes if self.members[n].state in ("lost", "left")
                 and now - (self.members[n].lost_at or now) >= self.replace_s]
         if not gone:
             return False
@@ -207,7 +242,7 @@ class Book:
         fits = sorted((n for n in standing if self.members[n].memory_bytes >= need),
                       key=lambda n: self.members[n].memory_bytes)
         if not fits:
-            why = (f"{lost} lost for {now - self.members[lost].lost_at:.0f}s; "  # type: ignore[operator]
+            why = (f"{lost} {self.members[lost].state} {now - self.members[lost].lost_at:.0f}s ago; "  # type: ignore[operator]
                    + (f"no standby has {need / 2**30:.2f} GiB (standbys: " + ", ".join(
                        f"{n} {self.members[n].memory_bytes / 2**30:.2f} GiB" for n in standing) + ")"
                       if standing else "no standby node is up"))
@@ -222,8 +257,8 @@ class Book:
         self.standbys = [n for n in self.standbys if n != new] + [lost]  # if it comes back, it stands by
         self.members[new].phase, self.members[new].ready = "starting", -1
         cs.reason = f"{new} replaces {lost}"
-        log.warning("cluster %d: standby %s takes over the stage of %s (lost for %.0fs)", c, new, lost,
-                    now - self.members[lost].lost_at)  # type: ignore[operator]
+        log.warning("cluster %d: standby %s takes over the stage of %s (%s %.0fs ago)", c, new, lost,
+                    self.members[lost].state, now - self.members[lost].lost_at)  # type: ignore[operator]
         return True
 
     def _advance(self, c: int, cs: ClusterState, now: float) -> bool:
@@ -256,7 +291,7 @@ class Book:
     def _disrupt(self, c: int, reason: str, now: float) -> None:
         cs = self.clusters[c]
         cs.generation += 1
-        cs.state, cs.reason, cs.catchup = "paused", reason, False
+        cs.state, cs.reason, cs.catchup, cs.note = "paused", reason, False, ""
         if cs.disrupted_at is None:
             cs.disrupted_at = now
         log.warning("cluster %d paused (generation %d): %s", c, cs.generation, reason)

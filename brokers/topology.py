@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import zmq.asyncio
 
 from brokers.book import CLUSTER_STATES, NODE_STATES, PHASES, Book, Member
 from brokers.reach import Reachability
+from brokers.run import open_run, save_run
 from ravq.config import Plan, RelayConfig, Topology
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions, endpoint
@@ -42,7 +42,8 @@ silent than its heartbeat interval plus a quarter of it (and the network's delay
 
 class Broker:
     def __init__(self, topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions,
-                 heartbeat_timeout_s: float | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+                 heartbeat_timeout_s: float | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 new_run: bool = False) -> None:
         self.topology, self.metrics, self.opts = topology, metrics, opts
         self.clock = clock
         """What heartbeats and silences are timed on (seconds; tests pass a virtual one)."""
@@ -53,11 +54,14 @@ class Broker:
         self.heartbeat_timeout_s = heartbeat_timeout_s or topology.timeouts.lost_s
         self.known = {n.name for n in topology.nodes}
         self.incarnation = f"{time.time():.6f}"
-        self.run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
-        """Names this training run; nodes that start fresh write it into their checkpoints, so `ravq
-        export` never merges stages of different runs.  A resumed stage keeps its checkpoint's."""
-        # Ring round ids start from the plan epoch, so epochs must grow across broker restarts too.
-        self.plan = plan.model_copy(update={"epoch": max(plan.epoch, int(time.time() * 1000))})
+        self.state_dir = topology.broker.state_dir
+        self.the_run = open_run(self.state_dir, plan, new_run=new_run)
+        """The training run (``brokers.run``): continued from the state directory after a restart."""
+        self.run_id = self.the_run.run_id
+        """Names this training run; every checkpoint carries it, so no node loads another run's stage and
+        `ravq export` never merges stages of different runs."""
+        # Ring round ids start from the plan epoch, so epochs grow across broker restarts too (brokers.run).
+        self.plan = self.the_run.plan
         in_plan = {n for c in self.plan.clusters for n in c.nodes}
         self.book = Book(self.plan, lost_s=self.heartbeat_timeout_s, now=clock(),
                          replace_s=topology.timeouts.replace_s,
@@ -72,8 +76,8 @@ class Broker:
         return self.book.members
 
     def state(self) -> dict[str, Any]:
-        return {"plan": self.plan.model_dump(), "run_id": self.run_id, **self.book.public(),
-                "silent_s": self.silence(), "reach": self.reach.public()}
+        return {"plan": self.plan.model_dump(), "run_id": self.run_id, "run_explicit": self.the_run.explicit,
+                **self.book.public(), "silent_s": self.silence(), "reach": self.reach.public()}
 
     def silence(self) -> dict[str, float]:
         """Seconds since each member's last heartbeat reached this broker."""
@@ -92,6 +96,7 @@ class Broker:
     def _sync_plan(self) -> None:
         """Keep the plan's excluded clusters equal to those the book says do not train (the book may
         also have changed the plan: a standby took a lost node's stage)."""
+        before = self.plan
         if self.book.plan is not self.plan:
             self.plan = self.book.plan
         excluded = self.book.excluded()
@@ -99,6 +104,9 @@ class Broker:
             self.plan = self.plan.model_copy(update={"excluded": excluded, "epoch": self.plan.epoch + 1})
             self.book.plan = self.plan
             log.info("rings now exclude clusters %s", excluded or "none")
+        if self.plan is not before:  # the run's membership and epoch survive a restart of this broker
+            self.the_run.plan = self.plan
+            save_run(self.state_dir, self.the_run)
 
     def _count_members(self) -> None:
         for state in NODE_STATES:
@@ -275,9 +283,9 @@ def _public(m: Member, now: float) -> dict[str, Any]:
             "stats": m.stats}
 
 
-def run_broker(topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions) -> None:
+def run_broker(topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions, *, new_run: bool = False) -> None:
     """Entry point: run until SIGTERM/SIGINT."""
-    broker = Broker(topology, plan, metrics, opts)
+    broker = Broker(topology, plan, metrics, opts, new_run=new_run)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -216,6 +216,17 @@ class Metrics:
         self.samples = Counter("ravq_samples_total", "Samples whose backward this stage finished", registry=r)
         self.loss = Gauge("ravq_loss", "Loss of the latest micro-batch (last stage only)", registry=r)
         self.losses = Counter("ravq_loss_sum_total", "Sum of micro-batch losses (last stage only)", registry=r)
+        self.learning_rate = Gauge("ravq_learning_rate", "Learning rate of the stage's latest optimizer step "
+                                   "(first parameter group; training.lr_schedule)", registry=r)
+        self.grad_norm = Gauge("ravq_grad_norm", "Global gradient norm of the latest step, before clipping "
+                               "(when training.clip_grad_norm or fp16 exchanges norms)", registry=r)
+        self.loss_scale = Gauge("ravq_loss_scale", "fp16 dynamic loss scale (last stage only)", registry=r)
+        self.train_metric = Gauge("ravq_train_metric", "The task's metrics_fn on training micro-batches, mean of the "
+                                  "latest step (last stage only)", ["name"], registry=r)
+        self.eval_loss = Gauge("ravq_eval_loss", "Mean loss of the latest evaluation (last stage only)", registry=r)
+        self.eval_metric = Gauge("ravq_eval_metric", "The task's metrics_fn, mean of the latest evaluation "
+                                 "(last stage only)", ["name"], registry=r)
+        self.evaluations = Counter("ravq_evaluations_total", "Evaluations finished (last stage only)", registry=r)
         self.checkpoints = Counter("ravq_checkpoints_total", "Checkpoints written", registry=r)
         self.checkpoint_seconds = Histogram("ravq_checkpoint_seconds", "Time to write one checkpoint",
                                             buckets=_COMPUTE_BUCKETS, registry=r)

@@ -12,7 +12,8 @@ live holders in other clusters when the broker says so) and reports ready; when 
 broker lets the cluster train again.  A node exits only on a signal, at the end of training, or after
 ``timeouts.give_up_s`` paused.  A node that starts while its cluster is not starting (it restarted)
 loads its checkpoint, if any, and joins through the same recovery.  ``ravq.swarm.churn.Churn`` owns that
-state; this module only composes the parts.
+state; this module only composes the parts.  Every stage resumes from its run's checkpoints
+(``ravq.swarm.resume``); a signal while the run goes on is a leave (``ravq.swarm.stopping``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import zmq.asyncio
 
 from ravq.average.averager import Averager
 from ravq.config import Plan, Topology, resolve_task_module
-from ravq.config.routes import declared_reach
 from ravq.lifecycle import first_error, in_daemon_thread
 from ravq.metrics import Metrics
 from ravq.net.limits import derived_max_message_bytes
@@ -41,13 +41,17 @@ from ravq.net.listen import serve_metrics
 from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits
 from ravq.stage import checkpoint
-from ravq.stage.build import BuiltStage, build_stage, resume, save
+from ravq.stage.build import BuiltStage, build_stage, save
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.tied_step import close_tied
 from ravq.stage.types import Outbound
+from ravq.swarm import resume
 from ravq.swarm.churn import Churn
 from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership, beat_on_cadence
+from ravq.swarm.progress import log_progress
+from ravq.swarm.routes import open_routes
+from ravq.swarm.stopping import Stopping
 from ravq.tuning import cpu_budget, peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -88,11 +92,14 @@ class Node:
         self.cluster = self.stage = -1
         self.averager: Averager | None = None
         self.failure: str | None = None
-        self._draining = False
-        self._force = asyncio.Event()
+        self.stopping = Stopping(name=name, drain_s=topology.timeouts.drain_s, churn=self.churn,
+                                 membership=self.membership)
+        self._force = self.stopping.force
         self.run_id: str | None = None
-        """The run this stage's weights belong to: the broker's, or the resumed checkpoint's."""
+        """The run this stage's weights belong to: the broker's (``brokers.run``)."""
         self.rejoining = False
+        self._resuming_at = 0
+        """The version this stage resumes from, reported until the stage is built."""
         self._stage_bytes = 0
         """What this stage takes in memory (weights, gradients, optimizer state, a stash per micro-batch in
         flight): a standby replacing this node needs at least as much."""
@@ -114,6 +121,9 @@ class Node:
             serve_metrics(self.metrics, self.config.metrics_port, self.config.bind_host or self.config.host)
         plan = await self.membership.join()
         self.run_id = self.membership.run_id
+        if self.topology.training.resume is not None:
+            log.warning("%s: training.resume is deprecated and ignored: a node always resumes from the newest "
+                        "checkpoint of the broker's run (a new run: `ravq broker --new-run`)", self.name)
         tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
         if not any(self.name in c.nodes for c in plan.clusters):
             plan = await self.churn.standby(self._memory_bytes())
@@ -124,7 +134,20 @@ class Node:
         self.rejoining = state["state"] != "starting"
         if self.rejoining:
             self.churn.rejoin(state)
+        root, agreeing = self.topology.training.checkpoint_dir, None
+        if root:  # refuse another run's checkpoints before the slow part; tell the cluster what we hold
+            held = self.membership.report["checkpoints"] = resume.check_run(
+                root, cluster=self.cluster, stage=self.stage, run_id=self.run_id,
+                explicit=self.membership.run_explicit, name=self.name)
+            self.churn.beat_now.set()
+            self._resuming_at = held[0]["version"] if held else 0  # exported (and reported) from now on
+            self.metrics.version.set(self._resuming_at)
+            if not self.rejoining:  # the whole cluster starts: it resumes from one consistent point of the run
+                agreeing = tg.create_task(resume.agree(self.membership, plan.clusters[self.cluster].nodes, self.name,
+                                                       self.topology.timeouts.connect_s))
         built = await in_daemon_thread(self._build_stage, plan)  # a stop meanwhile need not wait for the tracer
+        if agreeing is not None:
+            await asyncio.to_thread(self._load, built.worker, await agreeing)
         self.worker = worker = built.worker
         self._derive_limits(built.largest_frame)
         weights = sum(t.numel() * t.element_size() for t in {**worker.params, **worker.buffers}.values())
@@ -141,8 +164,12 @@ class Node:
                                      stage_names=built.stage_names, task=self.task,
                                      metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits)
             self.averager.silent_s = self.membership.silent_s
+            self.averager.run_id = self.run_id
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
-        await self._link(everyone, cluster.nodes, peers | (set(worker._first_destinations()) if worker.is_first else set()))
+        await open_routes(name=self.name, topology=self.topology, membership=self.membership, metrics=self.metrics,
+                          links=self.links, averager=self.averager, names=[self.name] if self.rejoining else everyone,
+                          cluster_nodes=cluster.nodes,
+                          peers=peers | (set(worker._first_destinations()) if worker.is_first else set()))
         self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
         if not self.rejoining:
             await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
@@ -151,22 +178,6 @@ class Node:
         log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)", self.name,
                  self.cluster, self.stage, len(cluster.nodes), sum(p.numel() for p in worker.params.values()),
                  compress.pipeline, compress.ring)
-
-    async def _link(self, everyone: list[str], cluster_nodes: list[str], peers: set[int]) -> None:
-        """Have the broker dial this node's ports back, then open every link along its route (issue #24:
-        ravq.config.routes): a node that is rejoining waits for its own verdict only."""
-        assert self.links is not None
-        ports = ["pipeline", "ring"] if self.averager is not None else ["pipeline"]
-        names = [self.name] if self.rejoining else everyone
-        reach = {**declared_reach(self.topology),
-                 **await self.membership.wait_reach(names, ports, self.topology.timeouts.connect_s)}
-        self.metrics.node_reachable.labels(self.name).set(float(reach.get(self.name, True)))
-        log.info("%s: %s (%s)", self.name, "reachable" if reach.get(self.name, True) else "behind NAT: dialling out",
-                 self.membership.reach.get(self.name, "declared"))
-        self.links.reach = reach
-        self.links.open(cluster_nodes, peers)
-        if self.averager is not None:
-            self.averager.port.connect(reach)
 
     def _memory_bytes(self) -> int:
         if self.config.memory_bytes is not None:
@@ -192,11 +203,16 @@ class Node:
                             device=self.config.device, metrics=self.metrics)
         if training.checkpoint_dir:
             checkpoint.remove_temp_files(training.checkpoint_dir, self.cluster, self.stage)
-            if training.resume or self.rejoining:
-                run_id = resume(built.worker, training.checkpoint_dir, cluster=self.cluster, stage=self.stage,
-                                update_every=training.update_every, name=self.name)
-                self.run_id = run_id or self.run_id
+            if self.rejoining:  # its cluster goes on: its own newest checkpoint, then the catch-up
+                self._load(built.worker, None)
         return built
+
+    def _load(self, worker: StageWorker, version: int | None) -> None:
+        training = self.topology.training
+        assert training.checkpoint_dir
+        resume.load(worker, training.checkpoint_dir, cluster=self.cluster, stage=self.stage,
+                    update_every=training.update_every, name=self.name, run_id=self.run_id, version=version,
+                    metrics=self.metrics, micro_batch=training.micro_batch)
 
     # ------------------------------------------------------------------ run
     def start(self, tg: asyncio.TaskGroup) -> None:
@@ -213,7 +229,8 @@ class Node:
         tg.create_task(self._force_exit_watch())
         tg.create_task(self.churn.follow_cluster())
         tg.create_task(self.churn.watch_paused())
-        tg.create_task(self._log_progress())
+        tg.create_task(log_progress(self.name, self.worker, self.stats, self.topology.training.log_every,
+                                    self.topology.training.steps))
         if self.averager is not None:
             tg.create_task(self.averager.serve())
             tg.create_task(self.averager.run_rounds())
@@ -221,27 +238,13 @@ class Node:
 
     def _on_signal(self) -> None:
         assert self.worker is not None
-        if self._draining:
-            log.warning("%s: second signal: forcing exit", self.name)
-            self._force.set()
-            return
-        self._draining = True
-        log.info("%s: draining %d in-flight micro-batch(es) at step %d (up to %.0fs, timeouts.drain_s); send again "
-                 "to force", self.name, self.worker.stats.inflight, self.worker.version, self.topology.timeouts.drain_s)
-        self.worker.stop()
-        asyncio.get_running_loop().call_later(self.topology.timeouts.drain_s, self._drain_expired)
+        self.stopping.on_signal(self.worker)
 
     def stop_while_starting(self, sig: signal.Signals) -> None:
         """SIGTERM/SIGINT before the stage runs (importing, joining, tracing): nothing to drain or save;
         end create() and leave through shutdown, exit status 0."""
         if not self._force.is_set():
             log.info("%s: %s while starting: stopping before training", self.name, sig.name)
-        self._force.set()
-
-    def _drain_expired(self) -> None:
-        if not self._force.is_set() and self.worker is not None:
-            log.warning("%s: drain limit of %.0fs reached with %d micro-batch(es) still in flight (a peer is slow or "
-                        "gone); forcing exit", self.name, self.topology.timeouts.drain_s, self.worker.stats.inflight)
         self._force.set()
 
     async def _force_exit_watch(self) -> None:
@@ -256,20 +259,24 @@ class Node:
             loop.call_soon_threadsafe(links.outbound.put_nowait, out)
 
         worker.on_update = self._after_update
-        await asyncio.to_thread(worker.run, emit, self._force.is_set)
-        if not self._draining and not self._force.is_set():
+        await asyncio.to_thread(worker.run, emit, self.stopping.should_abort)
+        if self.stopping.leaving:  # nothing to wait for: the cluster pauses and redoes what was in flight
+            log.info("%s: left the run at step %d", self.name, worker.version)
+            raise _Finished
+        self.stopping.trained_out = not self._force.is_set()
+        if not self.stopping.draining and not self._force.is_set():
             self.churn.set_phase("finishing")
         if self.averager is not None and not self._force.is_set():
             await self.averager.drain()
             await asyncio.to_thread(worker.run_pending)
-            if not self._draining and any(c.get("generation", 0) > 0 for c in self.membership.clusters):
+            if not self.stopping.draining and any(c.get("generation", 0) > 0 for c in self.membership.clusters):
                 # a cluster was disrupted: clusters ended at different step counts; agree once more
                 t = self.topology.timeouts
                 await self.averager.final_round(t.give_up_s or max(t.connect_s, 3600.0))
         if worker.tied is not None and not self._force.is_set():  # the last rounds' deltas reach every copy
             await asyncio.to_thread(close_tied, worker)
         await links.outbound.join()
-        if self._draining and not self._force.is_set():
+        if self.stopping.draining and not self._force.is_set():
             log.info("%s: drained at step %d", self.name, worker.version)
         elif not self._force.is_set():
             log.info("%s: training done at step %d (%d micro-batches)", self.name, worker.version, worker.stats.backwards)
@@ -284,27 +291,6 @@ class Node:
             t0 = time.monotonic()
             self._save_checkpoint()
             worker.waited("checkpoint", time.monotonic() - t0)
-
-    async def _log_progress(self) -> None:
-        """One INFO line every training.log_every optimizer steps, so a person can follow training."""
-        worker, every = self.worker, self.topology.training.log_every
-        assert worker is not None
-        next_at, last_t, last_samples = every, time.monotonic(), 0
-        while True:
-            await asyncio.sleep(0.5)
-            if worker.version < next_at:
-                continue
-            next_at = (worker.version // every + 1) * every
-            st, now = self.stats(), time.monotonic()
-            rate = (st["samples"] - last_samples) / max(now - last_t, 1e-9)
-            last_t, last_samples = now, st["samples"]
-            loss = f"loss {st['loss_recent']:.4f}" if st.get("loss_recent") is not None else "no loss (not last stage)"
-            ring = (f"; averaging {st['allreduce_rounds']} rounds, {st['allreduce_aborts']} aborted, "
-                    f"{st['averaging_waits']} waits ({st['averaging_wait_seconds']:.1f}s)"
-                    if "allreduce_rounds" in st else "")
-            log.info("%s: step %d, micro-batch %d/%d, %s, %.1f samples/s, staleness %.2f (max %d), busy %.0f%%, "
-                     "%d in flight%s", self.name, worker.version, st["trained"], self.topology.training.steps, loss,
-                     rate, st["staleness_mean"], st["staleness_max"], 100 * st["busy_fraction"], st["inflight"], ring)
 
     async def _heartbeats(self) -> None:
         """A heartbeat every interval on a fixed cadence, and one at once when ``churn.beat_now`` is set
@@ -326,8 +312,12 @@ class Node:
         worker, root = self.worker, self.topology.training.checkpoint_dir
         assert worker is not None and root is not None
         t0 = time.monotonic()
+        plan = self.churn.current_plan()
+        rounds = self.averager.queue.completed if self.averager is not None else 0
+        extra = resume.lineage(worker, self.run_id, caught_up_from=self.churn.caught_up_from, epoch=plan.epoch,
+                               clusters_in_rings=len(plan.clusters) - len(plan.excluded), rounds=rounds)
         save(worker, root, cluster=self.cluster, stage=self.stage, node=self.name, run_id=self.run_id,
-             cluster_nodes=list(self.churn.current_plan().clusters[self.cluster].nodes))
+             cluster_nodes=list(plan.clusters[self.cluster].nodes), extra=extra)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
 
@@ -338,7 +328,7 @@ class Node:
         return {**snap, **ring, "name": self.name, "failure": self.failure, "cluster": self.cluster, "stage": self.stage,
                 "phase": self.churn.phase, "generation": self.churn.generation,
                 "pauses": total("ravq_pauses_total"),
-                "version": worker.version if worker else 0, "trained": worker.trained if worker else 0,
+                "version": worker.version if worker else self._resuming_at, "trained": worker.trained if worker else 0,
                 "bytes_sent": total("ravq_bytes_sent_total"),
                 "bytes_received": total("ravq_bytes_received_total"),
                 "ring_bytes_sent": total("ravq_bytes_sent_total", socket="ring"),
@@ -350,17 +340,19 @@ class Node:
                            "ring": self.averager.port.routes if self.averager else {}}}
 
     async def shutdown(self) -> None:
+        t0 = time.monotonic()
         if self.worker is not None and self.topology.training.checkpoint_dir:
             await asyncio.to_thread(self._save_checkpoint)
+        saved = time.monotonic() - t0
         if self.worker is not None:
             with contextlib.suppress(Exception):
-                await self.membership.heartbeat(self.stats(), done=not self._force.is_set())
+                await self.membership.heartbeat(self.stats(), done=self.stopping.done)
         if self.options.summary_path:
             st = self.worker.stats if self.worker else None
             final = {**self.stats(), "loss_history": st.loss_history if st else [],
                      "update_times": list(st.update_times) if st else [], "completed": st.completed if st else [],
                      "final_round": bool(self.averager and self.averager.final_done),
-                     "peak_rss_bytes": peak_rss_bytes()}
+                     "ended": self.stopping.ended(self.failure), "peak_rss_bytes": peak_rss_bytes()}
             Path(self.options.summary_path).write_text(json.dumps(final))
         if self.links is not None:
             self.links.close()
@@ -370,6 +362,8 @@ class Node:
         if self.sock_opts.monitor is not None:
             self.sock_opts.monitor.close()
         self.ctx.term()
+        log.info("%s: %s; shut down in %.2fs (final checkpoint %.2fs)", self.name, self.stopping.ended(self.failure),
+                 time.monotonic() - t0, saved)
 
 
 async def run_node(topology: Topology, name: str, options: NodeOptions) -> str | None:

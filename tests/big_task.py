@@ -1,4 +1,4 @@
-"""A task whose model no test PC can hold: a 24-block transformer of ~302 M parameters (1.21 GB in
+"""A task whose model no test PC can hold: a 24-block transformer of ~680 M parameters (2.72 GB in
 float32), for the memory-limited swarm test.  Plain SGD (no optimizer state) and one short sequence per
 micro-batch, so a stage's memory is its weights and gradients; layers initialise themselves
 (``reset_parameters``), so no node ever builds the whole model."""
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-D_MODEL = int(os.environ.get("RAVQ_BIG_D_MODEL", "1024"))
+D_MODEL = int(os.environ.get("RAVQ_BIG_D_MODEL", "1536"))
 LAYERS = int(os.environ.get("RAVQ_BIG_LAYERS", "24"))
 HEADS, VOCAB, CONTEXT = 16, 256, 8
 

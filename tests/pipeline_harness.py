@@ -8,20 +8,23 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import orjson
 import torch
 
 from ravq.net.compress import Format, Packed
 from ravq.net.wire import Message, MsgType, decode, encode
+from ravq.stage.evaluate import attach, eval_stage_module
 from ravq.stage.pipeline import StageWorker
+from ravq.stage.recipe import build_optimizer
 from ravq.stage.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
 from ravq.stage.tensors import model_input_needs
-from ravq.stage.types import Outbound, StageOptions
+from ravq.stage.types import Outbound, RecipeOptions, StageOptions
 
 
 def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int, micro_batch: int = 4,
                  seed: int = 0, update_every: int = 1, cluster: int = 0,
-                 num_clusters: int = 1, predict_weights: float = 0.0,
-                 compress: Format = Format.NONE,
+                 num_clusters: int = 1, predict_weights: float = 0.0, extrapolate_gradients: float = 0.0,
+                 compress: Format = Format.NONE, recipe: RecipeOptions | None = None,
                  clocks: list[Callable[[], float]] | None = None) -> list[StageWorker]:
     """One StageWorker per stage of ``task``, cut evenly; ``clocks``: each stage's clock (default
     time.monotonic)."""
@@ -29,16 +32,22 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
     cuts = even_cuts(candidate_cuts(model, task), stages)
     specs = split_model(model, task.example_inputs(micro_batch), cuts)
     needs = model_input_needs(specs)
+    recipe = recipe or RecipeOptions()
     in_specs = stage_input_specs(specs, task.example_inputs(micro_batch))
     _, target_example = next(task.train_batches(micro_batch, 0, 1, seed))
     opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch,
-                        predict_weights=predict_weights, compress=compress)
+                        predict_weights=predict_weights, extrapolate_gradients=extrapolate_gradients,
+                        compress=compress, recipe=recipe)
     batches = task.train_batches(micro_batch, cluster, num_clusters, seed)
-    return [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
-                        batches=batches if spec.index == 0 else None, cluster=cluster,
-                        model_input_needs=needs, input_specs=in_specs[spec.index],
-                        target_example=target_example, clock=clocks[spec.index] if clocks else time.monotonic)
-            for spec in specs]
+    workers = [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
+                           batches=batches if spec.index == 0 else None, cluster=cluster,
+                           model_input_needs=needs, input_specs=in_specs[spec.index],
+                           target_example=target_example, clock=clocks[spec.index] if clocks else time.monotonic)
+               for spec in specs]
+    if recipe.eval_every:
+        for i, worker in enumerate(workers):
+            attach(worker, eval_stage_module(task, seed, task.example_inputs(micro_batch), cuts, i, worker.module))
+    return workers
 
 
 def _over_the_wire(packed: Packed) -> Packed:
@@ -53,7 +62,8 @@ def run_workers(workers: list[StageWorker], timeout_s: float = 60.0) -> None:
             # clone: like the wire, the receiver gets its own copy
             tensors = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _over_the_wire(v)
                        for k, v in out.tensors.items()}
-            assert workers[out.dest].deliver(out.kind, out.micro_batch, src, tensors) is None
+            meta = orjson.loads(orjson.dumps(out.meta))  # as the header carries it
+            assert workers[out.dest].deliver(out.kind, out.micro_batch, src, tensors, meta) is None
         return emit
 
     errors: list[BaseException] = []
@@ -88,7 +98,7 @@ def train_one_process(task: ModuleType, *, steps: int, micro_batch: int = 4, see
     """Reference: the unsplit model; with shards > 1 each step uses one micro-batch per shard and the
     mean of their losses (what synchronous data parallelism computes)."""
     model = build_task_model(task, seed)
-    opt = task.make_optimizer(model.parameters())
+    opt = build_optimizer(task.make_optimizer, dict(model.named_parameters()))
     streams = [task.train_batches(micro_batch, s, shards, seed) for s in range(shards)]
     for _ in range(steps):
         opt.zero_grad()
@@ -99,3 +109,35 @@ def train_one_process(task: ModuleType, *, steps: int, micro_batch: int = 4, see
         torch.stack(losses).mean().backward()
         opt.step()
     return model.state_dict()
+
+
+def run_in_order(workers: list[StageWorker]) -> None:
+    """Run the stages in one thread, deterministically: each turn the lowest stage with work ready does
+    one piece of it (``Scheduler.next``'s choice: backward, then forward, then a new micro-batch).  So
+    stage 0 fills its credits before later stages run, and in steady state each stage's staleness is
+    its distance from the last stage, as on a pipeline whose later stages answer at once."""
+    outbox: list[tuple[int, Outbound, int]] = []
+
+    def emit_from(src: int) -> Callable[[Outbound], None]:
+        return lambda out: outbox.append((out.dest, out, src))
+
+    emits = [emit_from(w.spec.index) for w in workers]
+    while True:
+        while outbox:
+            dest, out, src = outbox.pop(0)
+            tensors = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _over_the_wire(v)
+                       for k, v in out.tensors.items()}
+            assert workers[dest].deliver(out.kind, out.micro_batch, src, tensors) is None
+        ready = [w for w in workers if w._sched.has_ready() or w.may_start()]
+        if not ready:
+            break
+        worker = ready[0]
+        kind, arg = worker._sched.next(worker, lambda: False)
+        if kind == "start":
+            worker._run_first_forward(emits[worker.spec.index])
+        elif kind == "bwd":
+            worker._run_backward(arg[0], arg[1], emits[worker.spec.index])
+        else:
+            worker._run_forward(arg[0], arg[1], emits[worker.spec.index])
+    for w in workers:
+        w._flush_update()

@@ -33,11 +33,11 @@ def local_topology(task: str, clusters: list[int], training: dict[str, Any], **e
 
 class Swarm:
     def __init__(self, tmp: Path, topology: dict[str, Any], env: dict[str, dict[str, str]] | None = None,
-                 plan: dict[str, Any] | None = None) -> None:
+                 plan: dict[str, Any] | None = None, broker_args: list[str] | None = None) -> None:
         self.tmp, self.topology = tmp, topology
         self.path = tmp / "topology.yaml"
         self.path.write_text(yaml.safe_dump(topology))
-        self.broker_argv = ["broker", "--topology", str(self.path)]
+        self.broker_argv = ["broker", "--topology", str(self.path), *(broker_args or [])]
         if plan is not None:
             (tmp / "plan.yaml").write_text(yaml.safe_dump(plan))
             self.broker_argv += ["--plan", str(tmp / "plan.yaml")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from tests import big_task
 from tests.swarm import ROOT, Swarm, local_topology
 
 CGROUP = Path("/sys/fs/cgroup/memory")
-LIMIT_BYTES = 1_000_000_000
-"""Each PC's memory: less than the model's 1.21 GB of float32 weights."""
+LIMIT_BYTES = 2_000_000_000
+"""Each PC's memory: three quarters of the model's 2.72 GB of float32 weights.  (With a model of 1.2 GB and
+PCs of 1 GB, an idle node's ~330 MB plus a quarter's weights and gradients sat right at the limit, and
+the shared libraries' pages the cgroup also charges decided whether a node lived.)"""
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create memory cgroups"),
@@ -50,19 +53,23 @@ def _idle_baseline() -> int:
 def test_a_model_larger_than_any_pc_trains_checkpoints_and_exports(tmp_path: Path) -> None:
     model = build_meta_model(big_task, 0).model
     whole = sum(p.numel() * 4 for p in model.parameters())
-    assert whole > 1.2 * LIMIT_BYTES, "the model must not fit one PC"
+    assert whole > 1.3 * LIMIT_BYTES, "the model must not fit one PC"
     specs = split_model(model, big_task.example_inputs(1), even_cuts(candidate_cuts(model, big_task), 4))
     stage_bytes = [sum(p.numel() * 4 for p in s.module.parameters()) for s in specs]
     ckpt = tmp_path / "ckpt"
-    training = {"steps": 6, "micro_batch": 1, "max_inflight": 1, "checkpoint_dir": str(ckpt), "checkpoint_every": 3,
-                "log_every": 1}
+    training = {"steps": 4, "micro_batch": 1, "max_inflight": 1, "checkpoint_dir": str(ckpt), "log_every": 1}
     topology = local_topology("tests.big_task", [4], training, timeouts={"connect_s": 600.0})
     swarm = Swarm(tmp_path, topology)
     groups = []
     try:
         groups = [_limit(proc.pid, name) for name, proc in swarm.nodes.items()]
-        codes = swarm.wait(timeout_s=900)
-        assert all(c == 0 for c in codes.values()), {n: swarm.log(n)[-3000:] for n, c in codes.items() if c}
+        deadline = time.monotonic() + 900  # a limit on waiting, not a measurement
+        while time.monotonic() < deadline:
+            codes = {name: proc.poll() for name, proc in swarm.nodes.items()}
+            if any(c not in (None, 0) for c in codes.values()) or all(c == 0 for c in codes.values()):
+                break  # a node killed by its memory limit fails the test at once; the others would wait for it
+            time.sleep(1)
+        assert all(c == 0 for c in codes.values()), {n: (c, swarm.log(n)[-2000:]) for n, c in codes.items() if c != 0}
     finally:
         swarm.close()
         for group in groups:
@@ -71,7 +78,7 @@ def test_a_model_larger_than_any_pc_trains_checkpoints_and_exports(tmp_path: Pat
     report = []
     for s, name in enumerate(swarm.nodes):
         summary = swarm.summary(name)
-        assert summary["backwards"] == 6, summary
+        assert summary["backwards"] == 4, summary
         peak = summary["peak_rss_bytes"]
         need = 2 * stage_bytes[s]  # weights and gradients (SGD keeps no state; activations are a few KB)
         report.append(f"{name}: peak RSS {peak / 1e6:.0f} MB, stage weights {stage_bytes[s] / 1e6:.0f} MB, "

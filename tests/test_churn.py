@@ -157,9 +157,11 @@ def _topology(clusters: list[int], steps: int, ckpt: Path, checkpoint_every: int
               **timeouts: float) -> dict[str, Any]:
     training = {"steps": steps, "micro_batch": 4, "sync_every": 5, "checkpoint_every": checkpoint_every,
                 "checkpoint_dir": str(ckpt)}
-    return local_topology("tests.churn_task", clusters, training,
+    topo = local_topology("tests.churn_task", clusters, training,
                           timeouts={"heartbeat_interval_s": HEARTBEAT_S, "lost_s": LOST_S, "ring_step_s": 5.0,
                                     "connect_s": 120.0, **timeouts})
+    topo["broker"]["state_dir"] = str(ckpt.parent / "broker")  # a restarted broker continues the run
+    return topo
 
 
 def test_kill_first_middle_and_last_stage_and_restart(tmp_path: Path) -> None:

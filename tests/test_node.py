@@ -65,6 +65,9 @@ def test_demo_learns_and_reports(tmp_path: Path) -> None:
         assert 0 < node["busy_fraction"] <= 1
         assert node["bytes_sent"] > 0 and node["bytes_received"] > 0
     assert report["nodes"][0]["staleness_mean"] > 0  # asynchronous: stage 0 runs ahead
+    curve = report["eval_loss"]  # six evaluations on held-out data by default (docs/training.md)
+    assert [step for step, _ in curve] == [20, 40, 60, 80, 100, 120]
+    assert curve[-1][1] < curve[0][1] - 0.1, curve  # validation loss falls
 
 
 def _write_topology(tmp_path: Path, steps: int, ckpt: Path, drain_s: float = 10.0) -> Path:
@@ -141,14 +144,16 @@ def test_export_of_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
-    """Train 12 steps, stop, resume from the checkpoints to 25: same weights as 25 steps in one go."""
+    """Train 12 steps, stop everything, start again (the same run: the broker's state directory) to 25:
+    every stage resumes by default, and the weights equal 25 steps in one go."""
     from tests.swarm import Swarm, local_topology
     ckpt = tmp_path / "ckpt"
     training = {"steps": 12, "micro_batch": 4, "max_inflight": 1, "checkpoint_dir": str(ckpt)}
     topo = local_topology("tests.models_for_tests", [3], training)
-    for steps, resume, sub in ((12, False, "a"), (25, True, "b")):
+    topo["broker"]["state_dir"] = str(tmp_path / "broker")  # the run survives the broker's restart
+    for steps, sub in ((12, "a"), (25, "b")):
         (tmp_path / sub).mkdir()
-        topo["training"] = {**topo["training"], "steps": steps, "resume": resume}
+        topo["training"] = {**topo["training"], "steps": steps}
         swarm = Swarm(tmp_path / sub, topo)
         try:
             codes = swarm.wait()

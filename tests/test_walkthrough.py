@@ -6,7 +6,7 @@ on every PC at once and gathered for ``ravq plan``, the broker and nodes started
 own ExecStart lines (every PC's /etc/ravq, /var/lib/ravq and /var/cache/ravq moved under a temporary
 root of its own, in the command lines and the topology's key_dir and checkpoint_dir), ``ravq status`` from a node's PC, a real
 Prometheus (Debian's) scraping the targets ``ravq scrape-config`` makes and answering every dashboard
-query while the swarm trains, ``systemctl stop`` (SIGTERM: drain and final checkpoint), then the
+query while the swarm trains, ``systemctl stop`` (SIGTERM: leave the run, final checkpoint), then the
 checkpoints gathered on one PC and exported.
 
 Needs root, iproute2, setpriv and prometheus; skipped with the reason otherwise.  Namespaces are made
@@ -164,6 +164,7 @@ def _topology(site: Site, keys: dict[str, str]) -> str:
               "device": "cpu", "cluster": CLUSTERS[pc], "public_key": keys[pc]} for pc in PCS]
     data = {"task": "ravq.tasks.charlm", "seed": 13,
             "training": {"micro_batch": 8, "steps": 100000, "sync_every": 5, "checkpoint_every": 10, "log_every": 10,
+                         "eval_every": 5,
                          "checkpoint_dir": "/var/lib/ravq/checkpoints"},
             "timeouts": {"drain_s": 10, "connect_s": 60},
             "security": {"curve": True, "key_dir": "/etc/ravq/keys"},
@@ -322,13 +323,13 @@ def test_walkthrough_from_empty_pcs_to_an_exported_model(site: Site) -> None:
     assert broker.poll() is None and all(p.poll() is None for p in nodes.values())
 
     step('Step 8:')
-    # Step 8: systemctl stop: every node drains and writes a final checkpoint.
+    # Step 8: systemctl stop: every node leaves the run and writes a final checkpoint.
     codes = {pc: site.stop(proc) for pc, proc in nodes.items()}
     assert codes == dict.fromkeys(PCS, 0), codes
     assert site.stop(broker) == 0
     for pc in PCS:
         text = (site.root / f"{pc}-ravq-node.log").read_text()
-        assert "draining" in text and "micro-batch" in text and "samples/s" in text, text[-2000:]
+        assert "leaving the run" in text and "micro-batch" in text and "samples/s" in text, text[-2000:]
 
     step('Step 9:')
     # Step 9: export cluster 0 on pc1: first without pc2's stage (named), then with it copied over.

@@ -24,7 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ravq.net.compress import FLOAT_DTYPES, MAX_BLOCK, MIN_BLOCK, Format, Packed, pack, unpack
-from ravq.net.wire import DTYPES, REQUIRED_META, DecodeLimits, Message, MsgType, WireError, decode, encode
+from ravq.net.wire import (
+    DTYPES, NEEDS_MICRO_BATCH, REQUIRED_META, DecodeLimits, Message, MsgType, WireError, decode, encode,
+)
 from tests.test_wire import KNOWN_REASONS, assert_same, raw_bytes
 
 settings.register_profile("ravq-wire-fuzz", derandomize=True, database=None, deadline=None,
@@ -43,7 +45,7 @@ def check_invariants(msg: Message, frames: Sequence[Any], limits: DecodeLimits) 
     assert isinstance(msg.type, MsgType)
     assert isinstance(msg.sender, str) and 0 < len(msg.sender) <= 128
     if msg.micro_batch is None:
-        assert msg.type not in (MsgType.FORWARD, MsgType.BACKWARD)
+        assert msg.type not in NEEDS_MICRO_BATCH
     else:
         assert isinstance(msg.micro_batch, tuple) and len(msg.micro_batch) == 2
         assert all(type(x) is int and x >= 0 for x in msg.micro_batch)
@@ -115,7 +117,7 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 @st.composite
 def messages(draw: st.DrawFn) -> Message:
     mtype = draw(st.sampled_from(list(MsgType)))
-    needs_mb = mtype in (MsgType.FORWARD, MsgType.BACKWARD)
+    needs_mb = mtype in NEEDS_MICRO_BATCH
     micro_batch = draw(st.tuples(non_negative, non_negative) if needs_mb
                        else st.none() | st.tuples(non_negative, non_negative))
     meta = draw(st.dictionaries(st.text(max_size=8), json_values, max_size=4))

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -104,6 +106,8 @@ class Averager:
         self.silent_s: Callable[[str], float] = lambda node: 0.0
         """Seconds since a node's last heartbeat reached the broker (set by the node from membership)."""
         self.final_done = False
+        self.run_id: str | None = None
+        """The run this stage's weights belong to (told to a peer catching up from them)."""
         self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         """The node's event loop (the Averager is made in it): rounds queue there from the first step on."""
         self.hold_backs = 0
@@ -299,8 +303,11 @@ class Averager:
             self.metrics.bad_messages.labels("ring", "bad_catchup_request").inc()
             await inbox.reply(identity, catchup.reply_for(self.me, msg, None, "bad request"), msg.sender)
             return
-        tensors = await self.in_compute(lambda w: catchup.stage_tensors(w, names))
-        await inbox.reply(identity, catchup.reply_for(self.me, msg, tensors), msg.sender)
+        if os.environ.get("RAVQ_FAULT") == "kill_in_catchup":  # fault injection for tests: a holder dies mid-way
+            os.kill(os.getpid(), signal.SIGKILL)
+        tensors, version = await self.in_compute(lambda w: (catchup.stage_tensors(w, names), w.version))
+        lineage = {"run_id": self.run_id, "version": version}  # read with the tensors: one consistent copy
+        await inbox.reply(identity, catchup.reply_for(self.me, msg, tensors, lineage=lineage), msg.sender)
         log.info("%s: sent %d tensors to %s for its catch-up", self.me, len(tensors), msg.sender)
 
     async def in_compute(self, fn: Callable[[StageWorker], Any]) -> Any:
@@ -317,12 +324,14 @@ class Averager:
             await asyncio.to_thread(call, self.worker)
         return await asyncio.wrap_future(future)
 
-    async def fetch_catchup(self) -> dict[str, torch.Tensor]:
-        """This stage's tensors from their live holders in another cluster (CatchupError if none)."""
+    async def fetch_catchup(self, lineages: dict[str, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+        """This stage's tensors from their live holders in another cluster (CatchupError if none); each
+        holder's lineage (run id, version) goes into ``lineages``."""
         plan = self.plan()
         by_node = catchup.holders(plan, self.cluster, self.owners, list({**self.worker.params, **self.worker.buffers}))
         t0 = time.monotonic()
-        tensors = await catchup.fetch(self.port.outlinks, self.me, by_node, self.topology.timeouts.request_s)
+        tensors = await catchup.fetch(self.port.outlinks, self.me, by_node, self.topology.timeouts.request_s,
+                                      lineages)
         self.metrics.catchup_seconds.observe(time.monotonic() - t0)
         log.info("%s: fetched %d tensors from %s in %.2fs", self.me, len(tensors), ", ".join(sorted(by_node)),
                  time.monotonic() - t0)

@@ -83,14 +83,22 @@ def holders(plan: Plan, me_cluster: int, owners: Sequence[Mapping[str, str]],
 
 
 async def fetch(outlinks: Mapping[str, Outlink], me: str, by_node: Mapping[str, Sequence[str]],
-                timeout_s: float) -> dict[str, torch.Tensor]:
-    """Ask every holder for its names (all at once); CatchupError if any part does not arrive."""
+                timeout_s: float, lineages: dict[str, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+    """Ask every holder for its names (all at once); CatchupError if any part does not arrive.  What
+    each holder says of its copy (run id, version: ``ravq.stage.lineage``) goes into ``lineages``: the
+    oldest part it sent, when a holder answered several requests."""
 
     async def one(node: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         got: dict[str, torch.Tensor] = {}
         for i in range(0, len(names), MAX_NAMES_PER_REQUEST):
             part = list(names[i:i + MAX_NAMES_PER_REQUEST])
-            got.update(await _request(outlinks[node], me, part, timeout_s))
+            tensors, lineage = await _request(outlinks[node], me, part, timeout_s)
+            got.update(tensors)
+            if lineages is not None:
+                held = lineages.get(node)
+                if held is None or not isinstance(held.get("version"), int) or (
+                        isinstance(lineage.get("version"), int) and lineage["version"] < held["version"]):
+                    lineages[node] = lineage
         return got
 
     try:
@@ -103,7 +111,8 @@ async def fetch(outlinks: Mapping[str, Outlink], me: str, by_node: Mapping[str, 
     return merged
 
 
-async def _request(link: Outlink, me: str, names: list[str], timeout_s: float) -> dict[str, torch.Tensor]:
+async def _request(link: Outlink, me: str, names: list[str],
+                   timeout_s: float) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     request_id = os.urandom(6).hex()
     await link.send(Message(type=MsgType.CATCHUP_REQ, sender=me, meta={"id": request_id, "names": names}))
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -117,13 +126,18 @@ async def _request(link: Outlink, me: str, names: list[str], timeout_s: float) -
     unasked = [n for n in reply.tensors if n.partition(OPTIM_SEP)[0] not in set(names)]
     if missing or unasked:
         raise CatchupError(f"{link.peer}: reply lacks {missing[:3]} or adds {unasked[:3]}")
-    return dict(reply.tensors)
+    lineage = reply.meta.get("lineage")
+    return dict(reply.tensors), (dict(lineage) if isinstance(lineage, dict) else {})
 
 
-def reply_for(me: str, request: Message, tensors: dict[str, torch.Tensor] | None, error: str = "") -> Message:
+def reply_for(me: str, request: Message, tensors: dict[str, torch.Tensor] | None, error: str = "",
+              lineage: dict[str, Any] | None = None) -> Message:
+    """A CATCHUP reply: the tensors and, with ``lineage``, what the copy is (run id, version)."""
     meta: dict[str, Any] = {"id": str(request.meta.get("id", ""))[:32]}
     if error:
         meta["error"] = error[:200]
+    if lineage is not None:
+        meta["lineage"] = lineage
     return Message(type=MsgType.CATCHUP, sender=me, meta=meta, tensors=tensors or {})
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ravq.average.segments import averaged_names, with_optimizer_state
 from ravq.config import Plan
+from ravq.stage.recipe import build_optimizer
 from ravq.stage.split import split_model
 
 
@@ -35,7 +36,7 @@ def stage_owners(build: Callable[[], torch.nn.Module], example: tuple[Any, ...],
 def optimizer_state_keys(task: Any) -> list[str]:
     """The per-element state keys of the task's optimizer (e.g. exp_avg), from one step on a probe."""
     probe = torch.nn.Parameter(torch.zeros(2))
-    opt = task.make_optimizer([probe])
+    opt = build_optimizer(task.make_optimizer, {"probe.weight": probe})
     probe.grad = torch.ones(2)
     opt.step()
     return sorted(k for k, v in opt.state[probe].items()

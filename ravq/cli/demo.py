@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from ravq.config import PREDICT_WEIGHTS, ConfigError, parse_topology
+from ravq.config import EXTRAPOLATE_GRADIENTS, PREDICT_WEIGHTS, ConfigError, parse_topology
 from ravq.net.listen import Listeners, ports_of
 
 DEFAULT_TASK = "ravq.tasks.charlm"
@@ -48,12 +48,21 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, default=1.0, help="step size of each average (1: plain average)")
     p.add_argument("--predict-weights", type=float, default=PREDICT_WEIGHTS,
                    help="weight prediction horizon, in multiples of a stage's staleness (0: off)")
+    p.add_argument("--extrapolate-gradients", type=float, default=EXTRAPOLATE_GRADIENTS,
+                   help="delay compensation of stale updates, in multiples of their staleness (0: off)")
     p.add_argument("--average-optimizer-state", action="store_true", help="average optimizer state (Adam moments) too")
     p.add_argument("--compress-pipeline", choices=["none", "bf16", "fp16", "int8"], default="none",
                    help="activations and gradients on pipeline links (default none: on loopback bytes are free "
                         "and compressing only costs CPU; a topology's default is int8)")
     p.add_argument("--compress-ring", choices=["none", "bf16", "int8"], default="none",
                    help="all-reduce pieces on ring links, with error feedback (default none, as above)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="optimizer steps between evaluations on held-out data (default: 6 rounds per run when "
+                        "the task has eval_batches; 0: none)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast precision")
+    p.add_argument("--clip-grad-norm", type=float, default=None, help="clip each step to this global norm")
+    p.add_argument("--lr-schedule", choices=["constant", "warmup", "cosine", "linear"], default="constant")
+    p.add_argument("--warmup-steps", type=int, default=0, help="optimizer steps of LR warmup")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -86,6 +95,16 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def _eval_every(args: argparse.Namespace) -> int:
+    """--eval-every, or six rounds over the run when the task has held-out data."""
+    if args.eval_every is not None:
+        return int(args.eval_every)
+    from ravq.config import resolve_task_module
+
+    has_eval = callable(getattr(resolve_task_module(args.task), "eval_batches", None))
+    return max(1, args.steps // args.update_every // 6) if has_eval else 0
+
+
 def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, Any]:
     """The demo's topology, on ports ``listeners`` binds and listens on from now on."""
     if args.clusters < 1 or args.stages < 1:
@@ -100,10 +119,13 @@ def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, A
     training: dict[str, Any] = {
         "micro_batch": args.micro_batch, "steps": args.steps, "max_inflight": args.max_inflight,
         "update_every": args.update_every, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
-        "predict_weights": args.predict_weights, "average_optimizer_state": args.average_optimizer_state,
+        "predict_weights": args.predict_weights, "extrapolate_gradients": args.extrapolate_gradients,
+        "average_optimizer_state": args.average_optimizer_state,
         "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
     }
     training["compress"] = {"pipeline": args.compress_pipeline, "ring": args.compress_ring}
+    training.update(precision=args.precision, clip_grad_norm=args.clip_grad_norm, eval_every=_eval_every(args),
+                    lr_schedule={"kind": args.lr_schedule, "warmup_steps": args.warmup_steps})
     return {"task": args.task, "seed": args.seed, "training": training,
             "timeouts": {"connect_s": 120.0, "ring_step_s": 30.0, "drain_s": 15.0},
             "broker": {"host": "127.0.0.1", "pub_port": next(ports), "router_port": next(ports),
@@ -143,7 +165,8 @@ class Swarm:
         plan = ["--plan", plan_path] if plan_path else []
         for node in topology["nodes"]:  # all ports before the first child: a taken one fails the demo at once
             self._listeners.hold(ports_of(self._served, node["name"]))
-        self.broker = self._start("broker", ["broker", "--topology", str(topo_path), *plan, *keys])
+        # every demo is a new run: checkpoints an earlier demo left in --checkpoint-dir are set aside, not loaded
+        self.broker = self._start("broker", ["broker", "--topology", str(topo_path), "--new-run", *plan, *keys])
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
         for node in topology["nodes"]:
             name = node["name"]

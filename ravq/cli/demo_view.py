@@ -135,6 +135,12 @@ class LiveView:
                           f"{n['staleness_mean']:.2f}", f"{n['bytes_sent'] / 1e6:.1f}",
                           f"{n['bytes_received'] / 1e6:.1f}")
         c.print(table)
+        if report.get("eval_loss"):
+            curve = report["eval_loss"]
+            shown = curve[:: max(1, len(curve) // 6)]
+            shown += [] if shown[-1] == curve[-1] else curve[-1:]
+            c.print("validation loss (held-out data, eval mode) at step: "
+                    + " -> ".join(f"{loss:.3f}@{step}" for step, loss in shown))
         if report.get("allreduce_rounds"):
             c.print(f"all-reduce: {report['allreduce_rounds']} rounds, mean {report['allreduce_seconds_mean']:.3f}s")
 
@@ -144,6 +150,15 @@ def _work_done(status: dict[str, Any] | None) -> int:
     members = (status or {}).get("members", {})
     return sum(int(st.get("forwards", 0)) + int(st.get("backwards", 0))
                for st in ((m.get("stats") or {}) for m in members.values()))
+
+
+def _cluster_mean_curve(histories: list[list[list[float]]]) -> list[list[float]]:
+    """[step, validation loss averaged over the clusters that evaluated at that step], by step."""
+    by_step: dict[int, list[float]] = {}
+    for history in histories:
+        for step, loss in history:
+            by_step.setdefault(int(step), []).append(loss)
+    return [[step, sum(v) / len(v)] for step, v in sorted(by_step.items())]
 
 
 def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, Any] | None:
@@ -165,6 +180,7 @@ def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, A
     train_wall = max(n["wall_s"] for n in nodes) or wall_s
     samples = sum(n["samples"] for n in lasts)
     initial = [n["loss_initial"] for n in lasts if n.get("loss_initial") is not None]
+    evals = [n["eval_history"] for n in lasts if n.get("eval_history")]
     final = [n["loss_recent"] for n in lasts if n.get("loss_recent") is not None]
     rounds = [n.get("allreduce_rounds", 0) for n in nodes]
     ar_means = [n["allreduce_seconds_mean"] for n in nodes if n.get("allreduce_seconds_mean")]
@@ -176,6 +192,7 @@ def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, A
         "train_seconds": train_wall, "clusters": len(per_cluster),
         "allreduce_rounds": min(rounds) if rounds else 0,
         "allreduce_seconds_mean": sum(ar_means) / len(ar_means) if ar_means else 0.0,
+        "eval_loss": _cluster_mean_curve(evals),
         "nodes": [{k: n.get(k) for k in ("name", "cluster", "stage", "busy_fraction", "staleness_mean",
                                           "bytes_sent", "bytes_received", "version", "samples",
                                           "allreduce_rounds", "allreduce_seconds_mean", "bad_messages",

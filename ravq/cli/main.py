@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from ravq.config import ClusterPlan, ConfigError, Plan, Topology, load_plan, load_topology
 
@@ -73,6 +75,9 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
+    if args.state_dir is not None:
+        broker = topology.broker.model_copy(update={"state_dir": args.state_dir})
+        topology = topology.model_copy(update={"broker": broker})
     plan = plan_for(topology, args.plan)
     metrics = Metrics("broker")
     metrics.set_role("broker")
@@ -85,7 +90,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
         opts = socket_options_for(topology, "broker", args.key_dir, metrics)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    run_broker(topology, plan, metrics, opts)
+    run_broker(topology, plan, metrics, opts, new_run=args.new_run)
     return 0
 
 
@@ -135,8 +140,17 @@ def _run_node(args: argparse.Namespace) -> int:
         return 1
     if failure:
         print(f"ravq node {args.name}: {failure}", file=sys.stderr)
-        return 1
-    return 0
+    _exit_now(1 if failure else 0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End a node that has written its checkpoint and summary, sent its last heartbeat and closed every
+    socket, without the interpreter's teardown: tearing torch and its thousands of objects down costs
+    about a CPU-second, which on a busy PC is several seconds of a `systemctl stop` (issue #27)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -250,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--topology", required=True)
     b.add_argument("--plan", help="plan YAML from `ravq plan` (default: the topology's clusters, even split)")
     b.add_argument("--key-dir", help="directory with broker.key_secret (CURVE)")
+    b.add_argument("--state-dir", help="where the run survives restarts (default: broker.state_dir)")
+    b.add_argument("--new-run", action="store_true",
+                   help="start a new training run instead of continuing the one in the state directory")
     b.set_defaults(func=cmd_broker)
 
     n = sub.add_parser("node", help="run one node")

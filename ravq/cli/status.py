@@ -84,16 +84,17 @@ def format_status(status: dict[str, Any]) -> str:
              + " | ".join(" -> ".join(c.get("nodes", [])) for c in clusters)]
     for c, cs in enumerate(status.get("clusters", [])):
         why = f": {cs['reason']}" if cs.get("reason") else ""
+        why += f" [{cs['note']}]" if cs.get("note") else ""
         lines.append(f"cluster {c}: {cs.get('state')} (generation {cs.get('generation', 0)}){why}")
     lines.append(f"{'node':<16}{'state':<12}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}"
-                 "  waiting")
+                 f"{'val':>8}  waiting")
     for name, m in sorted(status.get("members", {}).items()):
         st = m.get("stats") or {}
         where = f"{st.get('cluster', '?')}/{st.get('stage', '?')}"
         lines.append(f"{name:<16}{node_state(m):<12}{where:<6}{_num(st.get('version'), 'd', 8)}"
                      f"{_num(st.get('samples'), 'd', 9)}{_num(st.get('busy_fraction'), '.2f', 7)}"
                      f"{_num(st.get('staleness_mean'), '.2f', 7)}{_num(st.get('loss'), '.3f', 8)}"
-                     f"  {waiting_text(st)}")
+                     f"{_num(st.get('eval_loss'), '.3f', 8)}  {waiting_text(st)}")
         if st.get("failure"):
             lines.append(f"{'':<16}failure: {st['failure']}")
     lines += reach_lines(status)

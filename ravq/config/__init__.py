@@ -10,8 +10,10 @@
 from ravq.config.base import ConfigError
 from ravq.config.loading import load_plan, load_topology, parse_topology
 from ravq.config.plan import ClusterPlan, Plan
+from ravq.config.recipe import LRScheduleConfig
 from ravq.config.task import TASK_FUNCTIONS, resolve_task_module
 from ravq.config.topology import (
+    EXTRAPOLATE_GRADIENTS,
     PREDICT_WEIGHTS,
     BrokerConfig,
     CompressConfig,
@@ -25,12 +27,14 @@ from ravq.config.topology import (
 )
 
 __all__ = [
+    "EXTRAPOLATE_GRADIENTS",
     "PREDICT_WEIGHTS",
     "TASK_FUNCTIONS",
     "BrokerConfig",
     "ClusterPlan",
     "CompressConfig",
     "ConfigError",
+    "LRScheduleConfig",
     "LimitConfig",
     "NodeConfig",
     "Plan",

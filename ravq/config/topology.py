@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ravq.config.base import ConfigError, UserModel
+from ravq.config.recipe import LRScheduleConfig
 
 Port = int
 
@@ -24,6 +25,9 @@ def _check_port(value: int) -> int:
 
 PREDICT_WEIGHTS = 2.0
 """Default horizon factor of weight prediction (measured on the demo task: bench_convergence.py)."""
+
+EXTRAPOLATE_GRADIENTS = 2.0
+"""Default delay compensation (ravq.stage.delay; measured in docs/convergence.md)."""
 
 
 class CompressConfig(UserModel):
@@ -56,6 +60,11 @@ class TrainingConfig(UserModel):
     by this many times its measured staleness, so the gradient is taken near the weights it is applied
     to.  0 runs forwards at the current weights (plain weight stashing).  No effect without staleness
     (max_inflight 1).  The last update is not checkpointed, so with staleness a resume is not bit-exact."""
+    extrapolate_gradients: float = Field(EXTRAPOLATE_GRADIENTS, ge=0, le=8)
+    """Delay compensation: a stale update hands the optimizer its gradient extrapolated by this many
+    times its staleness along the change since the stage's previous update (``ravq.stage.delay``); without
+    it Adam with one step of delay stalled a small GPT-2 at the unigram plateau.  0 turns it off.  No
+    effect without staleness (max_inflight 1)."""
     sync_every: int = Field(10, ge=1)
     """Optimizer steps between parameter averages across clusters."""
     overlap_averaging: bool = True
@@ -78,12 +87,26 @@ class TrainingConfig(UserModel):
     """Directory for stage checkpoints; None disables checkpoints."""
     ring_chunk_bytes: int = Field(4 << 20, ge=1024)
     """Piece size in which ring all-reduce streams a chunk."""
-    resume: bool = False
-    """Resume every stage from the newest checkpoint in checkpoint_dir."""
+    resume: bool | None = None
+    """Deprecated and ignored: every node resumes from the newest checkpoint of the broker's run in
+    checkpoint_dir (a restart never starts from the seed); a new run is started with `ravq broker
+    --new-run` or a new checkpoint directory.  Setting it logs a warning."""
     log_every: int = Field(50, ge=1)
     """Optimizer steps between a node's progress lines at INFO (loss, samples/s, staleness, waits)."""
     compress: CompressConfig = CompressConfig()
     """Compression of pipeline and ring traffic (fewer bytes on slow links)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast of forwards and the loss on the stage's device (weights and optimizer state stay fp32):
+    bf16, or fp16 with a dynamic loss scale the cluster's stages agree on (docs/training.md)."""
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()
+    """Learning-rate schedule, stepped by the cluster's optimizer step on every stage alike."""
+    clip_grad_norm: float | None = Field(None, gt=0)
+    """Clip each optimizer step's gradient to this global norm (over all stages of the cluster; the stages
+    exchange their squared norms along the pipeline).  None: no clipping."""
+    eval_every: int = Field(0, ge=0)
+    """Optimizer steps between evaluations over the task's eval_batches; 0: never."""
+    eval_batches: int = Field(8, ge=1)
+    """Micro-batches of held-out data per evaluation."""
 
 
 class TimeoutConfig(UserModel):
@@ -144,6 +167,10 @@ class BrokerConfig(UserModel):
     relay_port: Port | None = None
     """The broker's PC also relays (``ravq.net.relay``) on this port, as the relay named ``broker`` (with
     the broker's key): traffic between two nodes behind NAT goes through it.  None: no relay here."""
+    state_dir: str | None = None
+    """Directory where the broker keeps the training run (its id, plan epoch and membership), so that a
+    restarted broker continues the same run and every node resumes from that run's checkpoints
+    (``brokers.run``).  None: the run lasts as long as the broker process (a restart starts a new one)."""
 
     _ports = field_validator("pub_port", "router_port", "metrics_port", "relay_port")(
         lambda v: v if v is None else _check_port(v)

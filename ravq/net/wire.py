@@ -96,7 +96,7 @@ REQUIRED_META: dict[MsgType, dict[str, type | tuple[type, ...]]] = {
     MsgType.UPDATE: {"seq": int},
     MsgType.SNAPSHOT: {"seq": int},
 }
-_NEEDS_MICRO_BATCH = (MsgType.FORWARD, MsgType.BACKWARD, MsgType.TIED)
+NEEDS_MICRO_BATCH = (MsgType.FORWARD, MsgType.BACKWARD, MsgType.TIED)
 _MSG_TYPES: dict[str, MsgType] = {t.value: t for t in MsgType}  # MsgType(value) costs 10x a lookup
 _MAX_DIMS = 16
 
@@ -278,7 +278,7 @@ def decode(frames: Sequence[Any], limits: DecodeLimits = DecodeLimits()) -> Mess
         raise WireError("bad_field", "sender")
     mb = _field(header, "mb", list, nullable=True)
     if mb is None:
-        if mtype in _NEEDS_MICRO_BATCH:
+        if mtype in NEEDS_MICRO_BATCH:
             raise WireError("missing_field", "mb")
     elif len(mb) != 2 or type(mb[0]) is not int or type(mb[1]) is not int or mb[0] < 0 or mb[1] < 0:
         raise WireError("bad_field", "mb")

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ravq.planner import BlockProfile
 from ravq.stage.materialize import materialize
 from ravq.stage.meta import build_meta_model, retarget_device
+from ravq.stage.recipe import build_optimizer
 from ravq.stage.split import StageSpec, candidate_cuts, model_output, split_model
 
 
@@ -101,6 +102,7 @@ def _measure(spec: StageSpec, args: list[torch.Tensor], loss_fn: Any, targets: A
     module = spec.module
     leaves = [a.detach().requires_grad_(a.is_floating_point() and ref.stage >= 0)
               for a, ref in zip(args, spec.received)]
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
     params = [p for p in module.parameters() if p.requires_grad]
     own = {p.untyped_storage().data_ptr() for p in module.parameters()}
     saved: dict[int, int] = {}
@@ -125,17 +127,18 @@ def _measure(spec: StageSpec, args: list[torch.Tensor], loss_fn: Any, targets: A
             grads = ()
     return _Measured(outputs=out, fwd_flops=float(fwd.get_total_flops()), bwd_flops=float(bwd.get_total_flops()),
                      saved_bytes=sum(saved.values()),
-                     optimizer_bytes=_optimizer_bytes(make_optimizer, params, grads) if make_optimizer else 0)
+                     optimizer_bytes=_optimizer_bytes(make_optimizer, names, params, grads) if make_optimizer else 0)
 
 
-def _optimizer_bytes(make_optimizer: Any, params: list[nn.Parameter], grads: Sequence[Any]) -> int:
-    """State the task's optimizer keeps for these parameters after one step (on copies)."""
+def _optimizer_bytes(make_optimizer: Any, names: list[str], params: list[nn.Parameter], grads: Sequence[Any]) -> int:
+    """State the task's optimizer keeps for these parameters after one step (on copies; a
+    ``make_optimizer(named_params)`` gets their names)."""
     if not params:
         return 0
     copies = [nn.Parameter(p.detach().clone()) for p in params]
     for c, g in zip(copies, grads):
         c.grad = torch.zeros_like(c) if g is None else g.detach().clone()
-    optimizer = make_optimizer(iter(copies))
+    optimizer = build_optimizer(make_optimizer, dict(zip(names, copies)))
     optimizer.step()
     return sum(_nbytes(v) for s in optimizer.state.values() for v in s.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0)

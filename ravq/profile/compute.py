@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ravq.stage.recipe import build_optimizer
+
 log = logging.getLogger(__name__)
 
 MEMORY_HEADROOM = 0.1
@@ -52,7 +54,8 @@ def _training_step(task: Any, micro_batch: int, device: str, optimizer: bool) ->
 
     torch.manual_seed(0)
     params, forward = training_step_target(task, micro_batch, device, usable_memory_bytes(device) // 2)
-    update = task.make_optimizer(iter(params)) if optimizer else None
+    # a make_optimizer(named_params) gets placeholder names here: only the optimizer's cost is measured
+    update = build_optimizer(task.make_optimizer, {str(i): p for i, p in enumerate(params)}) if optimizer else None
 
     def forward_backward() -> None:
         for p in params:

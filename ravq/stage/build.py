@@ -22,10 +22,11 @@ from ravq.config import TrainingConfig
 from ravq.metrics import Metrics
 from ravq.net.compress import Format
 from ravq.net.limits import largest_inbound_frame
-from ravq.stage import checkpoint
+from ravq.stage import checkpoint, evaluate
 from ravq.stage.materialize import materialize
 from ravq.stage.meta import build_meta_model, retarget_device
 from ravq.stage.pipeline import StageWorker
+from ravq.stage.recipe import recipe_options
 from ravq.stage.split import StageSpec, build_task_model, split_model, stage_input_specs
 from ravq.stage.tensors import model_input_needs
 from ravq.stage.tied_step import tied_meta
@@ -52,13 +53,17 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
     options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
-                           compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block)
+                           extrapolate_gradients=training.extrapolate_gradients,
+                           compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block,
+                           recipe=recipe_options(task, training, seed))
     batches = iter(task.train_batches(training.micro_batch, cluster, clusters, seed)) if stage == 0 else None
     _, target_example = next(iter(task.train_batches(training.micro_batch, 0, 1, seed)))
     worker = StageWorker(specs[stage], len(specs), task.make_optimizer, task.loss_fn, options,
                          device=device, batches=batches, cluster=cluster, metrics=metrics,
                          model_input_needs=model_input_needs(specs), input_specs=in_specs[stage],
                          target_example=target_example)
+    if training.eval_every:  # an eval-mode graph of this stage, sharing its weights (ravq.stage.evaluate)
+        evaluate.attach(worker, evaluate.eval_stage_module(task, seed, example, cuts, stage, worker.module))
     return BuiltStage(worker=worker, model=model, stage_names=[list(s.module.state_dict().keys()) for s in specs],
                       largest_frame=largest_inbound_frame(specs, in_specs, stage, target_example))
 
@@ -86,16 +91,18 @@ def _traced(task: Any, seed: int, example: tuple[Any, ...], cuts: list[str], sta
     return model, specs, in_specs
 
 
-def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_every: int, name: str) -> str | None:
-    """Load the stage's newest checkpoint into ``worker``; the run id it belongs to, or None if none."""
+def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_every: int, name: str,
+           run_id: str | None = None, version: int | None = None) -> str | None:
+    """Load the stage's newest checkpoint (of ``run_id``, at ``version``, when given) into ``worker``; the
+    run id it belongs to, or None if none."""
     try:
-        ckpt = checkpoint.load_stage(root, cluster, stage)
+        ckpt = checkpoint.load_stage(root, cluster, stage, run_id, version)
     except (FileNotFoundError, ValueError) as err:
         log.info("%s: no checkpoint to resume from (%s); starting from the seed", name, err)
         return None
     worker.module.load_state_dict(ckpt.model)
-    checkpoint.restore_optimizer(worker.optimizer, list(worker.params), ckpt.optimizer["tensors"],
-                                 ckpt.optimizer["rest"])
+    checkpoint.restore_optimizer(worker.optimizer, checkpoint.optimizer_names(worker.optimizer, worker.params),
+                                 ckpt.optimizer["tensors"], ckpt.optimizer["rest"])
     worker.version = ckpt.meta["version"]
     # count the micro-batches already trained towards training.steps
     done = ckpt.meta.get("trained", worker.version * update_every)
@@ -110,7 +117,7 @@ def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_e
 
 
 def save(worker: StageWorker, root: str, *, cluster: int, stage: int, node: str, run_id: str | None,
-         cluster_nodes: list[str]) -> None:
+         cluster_nodes: list[str], extra: dict[str, Any] | None = None) -> None:
     """Write this stage's checkpoint (in the compute thread, or after it ended)."""
     first = worker.is_first
     checkpoint.save_stage(root, cluster=cluster, stage=stage, num_stages=worker.num_stages, node=node,
@@ -118,4 +125,4 @@ def save(worker: StageWorker, root: str, *, cluster: int, stage: int, node: str,
                           data_position=worker.trained_prefix if first else 0, run_id=run_id,
                           cluster_nodes=cluster_nodes,
                           extra={"trained": worker.trained_prefix if first else worker.trained,
-                                 "tied": tied_meta(worker.tied)})
+                                 "tied": tied_meta(worker.tied), **(extra or {})})

@@ -117,6 +117,13 @@ def _read_meta(path: Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) and isinstance(meta.get("checkpoint_id"), str) else None
 
 
+def optimizer_names(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> list[str]:
+    """Parameter names in the optimizer's own order: its state dict numbers parameters group by group,
+    which is not the module's order once a task builds groups (e.g. no weight decay on biases)."""
+    name_of = {id(p): n for n, p in params.items()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor],
                                                                                      dict[str, Any]]:
     """Split an optimizer's state into named tensors and JSON-able rest (param indices -> names)."""
@@ -155,7 +162,7 @@ def save_stage(root: str | Path, *, cluster: int, stage: int, num_stages: int, n
     """Write one stage's checkpoint (the previous one is kept as ``.prev``); returns the JSON path."""
     files = _Files.of(Path(root), cluster, stage)
     files.tensors.parent.mkdir(parents=True, exist_ok=True)
-    names = [n for n, _ in module.named_parameters()]
+    names = optimizer_names(optimizer, dict(module.named_parameters()))
     # written tensor by tensor from the live state (this runs in the compute thread, or after it ended):
     # no copy of the stage or of its optimizer state
     tensors = {f"model.{k}": v for k, v in module.state_dict().items()}
@@ -223,6 +230,39 @@ def _candidates(files: _Files) -> list[dict[str, Any]]:
     return sorted(metas, key=lambda m: (m.get("version", -1), m.get("written_at", 0.0)), reverse=True)
 
 
+def stage_metas(root: str | Path, cluster: int, stage: int) -> list[dict[str, Any]]:
+    """The JSON halves of a stage's checkpoints (current and previous), newest first; not verified."""
+    return _candidates(_Files.of(Path(root), cluster, stage))
+
+
+def set_aside(root: str | Path, cluster: int, stage: int, run_id: str) -> list[Path]:
+    """Move this stage's checkpoint files of runs other than ``run_id`` into ``cluster{c}/run-{RUN}/``
+    (never loaded, never deleted); returns where they went."""
+    files = _Files.of(Path(root), cluster, stage)
+    moved = []
+    for path in (files.meta, files.prev_meta, files.tensors, files.prev_tensors):
+        run = _file_run(path)
+        if run is None or run == run_id:
+            continue
+        target = path.parent / f"run-{run or 'unknown'}" / path.name
+        target.parent.mkdir(exist_ok=True)
+        os.replace(path, target)
+        moved.append(target)
+    return moved
+
+
+def _file_run(path: Path) -> str | None:
+    """The run a checkpoint file belongs to ("" for one written without a run id); None: no such file,
+    or not readable as ours."""
+    if path.suffix == ".json":
+        meta = _read_meta(path)
+        return None if meta is None else str(meta.get("run_id") or "")
+    if not path.exists() or _tensor_file_id(path) is None:
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("run_id", "")
+
+
 def _check_pair(files: _Files, meta: dict[str, Any]) -> tuple[Path | None, str]:
     """The tensor file that belongs to ``meta`` and checks out, or None and why not."""
     if meta.get("format") != FORMAT:
@@ -240,12 +280,15 @@ def _check_pair(files: _Files, meta: dict[str, Any]) -> tuple[Path | None, str]:
     return None, reason
 
 
-def select_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None) -> tuple[dict[str, Any], Path]:
-    """The JSON and tensor file of a stage's newest checkpoint that checks out (of ``run_id`` if given)."""
+def select_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None,
+                 version: int | None = None) -> tuple[dict[str, Any], Path]:
+    """The JSON and tensor file of a stage's newest checkpoint that checks out (of ``run_id`` and at
+    ``version`` if given)."""
     files = _Files.of(Path(root), cluster, stage)
-    metas = [m for m in _candidates(files) if run_id is None or m.get("run_id") == run_id]
+    metas = [m for m in _candidates(files) if (run_id is None or m.get("run_id") == run_id)
+             and (version is None or m.get("version") == version)]
     if not metas:
-        run = f" of run {run_id}" if run_id else ""
+        run = (f" of run {run_id}" if run_id else "") + (f" at version {version}" if version is not None else "")
         raise FileNotFoundError(f"no checkpoint{run} for cluster {cluster} stage {stage} in {root}")
     problems = []
     for meta in metas:
@@ -260,9 +303,11 @@ def select_stage(root: str | Path, cluster: int, stage: int, run_id: str | None 
     raise CheckpointError(f"cluster {cluster} stage {stage} in {root}: no usable checkpoint ({'; '.join(problems)})")
 
 
-def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None) -> StageCheckpoint:
-    """The newest checkpoint of a stage whose JSON and tensors check out (of ``run_id`` if given)."""
-    meta, path = select_stage(root, cluster, stage, run_id)
+def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None,
+               version: int | None = None) -> StageCheckpoint:
+    """The newest checkpoint of a stage whose JSON and tensors check out (of ``run_id`` and at ``version``
+    if given)."""
+    meta, path = select_stage(root, cluster, stage, run_id, version)
     tensors = load_file(str(path))
     model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
     optim = {k: v for k, v in tensors.items() if k.startswith("optim.")}

@@ -1,7 +1,8 @@
 """``ravq export``: one cluster's stage checkpoints as one model, written a tensor at a time.
 
-Every stage 0..n-1 must be there, from the same run (``run_id``, or the run of the newest stage) and
-agree on n; otherwise ``CheckpointError`` names the missing stages and their nodes, or the runs.  The
+Every stage 0..n-1 must be there, from the same run (``run_id``, or the run of the newest stage), agree
+on n and have coexisted (the newest such set is taken); otherwise ``CheckpointError`` names the missing
+stages and their nodes, the runs, or each stage's versions.  The
 stages are read lazily (safetensors' ``safe_open``) and written by ``write_safetensors``: the PC that
 exports holds one tensor at a time, never the model.
 
@@ -24,7 +25,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ravq.stage.checkpoint import CheckpointError, newest_run, runs_of, select_stage, stages_found
+from ravq.stage import lineage
+from ravq.stage.checkpoint import (
+    CheckpointError,
+    newest_run,
+    runs_of,
+    select_stage,
+    stage_metas,
+    stages_found,
+)
 from ravq.stage.safetensors_io import NAMES, Entry, write_safetensors
 
 
@@ -98,7 +107,26 @@ def _stages(root: Path, cluster: int, run_id: str | None) -> tuple[list[dict[str
         raise CheckpointError(f"{cdir}: cluster {cluster} has {num_stages} stages; run {run_id} lacks {what}. "
                               f"Copy each missing stage's {cdir.name}/stageN.* from the PC that trained it "
                               "(or pass --run-id)")
+    chosen = _coexisting(root, cluster, run_id, chosen)
     return [chosen[s][0] for s in range(num_stages)], [chosen[s][1] for s in range(num_stages)]
+
+
+def _coexisting(root: Path, cluster: int, run_id: str | None,
+                newest: dict[int, tuple[dict[str, Any], Path]]) -> dict[int, tuple[dict[str, Any], Path]]:
+    """The newest checkpoint of every stage such that all of them coexisted (``ravq.stage.lineage``: a
+    power cut between two stages' saves leaves one a save ahead); one line naming each stage's
+    checkpoints when none did."""
+    stages = sorted(newest)
+    if lineage.coexisted([lineage.Point.of(newest[s][0]) for s in stages]):
+        return newest
+    metas = [[m for m in stage_metas(root, cluster, s) if m.get("run_id") == run_id] for s in stages]
+    points = [[lineage.Point.of(m) for m in ms] for ms in metas]
+    choice = lineage.consistent_choice(points)
+    if choice is None:
+        raise CheckpointError(f"{root / f'cluster{cluster}'}: the stages of run {run_id} hold versions that "
+                              f"never coexisted ({lineage.describe(points)}); export each stage's own PC's "
+                              "newest checkpoints together, or train on until every stage saves again")
+    return {s: select_stage(root, cluster, s, run_id, metas[i][choice[i]]["version"]) for i, s in enumerate(stages)}
 
 
 def _sources(paths: list[Path]) -> dict[str, list[_Source]]:

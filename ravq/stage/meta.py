@@ -103,6 +103,15 @@ def retarget_device(module: nn.Module, old: torch.device | str, new: torch.devic
     """Rewrite the ``device`` that tracing baked into a stage graph's ops (``torch.arange(t, device=x.device)``
     traced on ``meta`` makes meta tensors) from ``old`` to ``new``; returns how many ops changed."""
     old, new = torch.device(old), torch.device(new)
+
+    swapped = [0]
+
+    def swap(value: Any) -> Any:  # positional (aten.to.device) or keyword (arange, _to_copy) devices alike
+        if isinstance(value, torch.device) and value == old:
+            swapped[0] += 1
+            return new
+        return value
+
     changed = 0
     for sub in module.modules():
         gm = getattr(sub, "graph_module", sub)  # torch's InterpreterModule keeps its graph there
@@ -111,9 +120,12 @@ def retarget_device(module: nn.Module, old: torch.device | str, new: torch.devic
             continue
         count = 0
         for node in graph.nodes:
-            if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
-                    and node.kwargs["device"] == old:
-                node.update_kwarg("device", new)
+            if node.op != "call_function":
+                continue
+            before = swapped[0]
+            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), swap)
+            if swapped[0] > before:
+                node.args, node.kwargs = args, kwargs
                 count += 1
         if count:
             gm.recompile()

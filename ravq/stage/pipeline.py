@@ -1,12 +1,11 @@
 """The asynchronous stage: one stage's weights, forwards, backwards and updates, and its control surface.
 
-No sockets here.  A ``StageWorker`` owns one stage's weights and optimizer and runs in the node's
-single compute thread.  The event loop hands it arrivals with ``deliver``; it hands back what must
-be sent through an ``emit`` callback.  Stage 0 reads the data and holds the credits that bound the
-micro-batches in flight (``max_inflight``), which bounds both stashed memory and staleness.  Its parts:
-``ravq.stage.schedule`` picks the next work (backward before forward), forwards run at stashed weights
-(``ravq.stage.stash``), messages' tensors are named and checked as ``ravq.stage.tensors`` says, and
-``ravq.stage.stats`` counts the work.
+No sockets here.  A ``StageWorker`` owns one stage's weights and optimizer and runs in the node's single compute
+thread.  The event loop hands it arrivals with ``deliver``; it hands back what must be sent through an ``emit``
+callback.  Stage 0 reads the data and holds the credits that bound the micro-batches in flight (``max_inflight``),
+which bounds both stashed memory and staleness.  Its parts: ``ravq.stage.schedule`` picks the next work (backward
+before forward), forwards run at stashed weights (``ravq.stage.stash``), messages' tensors are named and checked as
+``ravq.stage.tensors`` says, ``ravq.stage.stats`` counts the work, ``ravq.stage.recipe`` does the rest of training.
 
 Churn: a micro-batch is named by its index in stage 0's data, and every message carries the cluster
 *generation* it belongs to.  When a member of the cluster is lost, every stage ``pause``s and
@@ -29,6 +28,8 @@ from torch.func import functional_call
 
 from ravq.net import compress
 from ravq.net.compress import Packed
+from ravq.stage.arrivals import deliver
+from ravq.stage.recipe import Recipe, build_optimizer
 from ravq.stage.schedule import Scheduler
 from ravq.stage.split import StageSpec, model_output
 from ravq.stage.stash import GradientSum, Stashed, WeightStash, fresh_buffers
@@ -36,7 +37,6 @@ from ravq.stage.stats import StageStats
 from ravq.stage.tensors import (
     Parts,
     data_for,
-    expected_backward,
     expected_forward,
     forward_sources,
     gather_inputs,
@@ -69,7 +69,7 @@ class StageWorker:
         self.module = spec.module.to(self.device)
         self.params: dict[str, nn.Parameter] = dict(self.module.named_parameters())
         self.buffers: dict[str, torch.Tensor] = dict(self.module.named_buffers())
-        self.optimizer = optimizer_factory(self.params.values())
+        self.optimizer = build_optimizer(optimizer_factory, self.params)
         self.loss_fn, self.batches, self.cluster, self.metrics = loss_fn, batches, cluster, metrics
         self.is_first, self.is_last = spec.index == 0, spec.index == num_stages - 1
         self.model_input_needs = model_input_needs or {}
@@ -86,7 +86,7 @@ class StageWorker:
         self._inflight_data: dict[MicroBatch, Any] = {}
         """Stage 0: the batch of each micro-batch in flight, to re-queue it if the pause drops it."""
         self.stats = StageStats(clock=clock)
-        self.forward_weights = WeightStash(self.params)
+        self.forward_weights = WeightStash(self.params, options.extrapolate_gradients * (options.max_inflight > 1))
         self._stash: dict[MicroBatch, Stashed] = {}
         self._grads = GradientSum(self.params, options.update_every)
         self._fwd_sources = forward_sources(spec, num_stages)
@@ -99,9 +99,9 @@ class StageWorker:
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
         self._raw_output: Any = None
         self.tied = TiedExchange(spec.index, spec.tied, dict(self.module.named_parameters(remove_duplicate=False)),
-                                 options.max_inflight) if spec.tied else None
-        """This stage's copies of weights tied with other stages (``ravq.stage.tied_step``), if any."""
+                                 options.max_inflight) if spec.tied else None  # copies of tied weights (tied_step)
         self._emit: Emit = lambda out: None
+        self.recipe = Recipe(self)  # LR schedule, precision, clipping, evaluation, metrics (ravq.stage.recipe)
 
     @property
     def paused(self) -> bool:
@@ -122,21 +122,11 @@ class StageWorker:
 
     # ----------------------------------------------------------------- called from the event loop
     def deliver(self, kind: str, micro_batch: MicroBatch, source: int,
-                tensors: dict[str, torch.Tensor | Packed]) -> str | None:
-        """Hand over an arrived message.  Returns None if accepted, else why it was refused (the
-        caller counts and drops it): nothing unexpected ever reaches torch.  A packed tensor is checked
-        by the shape and dtype it restores to (its descriptor's, sizes verified by ``ravq.net.wire``) and
-        restored in the compute thread."""
+                tensors: dict[str, torch.Tensor | Packed], meta: dict[str, Any] | None = None) -> str | None:
+        """An arrived message and its header ``meta`` (``ravq.stage.arrivals``): None if queued, else why not."""
         if kind == "tied":
             return deliver_tied(self, micro_batch, source, tensors)
-        with self._sched.cond:
-            if kind == "fwd":
-                known = micro_batch not in self._stash and micro_batch[0] == self.cluster
-                expected = self._expected_fwd.get(source, {}) if known else None
-            else:
-                stash = self._stash.get(micro_batch)
-                expected = None if stash is None else expected_backward(self.spec, stash.outputs, source)
-            return self._sched.put(kind, micro_batch, source, tensors, expected)
+        return deliver(self, kind, micro_batch, source, tensors, meta or {})
 
     def submit(self, fn: Callable[[StageWorker], None]) -> None:
         """Run ``fn(self)`` in the compute thread before any further forward or backward."""
@@ -175,6 +165,7 @@ class StageWorker:
             self.stats.inflight = 0
             if self.tied is not None:
                 self.tied.reset()
+            self.recipe.forget_in_flight()
         return dropped
 
     def resume(self, trained: int) -> None:
@@ -221,11 +212,14 @@ class StageWorker:
                     self._run_first_forward(emit)
                 elif kind == "bwd":
                     self._run_backward(arg[0], arg[1], emit)
+                elif kind == "eval":
+                    self.recipe.evaluator.run(self, arg[0], arg[1], emit)
                 else:
                     self._run_forward(arg[0], arg[1], emit)
             self._flush_update()
             if self.tied is not None:  # the copies end equal: every tied step this stage took part in is applied
                 apply_tied(self, wait=lambda: not self.tied.settled())  # type: ignore[union-attr]
+            self.recipe.finish(self)
         finally:
             with self._sched.cond:
                 self._sched.running = False
@@ -254,7 +248,7 @@ class StageWorker:
     def finished(self) -> bool:
         """``steps`` micro-batches trained here (later stages: and stage 0 finished), or stopped and drained."""
         done = self.trained >= self.options.steps and (self.is_first or self.cluster_done())
-        return done or (self._sched.stopping and not self._stash)
+        return (done or (self._sched.stopping and not self._stash)) and not self.recipe.unfinished(self)
 
     def idle_reason(self) -> str | None:
         """A wait now is for "credits" (stage 0 at ``max_inflight``) or "input"; None before training starts."""
@@ -273,7 +267,7 @@ class StageWorker:
         weights = self.forward_weights.weights(self.version, self.options.predict_weights)
         leaves = [x.detach().to(self.device).requires_grad_(x.is_floating_point() and ref.stage >= 0)
                   for x, ref in zip(inputs, self.spec.received)]
-        with torch.enable_grad():
+        with torch.enable_grad(), self.recipe.autocast():
             out = functional_call(self.module, {**weights, **self.buffers}, tuple(leaves[: len(self.spec.inputs)]))
         self._raw_output = out if self.is_last else None
         outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -331,7 +325,8 @@ class StageWorker:
         self._account("forward", t0)
         for dest, extra in data.items():
             tensors = {f"o{i}": outputs[i].detach() for i, users in self.spec.consumers.items() if dest in users}
-            emit(Outbound("fwd", dest, mb, self.version, {**self._pack(tensors), **extra}, self.generation))
+            emit(Outbound("fwd", dest, mb, self.version, {**self._pack(tensors), **extra}, self.generation,
+                          self.recipe.forward_meta()))
 
     def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any, emit: Emit) -> None:
         t0 = self.clock()
@@ -340,12 +335,12 @@ class StageWorker:
         out = model_output(self.spec, self._raw_output, stash.inputs)
         self._raw_output = None
         targets = to_device(targets, self.device)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.recipe.autocast():
             loss = self.loss_fn(out, targets)
         self._account("forward", t0)
         self.stats.record_loss(float(loss.detach()), self.metrics)
         t1 = self.clock()
-        self._backward_from(mb, stash, [loss], [None], emit)
+        self._backward_from(mb, stash, [self.recipe.after_loss(self, mb, loss, out, targets)], [None], emit)
         self._account("backward", t1)
 
     def _run_backward(self, mb: MicroBatch, parts: Parts, emit: Emit) -> None:
@@ -359,6 +354,7 @@ class StageWorker:
     def _backward_from(self, mb: MicroBatch, stash: Stashed, roots: list[torch.Tensor],
                        root_grads: list[torch.Tensor | None], emit: Emit) -> None:
         weight_grads, grad_of = stash.gradients(roots, root_grads)
+        weight_grads, scale = self.recipe.unscale(mb, weight_grads)
         del self._stash[mb]
         if self._inflight_data.pop(mb, None) is not None:
             self.stats.record_completed(mb[1])
@@ -366,23 +362,27 @@ class StageWorker:
         due = self._grads.add(weight_grads, stash.version)
         if due and self.tied is not None:  # before the input-gradients: upstream holders need it first
             self.tied.contribute(lambda *a: send_tied(self, *a))
+        meta = self.recipe.backward_meta(self, mb, due, scale)
         for producer, tensors in input_grads(self.spec, stash.inputs, grad_of).items():
-            emit(Outbound("bwd", producer, mb, self.version, self._pack(tensors), self.generation))
+            emit(Outbound("bwd", producer, mb, self.version, self._pack(tensors), self.generation, meta))
         self.stats.record_backward(self.options.micro_batch, self.metrics)
         self.trained += 1
         if due:
-            self._step()
+            self.recipe.step(self)
 
-    def _step(self) -> None:
-        for used in self._grads.take_versions():
+    def _step(self, versions: list[int] | None = None, skip: bool = False) -> None:  # skip: fp16 overflow
+        for used in self._grads.take_versions() if versions is None else versions:
             staleness = self.version - used  # updates applied since this micro-batch's forward
             self.stats.record_staleness(staleness, self.metrics)
             self.forward_weights.recent_staleness.append(staleness)
-        self.forward_weights.step(self.optimizer, self.options.predict_weights, in_flight=bool(self._stash))
+        self.recipe.before_step(self)
+        if not skip:
+            self.forward_weights.step(self.optimizer, self.options.predict_weights, in_flight=bool(self._stash))
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         if self.tied is not None:
             apply_tied(self, wait=lambda: self.tied.primary_behind())  # type: ignore[union-attr]
+        self.recipe.after_step(self)
         self.stats.record_update(self.version, self.metrics)
         if self.on_update is not None:
             self.on_update(self)

@@ -46,7 +46,7 @@ class Schedulable(Protocol):
 
 
 Work = tuple[str, Any]
-"""("control", fn), ("bwd", (micro_batch, parts)), ("fwd", (micro_batch, parts)) or ("start", None)."""
+"""("control", fn), ("bwd" | "eval" | "fwd", (micro_batch, parts)) or ("start", None)."""
 
 
 class Scheduler:
@@ -58,9 +58,9 @@ class Scheduler:
         self.cond = threading.Condition()
         self.clock = clock
         """Seconds, monotonic: what an idle wait is timed on (the stage's clock)."""
-        self.sources = {"fwd": forward_sources, "bwd": backward_sources}
+        self.sources = {"fwd": forward_sources, "bwd": backward_sources, "eval": forward_sources}
         self.parts: dict[str, OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor | Packed]]]] = {
-            "fwd": OrderedDict(), "bwd": OrderedDict()}
+            "fwd": OrderedDict(), "bwd": OrderedDict(), "eval": OrderedDict()}
         self.limit = limit
         """Micro-batches with parts waiting, per direction, beyond which arrivals are refused."""
         self.control: list[Callable[[Any], None]] = []
@@ -81,7 +81,7 @@ class Scheduler:
             return "duplicate"
         if expected is None:
             return "unexpected_micro_batch"
-        reason = check_tensors(tensors, expected, exact=kind == "fwd")
+        reason = check_tensors(tensors, expected, exact=kind != "bwd")
         if reason is not None:
             return reason
         if len(parts) >= self.limit:
@@ -98,6 +98,11 @@ class Scheduler:
                 return mb, self.parts[kind].pop(mb)
         return None
 
+    def has_ready(self) -> bool:
+        """Whether a micro-batch has every part in, in either direction."""
+        with self.cond:
+            return any(len(got) == len(self.sources[kind]) for kind in ("bwd", "fwd") for got in self.parts[kind].values())
+
     def next(self, stage: Schedulable, should_abort: Callable[[], bool]) -> Work | None:
         """Wait for the next work; None when there is none left (finished, stopped, or giving up)."""
         with self.cond:
@@ -111,8 +116,8 @@ class Scheduler:
                         return None
                     self.cond.wait(timeout=WAIT_S)
                     continue
-                for kind in ("bwd", "fwd"):
-                    ready = self.pop_ready(kind) if kind == "bwd" or stage.may_forward() else None
+                for kind in ("bwd", "eval", "fwd"):  # eval micro-batches hold no credit: never park them
+                    ready = self.pop_ready(kind) if kind != "fwd" or stage.may_forward() else None
                     if ready is not None:
                         return kind, ready
                 if stage.may_start():

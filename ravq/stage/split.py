@@ -318,6 +318,7 @@ def build_task_model(task: Any, seed: int) -> nn.Module:
 
     blueprint = build_meta_model(task, seed)
     materialize(blueprint.model, task, seed)
+    torch.manual_seed(seed)  # what comes next (a reference's dropout) is reproducible, as it always was
     return blueprint.model
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ravq.stage.delay import GradientExtrapolation
+
 PREDICTION_WINDOW = 64
 """Backwards whose mean staleness sets how far ``predict_weights`` extrapolates."""
 
@@ -52,8 +54,10 @@ class WeightStash:
     """The weights of a stage's forwards, one snapshot per version, and what predicting them needs: the
     last update and the staleness of recent backwards."""
 
-    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+    def __init__(self, params: dict[str, nn.Parameter], extrapolate: float = 0.0) -> None:
         self.params = params
+        self.extrapolation = GradientExtrapolation(params, extrapolate)
+        """Delay compensation of each update's gradient (``extrapolate_gradients``; ``ravq.stage.delay``)."""
         self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self.aliased = False
         """Whether the snapshot's tensors are the live weights' storage (see ``before_change``)."""
@@ -109,8 +113,11 @@ class WeightStash:
         return predict * sum(recent) / len(recent)
 
     def step(self, optimizer: torch.optim.Optimizer, predict: float, in_flight: bool) -> None:
-        """``optimizer.step()``, keeping the update it made when the next forwards extrapolate along it."""
+        """``optimizer.step()``, keeping the update it made when the next forwards extrapolate along it; the
+        gradient is first extrapolated by the mean recent staleness (two forwards may share a version)."""
         self.before_change(in_flight)
+        if self.recent_staleness:
+            self.extrapolation.apply(sum(self.recent_staleness) / len(self.recent_staleness))
         if self.prediction_steps(predict) > 0:
             with torch.no_grad():
                 before = {n: p.detach().clone() for n, p in self.params.items()}
@@ -126,6 +133,7 @@ class WeightStash:
         self.aliased = False
         self.last_update = None
         self.recent_staleness.clear()
+        self.extrapolation.forget()
 
 
 class GradientSum:

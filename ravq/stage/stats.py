@@ -59,6 +59,9 @@ class StageStats:
     update_times: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
     """Wall-clock time of the latest optimizer steps (summary only: shows how long a stage stalled)."""
     completed: list[int] = field(default_factory=list)
+    recipe: dict[str, Any] = field(default_factory=dict)
+    """What the training recipe reports (``ravq.stage.recipe``): lr, grad_norm, train_metrics, eval_loss,
+    eval_loss_first, eval_version, eval_metrics; part of every snapshot."""
     """Stage 0: data index of each micro-batch finished, in order (the first HISTORY; summary only)."""
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
     """Seconds, monotonic: ``started_at`` is on it, and ``snapshot``'s ``wall_s`` reads it (the worker's)."""
@@ -74,7 +77,7 @@ class StageStats:
             "loss_initial": _mean(self.loss_head), "loss_recent": _mean(self.loss_tail),
             "inflight": self.inflight, "forward_s": self.forward_s, "backward_s": self.backward_s,
             "forward_sq_s": self.forward_sq_s, "backward_sq_s": self.backward_sq_s,
-            "forward_step_sq_s": self.forward_step_sq_s,
+            "forward_step_sq_s": self.forward_step_sq_s, **self.recipe,
         }
 
     def record_compute(self, phase: str, seconds: float, metrics: Any, inflight: int) -> None:

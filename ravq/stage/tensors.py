@@ -17,8 +17,10 @@ from ravq.net import compress
 from ravq.net.compress import Packed
 from ravq.stage.split import StageSpec
 
-Expected = dict[str, tuple[torch.Size, torch.dtype]]
-"""Tensor name -> the shape and dtype it must have (a packed one: once restored)."""
+Expected = dict[str, tuple[torch.Size, torch.dtype | None]]
+"""Tensor name -> the shape and dtype it must have (a packed one: once restored); dtype None: any of
+``AUTOCAST_DTYPES`` (an activation under autocast, whose dtype depends on the op that made it)."""
+AUTOCAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Parts = dict[int, dict[str, Any]]
 """Source stage -> the tensors it sent for one micro-batch."""
 
@@ -68,7 +70,7 @@ def check_tensors(tensors: dict[str, torch.Tensor | Packed], expected: Expected,
             return "unexpected_tensors"
         if isinstance(t, Packed) and name[0] not in "og":  # model inputs and targets go uncompressed
             return "unexpected_tensors"
-        if t.shape != want[0] or t.dtype != want[1]:
+        if t.shape != want[0] or (t.dtype != want[1] if want[1] is not None else t.dtype not in AUTOCAST_DTYPES):
             return "bad_tensor_shape"
     return None
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +26,29 @@ class Outbound:
     """Activations and gradients packed when the stage compresses (``StageOptions.compress``)."""
     generation: int = 0
     """The cluster generation the work belongs to; work of an older generation is never sent."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """JSON fields for the header (``ravq.stage.clip``: squared norms, global norms, loss scales)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RecipeOptions:
+    """What ``ravq.stage.recipe.Recipe`` does around a stage's optimizer step."""
+
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 autocast (``ravq.stage.precision``)."""
+    lr_lambda: Callable[[int], float] | None = None
+    """Factor of the task's learning rates at optimizer step v (``ravq.stage.lr``); None: unchanged."""
+    clip_grad_norm: float | None = None
+    """Global gradient norm each step is clipped to (``ravq.stage.clip``); None: no clipping."""
+    metrics_fn: Callable[[Any, Any], Any] | None = None
+    """The task's ``metrics_fn(outputs, targets)`` -> {name: value}, averaged per step (last stage)."""
+    eval_every: int = 0
+    """Optimizer steps between evaluation rounds (``ravq.stage.evaluate``); 0: none."""
+    eval_count: int = 8
+    """Micro-batches of held-out data per round."""
+    eval_batches: Callable[[int, int], Any] | None = None
+    """The task's ``eval_batches(micro_batch, seed)`` (stage 0 reads it)."""
+    seed: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,7 +64,13 @@ class StageOptions:
     last update and the staleness window are not checkpointed: after a resume the forwards run unpredicted
     until the first update, so with staleness > 0 a resume is not bit-exact (an asynchronous resume is
     not anyway: the micro-batches in flight start over).  With max_inflight 1 it stays exact."""
+    extrapolate_gradients: float = 0.0
+    """Delay compensation (``ravq.stage.delay``): a stale update hands the optimizer its gradient
+    extrapolated by this many times its staleness along the change since the stage's last update;
+    0 hands it the gradient as it is.  No effect without staleness (max_inflight 1).  The last gradient is
+    not checkpointed: after a resume the first update is not extrapolated."""
     compress: Format = Format.NONE
     """How activations and gradients leave this stage (``ravq.net.compress``); model inputs and targets never
     are compressed, and what arrives compressed is restored to the dtype this stage expects."""
     int8_block: int = DEFAULT_BLOCK
+    recipe: RecipeOptions = field(default_factory=RecipeOptions)

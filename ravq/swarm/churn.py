@@ -25,13 +25,14 @@ from ravq.average.catchup import CatchupError
 from ravq.average.catchup import apply_tensors as catchup_apply
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
+from ravq.stage.lineage import older
 from ravq.stage.pipeline import StageWorker
 from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership
 
 log = logging.getLogger(__name__)
 
-PHASES = ("training", "paused", "catching_up", "finishing")
+PHASES = ("starting", "standby", "training", "paused", "catching_up", "finishing", "leaving")
 
 
 class Churn:
@@ -53,6 +54,14 @@ class Churn:
         self._worker: StageWorker | None = None
         self._averager: Averager | None = None
         self._links: StageLinks | None = None
+        self.caught_up_from: dict[str, int] | None = None
+        """The holders (node -> version) this stage's weights were last loaded from (its lineage)."""
+        self._export_phase()
+
+    def _export_phase(self) -> None:
+        """ravq_node_phase, from the first scrape on (every phase at 0 but the current one)."""
+        for p in PHASES:
+            self.metrics.node_phase.labels(p).set(float(p == self.phase))
 
     def attach(self, *, plan: Plan, cluster: int, worker: StageWorker, averager: Averager | None,
                links: StageLinks) -> None:
@@ -76,11 +85,15 @@ class Churn:
                  self.generation)
 
     def set_phase(self, phase: str) -> None:
-        if phase != self.phase:
+        if phase != self.phase and self.phase != "leaving":  # a node that leaves stays leaving
             self.phase = phase
-            for p in PHASES:
-                self.metrics.node_phase.labels(p).set(float(p == phase))
+            self._export_phase()
             self.beat_now.set()  # the broker (and through it the cluster) should know at once
+
+    def leave(self) -> None:
+        """This node leaves the run (a signal while it goes on): tell the broker at once; from now on
+        the cluster's pauses and resumptions are no longer this node's business."""
+        self.set_phase("leaving")
 
     async def standby(self, memory_bytes: int) -> Plan:
         """Not in the plan: wait as a standby until the broker hands this node a lost node's stage."""
@@ -130,6 +143,8 @@ class Churn:
         log.info("%s: %s", self.name, ", ".join(f"{new} replaces {old}" for old, new in renamed.items()))
 
     async def _react(self, state: dict[str, Any]) -> None:
+        if self.phase == "leaving":
+            return
         generation = int(state.get("generation", 0))
         if generation > self.generation:
             await self._pause(generation, str(state.get("reason", "")))
@@ -154,6 +169,7 @@ class Churn:
         assert worker is not None
         log.warning("%s: cluster %d paused (generation %d): %s", self.name, self.cluster, generation, reason)
         self.generation = generation  # from now on messages of the old generation are dropped
+        self.membership.report.pop("kept", None)  # what this stage kept was said of the previous generation
         self.paused_since = self.paused_since or time.monotonic()
         self.set_phase("paused")
         self.metrics.pauses.inc()
@@ -195,11 +211,25 @@ class Churn:
             return
         self.set_phase("catching_up")
         try:
-            tensors = await self._averager.fetch_catchup()
-            loaded = await self.in_compute(lambda w: catchup_apply(w, tensors))
-            log.info("%s: caught up from live peers (%d tensors)", self.name, loaded)
+            holders: dict[str, dict[str, Any]] = {}
+            tensors = await self._averager.fetch_catchup(holders)
+            own = {"run_id": self._averager.run_id, "version": self._worker.version if self._worker else 0}
+            refused = older(own, holders)
+            if refused is not None:  # weights only move forward: never replace newer state with older
+                kept = f"kept its own weights (version {own['version']}): {refused}"
+                self.membership.report["kept"] = kept
+                log.warning("%s: %s", self.name, kept)
+                return
+            version = min(int(h["version"]) for h in holders.values())
+            loaded = await self.in_compute(lambda w: _adopt(w, tensors, version))
+            self.caught_up_from = {n: int(h["version"]) for n, h in holders.items()}
+            self.metrics.version.set(version)
+            log.info("%s: caught up from live peers (%d tensors, version %d -> %d)", self.name, loaded,
+                     own["version"], version)
         except (CatchupError, TimeoutError) as err:
-            log.warning("%s: catch-up from peers failed (%s); keeping the weights held", self.name, err)
+            kept = f"kept its own weights (version {self._worker.version if self._worker else 0}): catch-up failed"
+            self.membership.report["kept"] = kept
+            log.warning("%s: catch-up from peers failed (%s); %s", self.name, err, kept)
         finally:
             self.set_phase("paused")
 
@@ -222,3 +252,10 @@ class Churn:
                 warned = True
                 log.warning("%s: cluster paused for %.0fs; waiting for its lost member (or a standby)",
                             self.name, waited)
+
+
+def _adopt(worker: StageWorker, tensors: dict[str, Any], version: int) -> int:
+    """Compute thread: load a holder's copy and take its version with it (the weights' lineage)."""
+    loaded = catchup_apply(worker, tensors)
+    worker.version = version
+    return loaded

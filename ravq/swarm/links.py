@@ -26,7 +26,7 @@ from ravq.stage.types import Outbound
 
 log = logging.getLogger(__name__)
 
-_KINDS = {"fwd": MsgType.FORWARD, "bwd": MsgType.BACKWARD, "tied": MsgType.TIED}
+_KINDS = {"fwd": MsgType.FORWARD, "bwd": MsgType.BACKWARD, "tied": MsgType.TIED, "eval": MsgType.FORWARD}
 
 
 class StageLinks:
@@ -96,7 +96,7 @@ class StageLinks:
                 tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
                 packed = {n: t for n, t in out.tensors.items() if isinstance(t, Packed)}
                 msg = Message(type=kind, sender=self.name, micro_batch=out.micro_batch, version=out.version,
-                              meta={"gen": out.generation}, tensors=tensors, packed=packed)
+                              meta={**out.meta, "gen": out.generation}, tensors=tensors, packed=packed)
                 await self.outlinks[out.dest].send(msg)
             finally:
                 self.outbound.task_done()
@@ -113,7 +113,7 @@ class StageLinks:
             if msg.meta.get("gen", 0) != self.generation():
                 self.metrics.bad_messages.labels("pipeline", "other_generation").inc()
                 continue
-            reason = worker.deliver(kind, msg.micro_batch, source, {**msg.tensors, **msg.packed})
+            reason = worker.deliver(kind, msg.micro_batch, source, {**msg.tensors, **msg.packed}, msg.meta)
             if reason is not None:
                 self.metrics.bad_messages.labels("pipeline", reason).inc()
             for queue, depth in worker.queue_depths().items():

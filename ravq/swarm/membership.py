@@ -51,6 +51,10 @@ class Membership:
         self.plan: Plan | None = None
         self.run_id: str | None = None
         """The broker's run id (checkpoints carry it)."""
+        self.run_explicit = False
+        """The broker's run was started with --new-run (checkpoints of older runs are set aside)."""
+        self.checkpoints: dict[str, Any] = {}
+        """What each member reported of its stage's checkpoints of this run (``ravq.swarm.resume``)."""
         self.members: dict[str, str] = {}
         self.phases: dict[str, str] = {}
         self._silent: dict[str, Any] = {}
@@ -77,7 +81,15 @@ class Membership:
                 else:
                     log.info("%s: %s is back (%s)", self.name, node, member_state)
         self.members = members
-        self.run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
+        run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
+        if self.run_id is not None and run_id != self.run_id:
+            log.warning("%s: the broker now runs %s, not %s (it restarted without broker.state_dir?): this node "
+                        "goes on with its run's weights; a restarted node will refuse them", self.name, run_id,
+                        self.run_id)
+        self.run_id = run_id
+        self.run_explicit = bool(state.get("run_explicit"))
+        checkpoints = state.get("checkpoints")
+        self.checkpoints = dict(checkpoints) if isinstance(checkpoints, dict) else {}
         silent = state.get("silent_s")
         self._silent = dict(silent) if isinstance(silent, dict) else {}
         self._silent_at = self.clock()

@@ -95,18 +95,42 @@ def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def train_batches(micro_batch: int, shard: int, num_shards: int,
-                  seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    """Random windows from this shard's contiguous slice of the corpus, forever, reproducibly."""
+HELD_OUT = 0.05
+"""The corpus's last 5% is held out for evaluation: training never reads it."""
+
+
+def training_end() -> int:
+    """Index where the held-out part of the corpus begins."""
+    return int(len(corpus()) * (1 - HELD_OUT))
+
+
+def windows(micro_batch: int, lo: int, hi: int, seed: int,
+            context: int = CONTEXT) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """Random windows of ``corpus()[lo:hi]`` (next-character targets), forever, reproducibly."""
     data = corpus()
-    span = len(data) // num_shards
-    lo, hi = shard * span, (shard + 1) * span - CONTEXT - 1
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + shard)
-    offsets = torch.arange(CONTEXT + 1)
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(context + 1)
     while True:
-        starts = torch.randint(lo, hi, (micro_batch, 1), generator=gen)
+        starts = torch.randint(lo, hi - context - 1, (micro_batch, 1), generator=gen)
         window = data[starts + offsets].long()
         yield (window[:, :-1],), window[:, 1:]
+
+
+def train_batches(micro_batch: int, shard: int, num_shards: int,
+                  seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """Random windows from this shard's contiguous slice of the training part of the corpus."""
+    span = training_end() // num_shards
+    return windows(micro_batch, shard * span, (shard + 1) * span, seed * 1_000_003 + shard)
+
+
+def eval_batches(micro_batch: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """Random windows from the held-out end of the corpus (the same ones for a given seed)."""
+    return windows(micro_batch, training_end(), len(corpus()), 7_777_777 + seed)
+
+
+def metrics_fn(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Next-character accuracy (perplexity is exp of the loss)."""
+    return {"accuracy": (outputs.argmax(-1) == targets).float().mean()}
 
 
 def make_optimizer(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ravq.stage.optim import ClusterAdam
-from ravq.tasks.charlm import VOCAB, corpus
+from ravq.tasks.charlm import VOCAB, corpus, training_end, windows
 
 CONTEXT = 64
 
@@ -53,8 +53,13 @@ def make_task(kind: str = "llama", *, layers: int = 4, hidden: int = 64, heads: 
             [f"transformer.h.{i}" for i in range(layers)]
         return [*blocks[1:], "model.norm" if kind == "llama" else "transformer.ln_f"]
 
+    def eval_batches(micro_batch: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
+        """Held-out windows: the end of the corpus no training batch reads (``ravq.tasks.charlm``)."""
+        return _held_out(micro_batch, seed, context)
+
     return SimpleNamespace(build_model=build_model, example_inputs=example_inputs, loss_fn=loss_fn,
-                           train_batches=train_batches, make_optimizer=make_optimizer, split_points=split_points)
+                           train_batches=train_batches, make_optimizer=make_optimizer, split_points=split_points,
+                           eval_batches=eval_batches, metrics_fn=metrics_fn)
 
 
 def loss_fn(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -80,18 +85,23 @@ def _build(kind: str, *, layers: int, hidden: int, heads: int, context: int) -> 
 
 def _windows(micro_batch: int, shard: int, num_shards: int, seed: int,
              context: int) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
-    """Random windows from this shard's slice of the corpus, forever, reproducibly."""
-    data = corpus()
-    span = len(data) // num_shards
-    lo, hi = shard * span, (shard + 1) * span - context - 1
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + shard)
-    offsets = torch.arange(context + 1)
-    while True:
-        window = data[torch.randint(lo, hi, (micro_batch, 1), generator=gen) + offsets].long()
-        yield (window[:, :-1],), window[:, 1:]
+    """Random windows from this shard's slice of the training part of the corpus, forever, reproducibly."""
+    span = training_end() // num_shards
+    return windows(micro_batch, shard * span, (shard + 1) * span, seed * 1_000_003 + shard, context)
+
+
+def _held_out(micro_batch: int, seed: int, context: int) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
+    return windows(micro_batch, training_end(), len(corpus()), 7_777_777 + seed, context)
+
+
+def metrics_fn(outputs: Any, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Next-token accuracy (perplexity is exp of the loss)."""
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+    return {"accuracy": (logits.argmax(-1) == targets).float().mean()}
 
 
 llama = make_task("llama")
 gpt2 = make_task("gpt2")
 build_model, example_inputs, train_batches = llama.build_model, llama.example_inputs, llama.train_batches
+eval_batches = llama.eval_batches
 make_optimizer, split_points = llama.make_optimizer, llama.split_points

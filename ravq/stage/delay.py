@@ -1,0 +1,53 @@
+"""Delay compensation: a stale update extrapolates its gradient along the change since the stage's last update.
+
+With ``max_inflight`` above 1 a stage's gradient was taken at weights a few updates old (its staleness
+``s``; weight stashing makes it the exact gradient *there*).  Adam with one step of delay is unstable
+where synchronous Adam is not: on a tiny GPT-2 at lr 3e-3 (the trial in issue #25) the stale first
+stage's loss spiked, the spike filled Adam's second moment, and the model sat at the unigram plateau
+(ln 100) for the rest of the run, with weight prediction on or off.  A pure-PyTorch model of PipeDream
+with one step of delay reproduces those losses to the bit, so this is asynchrony, not a defect of the
+stash (docs/convergence.md).
+
+The compensation is optimistic extrapolation (as in Optimistic Adam): the optimizer is handed
+``g + k * s * (g - g_prev)`` instead of ``g``, where ``g_prev`` is the gradient of the stage's previous
+update, ``k`` is ``training.extrapolate_gradients`` and ``s`` the stage's mean staleness over its recent
+backwards (not the update's own: when two forwards share a version their staleness alternates 0, 1, and
+extrapolating only the stale one from a gradient at the same weights did not help; the mean did).  The difference of consecutive gradients says
+where the gradient is heading as the weights move, so the stale gradient is carried forward towards
+the weights it is applied to, and a growing oscillation is damped rather than fed.  An update with no
+staleness is left alone, so ``max_inflight: 1`` still trains exactly like one process.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class GradientExtrapolation:
+    """Keeps the gradient of the stage's last update and extrapolates the next one when it is stale."""
+
+    def __init__(self, params: dict[str, nn.Parameter], factor: float) -> None:
+        self.params, self.factor = params, factor
+        self.previous: dict[str, torch.Tensor] = {}
+        """Each parameter's gradient at the last update, as the optimizer's sum was before extrapolation."""
+
+    def apply(self, staleness: float) -> None:
+        """Extrapolate every ``.grad`` in place by ``factor * staleness`` steps (none when either is 0),
+        and remember the un-extrapolated gradients for the next update."""
+        if not self.factor:
+            return
+        step = self.factor * staleness
+        with torch.no_grad():
+            for name, p in self.params.items():
+                if p.grad is None:
+                    continue
+                raw = p.grad.detach().clone()
+                before = self.previous.get(name)
+                if step > 0 and before is not None:
+                    p.grad.add_(raw - before, alpha=step)
+                self.previous[name] = raw
+
+    def forget(self) -> None:
+        """After weights were replaced (catch-up): the last gradient no longer says where the next one heads."""
+        self.previous.clear()
