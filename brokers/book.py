@@ -96,9 +96,8 @@ class Book:
             return None
 
     def excluded(self) -> list[int]:
-        """Clusters out of the rings: those paused or recovering, and those done (their nodes are gone: a
-        cluster still training must not wait for them, nor end on a final round with them)."""
-        return [c for c, cs in enumerate(self.clusters) if cs.state in ("paused", "recovering", "done")]
+        """Clusters out of the rings: those paused or recovering."""
+        return [c for c, cs in enumerate(self.clusters) if cs.state in ("paused", "recovering")]
 
     @property
     def running(self) -> bool:

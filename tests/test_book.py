@@ -126,20 +126,3 @@ def test_when_no_standby_fits_the_cluster_stays_paused_and_says_why() -> None:
         book.check(float(t))
     assert book.clusters[1].state == "paused" and book.plan.clusters[1].nodes == ["b0", "b1"]
     assert "no standby has 4.00 GiB" in book.clusters[1].reason and "small 1.00 GiB" in book.clusters[1].reason
-
-
-def test_a_done_cluster_leaves_the_rings_while_a_recovering_one_trains_on() -> None:
-    """Cluster 1 trains out and exits while cluster 0 recovers from a restart (its final round skipped:
-    cluster 0 was out of the rings).  Cluster 0 then trains alone: no round, final one included, may wait
-    for cluster 1's nodes (issue #24's churn test hung there on a ring send to a node that had exited)."""
-    book = _started()
-    book.register("a1", "i-a1-new", 2.0)
-    assert book.excluded() == [0]
-    for n in ("b0", "b1"):
-        _beat(book, n, 2.5, phase="finishing", done=True)
-    book.check(2.5)
-    assert book.clusters[1].state == "done" and book.excluded() == [0, 1]
-    _beat(book, "a0", 3.0, gen=1, ready=1, phase="paused")
-    _beat(book, "a1", 3.0, gen=1, ready=1, phase="paused", incarnation="i-a1-new")
-    book.check(3.0)
-    assert book.clusters[0].state == "training" and book.excluded() == [1]
