@@ -164,7 +164,6 @@ class Node:
                                      stage_names=built.stage_names, task=self.task,
                                      metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits)
             self.averager.silent_s = self.membership.silent_s
-            self.averager.done_nodes = lambda: {n for n, s in self.membership.members.items() if s == "done"}
             self.averager.run_id = self.run_id
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
         await open_routes(name=self.name, topology=self.topology, membership=self.membership, metrics=self.metrics,

@@ -105,8 +105,6 @@ class Averager:
         ran) and trained on alone."""
         self.silent_s: Callable[[str], float] = lambda node: 0.0
         """Seconds since a node's last heartbeat reached the broker (set by the node from membership)."""
-        self.done_nodes: Callable[[], set[str]] = set
-        """Nodes that ended their run (set by the node from membership): a final round leaves their clusters out."""
         self.final_done = False
         self.run_id: str | None = None
         """The run this stage's weights belong to (told to a peer catching up from them)."""
@@ -344,7 +342,7 @@ class Averager:
         stage, so every training cluster ends with the same weights.  Retried under a new plan when a
         member is lost meanwhile; True if it finished."""
         while True:
-            plan = self._final_plan()
+            plan = self.plan()
             segments = self.segments(plan)
             if not segments:
                 return False
@@ -356,13 +354,6 @@ class Averager:
             if self.plan().epoch == plan.epoch:
                 log.warning("%s: final averaging round failed: %s", self.me, outcome)
                 return False
-
-    def _final_plan(self) -> Plan:
-        """The plan a final round runs under: without clusters whose nodes all ended (trained out while this
-        one recovered, say), which would never answer: the round would wait ``wait_s`` for them."""
-        plan, done = self.plan(), self.done_nodes()
-        gone = {c for c, cluster in enumerate(plan.clusters) if set(cluster.nodes) <= done} - set(plan.excluded)
-        return plan.model_copy(update={"excluded": sorted(gone | set(plan.excluded))}) if gone else plan
 
     async def _final_once(self, plan: Plan, segments: list[Segment], wait_s: float) -> str | None:
         """One attempt; None if it finished and was applied, else why not."""
