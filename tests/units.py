@@ -101,7 +101,7 @@ class Site:
                               env=self.env(pc), timeout=timeout, check=False, cwd=self.root)
 
     def log_path(self, pc: str, unit: str) -> Path:
-        """Where a unit's output goes (its journal), appended across restarts."""
+        """Where a unit's output goes (its journal, this start's only: a restart writes it anew)."""
         return self.root / f"{pc}-{unit.split('@')[0].split('.')[0]}.log"
 
     def start_unit(self, pc: str, unit: str, instance: str = "",
@@ -110,7 +110,7 @@ class Site:
         argv, unit_env, cwd = unit_exec(unit)
         argv = [a.replace("%i", instance) for a in argv]
         env = {k: v.replace("%i", instance) for k, v in {**unit_env, **(env or {})}.items()}
-        log = open(self.log_path(pc, unit), "ab")  # noqa: SIM115 - the process keeps it
+        log = open(self.log_path(pc, unit), "wb")  # noqa: SIM115 - the process keeps it
         proc = subprocess.Popen(self.command(pc, argv), stdout=log, stderr=subprocess.STDOUT, env=self.env(pc, env),
                                 cwd=self.path(pc, cwd))
         log.close()
