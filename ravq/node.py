@@ -51,6 +51,7 @@ from ravq.swarm.churn import Churn
 from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership, beat_on_cadence
 from ravq.swarm.progress import log_progress
+from ravq.swarm.routes import open_routes
 from ravq.swarm.stopping import Stopping
 from ravq.tuning import cpu_budget, peak_rss_bytes
 
@@ -159,7 +160,7 @@ class Node:
                                 limits=self.limits, sock_opts=self.sock_opts, generation=lambda: self.churn.generation)
         peers = set(worker.spec.consumer_stages) | set(worker.spec.producer_stages)
         peers |= {h for group in worker.spec.tied for h in group.holders if h != self.stage}  # tied copies' holders
-        self.links.open(cluster.nodes, peers | (set(worker._first_destinations()) if worker.is_first else set()))
+        self.links.bind()
         if len(plan.clusters) > 1:
             self.averager = Averager(ctx=self.ctx, topology=self.topology, plan=self.churn.current_plan, me=self.name,
                                      cluster=self.cluster, worker=worker, model=built.model,
@@ -168,8 +169,12 @@ class Node:
                                      owners=self._owners)
             self.averager.silent_s = self.membership.silent_s
             self.averager.run_id = self.run_id
-        self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
+        await open_routes(name=self.name, topology=self.topology, membership=self.membership, metrics=self.metrics,
+                          links=self.links, averager=self.averager, names=[self.name] if self.rejoining else everyone,
+                          cluster_nodes=cluster.nodes,
+                          peers=peers | (set(worker._first_destinations()) if worker.is_first else set()))
+        self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
         if not self.rejoining:
             await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
             self.churn.set_phase("training")
@@ -336,7 +341,9 @@ class Node:
                 "payload_wire_bytes_sent": total("ravq_payload_wire_bytes_total", direction="sent"),
                 "payload_logical_bytes_sent": total("ravq_payload_logical_bytes_total",
                                                      direction="sent"),
-                "bad_messages": total("ravq_bad_messages_total")}
+                "bad_messages": total("ravq_bad_messages_total"),
+                "routes": {"pipeline": self.links.routes if self.links else {},
+                           "ring": self.averager.port.routes if self.averager else {}}}
 
     async def shutdown(self) -> None:
         t0 = time.monotonic()

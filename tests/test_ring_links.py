@@ -49,6 +49,7 @@ class Ports:
             opts = SocketOptions(linger_ms=0, curve=self.curves.get(me))
             self.ports[me] = RingPort(self.ctxs[me], topology, me, [p for p in NAMES if p != me], Metrics(me),
                                       DecodeLimits(), opts, connect=self._hook(me, topology, opts))
+            self.ports[me].connect({})  # reachability known (the broker's dial-back): every link is made
         self.boxes = {n: Mailbox() for n in NAMES}
 
     def _hook(self, me: str, topology: Topology, opts: SocketOptions) -> Callable[[str], Outlink]:
@@ -103,7 +104,7 @@ def _run(curve: bool) -> tuple[dict[str, list[torch.Tensor]], list[tuple[str, st
 
 def test_ring_links_are_made_before_the_first_round_and_rounds_reuse_them() -> None:
     averages, before, connects = _run(curve=False)
-    assert sorted(before) == [("n1", "n2"), ("n2", "n1")]  # one DEALER per peer, made with the port
+    assert sorted(before) == [("n1", "n2"), ("n2", "n1")]  # one DEALER per peer, made before any round
     assert connects == before  # two rounds later: no link made again
     inputs = _inputs()
     for i in range(2):
@@ -144,7 +145,9 @@ def test_a_plan_epoch_keeps_the_ring_links_of_peers_it_keeps() -> None:
     port = RingPort(ctx, topology, "n1", ["n2"], Metrics("n1"), DecodeLimits(), SocketOptions(linger_ms=0),
                     connect=connect)
     try:
-        assert made == ["n2"]  # with the port: before any round
+        assert made == []  # until the peers' reachability is known (``connect``), no route is chosen
+        port.connect({})
+        assert made == ["n2"]  # then at once: before any round
         avg = _averager(port)
         first = port.outlinks["n2"]
         for epoch in (1, 2, 3):  # churn elsewhere: new epochs, the same ring peer
