@@ -16,7 +16,15 @@ from typing import Any
 import yaml
 
 from ravq.config import load_plan, load_topology, resolve_task_module
-from ravq.planner import NodeProfile, PlanError, evaluate_plan, even_plan, ravnest_plan, training_settings
+from ravq.planner import (
+    NodeProfile,
+    PlanError,
+    cut_plan,
+    evaluate_plan,
+    even_plan,
+    ravnest_plan,
+    training_settings,
+)
 from ravq.profile.blocks import profile_blocks
 from ravq.profile.store import load_profiles
 
@@ -37,16 +45,19 @@ def naive_plan(names: list[str], block_names: list[str], nodes: Any, blocks: Any
     raise PlanError("naive plan: even cuts fit no cluster size in listing order")
 
 
-def make_plans(topology_path: Path, profiles_dir: Path, kind: str, out: Path) -> dict[str, Any]:
-    """Write plan ``kind`` to ``out`` (the planner's is already there) and return its prediction, or
-    ``{"error": ...}`` when the rule's plan does not fit in memory."""
+def make_plans(topology_path: Path, profiles_dir: Path, kind: str, out: Path,
+               layout: list[list[str]] | None = None) -> dict[str, Any]:
+    """Write plan ``kind`` to ``out`` (the planner's is already there; a ``layout``: its clusters cut by
+    ``cut_plan``) and return its prediction, or ``{"error": ...}`` when the plan does not fit in memory."""
     topology = load_topology(topology_path)
     nodes = load_profiles(topology, profiles_dir)
     task = resolve_task_module(topology.task)
     settings = _settings(topology)
     blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=topology.training.max_inflight or 1)
     try:
-        if kind == "planner":
+        if layout is not None:
+            plan, _ = cut_plan(layout, nodes, blocks, **settings)
+        elif kind == "planner":
             plan = load_plan(out)
         elif kind == "ravnest":
             plan, _ = ravnest_plan(nodes, blocks, split="equal", **settings)
@@ -65,11 +76,11 @@ def make_plans(topology_path: Path, profiles_dir: Path, kind: str, out: Path) ->
 
 
 def scaled(node: NodeProfile, speed: float) -> NodeProfile:
-    """``node`` on a CPU ``speed`` times as fast: its FLOP/s times, its messages' and averaging rounds'
-    CPU time over ``speed``."""
+    """``node`` on a CPU ``speed`` times as fast: its FLOP/s times, its messages', averaging rounds' and
+    loss's CPU time over ``speed``."""
     return dataclasses.replace(node, flops=node.flops * speed,
                                message_s=tuple((size, seconds / speed) for size, seconds in node.message_s),
-                               ring_s_per_byte=node.ring_s_per_byte / speed)
+                               ring_s_per_byte=node.ring_s_per_byte / speed, loss_s=node.loss_s / speed)
 
 
 def predict(topology_path: Path, profiles_dir: Path, plan_path: Path, flops_scale: dict[str, float]) -> float:
@@ -80,6 +91,20 @@ def predict(topology_path: Path, profiles_dir: Path, plan_path: Path, flops_scal
     task = resolve_task_module(topology.task)
     blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=topology.training.max_inflight or 1)
     return evaluate_plan(load_plan(plan_path), nodes, blocks, **_settings(topology)).samples_per_s
+
+
+def simulate_profiles(topology_path: Path, profiles_dir: Path, plan_path: Path, steps: int = 400) -> float:
+    """``ravq simulate``'s samples/s for a plan from the profiles alone (no measured compute): each
+    cluster's samples over its own run, summed, as the testbed measures a window (``bench_simulate``)."""
+    from ravq.cli.simulate import settings_for
+    from ravq.simulate import build_world, simulate
+
+    topology = load_topology(topology_path)
+    nodes = load_profiles(topology, profiles_dir)
+    task = resolve_task_module(topology.task)
+    blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=1)
+    result = simulate(build_world(load_plan(plan_path), nodes, blocks, settings_for(topology, steps=steps)))
+    return sum(c.samples_per_s for c in result.clusters)
 
 
 def rescore(run_dir: Path) -> dict[str, float]:

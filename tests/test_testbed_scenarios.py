@@ -17,7 +17,7 @@ SCENARIOS = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "scenar
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
 def test_scenarios_are_in_the_issue_ranges(path: Path) -> None:
     s = load_scenario(path)
-    assert 6 <= len(s.pcs) <= 8
+    assert 6 <= len(s.pcs) <= 8 or s.name == "four_pcs"   # issue #26's 4-PC deployment and its two layouts
     for pc in s.pcs:
         assert 0.25 <= pc["cpu"] <= 1.0 and 20 <= pc["upload_mbit"] <= 1000
     for a in s.regions:
@@ -65,3 +65,20 @@ def test_cpu_weights_follow_the_quotas() -> None:
     assert _emulate.cpu_weight(1.0, v1=True) == 1024 and _emulate.cpu_weight(1.0, v1=False) == 100
     assert _emulate.cpu_weight(0.25, v1=True) * 2 == _emulate.cpu_weight(0.5, v1=True)
     assert _emulate.cpu_weight(0.001, v1=True) == 2 and _emulate.cpu_weight(0.001, v1=False) == 1   # kernel minimums
+
+
+def test_candidate_layouts_name_the_scenarios_pcs(tmp_path: Path) -> None:
+    s = load_scenario(Path(__file__).resolve().parents[1] / "benchmarks" / "scenarios" / "four_pcs.yaml")
+    assert s.layouts == {"paired": [["pc1", "pc3"], ["pc2", "pc4"]], "by_speed": [["pc1", "pc2"], ["pc3", "pc4"]]}
+    assert s.plans == ["planner", "paired", "by_speed"]
+    path = tmp_path / "bad.yaml"
+    path.write_text("""
+task: ravq.tasks.charlm
+regions: {a: {a: 5}}
+pcs:
+  - {name: p1, region: a, upload_mbit: 1000, cpu: 0.5}
+  - {name: p2, region: a, upload_mbit: 1000, cpu: 0.5}
+layouts: {mine: [[p1, p3]]}
+""")
+    with pytest.raises(ValueError, match="layouts.mine"):
+        load_scenario(path)
