@@ -82,3 +82,20 @@ layouts: {mine: [[p1, p3]]}
 """)
     with pytest.raises(ValueError, match="layouts.mine"):
         load_scenario(path)
+
+
+def test_the_verdict_ranks_plans_and_judges_prediction_and_simulation_at_15_percent() -> None:
+    from benchmarks.bench_testbed import TARGET_PREDICTION, judge
+
+    def plan(measured: float, predicted: float, simulated: float) -> dict[str, float]:
+        return {"samples_per_s": measured, "predicted_samples_per_s": predicted, "simulated_samples_per_s": simulated}
+
+    result = {"plans": {"planner": plan(100, 110, 95), "paired": plan(80, 90, 85), "by_speed": plan(60, 95, 70),
+                        "ravnest": {"error": "does not fit"}}}
+    v = judge(result)
+    assert TARGET_PREDICTION == 0.15
+    assert v["measured_over_predicted"]["by_speed"] == pytest.approx(60 / 95) and not v["prediction_met"]
+    assert v["simulation_met"]                                        # 100/95, 80/85, 60/70 all within 15%
+    assert v["ranking"]["measured"] == ["planner", "paired", "by_speed"]
+    assert v["ranking"]["predicted"] == ["planner", "by_speed", "paired"] and not v["ranking"]["predicted_matches"]
+    assert v["ranking"]["simulated_matches"]
