@@ -32,7 +32,7 @@ system-deps:
 # lint-imports checks the layers and import circles (pyproject.toml's import-linter contracts) first.
 test: $(STAMP) system-deps
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 $(ARGS)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b --quick || exit 1; done

@@ -66,6 +66,22 @@ def test_a_different_seed_gives_other_weights() -> None:
     assert not torch.equal(a["blocks.0.qkv.weight"], b["blocks.0.qkv.weight"])
 
 
+def test_materialize_gives_memory_only_to_what_is_still_on_meta() -> None:
+    """An eval graph points its weights at the training stage's first: materializing then leaves those
+    tensors as they are (the same objects), gives the rest the values they would have had, and allocates
+    nothing at all once nothing is left on meta (no transient second copy of the stage)."""
+    model = build_meta_model(charlm, 3).model
+    live = build_task_model(charlm, 3)
+    real = dict(live.named_parameters())
+    kept = "blocks.0.qkv.weight"
+    model.get_submodule("blocks.0.qkv")._parameters["weight"] = real[kept]
+    report = materialize(model, charlm, 3)
+    assert model.get_parameter(kept) is real[kept]
+    assert report.names > 0
+    torch.testing.assert_close(model.state_dict(), live.state_dict(), rtol=0, atol=0)
+    assert materialize(model, charlm, 3).names == 0
+
+
 class _OwnParameter(nn.Module):
     """A bare parameter set in ``__init__`` with no reset_parameters: only the constructor knows its value."""
 

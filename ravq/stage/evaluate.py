@@ -55,9 +55,6 @@ def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts:
         module = pipe.get_stage_module(stage)
     else:
         module = model
-    if meta:  # real values for what the graph holds besides weights (constants); the weights come next
-        materialize(module, task, seed)
-        retarget_device(module, "meta", next(iter(train_module.parameters()), torch.empty(0)).device)
     live = {**dict(train_module.named_parameters()), **dict(train_module.named_buffers())}
     for name, _ in [*module.named_parameters(), *module.named_buffers()]:
         owner, _, leaf = name.rpartition(".")
@@ -65,6 +62,9 @@ def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts:
         table = sub._parameters if leaf in sub._parameters else sub._buffers
         assert name in live, f"eval graph has {name}, which the training stage lacks"
         table[leaf] = live[name]
+    if meta:  # the weights are the training stage's (no second copy); real values for anything else
+        materialize(module, task, seed)
+        retarget_device(module, "meta", next(iter(train_module.parameters()), torch.empty(0)).device)
     return module
 
 

@@ -64,13 +64,18 @@ def task_checkpoint(task: Any) -> str | None:
 
 def materialize(target: nn.Module, task: Any, seed: int, *, pretrained: str | None = None) -> Materialized:
     """Give every meta parameter and buffer of ``target`` (the whole model, or a traced stage of it, whose
-    tensors carry the unsplit model's qualified names) its real starting value, on the CPU."""
-    wanted = [n for n, _ in _named_tensors(target)]
+    tensors carry the unsplit model's qualified names) its real starting value, on the CPU.  Tensors that
+    already have memory (e.g. an eval graph's, pointed at the training stage's) are left as they are."""
+    on_meta = {n for n, t in _named_tensors(target) if t.is_meta}
+    if not on_meta and not _meta_constants(target):
+        return Materialized(names=0)
+    wanted = [n for n, _ in _named_tensors(target)]  # all of them: a module's init draws for all its tensors
     source = build_meta_model(task, seed)
     pretrained = pretrained or task_checkpoint(task) or source.pretrained
     real, report = _real_tensors(source, set(wanted), task, seed, pretrained)
     for name in wanted:
-        _install(target, name, real[name])
+        if name in on_meta:
+            _install(target, name, real[name])
     left = [n for n, t in _named_tensors(target) if t.is_meta] + _meta_constants(target)
     if left:
         raise MaterializeError(f"tensors still without memory after materializing: {', '.join(left[:5])}")
