@@ -18,17 +18,28 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ravq.profile.compute import usable_memory_bytes
 from ravq.stage.meta import build_meta_model
+from ravq.stage.split import build_task_model
 
 log = logging.getLogger(__name__)
 
 
 def _output_like(task: Any, micro_batch: int, inputs: tuple[torch.Tensor, ...], device: str) -> Any:
     """A real tensor (random, requiring grad where floating) shaped as the model's output, found by
-    running the model on ``meta``: no weights are made, so any model size works."""
+    running the model on ``meta`` (no weights are made, so any model size works), or, for a model that
+    cannot run there (a ``.item()`` in its forward), the real model when it fits in half the memory."""
     model = build_meta_model(task, 0).model
-    with torch.no_grad():
-        out = model(*(x.to("meta") for x in inputs))
+    try:
+        with torch.no_grad():
+            out = model(*(x.to("meta") for x in inputs))
+    except (RuntimeError, NotImplementedError):
+        if 4 * sum(p.numel() * p.element_size() for p in model.parameters()) > usable_memory_bytes(device) // 2:
+            raise
+        real_model = build_task_model(task, 0).to(device)
+        with torch.no_grad():
+            out = real_model(*(x.to(device) for x in inputs))
+        del real_model
 
     def real(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -69,7 +80,11 @@ def measure_loss(task: Any, micro_batch: int, device: str = "cpu", *, cpu_s: flo
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
 
-    step()  # first calls and allocations are not counted
+    try:
+        step()  # first calls and allocations are not counted
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+        log.warning("profile: the task's loss could not be timed on an output shaped as the model's (%s)", err)
+        return 0.0
     count, cpu0 = 0, time.process_time()
     while time.process_time() - cpu0 < cpu_s or count < min_steps:
         step()
