@@ -96,8 +96,9 @@ class Book:
             return None
 
     def excluded(self) -> list[int]:
-        """Clusters out of the rings: those paused or recovering."""
-        return [c for c, cs in enumerate(self.clusters) if cs.state in ("paused", "recovering")]
+        """Clusters out of the rings: those paused or recovering, and those done (their nodes have exited: a
+        cluster still training, e.g. one that lost time to a pause, must not wait for them every round)."""
+        return [c for c, cs in enumerate(self.clusters) if cs.state in ("paused", "recovering", "done")]
 
     @property
     def running(self) -> bool:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from ravq.cli.demo import free_ports
@@ -100,3 +101,54 @@ class Swarm:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def train(tmp: Path, topology: dict[str, Any], timeout_s: float = 280) -> Swarm:
+    """Run a swarm to its end; every process must exit 0 (the failing nodes' logs are the message).  The
+    finished swarm's summaries and logs stay readable.  Nobody is declared lost before 30 s of silence
+    (unless the topology says otherwise): these runs check results, not churn, and a loaded machine can
+    starve a node's heartbeats for longer than the default 6 s."""
+    topology = {**topology, "timeouts": {"lost_s": 30.0, **topology.get("timeouts", {})}}
+    swarm = Swarm(tmp, topology)
+    try:
+        codes = swarm.wait(timeout_s=timeout_s)
+        assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
+    finally:
+        swarm.close()
+    return swarm
+
+
+def export(ckpt: Path, cluster: int, out: Path) -> dict[str, torch.Tensor]:
+    """What ``ravq export --cluster N`` writes from these checkpoints (in this process: no interpreter start)."""
+    from safetensors.torch import load_file
+
+    from ravq.stage.export import export_cluster
+
+    export_cluster(ckpt, out, cluster)
+    return load_file(str(out))
+
+
+def assert_clusters_equal(ckpt: Path, clusters: int, want: dict[str, torch.Tensor], out_dir: Path,
+                          atol: float = 1e-5, same_names: bool = True) -> None:
+    """Each cluster's exported model equals ``want`` (the one-process reference) within ``atol``."""
+    for cluster in range(clusters):
+        got = export(ckpt, cluster, out_dir / f"c{cluster}.safetensors")
+        if same_names:
+            assert set(got) == set(want), set(got) ^ set(want)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=atol, msg=f"cluster {cluster} {name}")
+
+
+def tied_copies_identical(ckpt: Path, cluster: int, stages: tuple[int, ...] = (0, 1)) -> None:
+    """Each of ``stages``' checkpoints holds its copy under the names it reads; all copies of a tie are one
+    value, bit for bit."""
+    from ravq.stage import checkpoint
+
+    loaded = [checkpoint.load_stage(ckpt, cluster, s) for s in stages]
+    for s, ck in zip(stages, loaded, strict=True):
+        assert ck.meta["tied"], f"cluster {cluster} stage {s} holds no tied copy"
+    first = loaded[0].model[loaded[0].meta["tied"][0]["names"][0]]
+    for s, ck in zip(stages, loaded, strict=True):
+        for group in ck.meta["tied"]:
+            for name in group["names"]:
+                assert torch.equal(ck.model[name], first), f"cluster {cluster} stage {s} {name}"

@@ -38,6 +38,18 @@ def test_first_start_trains_once_everyone_is_past_waiting() -> None:
     assert [c.state for c in book.clusters] == ["training", "training"] and book.excluded() == []
 
 
+def test_a_cluster_that_is_done_leaves_the_rings_while_another_trains_on() -> None:
+    """A cluster that lost time to a pause trains on after the other finished: it must not wait, every
+    round, for ring peers that have exited."""
+    book = _started()
+    for n in ("a0", "a1"):
+        _beat(book, n, 2.0, done=True, phase="finishing")
+    for n in ("b0", "b1"):
+        _beat(book, n, 2.0)
+    book.check(2.0)
+    assert [c.state for c in book.clusters] == ["done", "training"] and book.excluded() == [0]
+
+
 def test_a_silent_node_is_lost_its_cluster_pauses_recovers_and_trains_again() -> None:
     book = _started()
     for t in (2.0, 4.0, 6.0):

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests import sgd_task
 from tests.pipeline_harness import train_one_process
-from tests.swarm import ROOT, Swarm, local_topology
+from tests.swarm import export, local_topology, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,21 +23,9 @@ def test_compressed_sync_training_stays_close_to_one_process(tmp_path: Path) -> 
     steps = 16
     training = {"steps": steps, "micro_batch": 4, "max_inflight": 1, "sync_every": 1, "overlap_averaging": False,
                 "checkpoint_dir": str(ckpt), "compress": {"pipeline": "int8", "ring": "int8", "int8_block": 64}}
-    swarm = Swarm(tmp_path, local_topology(sgd_task.__name__, [2, 2], training))
-    try:
-        codes = swarm.wait()
-        assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
-    finally:
-        swarm.close()
+    swarm = train(tmp_path, local_topology(sgd_task.__name__, [2, 2], training), timeout_s=240)
     want = train_one_process(sgd_task, steps=steps, micro_batch=4, shards=2)
-    exported = []
-    for cluster in (0, 1):
-        out = tmp_path / f"c{cluster}.safetensors"
-        proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",
-                               str(out), "--cluster", str(cluster)], cwd=ROOT, capture_output=True, text=True,
-                              check=False)
-        assert proc.returncode == 0, proc.stderr
-        exported.append(load_file(str(out)))
+    exported = [export(ckpt, cluster, tmp_path / f"c{cluster}.safetensors") for cluster in (0, 1)]
     drift = max(float((got[n] - v).abs().max() / (v.abs().max() + 1e-3)) for got in exported for n, v in want.items())
     assert 1e-5 < drift < 0.05, drift  # compressed, so not exact; int8's error, so not far
     for name in want:  # every cluster moved to the same average (live + (average - snapshot): to rounding)

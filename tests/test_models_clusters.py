@@ -10,23 +10,16 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ravq.stage.split import build_task_model
 from tests import zoo
-from tests.swarm import ROOT, Swarm, local_topology
+from tests.swarm import ROOT, Swarm, assert_clusters_equal, local_topology, train
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _run(tmp_path: Path, task: str, clusters: list[int], training: dict[str, Any]) -> Swarm:
-    swarm = Swarm(tmp_path, local_topology(task, clusters, training))
-    try:
-        codes = swarm.wait(timeout_s=180)
-        assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
-    finally:
-        swarm.close()
-    return swarm
+    return train(tmp_path, local_topology(task, clusters, training), timeout_s=180)
 
 
 def _data_parallel_reference(task: Any, steps: int, micro_batch: int, shards: int) -> dict[str, torch.Tensor]:
@@ -73,16 +66,7 @@ def test_batchnorm_two_uneven_clusters_sync_equal_one_process(tmp_path: Path) ->
     want = _data_parallel_reference(zoo.batchnorm, steps, 8, 2)
     assert (want["bn1.running_mean"] - build_task_model(zoo.batchnorm, 0).state_dict()["bn1.running_mean"]
             ).abs().max() > 0.1  # the statistics really moved
-    for cluster in (0, 1):
-        out = tmp_path / f"c{cluster}.safetensors"
-        proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",
-                               str(out), "--cluster", str(cluster)], cwd=ROOT, capture_output=True, text=True,
-                              check=False)
-        assert proc.returncode == 0, proc.stderr
-        got = load_file(str(out))
-        assert set(got) == set(want)
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=f"cluster {cluster} {name}")
+    assert_clusters_equal(ckpt, 2, want, tmp_path)
 
 
 @pytest.mark.parametrize("task", ["tests.zoo:batchnorm", "tests.zoo:rotary"])

@@ -4,13 +4,10 @@ warmup and clipping that binds, against one process (docs/training.md)."""
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ravq.config import TrainingConfig
 from ravq.stage.recipe import recipe_options
@@ -18,7 +15,7 @@ from ravq.stage.split import build_task_model
 from tests import models_for_tests as skipnet
 from tests import recipe_tasks
 from tests.recipe_reference import train_one_process_recipe
-from tests.swarm import ROOT, Swarm, local_topology
+from tests.swarm import assert_clusters_equal, export, local_topology, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,33 +32,13 @@ def test_bf16_cosine_clipped_sync_equals_one_process(tmp_path: Path, clusters: l
     training = {"steps": steps, "micro_batch": 4, "max_inflight": 1, "sync_every": 1, "overlap_averaging": False,
                 "checkpoint_dir": str(ckpt), "precision": "bf16", "clip_grad_norm": 0.5,
                 "lr_schedule": {"kind": "cosine", "warmup_steps": 3, "min_lr_ratio": 0.1}}
-    swarm = Swarm(tmp_path, local_topology("tests.models_for_tests", clusters, training))
-    try:
-        codes = swarm.wait(timeout_s=180)
-        assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
-    finally:
-        swarm.close()
+    train(tmp_path, local_topology("tests.models_for_tests", clusters, training), timeout_s=180)
     recipe = recipe_options(skipnet, TrainingConfig.model_validate(training))
     want = train_one_process_recipe(skipnet, recipe, steps=steps, shards=len(clusters))
     unclipped = train_one_process_recipe(skipnet, recipe_options(skipnet, TrainingConfig.model_validate(
         {**training, "clip_grad_norm": None})), steps=steps, shards=len(clusters))
     assert max((want[n] - unclipped[n]).abs().max().item() for n in want) > 1e-3  # clipping binds
-    for cluster in range(len(clusters)):
-        out = tmp_path / f"c{cluster}.safetensors"
-        proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",
-                               str(out), "--cluster", str(cluster)], cwd=ROOT, capture_output=True, text=True,
-                              check=False)
-        assert proc.returncode == 0, proc.stderr
-        got = load_file(str(out))
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=f"cluster {cluster} {name}")
-
-
-def _export(ckpt: Path, out: Path, cluster: int) -> dict[str, torch.Tensor]:
-    proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out", str(out),
-                           "--cluster", str(cluster)], cwd=ROOT, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr
-    return load_file(str(out))
+    assert_clusters_equal(ckpt, len(clusters), want, tmp_path, same_names=False)
 
 
 def test_swarm_eval_loss_equals_the_exported_model_in_one_process(tmp_path: Path) -> None:
@@ -70,17 +47,12 @@ def test_swarm_eval_loss_equals_the_exported_model_in_one_process(tmp_path: Path
     ckpt = tmp_path / "ckpt"
     training = {"steps": 12, "micro_batch": 4, "max_inflight": 1, "checkpoint_dir": str(ckpt), "eval_every": 6,
                 "eval_batches": 3}
-    swarm = Swarm(tmp_path, local_topology("tests.recipe_tasks:dropout_bn", [3], training))
-    try:
-        codes = swarm.wait(timeout_s=180)
-        assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
-    finally:
-        swarm.close()
+    swarm = train(tmp_path, local_topology("tests.recipe_tasks:dropout_bn", [3], training), timeout_s=180)
     last = swarm.summary("c0s2")
     assert [step for step, _ in last["eval_history"]] == [6, 12]
     task = recipe_tasks.dropout_bn
     model = build_task_model(task, 0)
-    model.load_state_dict(_export(ckpt, tmp_path / "c0.safetensors", 0))
+    model.load_state_dict(export(ckpt, 0, tmp_path / "c0.safetensors"))
     model.eval()
     with torch.no_grad():
         losses = [float(task.loss_fn(model(*x), y)) for x, y in itertools.islice(task.eval_batches(4, 0), 3)]

@@ -25,7 +25,15 @@ from hypothesis import strategies as st
 
 from ravq.net.compress import FLOAT_DTYPES, MAX_BLOCK, MIN_BLOCK, Format, Packed, pack, unpack
 from ravq.net.wire import (
-    DTYPES, NEEDS_MICRO_BATCH, REQUIRED_META, DecodeLimits, Message, MsgType, WireError, decode, encode,
+    DTYPES,
+    NEEDS_MICRO_BATCH,
+    REQUIRED_META,
+    DecodeLimits,
+    Message,
+    MsgType,
+    WireError,
+    decode,
+    encode,
 )
 from tests.test_wire import KNOWN_REASONS, assert_same, raw_bytes
 
