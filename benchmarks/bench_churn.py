@@ -52,7 +52,10 @@ def topology(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
              for c in range(2) for s in range(2)]
     training = {"steps": 10_000_000, "micro_batch": args.micro_batch, "sync_every": 2,
                 "checkpoint_every": args.checkpoint_every, "checkpoint_dir": str(run_dir / "ckpt")}
-    return {"task": TASK, "training": training, "broker": {"pub_port": next(ports), "router_port": next(ports)},
+    # state_dir: the run survives the power cut (without it the restarted broker starts a new run and every
+    # node refuses its checkpoints of the old one)
+    broker = {"pub_port": next(ports), "router_port": next(ports), "state_dir": str(run_dir / "broker")}
+    return {"task": TASK, "training": training, "broker": broker,
             "timeouts": {"heartbeat_interval_s": 1.0, "lost_s": args.lost_s}, "nodes": nodes}
 
 

@@ -66,6 +66,9 @@ class ClusterState:
     """Micro-batches finished when the cluster resumed: every stage counts on from here."""
     catchup: bool = False
     """Whether the members load their stages from other clusters before resuming."""
+    source: int | None = None
+    """The cluster to catch up from: of those training, the one whose stages are furthest on (their lowest
+    reported version), so a staler copy is never offered when a fresher one is up."""
     reason: str = ""
     disrupted_at: float | None = None
     note: str = ""
@@ -74,7 +77,7 @@ class ClusterState:
 
     def public(self) -> dict[str, Any]:
         return {"state": self.state, "generation": self.generation, "trained": self.trained,
-                "catchup": self.catchup, "reason": self.reason, "note": self.note}
+                "catchup": self.catchup, "source": self.source, "reason": self.reason, "note": self.note}
 
 
 class Book:
@@ -111,6 +114,19 @@ class Book:
                 "incarnations": {n: m.incarnation for n, m in self.members.items()},
                 "checkpoints": {n: m.checkpoints for n, m in self.members.items() if m.checkpoints is not None},
                 "clusters": [cs.public() for cs in self.clusters]}
+
+    def freshest_source(self, c: int) -> int | None:
+        """The training cluster other than ``c`` whose stages are furthest on: the highest lowest version
+        its members reported (ties: the lower index); None when no other cluster trains."""
+        training = [i for i, o in enumerate(self.clusters) if i != c and o.state == "training"]
+        if not training:
+            return None
+
+        def lowest(i: int) -> int:
+            return min(_int(self.members[n].stats.get("version"), 0) if n in self.members else 0
+                       for n in self.plan.clusters[i].nodes)
+
+        return max(training, key=lambda i: (lowest(i), -i))
 
     # ------------------------------------------------------------------ events
     def register(self, node: str, incarnation: str | None, now: float) -> bool:
@@ -271,9 +287,10 @@ class Book:
             return True
         if cs.state == "paused" and up:
             cs.state = "recovering"
-            cs.catchup = any(o.state == "training" for i, o in enumerate(self.clusters) if i != c)
+            cs.source = self.freshest_source(c)
+            cs.catchup = cs.source is not None
             log.info("cluster %d recovering (generation %d, %s)", c, cs.generation,
-                     "catching up from other clusters" if cs.catchup else "keeping its weights")
+                     f"catching up from cluster {cs.source}" if cs.catchup else "keeping its weights")
             return True
         if cs.state == "recovering" and all(m.ready >= cs.generation for m in members):
             cs.state = "training"
@@ -292,7 +309,7 @@ class Book:
     def _disrupt(self, c: int, reason: str, now: float) -> None:
         cs = self.clusters[c]
         cs.generation += 1
-        cs.state, cs.reason, cs.catchup, cs.note = "paused", reason, False, ""
+        cs.state, cs.reason, cs.catchup, cs.source, cs.note = "paused", reason, False, None, ""
         if cs.disrupted_at is None:
             cs.disrupted_at = now
         log.warning("cluster %d paused (generation %d): %s", c, cs.generation, reason)

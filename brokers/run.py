@@ -79,7 +79,7 @@ def _continue(stored: Run, plan: Plan, epoch: int, path: Path) -> Run:
     if _cuts(plan) != _cuts(stored.base):
         raise ConfigError(f"the plan cuts the model differently from run {stored.run_id}'s ({path}: "
                           f"{_cuts(stored.base)}, now {_cuts(plan)}): its checkpoints do not fit it; "
-                          "pass --new-run to start a new run with this plan")
+                          f"pass --new-run, or move {path.parent} aside (the units), to start a new run with this plan")
     nodes_now, nodes_then = [c.nodes for c in plan.clusters], [c.nodes for c in stored.base.clusters]
     current = stored.plan if nodes_now == nodes_then else plan  # keep standby replacements unless re-assigned
     if nodes_now != nodes_then:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import zmq.asyncio
 
-from ravq.average.averager import Averager
+from ravq.average.averager import Averager, ring_owners
 from ravq.config import Plan, Topology, resolve_task_module
 from ravq.lifecycle import first_error, in_daemon_thread
 from ravq.metrics import Metrics
@@ -99,6 +99,8 @@ class Node:
         self.rejoining = False
         self._resuming_at = 0
         """The version this stage resumes from, reported until the stage is built."""
+        self._owners: list[dict[str, str]] | None = None
+        """Who holds each tensor in every cluster (the averaging rings), computed in the build thread."""
         self._stage_bytes = 0
         """What this stage takes in memory (weights, gradients, optimizer state, a stash per micro-batch in
         flight): a standby replacing this node needs at least as much."""
@@ -161,7 +163,8 @@ class Node:
             self.averager = Averager(ctx=self.ctx, topology=self.topology, plan=self.churn.current_plan, me=self.name,
                                      cluster=self.cluster, worker=worker, model=built.model,
                                      stage_names=built.stage_names, task=self.task,
-                                     metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits)
+                                     metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits,
+                                     owners=self._owners)
             self.averager.silent_s = self.membership.silent_s
             self.averager.run_id = self.run_id
         self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
@@ -196,6 +199,8 @@ class Node:
         built = build_stage(self.task, training, seed=self.topology.seed, cuts=list(plan.clusters[self.cluster].cuts),
                             stage=self.stage, cluster=self.cluster, clusters=len(plan.clusters),
                             device=self.config.device, metrics=self.metrics)
+        if len(plan.clusters) > 1:  # traces the other clusters' cuts: here, not on the event loop
+            self._owners = ring_owners(self.task, self.topology, plan, self.cluster, built.stage_names)
         if training.checkpoint_dir:
             checkpoint.remove_temp_files(training.checkpoint_dir, self.cluster, self.stage)
             if self.rejoining:  # its cluster goes on: its own newest checkpoint, then the catch-up

@@ -138,3 +138,28 @@ def test_when_no_standby_fits_the_cluster_stays_paused_and_says_why() -> None:
         book.check(float(t))
     assert book.clusters[1].state == "paused" and book.plan.clusters[1].nodes == ["b0", "b1"]
     assert "no standby has 4.00 GiB" in book.clusters[1].reason and "small 1.00 GiB" in book.clusters[1].reason
+
+
+def test_a_recovering_cluster_catches_up_from_the_freshest_training_cluster() -> None:
+    plan = Plan(clusters=[ClusterPlan(nodes=[f"{x}0", f"{x}1"], cuts=["l3"]) for x in "abc"])
+    book = Book(plan, lost_s=LOST_S, now=0.0)
+    nodes = [n for c in plan.clusters for n in c.nodes]
+    for n in nodes:
+        book.register(n, f"i-{n}", 0.0)
+    versions = {"a0": 50, "a1": 49, "b0": 80, "b1": 20, "c0": 70, "c1": 69}  # b's stage 1 is behind
+    for n in nodes:
+        _beat(book, n, 1.0, stats={"version": versions[n]})
+    book.check(1.0)
+    book.register("a1", "i-a1-new", 2.0)  # a1 restarted: cluster 0 pauses, and recovers once a1 beats
+    _beat(book, "a1", 2.5, phase="paused", gen=1)
+    book.check(2.5)
+    cs = book.clusters[0]
+    assert cs.state == "recovering" and cs.catchup and cs.source == 2  # c (69) is further on than b (20)
+    assert book.public()["clusters"][0]["source"] == 2
+    for n in ("b0", "b1", "c0", "c1"):  # the others pause too: nobody to catch up from
+        book.register(n, f"i-{n}-new", 3.0)
+    book.register("a0", "i-a0-new", 3.0)
+    _beat(book, "a0", 3.5, phase="paused", gen=2)
+    _beat(book, "a1", 3.5, phase="paused", gen=2)
+    book.check(3.5)
+    assert book.clusters[0].state == "recovering" and not book.clusters[0].catchup and book.clusters[0].source is None

@@ -83,3 +83,11 @@ def test_holders_need_a_training_cluster() -> None:
     plan = Plan(clusters=[ClusterPlan(nodes=["a0"]), ClusterPlan(nodes=["b0"])], excluded=[0])
     with pytest.raises(catchup.CatchupError, match="no other cluster"):
         catchup.holders(plan, 1, [{"w": "a0"}, {"w": "b0"}], ["w"])
+
+
+def test_holders_come_from_the_cluster_the_broker_chose_when_it_trains() -> None:
+    plan = Plan(clusters=[ClusterPlan(nodes=[f"{x}0"], cuts=[]) for x in "abc"], excluded=[1])
+    owners = [{"w": "a0"}, {"w": "b0"}, {"w": "c0"}]
+    assert catchup.holders(plan, 0, owners, ["w"], source=2) == {"c0": ["w"]}
+    assert catchup.holders(plan, 0, owners, ["w"], source=1) == {"c0": ["w"]}  # b is out of the rings
+    assert catchup.holders(plan, 2, owners, ["w"]) == {"a0": ["w"]}

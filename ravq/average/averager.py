@@ -59,6 +59,16 @@ from ravq.stage.tied_step import hand_over, held_params, tied_sinks
 log = logging.getLogger(__name__)
 
 
+def ring_owners(task: Any, topology: Topology, plan: Plan, cluster: int,
+                stage_names: list[list[str]]) -> list[dict[str, str]]:
+    """For each cluster of ``plan``: tensor name -> the node holding it.  Clusters cut elsewhere than this
+    node's are traced here (seconds of CPU on the whole model): a node calls this in its build thread, never
+    on its event loop, whose heartbeats would stop meanwhile (the broker then takes the node for lost)."""
+    own_cuts = tuple(plan.clusters[cluster].cuts)
+    return stage_owners(lambda: build_meta_model(task, topology.seed).model,
+                        task.example_inputs(topology.training.micro_batch), plan, {own_cuts: stage_names})
+
+
 class Averager:
     """One stage's averaging: its segments' rings, the rounds it snapshots and how they apply.
 
@@ -67,7 +77,8 @@ class Averager:
 
     def __init__(self, *, ctx: Context, topology: Topology, plan: Callable[[], Plan], me: str, cluster: int,
                  worker: StageWorker, model: torch.nn.Module, stage_names: list[list[str]], task: Any,
-                 metrics: Metrics, sock_opts: SocketOptions, limits: DecodeLimits) -> None:
+                 metrics: Metrics, sock_opts: SocketOptions, limits: DecodeLimits,
+                 owners: list[dict[str, str]] | None = None) -> None:
         self.topology, self.me, self.cluster, self.worker, self.metrics = topology, me, cluster, worker, metrics
         t = topology.training
         self.sync_every, self.overlap, self.piece_bytes = t.sync_every, t.overlap_averaging, t.ring_chunk_bytes
@@ -84,9 +95,8 @@ class Averager:
         """Overlapped rounds snapshotted and not applied yet, oldest first (compute thread only)."""
         self.initial = {n: v.detach().to("cpu").clone() for n, v in {**held_params(worker), **worker.buffers}.items()}
         self.names, self.numels = averaged_tensors(model, task, self.with_state)
-        own_cuts = tuple(plan().clusters[cluster].cuts)
-        self.owners = stage_owners(lambda: build_meta_model(task, topology.seed).model,
-                                   task.example_inputs(t.micro_batch), plan(), {own_cuts: stage_names})
+        self.owners = owners if owners is not None else ring_owners(task, topology, plan(), cluster, stage_names)
+        """For each cluster, tensor name -> its holder (``ring_owners``: a node computes it in its build thread)."""
         self.plan = plan
         self.mailbox = Mailbox()
         self._epoch = -1
@@ -324,11 +334,13 @@ class Averager:
             await asyncio.to_thread(call, self.worker)
         return await asyncio.wrap_future(future)
 
-    async def fetch_catchup(self, lineages: dict[str, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
-        """This stage's tensors from their live holders in another cluster (CatchupError if none); each
-        holder's lineage (run id, version) goes into ``lineages``."""
+    async def fetch_catchup(self, lineages: dict[str, dict[str, Any]] | None = None,
+                            source: int | None = None) -> dict[str, torch.Tensor]:
+        """This stage's tensors from their live holders in another cluster (``source`` when it trains; CatchupError
+        if none); each holder's lineage (run id, version) goes into ``lineages``."""
         plan = self.plan()
-        by_node = catchup.holders(plan, self.cluster, self.owners, list({**self.worker.params, **self.worker.buffers}))
+        by_node = catchup.holders(plan, self.cluster, self.owners, list({**self.worker.params, **self.worker.buffers}),
+                                  source)
         t0 = time.monotonic()
         tensors = await catchup.fetch(self.port.outlinks, self.me, by_node, self.topology.timeouts.request_s,
                                       lineages)

@@ -71,11 +71,14 @@ def apply_tensors(worker: StageWorker, tensors: Mapping[str, torch.Tensor]) -> i
 
 
 def holders(plan: Plan, me_cluster: int, owners: Sequence[Mapping[str, str]],
-            names: Sequence[str]) -> dict[str, list[str]]:
-    """Node -> the names it holds, in the first training cluster other than ``me_cluster``."""
+            names: Sequence[str], source: int | None = None) -> dict[str, list[str]]:
+    """Node -> the names it holds, in cluster ``source`` (the broker's choice: the freshest training
+    cluster) when it trains, else in the first training cluster other than ``me_cluster``."""
     sources = [c for c in range(len(plan.clusters)) if c != me_cluster and c not in plan.excluded]
     if not sources:
         raise CatchupError("no other cluster is training")
+    if source in sources:
+        sources.insert(0, sources.pop(sources.index(source)))
     by_node: dict[str, list[str]] = {}
     for name in names:
         by_node.setdefault(owners[sources[0]][name], []).append(name)

@@ -151,7 +151,8 @@ class Churn:
         if generation != self.generation or self.phase in ("training", "finishing"):
             return  # an older generation: a restarted broker that has not heard from everyone yet
         if state.get("state") == "recovering" and self.ready < generation:
-            await self._catch_up(bool(state.get("catchup")))
+            source = state.get("source")
+            await self._catch_up(bool(state.get("catchup")), source if isinstance(source, int) else None)
             self.ready = generation
             self.beat_now.set()
             log.info("%s: ready to resume (generation %d)", self.name, generation)
@@ -204,15 +205,16 @@ class Churn:
         await done.wait()
         return box[0]
 
-    async def _catch_up(self, from_peers: bool) -> None:
-        """Load this stage from live holders in another cluster when the broker says so; else keep the
-        weights held (a survivor's, or a restarted node's checkpoint or seed)."""
+    async def _catch_up(self, from_peers: bool, source: int | None = None) -> None:
+        """Load this stage from live holders in another cluster (``source``: the freshest, as the broker
+        chose) when the broker says so; else keep the weights held (a survivor's, or a restarted node's
+        checkpoint or seed)."""
         if not from_peers or self._averager is None:
             return
         self.set_phase("catching_up")
         try:
             holders: dict[str, dict[str, Any]] = {}
-            tensors = await self._averager.fetch_catchup(holders)
+            tensors = await self._averager.fetch_catchup(holders, source)
             own = {"run_id": self._averager.run_id, "version": self._worker.version if self._worker else 0}
             refused = older(own, holders)
             if refused is not None:  # weights only move forward: never replace newer state with older
