@@ -38,6 +38,7 @@ from ravq.lifecycle import first_error, in_daemon_thread
 from ravq.metrics import Metrics
 from ravq.net.limits import derived_max_message_bytes
 from ravq.net.listen import serve_metrics
+from ravq.net.options import io_threads
 from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits
 from ravq.stage import checkpoint
@@ -83,7 +84,7 @@ class Node:
         self.sock_opts = socket_options_for(topology, name, options.key_dir, metrics)
         self.limits = DecodeLimits(max_header_bytes=t.max_header_bytes, max_frames=t.max_frames,
                                    max_tensor_bytes=self.sock_opts.max_message_bytes)
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.asyncio.Context(io_threads=io_threads(self.sock_opts, cpu_budget()))
         self.membership = Membership(self.ctx, topology, name, metrics, self.limits, self.sock_opts)
         self.churn = Churn(name=name, topology=topology, metrics=metrics, membership=self.membership, fail=self.fail)
         self.links: StageLinks | None = None

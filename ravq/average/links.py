@@ -7,6 +7,7 @@ to the ``Mailbox`` and catch-up requests to the averager.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -21,6 +22,8 @@ from ravq.net.compress import Packed
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.transport import Context, Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
+
+log = logging.getLogger(__name__)
 
 
 class RingLinks:
@@ -49,21 +52,39 @@ def ring_chunk(sender: str, meta: dict[str, int], piece: torch.Tensor | Packed) 
 
 
 class RingPort:
-    """This node's ring sockets: the ROUTER its ring peers send to, and a DEALER to each of them."""
+    """This node's ring sockets: the ROUTER its ring peers send to, and a DEALER to each of them.
+
+    Every DEALER is made (and ZeroMQ starts connecting it, CURVE handshake included) when the port is,
+    as soon as the node knows its plan and long before its first round; ``ensure`` adds the links a
+    later plan needs and keeps every existing one (a plan epoch never reconnects a peer it keeps).
+    ``connect`` (peer -> Outlink) replaces the default DEALER factory (tests count connects with it).
+    """
 
     def __init__(self, ctx: Context, topology: Topology, me: str, peers: Iterable[str], metrics: Metrics,
-                 limits: DecodeLimits, sock_opts: SocketOptions) -> None:
+                 limits: DecodeLimits, sock_opts: SocketOptions,
+                 connect: Callable[[str], Outlink] | None = None) -> None:
         self.ctx, self.topology, self.me, self.metrics = ctx, topology, me, metrics
         self.limits, self.sock_opts = limits, sock_opts
+        self._connect = connect or self._dealer
         bind = topology.node(me).bind_host or topology.node(me).host
         self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts)
         self.outlinks = {p: self._connect(p) for p in peers}
         self.link = RingLinks(me, self.outlinks, os.environ.get("RAVQ_FAULT"))
 
-    def _connect(self, peer: str) -> Outlink:
+    def _dealer(self, peer: str) -> Outlink:
         node = self.topology.node(peer)
         return Outlink.connect(self.ctx, endpoint(node.host, node.ring_port), "ring", peer, self.metrics,
                                self.limits, self.sock_opts, identity=self.me)
+
+    def ensure(self, peers: Iterable[str]) -> int:
+        """Connect to each of ``peers`` not linked yet (a new plan's ring members); links to peers already
+        linked stay as they are.  Returns how many were connected."""
+        new = [p for p in dict.fromkeys(peers) if p != self.me and p not in self.outlinks]
+        for peer in new:
+            self.outlinks[peer] = self._connect(peer)
+        if new:
+            log.info("%s: new ring link(s) to %s", self.me, ", ".join(new))
+        return len(new)
 
     async def serve(self, mailbox: Mailbox,
                     answer_catchup: Callable[[bytes, Message], Awaitable[None]]) -> None:
@@ -88,8 +109,8 @@ class RingPort:
         for old, new in renamed.items():
             if old in self.outlinks:
                 self.outlinks.pop(old).close()
-            if new != self.me and new not in self.outlinks and is_peer(new):
-                self.outlinks[new] = self._connect(new)
+            if is_peer(new):
+                self.ensure([new])
 
     def close(self) -> None:
         for link in self.outlinks.values():
