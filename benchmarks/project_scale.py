@@ -1,4 +1,4 @@
-"""Projections for 64, 256 and 1,024 PCs worldwide: the planner's plan, Ravnest's rule and a naive plan,
+"""Projections for 64, 256, 512 and 1,024 PCs worldwide: the planner's plan, Ravnest's rule and a naive plan,
 each simulated by ``ravq simulate``'s model.
 
 The world: PCs spread evenly over the 8 AWS regions of DT-FM's worldwide case, with DT-FM's published
@@ -15,7 +15,7 @@ averaging_lead 1, int8 pipeline and ring compression) with sync_every 500 (DiLoC
 
 Plans:
 - planner: ``make_plan`` on all PCs up to 256; above that ``regional_plan`` (``make_plan`` per region,
-  then the union of the regions' clusters or the best region, whichever the cost model scores higher),
+  then the subset of the regions' clusters the cost model scores highest, ``ravq.planner.regional``),
   because the full search takes minutes there (measured below with --full-planner);
 - ravnest: Ravnest's rule (``ravnest_plan``: its genetic algorithm over RAM and bandwidth, splits in
   proportion to RAM), with max_clusters = PCs / 16 so that clusters can split the model's 34 blocks
@@ -29,7 +29,7 @@ clusters never waited for one another; "utilisation" is the model FLOP/s achieve
 sum of all PCs' FLOP/s; "plan_simulate" is ``ravq plan --simulate``: the planner's best 4 candidates,
 ranked by simulated samples/s (up to 256 PCs).
 
-    python benchmarks/project_scale.py                     # 64, 256, 1024 PCs
+    python benchmarks/project_scale.py                     # 64, 256, 512, 1024 PCs
     python benchmarks/project_scale.py --sizes 64 --json
 """
 
@@ -51,14 +51,13 @@ from ravq.planner import (
     PlanError,
     Wire,
     evaluate_plan,
-    make_plan,
     plan_candidates,
     ravnest_plan,
 )
 from ravq.simulate import Settings, build_world, simulate
 from ravq.simulate.worldwide import (
     naive_plan,
-    regional_plan,
+    projection_plan,
     transformer_blocks,
     utilisation,
     worldwide_nodes,
@@ -104,12 +103,7 @@ def project(count: int, steps: int, seed: int, full_planner: bool) -> dict[str, 
     blocks = transformer_blocks(layers=32, d_model=2560, max_inflight=1)
     out: dict[str, Any] = {"pcs": count, "total_tflops": sum(n.flops for n in nodes) / 1e12}
     t0 = time.perf_counter()
-    if count <= 256 or full_planner:
-        plan = make_plan(nodes, blocks, **SCORE)[0]
-        out["planner_kind"] = "make_plan"
-    else:
-        plan = regional_plan(nodes, regions, blocks, **SCORE)
-        out["planner_kind"] = "regional_plan"
+    plan, out["planner_kind"] = projection_plan(nodes, regions, blocks, full_planner=full_planner, **SCORE)
     out["planner_s"] = time.perf_counter() - t0
     out["planner"] = simulated(plan, nodes, blocks, steps)
     t0 = time.perf_counter()
@@ -160,7 +154,7 @@ def speed_check(count: int, steps: int, seed: int, churn_per_hour: float = 0.0) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256, 1024])
+    parser.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256, 512, 1024])
     parser.add_argument("--steps", type=int, default=100, help="micro-batches per cluster")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--full-planner", action="store_true", help="make_plan on all PCs at every size")

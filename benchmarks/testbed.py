@@ -71,6 +71,11 @@ class Scenario:
     train_s: float = 60.0
     seed: int = 1234
     description: str = ""
+    layouts: dict[str, list[list[str]]] = field(default_factory=dict)
+    """Candidate layouts to train as plans, by name: clusters of PC names in stage order; ``cut_plan``
+    cuts them from the profiles."""
+    plans: list[str] = field(default_factory=list)
+    """Plans ``bench_testbed.py`` trains by default (planner, ravnest, naive or layout names)."""
 
     def one_way_ms(self, a: str, b: str) -> float:
         if b in self.regions.get(a, {}):
@@ -121,7 +126,13 @@ def load_scenario(path: str | Path) -> Scenario:
     scenario = Scenario(name=data.get("name", Path(path).stem), task=data["task"], training=data.get("training", {}),
                         regions=data["regions"], pcs=pcs, broker_region=data.get("broker_region", pcs[0]["region"]),
                         train_s=float(data.get("train_s", 60)), seed=int(data.get("seed", 1234)),
-                        description=data.get("description", ""))
+                        description=data.get("description", ""), layouts=data.get("layouts") or {},
+                        plans=list(data.get("plans") or []))
+    names = {p["name"] for p in pcs}
+    for kind, clusters in scenario.layouts.items():
+        unknown = [n for c in clusters for n in c if n not in names]
+        if kind in PLANS or unknown or not clusters:
+            raise ValueError(f"{path}: layouts.{kind}: clusters of the scenario's PCs under a new name, got {clusters}")
     scenario.latency_s()  # every pair has a latency
     return scenario
 
@@ -222,7 +233,8 @@ class Testbed:
         if kind == "planner":
             self.ravq("broker", "plan", "--topology", str(self.topology_path), "--profiles",
                       str(self.run_dir / "profiles"), "--out", str(path), timeout_s=600)
-        info = make_plans(self.topology_path, self.run_dir / "profiles", kind, path)
+        info = make_plans(self.topology_path, self.run_dir / "profiles", kind, path,
+                          layout=self.scenario.layouts.get(kind))
         return path, info
 
     def train(self, plan_path: Path, train_s: float, tag: str) -> dict[str, Any]:
@@ -401,7 +413,8 @@ def run_scenario(path: str | Path, plans: Sequence[str] = ("planner",), *, train
             result["plans"] = {}
             trained: dict[str, tuple[Any, str]] = {}
             for kind in plans:
-                plan_path, info = bed.plan_file(kind) if kind in PLANS else (Path(kind), {"kind": "file"})
+                known = kind in PLANS or kind in scenario.layouts
+                plan_path, info = bed.plan_file(kind) if known else (Path(kind), {"kind": "file"})
                 if info.get("error"):
                     result["plans"][kind] = info
                     continue
@@ -414,6 +427,11 @@ def run_scenario(path: str | Path, plans: Sequence[str] = ("planner",), *, train
                 measured = bed.train(plan_path, (train_s or scenario.train_s) / dilation, tag=kind)
                 if info.get("predicted_samples_per_s"):
                     measured["predicted_over_measured"] = info["predicted_samples_per_s"] / measured["samples_per_s"]
+                if known:  # ``ravq simulate`` as a user runs it: the profiles alone, no measured compute
+                    from testbed_plans import simulate_profiles
+
+                    measured["simulated_samples_per_s"] = simulate_profiles(bed.topology_path, run_dir / "profiles",
+                                                                            plan_path)
                 result["plans"][kind] = {**info, **measured}
             if repeat and "planner" in trained:  # once more, last: how far two runs of one plan differ here
                 again = bed.train(Path(trained["planner"][1]), (train_s or scenario.train_s) / dilation,
@@ -466,9 +484,10 @@ def report_lines(result: dict[str, Any]) -> Iterator[str]:
             yield f"  {kind:<8} the same plan as {r['same_plan_as']}'s (trained once): clusters {r['clusters']}"
             continue
         loss = "?" if r.get("loss") is None else f"{r['loss']:.3f}"
-        pred = r.get("predicted_samples_per_s")
+        pred, sim = r.get("predicted_samples_per_s"), r.get("simulated_samples_per_s")
         yield (f"  {kind:<8} measured {r['samples_per_s']:8.1f} samples/s, predicted "
-               f"{'?' if pred is None else f'{pred:.1f}'}, loss {loss}, clusters {r['clusters']}")
+               f"{'?' if pred is None else f'{pred:.1f}'}, simulated from profiles {'?' if sim is None else f'{sim:.1f}'}"
+               f", loss {loss}, clusters {r['clusters']}")
         if r.get("quota_received") is not None:
             yield f"           the PCs got {r['quota_received']:.0%} of their CPU quota while computing"
         if r.get("predicted_load_adjusted") is not None:

@@ -71,6 +71,9 @@ class ClusterState:
     reported version), so a staler copy is never offered when a fresher one is up."""
     reason: str = ""
     disrupted_at: float | None = None
+    done_at: float | None = None
+    out_of_rings: bool = False
+    """Done while another cluster still trains (``Book.check``): the rings leave it out."""
     note: str = ""
     """What the members reported about their recovery (a stage that kept its own weights because no
     holder was fresher); kept until the next disruption."""
@@ -99,9 +102,12 @@ class Book:
             return None
 
     def excluded(self) -> list[int]:
-        """Clusters out of the rings: those paused or recovering, and those done (their nodes have exited: a
-        cluster still training, e.g. one that lost time to a pause, must not wait for them every round)."""
-        return [c for c, cs in enumerate(self.clusters) if cs.state in ("paused", "recovering", "done")]
+        """Clusters out of the rings: those paused or recovering, and those done while another cluster still
+        trains ``lost_s`` later (their nodes have exited: a cluster that lost time to a pause must not wait
+        for them every round).  Clusters that finish together stay in: the plan does not change at the end
+        of every run, under rounds that are still open."""
+        return [c for c, cs in enumerate(self.clusters)
+                if cs.state in ("paused", "recovering") or (cs.state == "done" and cs.out_of_rings)]
 
     @property
     def running(self) -> bool:
@@ -242,6 +248,10 @@ class Book:
             changed |= self._advance(c, cs, now)
             if cs.state == "paused":
                 changed |= self._replace(c, cs, now)
+        training_on = any(cs.state != "done" for cs in self.clusters)
+        for cs in self.clusters:
+            if cs.state == "done" and not cs.out_of_rings and training_on and now - cs.done_at >= self.lost_s:
+                cs.out_of_rings = changed = True
         return changed
 
     def _replace(self, c: int, cs: ClusterState, now: float) -> bool:
@@ -302,7 +312,7 @@ class Book:
             log.info("cluster %d trains again (generation %d, from micro-batch %d)", c, cs.generation, cs.trained)
             return True
         if cs.state == "training" and all(m.state == "done" for m in members):
-            cs.state = "done"
+            cs.state, cs.done_at, cs.out_of_rings = "done", now, False
             return True
         return False
 

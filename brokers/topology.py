@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -21,11 +22,13 @@ import zmq
 import zmq.asyncio
 
 from brokers.book import CLUSTER_STATES, NODE_STATES, PHASES, Book, Member
+from brokers.reach import Reachability
 from brokers.run import open_run, save_run
-from ravq.config import Plan, Topology
+from ravq.config import Plan, RelayConfig, Topology
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.pubsub import Publisher
+from ravq.net.relay import Relay
 from ravq.net.transport import Inbox
 from ravq.net.wire import DecodeLimits, Message, MsgType
 
@@ -64,6 +67,9 @@ class Broker:
                          replace_s=topology.timeouts.replace_s,
                          standbys=[n.name for n in topology.nodes if n.name not in in_plan])
         self._stop = asyncio.Event()
+        self.reach = Reachability(topology, metrics, opts.curve)
+        self._tg: asyncio.TaskGroup | None = None
+        self._ctx: zmq.asyncio.Context | None = None
 
     @property
     def members(self) -> dict[str, Member]:
@@ -71,8 +77,7 @@ class Broker:
 
     def state(self) -> dict[str, Any]:
         return {"plan": self.plan.model_dump(), "run_id": self.run_id, "run_explicit": self.the_run.explicit,
-                **self.book.public(),
-                "silent_s": self.silence()}
+                **self.book.public(), "silent_s": self.silence(), "reach": self.reach.public()}
 
     def silence(self) -> dict[str, float]:
         """Seconds since each member's last heartbeat reached this broker."""
@@ -134,6 +139,7 @@ class Broker:
         if msg.type == MsgType.REGISTER:
             incarnation = msg.meta.get("incarnation")
             self.book.register(node, str(incarnation) if incarnation is not None else None, now)
+            self.reach.forget(node)
             self.book.check(now)
             log.info("node %s registered", node)
             await self._publish(pub, "member", {"node": node, "member_state": "up"})
@@ -142,17 +148,30 @@ class Broker:
             if self.book.heartbeat(node, msg.meta, now) | self.book.check(now):
                 self._observe_recoveries()
                 await self._publish(pub, "member", {"node": node, "member_state": self.members[node].state})
+        elif msg.type == MsgType.REACH_REQ:
+            if node not in self.known:
+                self.metrics.bad_messages.labels("broker", "unknown_node").inc()
+            elif self.reach.wants(node) and self._tg is not None and self._ctx is not None:
+                ports = msg.meta.get("ports")
+                ports = [str(p) for p in ports][:4] if isinstance(ports, list) else []
+                self._tg.create_task(self._check_reach(pub, node, ports))
         elif msg.type == MsgType.SNAPSHOT_REQ:
             if node in self.members and self.members[node].state == "up":  # a node polling at start is alive
                 self.members[node].last_seen = now
             await self._reply_snapshot(inbox, identity, node)
         elif msg.type == MsgType.STATUS_REQ:
             status = {"seq": self.seq, "plan": self.plan.model_dump(), "run_id": self.run_id,
+                      "reach": self.reach.public(), "reach_tried": dict(self.reach.tried),
                       "clusters": [cs.public() for cs in self.book.clusters],
                       "members": {k: _public(v, now) for k, v in self.members.items()}}
             await inbox.reply(identity, Message(type=MsgType.STATUS, sender=BROKER, meta=status), node)
         else:
             self.metrics.bad_messages.labels("broker", "unexpected_type").inc()
+
+    async def _check_reach(self, pub: Publisher, node: str, ports: list[str]) -> None:
+        assert self._ctx is not None
+        await self.reach.check(self._ctx, node, ports)
+        await self._publish(pub, "reach", {"node": node})
 
     async def _reply_snapshot(self, inbox: Inbox, identity: bytes, node: str) -> None:
         self._sync_plan()
@@ -201,14 +220,20 @@ class Broker:
         pub = Publisher.bind(ctx, endpoint(bind, b.pub_port), self.metrics, self.opts)
         inbox = Inbox.bind(ctx, endpoint(bind, b.router_port), "broker", self.metrics, self.limits, self.opts,
                            one_shot_clients=True)  # `ravq status` connects, asks once and leaves
-        log.info("broker up: pub %d, router %d, %d nodes in plan", b.pub_port, b.router_port,
-                 sum(len(c.nodes) for c in self.plan.clusters))
+        relay = self._relay(ctx)
+        log.info("broker up: pub %d, router %d, %d nodes in plan%s", b.pub_port, b.router_port,
+                 sum(len(c.nodes) for c in self.plan.clusters),
+                 f"; relaying on {b.relay_port}" if relay is not None else "")
+        self._ctx = ctx
         try:
             async with asyncio.TaskGroup() as tg:
+                self._tg = tg
                 tg.create_task(self._serve(inbox, pub))
                 tg.create_task(self._watch_heartbeats(pub))
                 tg.create_task(self._publish_silence(pub))
                 tg.create_task(self._until_stopped())
+                if relay is not None:
+                    tg.create_task(relay.serve())
                 if self.opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
                     tg.create_task(self.opts.monitor.serve())
         except* _Stopped:
@@ -216,10 +241,23 @@ class Broker:
         finally:
             inbox.close()
             pub.close()
+            if relay is not None:
+                relay.close()
             if self.opts.monitor is not None:
                 self.opts.monitor.close()
             ctx.term()
             log.info("broker stopped")
+
+
+    def _relay(self, ctx: zmq.asyncio.Context) -> Relay | None:
+        """The relay this PC runs by default for nodes behind NAT (``broker.relay_port``)."""
+        b = self.topology.broker
+        if b.relay_port is None:
+            return None
+        opts = dataclasses.replace(self.opts, max_message_bytes=self.topology.limits.max_message_bytes
+                                   or RelayConfig.model_fields["queue_bytes"].default)
+        return Relay(ctx, endpoint(b.bind_host or b.host, b.relay_port), self.known, self.metrics, opts,
+                     name=BROKER, queue_bytes=RelayConfig.model_fields["queue_bytes"].default)
 
 
 class _Stopped(Exception):

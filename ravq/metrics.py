@@ -275,6 +275,19 @@ class Metrics:
                                        buckets=(1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300), registry=r)
         self.catchup_seconds = Histogram("ravq_catchup_seconds", "Time to load a stage from live peers",
                                          buckets=_LATENCY_BUCKETS, registry=r)
+        # NAT traversal (issue #24): reachability, link routes, relays
+        self.node_reachable = Gauge("ravq_node_reachable", "1: others can dial this node; 0: behind NAT "
+                                    "(measured by the broker's dial-back, or declared)", ["member"], registry=r)
+        self.link_routes = Gauge("ravq_link_route", "Route of this node's link to a peer: 0 direct, 1 the peer "
+                                 "dials in, 2 this node dials out, 3 through a relay", ["socket", "peer"], registry=r)
+        self.relayed_bytes = HopCounter("ravq_relayed_bytes_total", "Bytes a relay forwarded, per link",
+                                        ["source", "destination"], registry=r)
+        self.relayed_messages = HopCounter("ravq_relayed_messages_total", "Messages a relay forwarded, per link",
+                                           ["source", "destination"], registry=r)
+        self.relay_dropped = Counter("ravq_relay_dropped_total", "Messages a relay dropped (unknown_destination, "
+                                     "unknown_source, queue_full, malformed)", ["reason"], registry=r)
+        self.relay_queued_bytes = Gauge("ravq_relay_queued_bytes", "Bytes a relay holds for one destination",
+                                        ["destination"], registry=r)
 
     def set_role(self, role: str, cluster: int | None = None, stage: int | None = None) -> None:
         """Export ravq_process_info for this process (replacing the previous cluster and stage)."""

@@ -38,6 +38,7 @@ from ravq.lifecycle import first_error, in_daemon_thread
 from ravq.metrics import Metrics
 from ravq.net.limits import derived_max_message_bytes
 from ravq.net.listen import serve_metrics
+from ravq.net.options import io_threads
 from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits
 from ravq.stage import checkpoint
@@ -50,6 +51,7 @@ from ravq.swarm.churn import Churn
 from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership, beat_on_cadence
 from ravq.swarm.progress import log_progress
+from ravq.swarm.routes import open_routes
 from ravq.swarm.stopping import Stopping
 from ravq.tuning import cpu_budget, peak_rss_bytes
 
@@ -83,7 +85,7 @@ class Node:
         self.sock_opts = socket_options_for(topology, name, options.key_dir, metrics)
         self.limits = DecodeLimits(max_header_bytes=t.max_header_bytes, max_frames=t.max_frames,
                                    max_tensor_bytes=self.sock_opts.max_message_bytes)
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.asyncio.Context(io_threads=io_threads(self.sock_opts, cpu_budget()))
         self.membership = Membership(self.ctx, topology, name, metrics, self.limits, self.sock_opts)
         self.churn = Churn(name=name, topology=topology, metrics=metrics, membership=self.membership, fail=self.fail)
         self.links: StageLinks | None = None
@@ -158,7 +160,7 @@ class Node:
                                 limits=self.limits, sock_opts=self.sock_opts, generation=lambda: self.churn.generation)
         peers = set(worker.spec.consumer_stages) | set(worker.spec.producer_stages)
         peers |= {h for group in worker.spec.tied for h in group.holders if h != self.stage}  # tied copies' holders
-        self.links.open(cluster.nodes, peers | (set(worker._first_destinations()) if worker.is_first else set()))
+        self.links.bind()
         if len(plan.clusters) > 1:
             self.averager = Averager(ctx=self.ctx, topology=self.topology, plan=self.churn.current_plan, me=self.name,
                                      cluster=self.cluster, worker=worker, model=built.model,
@@ -167,8 +169,12 @@ class Node:
                                      owners=self._owners)
             self.averager.silent_s = self.membership.silent_s
             self.averager.run_id = self.run_id
-        self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
+        await open_routes(name=self.name, topology=self.topology, membership=self.membership, metrics=self.metrics,
+                          links=self.links, averager=self.averager, names=[self.name] if self.rejoining else everyone,
+                          cluster_nodes=cluster.nodes,
+                          peers=peers | (set(worker._first_destinations()) if worker.is_first else set()))
+        self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
         if not self.rejoining:
             await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
             self.churn.set_phase("training")
@@ -335,7 +341,9 @@ class Node:
                 "payload_wire_bytes_sent": total("ravq_payload_wire_bytes_total", direction="sent"),
                 "payload_logical_bytes_sent": total("ravq_payload_logical_bytes_total",
                                                      direction="sent"),
-                "bad_messages": total("ravq_bad_messages_total")}
+                "bad_messages": total("ravq_bad_messages_total"),
+                "routes": {"pipeline": self.links.routes if self.links else {},
+                           "ring": self.averager.port.routes if self.averager else {}}}
 
     async def shutdown(self) -> None:
         t0 = time.monotonic()

@@ -40,14 +40,28 @@ def test_first_start_trains_once_everyone_is_past_waiting() -> None:
 
 def test_a_cluster_that_is_done_leaves_the_rings_while_another_trains_on() -> None:
     """A cluster that lost time to a pause trains on after the other finished: it must not wait, every
-    round, for ring peers that have exited."""
+    round, for ring peers that have exited.  Clusters finishing together change nothing (no new plan
+    under their last rounds)."""
     book = _started()
     for n in ("a0", "a1"):
         _beat(book, n, 2.0, done=True, phase="finishing")
     for n in ("b0", "b1"):
         _beat(book, n, 2.0)
     book.check(2.0)
-    assert [c.state for c in book.clusters] == ["done", "training"] and book.excluded() == [0]
+    assert [c.state for c in book.clusters] == ["done", "training"] and book.excluded() == []
+    for n in ("b0", "b1"):
+        _beat(book, n, 2.0 + LOST_S)
+    assert book.check(2.0 + LOST_S) and book.excluded() == [0]
+
+    together = _started()
+    for n in ("a0", "a1"):
+        _beat(together, n, 2.0, done=True, phase="finishing")
+    together.check(2.0)
+    for n in ("b0", "b1"):
+        _beat(together, n, 3.0, done=True, phase="finishing")
+    together.check(3.0)
+    together.check(3.0 + LOST_S)
+    assert [c.state for c in together.clusters] == ["done", "done"] and together.excluded() == []
 
 
 def test_a_silent_node_is_lost_its_cluster_pauses_recovers_and_trains_again() -> None:

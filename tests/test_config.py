@@ -431,3 +431,23 @@ def test_original_valid_is_not_shared() -> None:
     first = valid()
     first["nodes"].clear()
     assert valid()["nodes"] and copy.deepcopy(valid()) == valid()
+
+
+def test_relays_and_reachable_in_the_topology() -> None:
+    """Relays are named apart from nodes and the broker, their ports are claimed like any other, and
+    under CURVE each needs its key (issue #24)."""
+    import pytest as _pytest
+
+    from ravq.config import ConfigError, parse_topology
+
+    base = {"task": "tests.tasks_for_tests", "broker": {"pub_port": 5500, "router_port": 5501, "relay_port": 5502},
+            "nodes": [{"name": "a", "pipeline_port": 5510, "ring_port": 5511, "reachable": False}]}
+    topo = parse_topology({**base, "relays": [{"name": "r", "host": "10.0.0.9", "port": 6000}]}, resolve_task=False)
+    assert topo.nodes[0].reachable is False and topo.relays[0].queue_bytes == 64 << 20
+    for relays, match in (([{"name": "a", "host": "h", "port": 6000}], "relays.0.name|already the name"),
+                          ([{"name": "broker", "host": "h", "port": 6000}], "already the name"),
+                          ([{"name": "r", "host": "127.0.0.1", "port": 5510}], "port 5510")):
+        with _pytest.raises(ConfigError, match=match):
+            parse_topology({**base, "relays": relays}, resolve_task=False)
+    with _pytest.raises(ConfigError, match="broker.relay_port"):
+        parse_topology({**base, "broker": {**base["broker"], "relay_port": 5501}}, resolve_task=False)

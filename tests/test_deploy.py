@@ -24,7 +24,8 @@ DEPLOY = REPO / "deploy"
 GRAFANA = REPO / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
 UNITS = {"broker": DEPLOY / "systemd" / "ravq-broker.service",
-         "node": DEPLOY / "systemd" / "ravq-node@.service"}
+         "node": DEPLOY / "systemd" / "ravq-node@.service",
+         "relay": DEPLOY / "systemd" / "ravq-relay@.service"}
 TOPOLOGY_PATH = "/etc/ravq/topology.yaml"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze") or ""
 PROMTOOL = shutil.which("promtool") or ""

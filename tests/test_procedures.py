@@ -1,5 +1,5 @@
 """deploy/README.md's procedures for what PC owners do, run on namespaced "PCs" as the walkthrough runs
-its steps (tests/test_walkthrough.py's Site: the units' own command lines, as the service user, CURVE
+its steps (tests/units.py's Site, as the walkthrough: the units' own command lines, as the service user, CURVE
 keys per PC), one swarm through all of them: upgrading ravq on every PC without losing the run (a
 rolling stop/start: each node resumes from its checkpoint, the broker restarted), adding a PC as a
 standby and rotating a node's key (the new topology everywhere, then that same rolling restart: the
@@ -16,12 +16,10 @@ under test.  Needs root, iproute2, setpriv; skipped with the reason otherwise.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +27,9 @@ import yaml
 
 from benchmarks import _netns
 from tests import test_walkthrough as walk
-from tests.service_user import USER, python_for, traversable_tmp
+from tests import units
+from tests.service_user import USER, traversable_tmp
+from tests.units import Site
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -39,29 +39,15 @@ CLUSTERS = {"pc1": 0, "pc2": 0, "pc3": 1}
 TOPOLOGY = "/etc/ravq/topology.yaml"
 
 
-class Site(walk.Site):
-    """The walkthrough's PCs, four of them (pc4 is the PC added later)."""
-
-    def __init__(self, root: Path, links: list[_netns.Link], python: tuple[str, str]) -> None:
-        saved = walk.PCS
-        walk.PCS = PCS  # Site.__init__ makes every listed PC's directories
-        try:
-            super().__init__(root, links, python)
-        finally:
-            walk.PCS = saved
-
-
 @pytest.fixture
 def site() -> Iterator[Site]:
     if reason := _netns.unavailable_reason():
         pytest.skip(reason)
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) not found")
-    python = python_for(USER)
-    if python is None:
-        pytest.skip(f"no Python that user {USER} can run with this venv's packages")
+    if reason := units.unavailable_reason():
+        pytest.skip(reason)
     with traversable_tmp("rq27-proc-") as root, _netns.shaped_links(len(PCS), 1000, prefix="rqp") as links:
-        s = Site(root, links, python)
+        s = Site(root, {pc: link.netns for pc, link in zip(PCS, links)},  # pc4 is the PC added later
+                 {pc: link.address for pc, link in zip(PCS, links)})
         try:
             yield s
         finally:

@@ -392,8 +392,9 @@ def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.Cap
     ring_bytes, ring_wall = data["ring_s"]
     assert ring_bytes >= 1 << 20 and data["ring_cpu_s"][0] == ring_bytes
     assert ring_wall == pytest.approx(data["ring_cpu_s"][1] / data["cpu_share"]) and ring_wall > 0
+    assert data["loss_s"] == pytest.approx(data["loss_cpu_s"] / data["cpu_share"]) and data["loss_s"] > 0
     out = capsys.readouterr().out
-    assert "wrote" in out and "pipeline messages" in out and "averaging:" in out
+    assert "wrote" in out and "pipeline messages" in out and "averaging:" in out and "loss stage:" in out
     assert profile_main(str(topo), "nobody", str(tmp_path / "out"), 1.0) == 2
 
 

@@ -17,3 +17,17 @@ def test_status_shows_waiting_by_reason_next_to_compute_busy() -> None:
     assert row_a.split()[5] == "0.40" and row_a.endswith("averaging 0.55 input 0.03")  # 0.001 share hidden
     assert "waiting" in text.splitlines()[1]
     assert waiting_text({"wall_s": 0.0}) == "-" and waiting_text({"wall_s": 5.0, "wait_s": {}}) == "-"
+
+
+def test_status_says_who_is_behind_nat_and_which_links_are_relayed() -> None:
+    from ravq.cli.status import format_status
+
+    stats = {"a": {"routes": {"pipeline": {"b": "accept"}, "ring": {}}},
+             "b": {"routes": {"pipeline": {"a": "dial", "c": "relay:broker"}, "ring": {"c": "relay:r1"}}},
+             "c": {"routes": {"pipeline": {"b": "relay:broker"}, "ring": {"b": "relay:r1"}}}}
+    text = format_status({"seq": 1, "plan": {"clusters": [{"nodes": ["a", "b", "c"]}]},
+                          "reach": {"a": "reachable", "b": "behind_nat", "c": "behind_nat"},
+                          "members": {n: {"state": "up", "phase": "training", "stats": s} for n, s in stats.items()}})
+    assert "reachable: a; behind NAT: b, c" in text
+    assert "relayed pipeline link b <-> c via broker" in text and "relayed ring link b <-> c via r1" in text
+    assert "1 link(s) dialled from behind NAT: pipeline a<->b" in text

@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import pwd
-import shlex
 import shutil
-import signal
 import subprocess
 import time
 import urllib.parse
@@ -34,12 +30,13 @@ import pytest
 import yaml
 
 from benchmarks import _netns
-from tests.service_user import USER, python_for, traversable_tmp
+from tests import units
+from tests.service_user import USER, traversable_tmp
+from tests.units import Site
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
 
 REPO = Path(__file__).resolve().parents[1]
-UNITS = REPO / "deploy" / "systemd"
 DASHBOARD = REPO / "grafana" / "dashboards" / "ravq.json"
 PCS = ["pc1", "pc2", "pc3"]
 CLUSTERS = {"pc1": 0, "pc2": 0, "pc3": 1}
@@ -50,93 +47,6 @@ DOCUMENTED_ZERO = "Zero is normal"
 """Panels whose description carries this may read 0 while the swarm trains."""
 
 
-def _unit_exec(unit: str) -> tuple[list[str], dict[str, str], str]:
-    """(ExecStart argv, Environment, WorkingDirectory) of a unit file, as systemd would run them."""
-    argv: list[str] = []
-    env: dict[str, str] = {}
-    cwd = "/"
-    for line in (UNITS / unit).read_text().splitlines():
-        key, _, value = line.strip().partition("=")
-        if key == "ExecStart" and value:
-            argv = shlex.split(value)
-        elif key == "Environment":
-            name, _, val = value.partition("=")
-            env[name] = val
-        elif key == "WorkingDirectory":
-            cwd = value
-    return argv, env, cwd
-
-
-class Site:
-    """The four PCs: namespaces, file trees under one root, and the processes started on them."""
-
-    def __init__(self, root: Path, links: list[_netns.Link], python: tuple[str, str]) -> None:
-        self.root, self.python, self.procs = root, python, []
-        self.ns = {pc: link.netns for pc, link in zip(PCS, links)}
-        self.addr = {pc: link.address for pc, link in zip(PCS, links)}
-        user = pwd.getpwnam(USER)
-        self.uid, self.gid = user.pw_uid, user.pw_gid
-        for pc in PCS:  # what the README's install step makes: /etc/ravq and the units' state directories
-            for d in ("etc/ravq", "var/lib/ravq/checkpoints", "var/cache/ravq"):
-                (self.path(pc, "/" + d)).mkdir(parents=True, exist_ok=True)
-            for d in ("var/lib/ravq", "var/lib/ravq/checkpoints", "var/cache/ravq"):
-                os.chown(self.path(pc, "/" + d), self.uid, self.gid)
-
-    def path(self, pc: str, absolute: str) -> Path:
-        """Where PC ``pc``'s file ``absolute`` lives in this test."""
-        return self.root / pc / absolute.lstrip("/")
-
-    def _move(self, pc: str, arg: str) -> str:
-        for prefix in ("/etc/ravq", "/var/lib/ravq", "/var/cache/ravq"):
-            if arg.startswith(prefix):
-                return str(self.path(pc, arg))
-        return arg
-
-    def command(self, pc: str, argv: list[str], as_user: bool = True) -> list[str]:
-        """``argv`` (starting with ``ravq``) run on ``pc`` as the service user."""
-        exe, _ = self.python
-        assert Path(argv[0]).name == "ravq", argv
-        args = [exe, "-m", "ravq", *(self._move(pc, a) for a in argv[1:])]
-        drop = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--"] if as_user else []
-        return ["ip", "netns", "exec", self.ns[pc], *drop, *args]
-
-    def env(self, pc: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-        moved = {k: self._move(pc, v) for k, v in (extra or {}).items()}
-        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": self.python[1], "OMP_NUM_THREADS": "1",
-                "HOME": "/nonexistent", **moved}
-
-    def run(self, pc: str, *argv: str, timeout: float = 120, as_user: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.command(pc, ["ravq", *argv], as_user), capture_output=True, text=True,
-                              env=self.env(pc), timeout=timeout, check=False, cwd=self.root)
-
-    def start_unit(self, pc: str, unit: str, instance: str = "") -> subprocess.Popen[bytes]:
-        argv, env, cwd = _unit_exec(unit)
-        argv = [a.replace("%i", instance) for a in argv]
-        env = {k: v.replace("%i", instance) for k, v in env.items()}
-        log = open(self.root / f"{pc}-{unit.split('@')[0].split('.')[0]}.log", "wb")  # noqa: SIM115 - the process keeps it
-        proc = subprocess.Popen(self.command(pc, argv), stdout=log, stderr=subprocess.STDOUT, env=self.env(pc, env),
-                                cwd=self.path(pc, cwd))
-        log.close()
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
-        """systemctl stop: SIGTERM (KillMode=mixed: the main process), then SIGKILL after the timeout."""
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 @pytest.fixture
 def site() -> Iterator[Site]:
     if reason := _netns.unavailable_reason():
@@ -145,13 +55,11 @@ def site() -> Iterator[Site]:
         pytest.skip("Debian's prometheus is not installed (make system-deps)")
     if shutil.which("curl") is None:
         pytest.skip("curl not found (asks Prometheus from inside the namespace)")
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) not found")
-    python = python_for(USER)
-    if python is None:
-        pytest.skip(f"no Python that user {USER} can run with this venv's packages")
+    if reason := units.unavailable_reason():
+        pytest.skip(reason)
     with traversable_tmp("rq13-walk-") as root, _netns.shaped_links(len(PCS), RATE_MBIT) as links:
-        s = Site(root, links, python)
+        s = Site(root, {pc: link.netns for pc, link in zip(PCS, links)},
+                 {pc: link.address for pc, link in zip(PCS, links)})
         try:
             yield s
         finally:

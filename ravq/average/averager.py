@@ -281,12 +281,13 @@ class Averager:
 
     # ------------------------------------------------------------ event loop
     def on_plan(self, plan: Plan) -> None:
-        """A new plan epoch: abandon at once every open round of an older one (their rings changed;
-        queued ones are skipped when their turn comes)."""
+        """A new plan epoch: abandon every open round of an older one at once (queued ones are skipped in
+        turn) and link ring peers new to this node, keeping every other link (``RingPort.ensure``)."""
         if plan.epoch > self._seen_epoch:
             self._seen_epoch = plan.epoch
             if aborted := self.mailbox.abort_open("plan_changed"):
                 log.info("%s: plan epoch %d: abandoned %d open ring round(s)", self.me, plan.epoch, aborted)
+            self.port.ensure(m for seg in self.segments(plan) for m in seg.ring)
 
     async def serve(self) -> None:
         """The ring socket's one reader."""

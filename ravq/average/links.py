@@ -7,6 +7,7 @@ to the ``Mailbox`` and catch-up requests to the averager.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -16,17 +17,21 @@ import torch
 from ravq.average.mailbox import Mailbox, received_piece
 from ravq.average.rounds import ROUNDS_PER_EPOCH
 from ravq.config import Topology
+from ravq.config.routes import relays, route
 from ravq.metrics import Metrics
 from ravq.net.compress import Packed
 from ravq.net.options import SocketOptions, endpoint
+from ravq.net.routed import Links, RoutedLink
 from ravq.net.transport import Context, Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
+
+log = logging.getLogger(__name__)
 
 
 class RingLinks:
     """``ravq.average.ring.RingLink`` over one DEALER per ring peer."""
 
-    def __init__(self, me: str, outlinks: dict[str, Outlink], fault: str | None = None) -> None:
+    def __init__(self, me: str, outlinks: dict[str, Outlink | RoutedLink], fault: str | None = None) -> None:
         self.me, self.outlinks = me, outlinks
         self._kill_round = int(fault.split(":")[1]) if fault and fault.startswith("kill_in_round:") else None
 
@@ -49,21 +54,60 @@ def ring_chunk(sender: str, meta: dict[str, int], piece: torch.Tensor | Packed) 
 
 
 class RingPort:
-    """This node's ring sockets: the ROUTER its ring peers send to, and a DEALER to each of them."""
+    """This node's ring sockets: the ROUTER its ring peers send to, and a link to each of them (a DEALER
+    to its ROUTER, or over this ROUTER when one end is behind NAT: ``ravq.net.routed``).
+
+    The ROUTER binds at once (the broker dials it back); ``connect`` links to every ring peer as soon as
+    their reachability is known (ZeroMQ starts connecting, CURVE handshake included, long before the
+    first round); ``ensure`` adds the links a later plan needs and keeps every existing one (a plan epoch
+    never reconnects a peer it keeps).  ``connect`` (peer -> Outlink), the constructor's, replaces the
+    route-following factory (tests count connects with it).
+    """
 
     def __init__(self, ctx: Context, topology: Topology, me: str, peers: Iterable[str], metrics: Metrics,
-                 limits: DecodeLimits, sock_opts: SocketOptions) -> None:
+                 limits: DecodeLimits, sock_opts: SocketOptions,
+                 connect: Callable[[str], Outlink] | None = None) -> None:
         self.ctx, self.topology, self.me, self.metrics = ctx, topology, me, metrics
         self.limits, self.sock_opts = limits, sock_opts
+        self._hook = connect
+        self._open = False
+        """Whether ``connect`` ran: before, links wait for the peers' reachability."""
         bind = topology.node(me).bind_host or topology.node(me).host
-        self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts)
-        self.outlinks = {p: self._connect(p) for p in peers}
+        self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts,
+                                me=me)
+        self.peers = sorted(peers)
+        self.reach: dict[str, bool] = {}
+        self._links = Links(ctx=ctx, inbox=self.inbox, me=me, socket="ring", metrics=metrics, limits=limits,
+                            opts=sock_opts, port_of={n.name: (n.host, n.ring_port) for n in topology.nodes})
+        self.outlinks: dict[str, Outlink | RoutedLink] = {}
         self.link = RingLinks(me, self.outlinks, os.environ.get("RAVQ_FAULT"))
 
-    def _connect(self, peer: str) -> Outlink:
-        node = self.topology.node(peer)
-        return Outlink.connect(self.ctx, endpoint(node.host, node.ring_port), "ring", peer, self.metrics,
-                               self.limits, self.sock_opts, identity=self.me)
+    def connect(self, reach: Mapping[str, bool]) -> None:
+        """Link to every ring peer along its route (``reach``: who can be dialled)."""
+        self.reach, self._open = dict(reach), True
+        self.ensure(self.peers)
+
+    @property
+    def routes(self) -> dict[str, str]:
+        return dict(self._links.routes)
+
+    def _connect(self, peer: str) -> Outlink | RoutedLink:
+        if self._hook is not None:
+            return self._hook(peer)
+        return self._links.open(peer, route(self.me, peer, self.reach, relays(self.topology)))
+
+    def ensure(self, peers: Iterable[str]) -> int:
+        """Connect to each of ``peers`` not linked yet (a new plan's ring members); links to peers already
+        linked stay as they are.  Returns how many were connected."""
+        new = [p for p in dict.fromkeys(peers) if p != self.me and p not in self.outlinks]
+        if not self._open:  # reachability not known yet: ``connect`` links them with the rest
+            self.peers = sorted({*self.peers, *new})
+            return 0
+        for peer in new:
+            self.outlinks[peer] = self._connect(peer)
+        if new:
+            log.info("%s: new ring link(s) to %s", self.me, ", ".join(new))
+        return len(new)
 
     async def serve(self, mailbox: Mailbox,
                     answer_catchup: Callable[[bytes, Message], Awaitable[None]]) -> None:
@@ -79,6 +123,8 @@ class RingPort:
                                       str(msg.meta.get("reason", ""))[:64])
             elif msg.type == MsgType.CATCHUP_REQ:
                 await answer_catchup(identity, msg)
+            elif msg.type == MsgType.CATCHUP and msg.sender in self._links.routed:
+                self._links.routed[msg.sender].deliver(msg)  # a reply over this ROUTER (a routed link)
             else:
                 self.metrics.bad_messages.labels("ring", "unexpected_message").inc()
 
@@ -88,8 +134,9 @@ class RingPort:
         for old, new in renamed.items():
             if old in self.outlinks:
                 self.outlinks.pop(old).close()
-            if new != self.me and new not in self.outlinks and is_peer(new):
-                self.outlinks[new] = self._connect(new)
+                self._links.forget(old)
+            if is_peer(new):
+                self.ensure([new])
 
     def close(self) -> None:
         for link in self.outlinks.values():

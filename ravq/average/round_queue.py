@@ -49,6 +49,8 @@ class RoundQueue:
         self.completed = 0
         self.seconds_total = 0.0
         self.aborts = 0
+        self._timed_epoch = -1
+        """The plan epoch whose first finished round was logged."""
 
     def enqueue(self, item: QueuedRound) -> None:
         """Queue a round without ever blocking the compute thread; when the queue is full (a ring is
@@ -107,6 +109,12 @@ class RoundQueue:
                         len(result.aborted), ", ".join(sorted(reasons)))
         else:
             self.completed += 1
+            epoch = round_id // ROUNDS_PER_EPOCH
+            if epoch != self._timed_epoch:  # the first round of an epoch: what its links and start-up cost
+                self._timed_epoch = epoch
+                log.info("%s: first averaging round of plan epoch %d took %.2fs", self.me, epoch, result.seconds)
+            else:
+                log.debug("%s: averaging round %d took %.2fs", self.me, round_id, result.seconds)
             self.seconds_total += result.seconds
             self.metrics.allreduce_rounds.inc()
             self.metrics.allreduce_seconds.observe(result.seconds)

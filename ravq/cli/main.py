@@ -191,6 +191,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_relay(args: argparse.Namespace) -> int:
+    from ravq.cli.relay import relay_main
+
+    return relay_main(load_topology(args.topology, resolve_task=False), args.name, args.key_dir)
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from ravq.net.security import keygen_main
 
@@ -288,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--name", help="with CURVE: whose key pair to use (default: the broker's if its secret is "
                                   "in the key directory, else the first node's that is)")
     s.set_defaults(func=cmd_status)
+
+    r = sub.add_parser("relay", help="forward traffic between nodes behind NAT (on a reachable PC)")
+    r.add_argument("--topology", required=True)
+    r.add_argument("--name", required=True, help="the relay's name under relays: in the topology")
+    r.add_argument("--key-dir", help="directory with NAME.key_secret (CURVE)")
+    r.set_defaults(func=cmd_relay)
 
     k = sub.add_parser("keygen", help="make a CURVE key pair for a node or the broker")
     k.add_argument("name")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-from ravq.config import ConfigError, load_topology, resolve_task_module
+from ravq.config import ConfigError, Plan, load_topology, resolve_task_module
 from ravq.planner import PlanError, cut_plan, make_plan, topology_clusters, training_settings
+from ravq.planner.relays import format_relayed, plan_with_relays
+from ravq.planner.types import Explanation, NodeProfile
 from ravq.profile.store import load_profiles
 
 log = logging.getLogger(__name__)
@@ -32,15 +35,19 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
     training = topology.training
     blocks = profile_blocks(task, training.micro_batch, max_inflight=training.max_inflight or 1)
     settings = training_settings(training)
-    try:
+    def make(profiles: Sequence[NodeProfile]) -> tuple[Plan, Explanation]:
         if all(n.cluster is not None for n in topology.nodes if not n.standby):
-            plan, explanation = cut_plan(topology_clusters(topology), nodes, blocks, **settings)
-        else:
-            plan, explanation = make_plan(nodes, blocks, **settings)
-    except PlanError as err:
+            return cut_plan(topology_clusters(topology), profiles, blocks, **settings)
+        return make_plan(profiles, blocks, **settings)
+
+    try:
+        plan, explanation, relayed = plan_with_relays(topology, nodes, make)
+    except (PlanError, ConfigError) as err:  # ConfigError: two nodes behind NAT and no relay
         print(f"error: {err}")
         return 1
     print(explanation.format())
+    for line in format_relayed(relayed):
+        print(line)
     from ravq.checks import override_warnings
 
     for warning in override_warnings(topology, plan, nodes):

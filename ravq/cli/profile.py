@@ -41,6 +41,9 @@ def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s
         nbytes, seconds = measurement.ring_s
         print(f"  averaging: {seconds * 1e3:.3g} ms per round of {size_text(int(nbytes))} in a ring of two "
               f"({measurement.ring_cpu_s[1] * 1e3:.3g} ms of CPU)")
+    if measurement.loss_s:
+        print(f"  loss stage: {measurement.loss_s * 1e3:.3g} ms more per micro-batch "
+              f"({measurement.loss_cpu_s * 1e3:.3g} ms of CPU: loss forward and backward, metrics)")
     for peer in sorted(measurement.bandwidth_bytes_per_s):
         print(f"  -> {peer}: {measurement.bandwidth_bytes_per_s[peer] * 8 / 1e6:.4g} Mbit/s, "
               f"{measurement.latency_s[peer] * 1e3:.3g} ms")

@@ -43,4 +43,11 @@ def scrape_config(topology: Topology, source: str) -> str:
             assert n.metrics_port is not None
             lines += [f"      - targets: [{_target(n.host, n.metrics_port)}]",
                       f"        labels: {{role: node, node: {n.name}}}"]
+    relays = [r for r in topology.relays if r.metrics_port is not None]
+    if relays:
+        lines += ["", "  - job_name: ravq-relay", "    static_configs:"]
+        for r in relays:
+            assert r.metrics_port is not None
+            lines += [f"      - targets: [{_target(r.host, r.metrics_port)}]",
+                      f"        labels: {{role: relay, node: {r.name}}}"]
     return "\n".join(lines).rstrip() + "\n"

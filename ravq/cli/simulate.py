@@ -61,7 +61,14 @@ def _inputs(topology_path: str, profiles_dir: str) -> tuple[Topology, list[NodeP
 def run_simulation(topology: Topology, plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile],
                    settings: Settings, host_cores: float | None = None) -> SimResult:
     hosts, cores = host_sharing(topology, plan, host_cores)
+    from ravq.config.routes import relays
+    from ravq.planner.relays import behind_nat_of, priced_profiles, relayed_links
+
     try:
+        behind = behind_nat_of(topology)
+        if behind:  # links between nodes behind NAT run through a relay and share it (issue #24)
+            points = relays(topology)
+            nodes = priced_profiles(nodes, relayed_links(plan, behind, points), points)
         world = build_world(plan, nodes, blocks, settings, hosts=hosts, host_cores=cores)
     except ValueError as err:
         raise ConfigError(str(err)) from None

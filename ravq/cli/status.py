@@ -97,7 +97,36 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{_num(st.get('eval_loss'), '.3f', 8)}  {waiting_text(st)}")
         if st.get("failure"):
             lines.append(f"{'':<16}failure: {st['failure']}")
+    lines += reach_lines(status)
     return "\n".join(lines)
+
+
+def reach_lines(status: dict[str, Any]) -> list[str]:
+    """Who is behind NAT (the broker's dial-back, or the topology) and which links go how (issue #24)."""
+    reach = status.get("reach") or {}
+    if not reach:
+        return []
+    behind = sorted(n for n, v in reach.items() if v != "reachable")
+    lines = [(f"reachable: {', '.join(sorted(n for n, v in reach.items() if v == 'reachable')) or 'none'}; "
+             f"behind NAT: {', '.join(behind) or 'none'}")]
+    relayed: dict[tuple[str, str, str], str] = {}
+    reversed_: set[tuple[str, str, str]] = set()
+    for name, m in status.get("members", {}).items():
+        routes = (m.get("stats") or {}).get("routes") or {}
+        for socket, peers in routes.items() if isinstance(routes, dict) else ():
+            for peer, how in peers.items() if isinstance(peers, dict) else ():
+                lo, hi = sorted((str(name), str(peer)))
+                key = (str(socket), lo, hi)
+                if str(how).startswith("relay:"):
+                    relayed[key] = str(how)[len("relay:"):]
+                elif how in ("accept", "dial"):
+                    reversed_.add(key)
+    for (socket, a, b), relay in sorted(relayed.items()):
+        lines.append(f"relayed {socket} link {a} <-> {b} via {relay}")
+    if reversed_:
+        lines.append(f"{len(reversed_)} link(s) dialled from behind NAT: "
+                     + ", ".join(f"{s} {a}<->{b}" for s, a, b in sorted(reversed_)))
+    return lines
 
 
 def waiting_text(stats: dict[str, Any]) -> str:

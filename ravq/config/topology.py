@@ -126,6 +126,8 @@ class TimeoutConfig(UserModel):
     """A node silent this long is lost: its cluster pauses and leaves the rings (>= 2 heartbeats)."""
     give_up_s: float | None = Field(None, gt=0)
     """A node whose cluster has been paused this long exits 1; None: it waits for as long as it takes."""
+    reach_s: float = Field(3.0, gt=0)
+    """How long the broker's dial-back of a starting node's ports may take before it counts as behind NAT."""
     replace_s: float = Field(30.0, gt=0)
     """A lost node not back this long has its stage handed to a standby node whose memory fits."""
 
@@ -162,12 +164,15 @@ class BrokerConfig(UserModel):
     """Prometheus HTTP port of the broker; None: no metrics server."""
     public_key: str | None = None
     """CURVE public key (Z85, 40 characters) of the broker."""
+    relay_port: Port | None = None
+    """The broker's PC also relays (``ravq.net.relay``) on this port, as the relay named ``broker`` (with
+    the broker's key): traffic between two nodes behind NAT goes through it.  None: no relay here."""
     state_dir: str | None = None
     """Directory where the broker keeps the training run (its id, plan epoch and membership), so that a
     restarted broker continues the same run and every node resumes from that run's checkpoints
     (``brokers.run``).  None: the run lasts as long as the broker process (a restart starts a new one)."""
 
-    _ports = field_validator("pub_port", "router_port", "metrics_port")(
+    _ports = field_validator("pub_port", "router_port", "metrics_port", "relay_port")(
         lambda v: v if v is None else _check_port(v)
     )
     _key = field_validator("public_key")(lambda v: _check_key(v))
@@ -203,17 +208,16 @@ class NodeConfig(UserModel):
     """Override the measured compute speed (FLOP/s)."""
     bandwidth_bytes_per_s: float | None = Field(None, gt=0)
     """Override the measured link bandwidth to every peer."""
+    reachable: bool | None = None
+    """Whether other PCs can dial this node's ports.  None: measured when the node starts (the broker
+    dials its advertised address back); false: behind NAT (or a firewall), never dialled: the node
+    dials out to reachable peers, and reaches other unreachable ones through a relay."""
 
     _ports = field_validator("pipeline_port", "ring_port", "metrics_port")(
         lambda v: v if v is None else _check_port(v)
     )
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
-            raise ValueError(f"name must be 1-64 letters, digits, '_', '.' or '-', got {v!r}")
-        return v
+    _name = field_validator("name")(lambda v: _check_name(v))
 
     @field_validator("device")
     @classmethod
@@ -223,6 +227,12 @@ class NodeConfig(UserModel):
         return v
 
     _key = field_validator("public_key")(lambda v: _check_key(v))
+
+
+def _check_name(v: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
+        raise ValueError(f"name must be 1-64 letters, digits, '_', '.' or '-', got {v!r}")
+    return v
 
 
 def _check_key(v: str | None) -> str | None:
@@ -235,6 +245,32 @@ def _check_key(v: str | None) -> str | None:
 
 def _is_z85_key(v: str) -> bool:
     return len(v) == 40 and re.fullmatch(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}", v) is not None
+
+
+class RelayConfig(UserModel):
+    """A reachable PC that forwards traffic between two nodes behind NAT (``ravq relay``)."""
+
+    name: str
+    """Unique among nodes and relays (names files and systemd units); ``broker`` is the broker's relay."""
+    host: str = Field(min_length=1)
+    """Address nodes dial to reach the relay."""
+    bind_host: str | None = Field(None, min_length=1)
+    """Address to bind (default: host)."""
+    port: Port
+    """ROUTER every node behind NAT dials."""
+    metrics_port: Port | None = None
+    """Prometheus HTTP port; None: no metrics server."""
+    public_key: str | None = None
+    """CURVE public key (Z85, 40 characters) from `ravq keygen`."""
+    bandwidth_bytes_per_s: float | None = Field(None, gt=0)
+    """Its uplink (= downlink) for the planner; None: as fast as the nodes' links."""
+    queue_bytes: int = Field(64 << 20, ge=1 << 20)
+    """Most bytes queued for one destination node; frames beyond are counted and dropped."""
+
+    _ports = field_validator("port", "metrics_port")(lambda v: v if v is None else _check_port(v))
+    _key = field_validator("public_key")(lambda v: _check_key(v))
+
+    _name = field_validator("name")(lambda v: _check_name(v))
 
 
 class SecurityConfig(UserModel):
@@ -255,6 +291,8 @@ class Topology(UserModel):
     security: SecurityConfig = SecurityConfig()
     broker: BrokerConfig
     nodes: list[NodeConfig] = Field(min_length=1)
+    relays: list[RelayConfig] = Field(default_factory=list)
+    """Relays for nodes behind NAT, besides the broker's (``broker.relay_port``)."""
 
     @model_validator(mode="after")
     def _unique(self) -> Topology:
@@ -273,6 +311,15 @@ class Topology(UserModel):
                 port = getattr(node, field)
                 if port is not None:
                     _claim(endpoints, (node.host, port), f"nodes[{i}].{field}")
+        if self.broker.relay_port is not None:
+            _claim(endpoints, (self.broker.host, self.broker.relay_port), "broker.relay_port")
+        for i, relay in enumerate(self.relays):
+            if relay.name in names or relay.name == "broker":
+                raise ValueError(f"relays[{i}].name: {relay.name!r} is already the name of a node or the broker")
+            names.add(relay.name)
+            for field in ("port", "metrics_port"):
+                if getattr(relay, field) is not None:
+                    _claim(endpoints, (relay.host, getattr(relay, field)), f"relays[{i}].{field}")
         _check_clusters(self.nodes)
         if self.security.curve:
             if self.broker.public_key is None:
@@ -280,6 +327,9 @@ class Topology(UserModel):
             for i, node in enumerate(self.nodes):
                 if node.public_key is None:
                     raise ValueError(f"nodes[{i}].public_key: required when security.curve is true")
+            for i, relay in enumerate(self.relays):
+                if relay.public_key is None:
+                    raise ValueError(f"relays[{i}].public_key: required when security.curve is true")
         return self
 
     def node(self, name: str) -> NodeConfig:

@@ -43,7 +43,8 @@ class ConnectionMonitor:
     followed from EVENT_ACCEPTED (keyed by file descriptor) to their end: one that disconnects before
     a handshake succeeded failed it.  libzmq's handshake events carry no descriptor; with one I/O thread
     they come in order, and each settles the oldest pending connection (counts stay exact; which
-    descriptor is marked may swap between two handshakes running at once).
+    descriptor is marked may swap between two handshakes running at once, and so may the order of two
+    handshakes' events on a CURVE node's two I/O threads: ``ravq.net.options.io_threads``).
 
     Lifecycle: ``watch`` server sockets as they are made, run ``serve()`` in the process's TaskGroup,
     ``close()`` after it ended and before the zmq context is terminated.

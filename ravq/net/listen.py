@@ -60,7 +60,8 @@ def ports_of(topology: Topology, process: str) -> dict[int, str]:
     """The ports ``process`` (a node's name, or ``broker``) listens on, each with the field that names it."""
     if process == "broker":
         b = topology.broker
-        fields = {"pub_port": b.pub_port, "router_port": b.router_port, "metrics_port": b.metrics_port}
+        fields = {"pub_port": b.pub_port, "router_port": b.router_port, "metrics_port": b.metrics_port,
+                  "relay_port": b.relay_port}
         return {port: f"broker.{field}" for field, port in fields.items() if port is not None}
     i, node = next((i, n) for i, n in enumerate(topology.nodes) if n.name == process)
     fields = {"pipeline_port": node.pipeline_port, "ring_port": node.ring_port,

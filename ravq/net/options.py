@@ -39,5 +39,20 @@ class SocketOptions:
     link moved ~9% more bytes/s than with copies below 128 KiB, on 2 cores); pyzmq's default is 64 KiB."""
 
 
+CURVE_IO_THREADS = 2
+"""ZeroMQ I/O threads of a node's context with CURVE: each frame is encrypted and decrypted there (libsodium,
+plus libzmq's copies of it), and a ring member sends and receives at once, so with one thread its
+encryption and decryption take turns on one core (benchmarks/bench_curve.py, docs/security.md)."""
+
+
+def io_threads(opts: SocketOptions, cpus: int) -> int:
+    """I/O threads for the context of a process whose sockets use ``opts``, with ``cpus`` CPUs to itself:
+    one in plaintext (ZeroMQ's rule of thumb, a thread per GB/s, and a plaintext frame costs it little);
+    with CURVE ``CURVE_IO_THREADS`` when the process has that many CPUs."""
+    if cpus < 1:
+        raise ValueError(f"cpus: must be at least 1, got {cpus}")
+    return min(CURVE_IO_THREADS, cpus) if opts.curve is not None else 1
+
+
 def endpoint(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"

@@ -242,12 +242,13 @@ class Curve(ConnectionMonitor):
             raise ValueError("security.key_dir: required when security.curve is true")
         if any(n.name == BROKER for n in topo.nodes):
             raise ValueError(f"nodes: no node may be named {BROKER!r} with security.curve (the broker's key is)")
-        peers = {n.name: n.public_key for n in topo.nodes} | {BROKER: topo.broker.public_key}
+        peers = ({n.name: n.public_key for n in topo.nodes} | {BROKER: topo.broker.public_key}
+                 | {r.name: r.public_key for r in getattr(topo, "relays", [])})
         missing = [p for p, k in peers.items() if k is None]
         if missing:
             raise ValueError(f"public_key: missing for {', '.join(missing)} (make keys with `ravq keygen`)")
         if name not in peers:
-            raise ValueError(f"--name: {name!r} is neither a node of the topology nor {BROKER!r}")
+            raise ValueError(f"--name: {name!r} is neither a node nor a relay of the topology nor {BROKER!r}")
         public, secret = load_secret(name, key_dir)
         if public != peers[name]:
             raise KeyFileError(f"{key_paths(name, key_dir)[1]}: its public key {public} is not the key the "

@@ -242,6 +242,10 @@ class SocketIo:
         self._after_direct_call()
         return True
 
+    def send_now(self, frames: list[Any]) -> bool:
+        """``_send_now`` for a caller that waits its own way (a ROUTER sending to one peer)."""
+        return self._send_now(frames)
+
     async def send(self, frames: list[Any]) -> None:
         """Queue ``frames`` as one message; buffers of ``copy_threshold_bytes`` or more without a copy."""
         # Behind a send that is already waiting, going direct would reorder messages.

@@ -32,10 +32,17 @@ class Inbox:
     """A bound ROUTER: receives validated messages from many peers and can reply to each."""
 
     def __init__(self, sock: zmq.asyncio.Socket, name: str, metrics: Metrics, limits: DecodeLimits,
-                 authenticated: bool = False) -> None:
+                 authenticated: bool = False, opts: SocketOptions | None = None) -> None:
         self.sock, self.name, self.metrics, self.limits = sock, name, metrics, limits
         self.authenticated = authenticated
         """With CURVE, a message's ``sender`` must be the name ZAP bound to the key that sent it."""
+        self.opts = opts
+        self.relays: frozenset[str] = frozenset()
+        """Routing ids of relays (``ravq.net.routed``): their messages carry the source node in a frame."""
+        self.dialled: set[str] = set()
+        """Routing ids of the connections this ROUTER dialled (peers, relays): their keys were pinned."""
+        self.via_relay: dict[str, str] = {}
+        """Peers this node reaches through a relay: replies to them go there."""
         self._io = SocketIo(sock)
         self._hops = HopMetrics(metrics, name)
         for reason in (*WIRE_REASONS, "no_identity", *(("sender_mismatch",) if authenticated else ())):
@@ -43,18 +50,24 @@ class Inbox:
 
     @classmethod
     def bind(cls, ctx: zmq.asyncio.Context, addr: str, name: str, metrics: Metrics,
-             limits: DecodeLimits, opts: SocketOptions, *, one_shot_clients: bool = False) -> Inbox:
-        """``one_shot_clients``: clients that connect for one request and leave (the broker's: ``ravq
-        status``), so a closed connection is no dropped one."""
+             limits: DecodeLimits, opts: SocketOptions, me: str = "", *, one_shot_clients: bool = False) -> Inbox:
+        """``me``: this process's name as its routing id, for the connections this ROUTER dials itself
+        (``ravq.net.routed``: a node behind NAT dials out); it also refuses (EHOSTUNREACH) to send to a
+        peer that is not connected instead of dropping silently.  ``one_shot_clients``: clients that
+        connect for one request and leave (the broker's: ``ravq status``), so a closed connection is no
+        dropped one."""
         sock = ctx.socket(zmq.ROUTER)
         configure(sock, opts)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if me:
+            sock.setsockopt(zmq.ROUTING_ID, me.encode())
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if opts.curve is not None:
             opts.curve.make_server(sock, name, count_closed=not one_shot_clients)
         elif opts.monitor is not None:
             opts.monitor.watch(sock, name, count_closed=not one_shot_clients)
         listen.bind(sock, addr, name)
-        return cls(sock, name, metrics, limits, authenticated=opts.curve is not None)
+        return cls(sock, name, metrics, limits, authenticated=opts.curve is not None, opts=opts)
 
     async def recv(self) -> tuple[bytes, Message]:
         """The next valid message and the identity of the peer that sent it."""
@@ -64,27 +77,62 @@ class Inbox:
                 self.metrics.bad_messages.labels(self.name, "no_identity").inc()
                 continue
             identity = frames[0].bytes
+            source: str | None = None
+            if self.relays and identity.decode(errors="replace") in self.relays:
+                if len(frames) < 3:  # relayed: [relay, source node, header, tensors...]
+                    self.metrics.bad_messages.labels(self.name, "no_source").inc()
+                    continue
+                source, frames = frames[1].bytes.decode(errors="replace"), [frames[0], *frames[2:]]
             try:
                 msg = decode(frames[1:], self.limits)
             except WireError as err:
                 self.metrics.bad_messages.labels(self.name, err.reason).inc()
                 log.debug("%s: dropped malformed message: %s", self.name, err)
                 continue
-            if self.authenticated and _user_id(frames[1]) != msg.sender:
+            # With CURVE a direct sender is the key's name; a relayed one is the relay's key's name and the
+            # source the relay stamped (it stamps its own authenticated peer, not what the sender claims).
+            if source is not None and source != msg.sender:
+                self.metrics.bad_messages.labels(self.name, "sender_mismatch").inc()
+                continue
+            expected = msg.sender if source is None else identity.decode(errors="replace")
+            if self.authenticated and not self._authentic(identity, frames[1], expected):
                 self.metrics.bad_messages.labels(self.name, "sender_mismatch").inc()
                 continue
             self._hops.received(msg.sender, msg, frames[1:], latency=True)
-            return identity, msg
+            return (identity if source is None else source.encode()), msg
+
+    def _authentic(self, identity: bytes, frame: Any, expected: str) -> bool:
+        """Whether ``expected`` sent ``frame`` under CURVE.  On connections others made to this ROUTER,
+        ZAP named the key (User-Id); on one this ROUTER dialled itself (``ravq.net.routed``) there is no
+        ZAP, but the handshake pinned the peer's listed key, and the routing id is the one given at dial."""
+        user = _user_id(frame)
+        if user is not None:
+            return user == expected
+        return identity.decode(errors="replace") in self.dialled and identity.decode(errors="replace") == expected
 
     async def readable(self, timeout_s: float) -> bool:
         """Whether a message (perhaps a malformed one) arrives within ``timeout_s``."""
         return await self._io.readable(timeout_s)
 
     async def reply(self, identity: bytes, msg: Message, peer: str = "") -> None:
+        """Send ``msg`` to the peer that sent ``identity``'s message; one gone meanwhile is skipped."""
         frames = encode(msg)
         t0 = time.perf_counter()
-        await self._io.send([identity, *frames])
+        relay = self.via_relay.get(peer) if peer else None
+        prefix = [relay.encode(), f"{peer}#{self.name}".encode()] if relay else [identity]  # routed.relay_id
+        try:
+            await self._io.send([*prefix, *frames])
+        except zmq.ZMQError as err:
+            if err.errno != zmq.EHOSTUNREACH:
+                raise
+            self.metrics.bad_messages.labels(self.name, "reply_unroutable").inc()
+            return
         self._hops.sent(peer or identity.decode(errors="replace"), msg, frames, t0)
+
+    def try_send(self, frames: list[Any]) -> bool:
+        """Queue a routed message (``[routing id, ...]``) if the socket takes it at once; raises
+        ``zmq.ZMQError(EHOSTUNREACH)`` while that peer is not connected (``me`` set at bind)."""
+        return self._io.send_now(frames)
 
     def close(self) -> None:
         self._io.close()

@@ -48,6 +48,7 @@ class MsgType(enum.StrEnum):
     STATUS_REQ = "status_req"
     STATUS = "status"
     REPLY = "reply"          # generic acknowledgement
+    REACH_REQ = "reach_req"  # node -> broker: dial my ports back (reachability, issue #24)
     # ring all-reduce
     RING_CHUNK = "ring_chunk"
     RING_ABORT = "ring_abort"

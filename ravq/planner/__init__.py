@@ -8,6 +8,7 @@ sockets, no torch.  Read in this order:
 - ``cost``: the cost model (DESIGN.md, "Planner and profiler"): what a layout of clusters achieves;
 - ``search``: the deterministic search over clusters and node orders behind ``make_plan``;
 - ``plans``: the entry points (``make_plan``, ``cut_plan``, ``evaluate_plan``, ``even_plan``);
+- ``regional``: plans for many PCs, region by region, and the best subset of the regions' clusters;
 - ``baselines``: Ravnest's rule and the exhaustive optimum, to compare against;
 - ``report``: layouts turned into a ``Plan``, an ``Explanation`` and memory errors.
 """
@@ -22,6 +23,7 @@ from ravq.planner.plans import (
     topology_clusters,
     training_settings,
 )
+from ravq.planner.regional import best_subset, regional_plan
 from ravq.planner.types import (
     BlockProfile,
     ClusterReport,
@@ -40,6 +42,7 @@ __all__ = [
     "PlanError",
     "StageReport",
     "Wire",
+    "best_subset",
     "cut_plan",
     "evaluate_plan",
     "even_plan",
@@ -47,6 +50,7 @@ __all__ = [
     "optimum_plan",
     "plan_candidates",
     "ravnest_plan",
+    "regional_plan",
     "topology_clusters",
     "training_settings",
 ]

@@ -9,6 +9,9 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   per micro-batch and the first and last one each.  On a PC of a seventh of a core the stages of a
   pipeline computed 1.22-1.33x what their FLOPs said (issue #14); int8 packing, CURVE and ZeroMQ's I/O,
   which share the CPU with the compute, are part of that (2 x ~8 ms of ~100 ms for a middle stage).
+  The stage that holds the last block also pays the loss (``NodeProfile.loss_s``: the task's loss
+  forward and backward and its metrics, which ``ravq profile`` times apart and leaves out of the
+  FLOP/s; issue #26).
   Averaging rounds take CPU too (``NodeProfile.ring_s_per_byte``, measured by ``ravq profile`` on a
   loopback ring of two): among C clusters a stage holding H parameter bytes pays 2(C-1)/C x H x that
   per round, spread over the ``sync_every`` steps between rounds (``Problem.averaging_cpu_s``).  On

@@ -57,12 +57,14 @@ class Problem:
                                for b in blocks[:-1]]
         self.message = np.zeros((self.n, self.B + 1))
         """message[node, c]: CPU time of a stage on ``node`` for the messages crossing a cut before block c
-        (its half of the activation's and of the gradient's); 0 at c = 0 and B, which no message crosses."""
+        (its half of the activation's and of the gradient's); 0 at c = 0, which no message crosses..."""
         for i, node in enumerate(nodes):
             if node.message_s:
                 self.message[i, 1:self.B] = [(message_seconds(node.message_s, self.act[c])
                                               + message_seconds(node.message_s, self.grad[c])) / 2
                                              for c in range(1, self.B)]
+        self.message[:, self.B] = [n.loss_s for n in nodes]
+        """...and at c = B, the loss stage's extra work (``NodeProfile.loss_s``): the stage ending there pays it."""
         self.ring_cpu = np.array([n.ring_s_per_byte for n in nodes], dtype=float)
         """Seconds of a node's CPU per parameter byte it holds for one averaging round in a ring of two."""
         self.act[1:self.B] *= self.wire.pipeline
@@ -95,8 +97,8 @@ class Problem:
         return float(self.mem_span(stages)[0, self.B])
 
     def stage_s(self, node: int, s: int, e: int) -> float:
-        """Time per micro-batch of a stage on ``node`` holding blocks [s, e): its FLOPs at the node's speed
-        and its messages' CPU time."""
+        """Time per micro-batch of a stage on ``node`` holding blocks [s, e): its FLOPs at the node's speed,
+        its messages' CPU time and, for the last stage (e = B), the loss's."""
         return float(self.work_span[s, e] / self.flops[node] + self.message[node, s] + self.message[node, e])
 
     def stage_times(self, node: int, stages: int) -> np.ndarray:

@@ -84,6 +84,10 @@ class NodeProfile:
     """Seconds of this node's CPU per parameter byte it holds, for its part in one averaging round in
     a ring of two (packing, error feedback, sums, sockets); a ring of C costs 2(C-1)/C times that (the
     share of the segment a member sends and receives).  0: not measured, averaging costs no compute."""
+    loss_s: float = 0.0
+    """Seconds per micro-batch this node spends on what only the loss-computing stage does (the task's
+    loss forward and backward, its metrics), charged to the stage holding the last block; ``flops``
+    leaves it out (``ravq profile`` measures both).  0: not measured."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

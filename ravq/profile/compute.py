@@ -46,14 +46,15 @@ def measure_matmul_flops(device: str = "cpu", seconds: float = 1.0, size: int = 
     return 2 * size ** 3 * count / (time.perf_counter() - t0)
 
 
-def _training_step(task: Any, micro_batch: int, device: str, optimizer: bool) -> tuple[Callable[[], None], float]:
+def _training_step(task: Any, micro_batch: int, device: str,
+                   optimizer: bool) -> tuple[Callable[[], None], float, bool]:
     """One training step of the task's model (whole, or its largest block when the whole does not fit in
     half of the usable memory: ``ravq.profile.step``) on one real micro-batch, and its forward + backward
-    FLOPs (counted as the block profile counts them)."""
-    from ravq.profile.step import training_step_target
+    FLOPs (counted as the block profile counts them), and whether the step computes the task's loss."""
+    from ravq.profile.step import timed_step
 
     torch.manual_seed(0)
-    params, forward = training_step_target(task, micro_batch, device, usable_memory_bytes(device) // 2)
+    params, forward, with_loss = timed_step(task, micro_batch, device, usable_memory_bytes(device) // 2)
     # a make_optimizer(named_params) gets placeholder names here: only the optimizer's cost is measured
     update = build_optimizer(task.make_optimizer, {str(i): p for i, p in enumerate(params)}) if optimizer else None
 
@@ -71,7 +72,7 @@ def _training_step(task: Any, micro_batch: int, device: str, optimizer: bool) ->
     with FlopCounterMode(display=False) as counter:
         forward_backward()
     _sync(device)
-    return step, float(counter.get_total_flops())
+    return step, float(counter.get_total_flops()), with_loss
 
 
 def _timed_steps(step: Callable[[], None], seconds: float, min_steps: int = 2) -> tuple[int, float]:
@@ -88,7 +89,7 @@ def measure_model_flops(task: Any, micro_batch: int, device: str = "cpu", second
     FLOPs (counted as the block profile counts them) over the time of forward, backward and, with
     ``optimizer``, the task's optimizer step, which every stage also runs per micro-batch (it counts no
     FLOPs but takes time: about a tenth of a step for the demo's model on a CPU)."""
-    step, flops = _training_step(task, micro_batch, device, optimizer)
+    step, flops, _ = _training_step(task, micro_batch, device, optimizer)
     count, elapsed = _timed_steps(step, seconds)
     return flops * count / elapsed
 
@@ -109,6 +110,10 @@ class ComputeSample:
     cpu_share: float
     """CPU seconds this process got per wall second over the windows: 1.0 for a core to itself, less
     under a CPU quota or when other work shares the core (then the figure holds only while it does)."""
+    step_flops: float = 0.0
+    """Forward + backward FLOPs of one timed step."""
+    with_loss: bool = False
+    """Whether the timed step computed the task's loss (the whole model, or a largest block that is last)."""
 
 
 def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_s: float = 1.2,
@@ -124,7 +129,7 @@ def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_
     a single 1.5 s sample judged one PC 2.2x off.  Windows of a second or more hold several such
     periods, the median ignores a window that other work disturbed, and the spread says how far to
     trust the figure."""
-    step, flops = _training_step(task, micro_batch, device, optimizer=True)
+    step, flops, with_loss = _training_step(task, micro_batch, device, optimizer=True)
     _timed_steps(step, warmup_s)
     rates = []
     cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -134,7 +139,7 @@ def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_
     share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     middle = statistics.median(rates)
     return ComputeSample(flops=middle, window_flops=rates, spread=(max(rates) - min(rates)) / middle,
-                         cpu_share=share)
+                         cpu_share=share, step_flops=flops, with_loss=with_loss)
 
 
 def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo",

@@ -23,7 +23,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,8 +31,10 @@ import torch
 import zmq.asyncio
 
 from ravq.config import Topology
+from ravq.config.routes import DIRECT, declared_reach, relays, route
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions, endpoint
+from ravq.net.routed import Links, RoutedLink
 from ravq.net.security import socket_options_for
 from ravq.net.transport import Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
@@ -121,17 +123,23 @@ class LinkGate:
 async def serve_probes(ctx: zmq.asyncio.Context, bind_addr: str, name: str, *, stop: asyncio.Event,
                        finished: set[str] | None = None, metrics: Metrics | None = None,
                        options: SocketOptions = _OPTIONS, limits: DecodeLimits = _LIMITS,
-                       gate: LinkGate | None = None) -> None:
-    """Acknowledge every PROBE on a ROUTER bound at ``bind_addr`` until ``stop`` is set; the names of
-    peers that say they are done with us are added to ``finished``.  A ``reserve`` is granted when
-    ``gate`` (always, without one) lets the peer hold this node, and a ``release`` ends that."""
-    inbox = Inbox.bind(ctx, bind_addr, "probe", metrics or Metrics(name), limits, options)
+                       gate: LinkGate | None = None, bound: Inbox | None = None,
+                       routed: Mapping[str, RoutedLink] | None = None) -> None:
+    """Acknowledge every PROBE on a ROUTER bound at ``bind_addr`` (or ``bound``, closed here too) until
+    ``stop`` is set; the names of peers that say they are done with us are added to ``finished``.  A
+    ``reserve`` is granted when ``gate`` (always, without one) lets the peer hold this node, and a
+    ``release`` ends that.  Replies to this node's own probes on ``routed`` links go to those links."""
+    inbox = bound if bound is not None else Inbox.bind(ctx, bind_addr, "probe", metrics or Metrics(name), limits,
+                                                         options)
     try:
         while not stop.is_set():
             if not await inbox.readable(0.1):
                 continue
             identity, msg = await inbox.recv()
             if msg.type is not MsgType.PROBE:
+                continue
+            if "kind" not in msg.meta and routed is not None and msg.sender in routed:
+                routed[msg.sender].deliver(msg)  # a reply to our own probe, over this ROUTER (issue #24)
                 continue
             kind, holder = msg.meta.get("kind"), f"from {msg.sender}"
             meta: dict[str, Any] = {"ack": msg.meta.get("seq")}
@@ -268,16 +276,17 @@ class ProbeClient:
             pass
 
 
-async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: dict[str, str], *, wait_s: float,
+async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: Mapping[str, str | ProbeLink], *, wait_s: float,
                         config: ProbeConfig, metrics: Metrics | None = None,
                         options: SocketOptions = _OPTIONS, gate: LinkGate | None = None) -> dict[str, Link]:
-    """Measure the link to each peer (name -> probe address) in turn; a peer silent for ``wait_s`` is
+    """Measure the link to each peer (name -> probe address, or a link made already) in turn; a peer silent for ``wait_s`` is
     skipped with a warning.  With ``gate`` (the one ``serve_probes`` uses) each measurement waits
     until neither end takes part in another."""
     links: dict[str, Link] = {}
     deadline = time.monotonic() + wait_s
     for peer, addr in sorted(peers.items()):
-        client = ProbeClient.connect(ctx, addr, name, peer, config, metrics, options)
+        client = (ProbeClient(addr, name, peer, config) if not isinstance(addr, str)
+                  else ProbeClient.connect(ctx, addr, name, peer, config, metrics, options))
         try:
             if not await client.wait_ready(max(0.0, deadline - time.monotonic())):
                 log.warning("profile: %s did not answer probes within %.0f s; link not measured", peer, wait_s)
@@ -297,7 +306,8 @@ async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: dict[str, st
         except TimeoutError as err:
             log.warning("profile: link to %s lost while measuring: %s", peer, err)
         finally:
-            client.close()
+            if isinstance(addr, str):  # a routed link stays: the peer may still probe us over it
+                client.close()
     return links
 
 
@@ -313,10 +323,13 @@ async def profile_links(topology: Topology, name: str, *, wait_s: float, config:
     stop, finished = asyncio.Event(), set[str]()
     gate = LinkGate(lease_s=config.reply_timeout_s)
     async with zmq_session(options) as (ctx, group):
-        group.create_task(serve_probes(ctx, endpoint(me.bind_host or me.host, me.pipeline_port), name,
-                                       stop=stop, finished=finished, metrics=metrics, options=options, gate=gate))
+        inbox = Inbox.bind(ctx, endpoint(me.bind_host or me.host, me.pipeline_port), "probe", metrics, _LIMITS,
+                           options, me=name)
+        probe_links, routed = _probe_links(ctx, topology, name, inbox, metrics, options)
+        group.create_task(serve_probes(ctx, "", name, stop=stop, finished=finished, metrics=metrics, options=options,
+                                       gate=gate, bound=inbox, routed=routed))
         try:
-            links = await measure_links(ctx, name, peers, wait_s=wait_s, config=config, metrics=metrics,
+            links = await measure_links(ctx, name, probe_links, wait_s=wait_s, config=config, metrics=metrics,
                                         options=options, gate=gate)
             deadline = time.monotonic() + wait_s
             while set(peers) - finished and time.monotonic() < deadline:
@@ -324,3 +337,21 @@ async def profile_links(topology: Topology, name: str, *, wait_s: float, config:
         finally:
             stop.set()
     return links
+
+
+def _probe_links(ctx: zmq.asyncio.Context, topology: Topology, name: str, inbox: Inbox, metrics: Metrics,
+                 options: SocketOptions) -> tuple[dict[str, str | ProbeLink], dict[str, RoutedLink]]:
+    """Each peer's probe address (both reachable), or a link over this node's probe ROUTER where one
+    end is declared behind NAT (``ravq.config.routes``; through a relay when both are).  Opened at once:
+    a node behind NAT dials its peers before anyone probes it, so their probes reach it too."""
+    factory = Links(ctx=ctx, inbox=inbox, me=name, socket="probe", metrics=metrics, limits=_LIMITS, opts=options,
+                    port_of={n.name: (n.host, n.pipeline_port) for n in topology.nodes})
+    reach, points = declared_reach(topology), relays(topology)
+    out: dict[str, str | ProbeLink] = {}
+    for node in topology.nodes:
+        if node.name == name:
+            continue
+        r = route(name, node.name, reach, points)
+        out[node.name] = (endpoint(node.host, node.pipeline_port) if r.kind == DIRECT
+                          else factory.open(node.name, r))
+    return out, factory.routed

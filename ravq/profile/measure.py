@@ -20,6 +20,7 @@ from ravq.profile.compute import (
     usable_memory_bytes,
 )
 from ravq.profile.links import ProbeConfig, profile_links
+from ravq.profile.loss import flops_without_loss, measure_loss
 from ravq.profile.messages import RING_BYTES, MessageConfig, measure_messages, measure_ring
 from ravq.profile.store import Measurement
 
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
                  compute_s: float = 6.0, windows: int = 5, messages: MessageConfig | None = None) -> Measurement:
     """Links, then compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), the
-    CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``), memory.
+    loss stage's extra work (``measure_loss``: taken out of the FLOP/s when the timed step computed the
+    loss, charged to the last stage instead), the CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``), memory.
 
     Links come first: this node serves probes until every peer has measured its link to it, so the
     compute that follows starts on every PC at about the same moment, once the whole deployment is up.
@@ -47,16 +49,21 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     except (RuntimeError, ValueError, TypeError) as err:  # a model that cannot run here: matmuls only
         log.warning("profile: forward + backward of the task's model failed (%s); using matmul FLOP/s", err)
         sample = None
+    loss_cpu = measure_loss(task, topology.training.micro_batch, me.device)
     message_cpu = measure_messages(topology, name, messages)
     ring_bytes = min(max(model_param_bytes(task), RING_BYTES[0]), RING_BYTES[1])
     ring_cpu = measure_ring(topology, name, ring_bytes)
     share = sample.cpu_share if sample and sample.cpu_share > 0 else 1.0
+    flops = sample.flops if sample else matmul
+    if sample and sample.with_loss:  # the loss stage pays the loss apart (NodeProfile.loss_s)
+        flops = flops_without_loss(flops, sample.step_flops, loss_cpu / share)
     return Measurement(
-        name=name, device=me.device, flops=sample.flops if sample else matmul, matmul_flops=matmul,
+        name=name, device=me.device, flops=flops, matmul_flops=matmul,
         model_flops=sample.flops if sample else None, memory_bytes=usable_memory_bytes(me.device),
         bandwidth_bytes_per_s={p: link.bandwidth_bytes_per_s for p, link in links.items()},
         latency_s={p: link.latency_s for p, link in links.items()},
         flops_windows=sample.window_flops if sample else [], flops_spread=sample.spread if sample else None,
         cpu_share=sample.cpu_share if sample else None,
         message_s=[[size, cpu / share] for size, cpu in message_cpu], message_cpu_s=message_cpu,
-        ring_s=[ring_bytes, ring_cpu / share], ring_cpu_s=[ring_bytes, ring_cpu])
+        ring_s=[ring_bytes, ring_cpu / share], ring_cpu_s=[ring_bytes, ring_cpu],
+        loss_s=loss_cpu / share, loss_cpu_s=loss_cpu)

@@ -30,6 +30,14 @@ Step = Callable[[], torch.Tensor]
 def training_step_target(task: Any, micro_batch: int, device: str,
                          budget_bytes: int) -> tuple[list[nn.Parameter], Step]:
     """The parameters to update and the forward to time, for the whole model or its largest block."""
+    params, forward, _ = timed_step(task, micro_batch, device, budget_bytes)
+    return params, forward
+
+
+def timed_step(task: Any, micro_batch: int, device: str,
+               budget_bytes: int) -> tuple[list[nn.Parameter], Step, bool]:
+    """``training_step_target``, and whether the forward timed computes the task's loss (the whole model,
+    or a largest block that is the last)."""
     meta = build_meta_model(task, 0).model
     need = 4 * sum(p.numel() * p.element_size() for p in meta.parameters())
     inputs, targets = next(iter(task.train_batches(micro_batch, 0, 1, 0)))
@@ -37,7 +45,7 @@ def training_step_target(task: Any, micro_batch: int, device: str,
     targets = targets.to(device)
     if need <= budget_bytes:
         model = build_task_model(task, 0).to(device)
-        return list(model.parameters()), lambda: task.loss_fn(model(*inputs), targets)
+        return list(model.parameters()), lambda: task.loss_fn(model(*inputs), targets), True
     specs = split_model(meta, task.example_inputs(micro_batch), candidate_cuts(meta, task))
     biggest = max(specs, key=lambda s: sum(p.numel() for p in s.module.parameters()))
     log.info("profile: the model (%.0f MB with gradients and optimizer state) is timed on its largest block, "
@@ -56,7 +64,7 @@ def training_step_target(task: Any, micro_batch: int, device: str,
         outs = raw if isinstance(raw, (tuple, list)) else (raw,)
         return sum((o.float().sum() for o in outs if o.requires_grad), torch.zeros((), device=device))
 
-    return [p for p in module.parameters() if p.requires_grad], forward
+    return [p for p in module.parameters() if p.requires_grad], forward, last
 
 
 def _real(spec: StageSpec, task: Any, device: str) -> nn.Module:

@@ -43,6 +43,12 @@ class Measurement:
     ``NodeProfile.ring_s_per_byte``.  Empty: not measured."""
     ring_cpu_s: list[float] = field(default_factory=list)
     """[parameter bytes, CPU seconds] of that round as measured."""
+    loss_s: float = 0.0
+    """Seconds per micro-batch of the loss stage's extra work (loss forward and backward, metrics) at
+    this PC's compute speed: ``loss_cpu_s`` over ``cpu_share``; the planner's ``NodeProfile.loss_s``.
+    ``flops`` leaves it out.  0: not measured (profiles made before issue #26)."""
+    loss_cpu_s: float = 0.0
+    """CPU seconds of that work as measured (``ravq.profile.loss.measure_loss``)."""
 
 
 def profile_path(out_dir: str | Path, name: str) -> Path:
@@ -86,7 +92,8 @@ def load_profiles(topology: Topology, profiles_dir: str | Path) -> list[NodeProf
         profiles.append(NodeProfile(name=node.name, flops=flops, memory_bytes=memory, bandwidth_bytes_per_s=bandwidth,
                                     latency_s=dict(m.latency_s) if m else {},
                                     message_s=message_table(m) if m else (),
-                                    ring_s_per_byte=m.ring_s[1] / m.ring_s[0] if m and m.ring_s else 0.0))
+                                    ring_s_per_byte=m.ring_s[1] / m.ring_s[0] if m and m.ring_s else 0.0,
+                                    loss_s=m.loss_s if m else 0.0))
     return profiles
 
 

@@ -168,8 +168,9 @@ def stage_averaging_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int,
 
 def stage_message_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int, e: int) -> float:
     """CPU seconds per micro-batch a stage of blocks [s, e) on ``node`` spends on messages: half of the
-    activation's and half of the gradient's message at each cut it borders (as the cost model charges)."""
-    total = 0.0
+    activation's and half of the gradient's message at each cut it borders, and for the last stage the
+    loss's extra work (``NodeProfile.loss_s``), as the cost model charges."""
+    total = node.loss_s if e == len(blocks) else 0.0
     for cut in (s, e):
         if 0 < cut < len(blocks):
             block = blocks[cut - 1]
@@ -208,7 +209,7 @@ def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Block
             bwd = sum(b.bwd_flops for b in blocks[s:e])
             if stage_times and name in stage_times:
                 fwd_s, bwd_s = stage_times[name]
-            else:  # FLOPs, and the CPU time of messages and averaging rounds split between the passes
+            else:  # FLOPs, and the CPU time of messages, the loss and averaging rounds split between the passes
                 overhead = stage_message_s(by_name[name], blocks, s, e) + stage_averaging_s(
                     by_name[name], blocks, s, e, len(plan.clusters), settings.sync_every * settings.update_every,
                     settings.state_factor)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ravq.config import ClusterPlan, Plan
-from ravq.planner import BlockProfile, NodeProfile, Wire
+from ravq.planner import BlockProfile, NodeProfile, make_plan, regional_plan
 
 GIB = 1 << 30
 DATA = Path(__file__).with_name("data") / "aws_regions.json"
@@ -135,26 +135,14 @@ def utilisation(flops_used: float, nodes: list[NodeProfile]) -> float:
     return flops_used / total if total > 0 and math.isfinite(flops_used) else 0.0
 
 
-def regional_plan(nodes: list[NodeProfile], regions: list[str], blocks: list[BlockProfile], *, micro_batch: int,
-                  sync_every: int, max_inflight: int | None, overlap_averaging: bool, averaging_lead: int,
-                  wire: Wire | None = None, effort: float = 1.0) -> Plan:
-    """The planner made tractable for many PCs: ``make_plan`` on each region's PCs alone, then the union
-    of the regions' clusters, or the best region's plan alone when the cost model scores that higher
-    (the rings then cross regions: the union pays for that in its averaging time)."""
-    from ravq.planner import PlanError, evaluate_plan, make_plan
+FULL_PLANNER_PCS = 256
+"""Up to this many PCs a projection plans with ``make_plan`` over all PCs; above, ``regional_plan``
+(the full search takes minutes at 1,024 PCs)."""
 
-    settings: dict[str, Any] = {"micro_batch": micro_batch, "sync_every": sync_every, "max_inflight": max_inflight,
-                "overlap_averaging": overlap_averaging, "averaging_lead": averaging_lead, "wire": wire}
-    parts: list[Plan] = []
-    for region in dict.fromkeys(regions):
-        members = [n for n, r in zip(nodes, regions) if r == region]
-        try:
-            parts.append(make_plan(members, blocks, effort=effort, **settings)[0])
-        except PlanError:
-            continue
-    if not parts:
-        raise PlanError("no region's PCs can hold the model")
-    candidates = [Plan(epoch=0, clusters=[c for p in parts for c in p.clusters]), *parts]
-    scored = [(evaluate_plan(p, nodes, blocks, **settings).samples_per_s, i) for i, p in enumerate(candidates)]
-    best = max(scored)[1]
-    return candidates[best].model_copy(update={"predicted_samples_per_s": max(scored)[0]})
+
+def projection_plan(nodes: list[NodeProfile], regions: list[str], blocks: list[BlockProfile], *,
+                    full_planner: bool = False, effort: float = 1.0, **settings: Any) -> tuple[Plan, str]:
+    """The planner's plan of a projection (``benchmarks/project_scale.py``) and which planner made it."""
+    if len(nodes) <= FULL_PLANNER_PCS or full_planner:
+        return make_plan(nodes, blocks, effort=effort, **settings)[0], "make_plan"
+    return regional_plan(nodes, regions, blocks, effort=effort, **settings), "regional_plan"

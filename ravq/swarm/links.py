@@ -14,9 +14,11 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from ravq.config import Topology
+from ravq.config.routes import DIAL, RELAY, relays, route
 from ravq.metrics import Metrics
 from ravq.net.compress import Packed
 from ravq.net.options import SocketOptions, endpoint
+from ravq.net.routed import Links, RoutedLink
 from ravq.net.transport import Context, Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
 from ravq.stage.pipeline import StageWorker
@@ -32,27 +34,47 @@ class StageLinks:
                  sock_opts: SocketOptions, generation: Callable[[], int]) -> None:
         self.ctx, self.topology, self.name, self.metrics = ctx, topology, name, metrics
         self.limits, self.sock_opts, self.generation = limits, sock_opts, generation
-        self.outlinks: dict[int, Outlink] = {}
+        self.outlinks: dict[int, Outlink | RoutedLink] = {}
         self.stage_of: dict[str, int] = {}
         """Stage index of every node of this cluster, by name: who may send to this stage."""
         self.inbox: Inbox | None = None
         self.outbound: asyncio.Queue[Outbound] = asyncio.Queue()
         """What the compute thread produced, in order; ``send_loop`` sends it."""
+        self.reach: dict[str, bool] = {}
+        """Who can be dialled (``ravq.config.routes``); set before ``open``."""
+        self._links: Links | None = None
 
-    def open(self, cluster_nodes: Sequence[str], peers: Iterable[int]) -> None:
-        """Bind this node's pipeline port and connect to the stages ``peers`` of the cluster."""
+    def bind(self) -> None:
+        """Bind this node's pipeline port (before the broker dials it back)."""
         config = self.topology.node(self.name)
         bind = config.bind_host or config.host
         self.inbox = Inbox.bind(self.ctx, endpoint(bind, config.pipeline_port), "pipeline", self.metrics,
-                                self.limits, self.sock_opts)
-        self.stage_of = {n: i for i, n in enumerate(cluster_nodes)}
-        for s in sorted(set(peers)):
-            self.outlinks[s] = self._connect(cluster_nodes[s])
+                                self.limits, self.sock_opts, me=self.name)
+        self._links = Links(ctx=self.ctx, inbox=self.inbox, me=self.name, socket="pipeline", metrics=self.metrics,
+                            limits=self.limits, opts=self.sock_opts,
+                            port_of={n.name: (n.host, n.pipeline_port) for n in self.topology.nodes})
 
-    def _connect(self, node: str) -> Outlink:
-        peer = self.topology.node(node)
-        return Outlink.connect(self.ctx, endpoint(peer.host, peer.pipeline_port), "pipeline", peer.name,
-                               self.metrics, self.limits, self.sock_opts, identity=self.name)
+    def open(self, cluster_nodes: Sequence[str], peers: Iterable[int]) -> None:
+        """Link to the stages ``peers`` of the cluster (and to stage 0, which may send here: a peer
+        behind NAT or a relay must be dialled even by a stage that only receives from it)."""
+        if self.inbox is None:
+            self.bind()
+        self.stage_of = {n: i for i, n in enumerate(cluster_nodes)}
+        me = self.stage_of.get(self.name, -1)
+        for s in sorted(set(peers) - {me}):
+            self.outlinks[s] = self._connect(cluster_nodes[s])
+        if me > 0 and 0 not in self.outlinks and \
+                route(self.name, cluster_nodes[0], self.reach, relays(self.topology)).kind in (DIAL, RELAY):
+            self.outlinks[0] = self._connect(cluster_nodes[0])
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """Route of each pipeline link, by peer (``ravq.net.routed.Links.routes``)."""
+        return dict(self._links.routes) if self._links is not None else {}
+
+    def _connect(self, node: str) -> Outlink | RoutedLink:
+        assert self._links is not None
+        return self._links.open(node, route(self.name, node, self.reach, relays(self.topology)))
 
     def replace(self, renamed: dict[str, str], cluster_nodes: Sequence[str]) -> None:
         """Standbys took over lost peers (``renamed``: old name -> new): link to them instead."""
@@ -60,6 +82,8 @@ class StageLinks:
         for s, link in list(self.outlinks.items()):
             if link.peer in renamed:
                 link.close()
+                if self._links is not None:
+                    self._links.forget(link.peer)
                 self.outlinks[s] = self._connect(cluster_nodes[s])
 
     async def send_loop(self) -> None:

@@ -64,6 +64,8 @@ class Membership:
         self.changed = asyncio.Event()
         self.node_incarnation = os.urandom(8).hex()
         """This process's id: a restarted node has a new one, so the broker knows it lost its state."""
+        self.reach: dict[str, str] = {}
+        """The broker's reachability verdicts: node -> ``reachable`` or ``behind_nat`` (issue #24)."""
         self.report: dict[str, Any] = {}
         """What every heartbeat tells the broker besides statistics (generation, phase, ready, trained)."""
 
@@ -92,6 +94,8 @@ class Membership:
         self._silent = dict(silent) if isinstance(silent, dict) else {}
         self._silent_at = self.clock()
         self.phases = dict(state.get("phases", {}))
+        reach = state.get("reach")
+        self.reach = {str(k): str(v) for k, v in reach.items()} if isinstance(reach, dict) else {}
         clusters = state.get("clusters")
         self.clusters = list(clusters) if isinstance(clusters, list) else []
         self.seq = int(meta["seq"])
@@ -162,6 +166,22 @@ class Membership:
                 self._apply_state((await self._request(MsgType.SNAPSHOT_REQ, self.topology.timeouts.request_s)).meta)
             except TimeoutError:
                 continue
+
+    async def wait_reach(self, names: list[str], ports: list[str], timeout_s: float) -> dict[str, bool]:
+        """Ask the broker to dial this node's ``ports`` back, and wait until it has a verdict for every
+        named node (this one among them); returns node -> reachable."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.name not in self.reach:
+                await self.link.send(Message(type=MsgType.REACH_REQ, sender=self.name, meta={"ports": ports}))
+            missing = [n for n in names if n not in self.reach]
+            if not missing:
+                return {n: v == "reachable" for n, v in self.reach.items()}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no reachability verdict within {timeout_s:.0f}s for: {', '.join(missing)}")
+            await asyncio.sleep(0.2)
+            with contextlib.suppress(TimeoutError):
+                self._apply_state((await self._request(MsgType.SNAPSHOT_REQ, self.topology.timeouts.request_s)).meta)
 
     async def poll_snapshot(self) -> Plan | None:
         """One snapshot (None if the broker does not answer in time); applies it and returns its plan."""

@@ -1,0 +1,131 @@
+"""The planner made tractable for many PCs: plan each region alone, then choose which of the regions'
+clusters train together.
+
+``make_plan`` over all PCs takes minutes at 1,024 PCs (docs/simulator.md), so ``regional_plan`` runs it
+on each region's PCs alone (links inside a region are fast, so that is where clusters form) and pools
+the clusters the regions found.  Which of them should train together is a choice of its own: averaging
+holds every cluster to the slowest one's pace and a round lasts as long as its slowest ring link, so
+adding a slow cluster, or one behind a slow uplink, can cost more than it brings.  ``best_subset``
+searches the subsets of the pool with the cost model (every prefix of the pool sorted by rate, and by
+averaging time, each region alone, the union; then clusters added, dropped or swapped one at a time
+while that helps), so a plan over more PCs never scores below the best subset it could have kept.
+Until issue #26 the choice was only "the union or the best region", and at 1,024 PCs it kept one
+region's 16-PC pipeline, below what 256 PCs got.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ravq.config import ClusterPlan, Plan
+from ravq.planner.cost import Layout, cluster_rate, fixed_layout, score
+from ravq.planner.plans import make_plan
+from ravq.planner.problem import Problem
+from ravq.planner.types import BlockProfile, NodeProfile, PlanError, Wire
+
+SWAP_POOL = 48
+"""Pools up to this many clusters also try swapping a kept cluster for a left-out one."""
+
+
+def regional_plan(nodes: Sequence[NodeProfile], regions: Sequence[str], blocks: Sequence[BlockProfile], *,
+                  micro_batch: int, sync_every: int, max_inflight: int | None, overlap_averaging: bool,
+                  averaging_lead: int | None, wire: Wire | None = None, effort: float = 1.0) -> Plan:
+    """``make_plan`` on each region's PCs alone (``regions[i]`` is ``nodes[i]``'s region), then the
+    subset of all the regions' clusters the cost model scores highest (``best_subset``)."""
+    if len(regions) != len(nodes):
+        raise ValueError(f"regions: one per node, got {len(regions)} for {len(nodes)} nodes")
+    settings: dict[str, Any] = {"micro_batch": micro_batch, "sync_every": sync_every, "max_inflight": max_inflight,
+                                "overlap_averaging": overlap_averaging, "averaging_lead": averaging_lead,
+                                "wire": wire}
+    parts: list[list[ClusterPlan]] = []
+    for region in dict.fromkeys(regions):
+        members = [n for n, r in zip(nodes, regions) if r == region]
+        try:
+            parts.append(list(make_plan(members, blocks, effort=effort, **settings)[0].clusters))
+        except PlanError:
+            continue
+    if not parts:
+        raise PlanError("no region's PCs can hold the model")
+    chosen, value = best_subset(parts, nodes, blocks, **settings)
+    return Plan(epoch=0, clusters=chosen, predicted_samples_per_s=value)
+
+
+def best_subset(groups: Sequence[Sequence[ClusterPlan]], nodes: Sequence[NodeProfile],
+                blocks: Sequence[BlockProfile], **settings: Any) -> tuple[list[ClusterPlan], float]:
+    """The subset of the clusters (``groups``: disjoint clusters, e.g. one list per region) with the
+    highest predicted samples/s, and that figure.  Deterministic; scores on the clusters' nodes only."""
+    pool = [c for group in groups for c in group]
+    if not pool:
+        raise PlanError("best_subset: no clusters to choose from")
+    used = {name for c in pool for name in c.nodes}
+    p = Problem([n for n in nodes if n.name in used], blocks, **settings)
+    layouts = _layouts(p, pool, blocks)
+    chooser = _Chooser(p, layouts)
+    starts = [frozenset(range(len(pool)))]
+    first = 0
+    for group in groups:
+        starts.append(frozenset(range(first, first + len(group))))
+        first += len(group)
+    starts += _prefixes(chooser.by_rate()) + _prefixes(chooser.by_averaging())
+    best = max(starts, key=lambda s: (chooser.value(s), -len(s), sorted(s)))
+    best = chooser.climb(best, swaps=len(pool) <= SWAP_POOL)
+    return [pool[i] for i in sorted(best)], chooser.value(best)
+
+
+def _layouts(p: Problem, pool: Sequence[ClusterPlan], blocks: Sequence[BlockProfile]) -> list[Layout]:
+    index = {name: i for i, name in enumerate(p.names)}
+    block_index = {b.name: i for i, b in enumerate(blocks)}
+    return [fixed_layout(p, tuple(index[n] for n in c.nodes), (0, *(block_index[b] for b in c.cuts), p.B))
+            for c in pool]
+
+
+def _prefixes(order: Sequence[int]) -> list[frozenset[int]]:
+    return [frozenset(order[:k]) for k in range(1, len(order) + 1)]
+
+
+class _Chooser:
+    """Scores of subsets of a pool of cluster layouts (cached), and a hill climb over them."""
+
+    def __init__(self, p: Problem, layouts: Sequence[Layout]) -> None:
+        self.p, self.layouts = p, list(layouts)
+        self._values: dict[frozenset[int], float] = {}
+
+    def value(self, subset: frozenset[int]) -> float:
+        if not subset:
+            return 0.0
+        got = self._values.get(subset)
+        if got is None:
+            got = self._values[subset] = score(self.p, [self.layouts[i] for i in sorted(subset)])
+        return got
+
+    def by_rate(self) -> list[int]:
+        """The pool's clusters, fastest alone first."""
+        rates = [cluster_rate(self.p, lay) for lay in self.layouts]
+        return sorted(range(len(self.layouts)), key=lambda i: (-rates[i], i))
+
+    def by_averaging(self) -> list[int]:
+        """The pool's clusters, shortest part in an averaging round among them all first (held bytes over
+        the slowest link to another cluster, the cost model's T_avg per cluster)."""
+        slowest = self.p.min_link_out([lay.order for lay in self.layouts])
+
+        def round_s(lay: Layout) -> float:
+            held = [self.p.param_span[lay.bounds[j], lay.bounds[j + 1]] for j in range(len(lay.order))]
+            return max(h / slowest[n] if slowest[n] > 0 else math.inf for h, n in zip(held, lay.order))
+        times = [round_s(lay) for lay in self.layouts]
+        return sorted(range(len(self.layouts)), key=lambda i: (times[i], i))
+
+    def climb(self, subset: frozenset[int], *, swaps: bool) -> frozenset[int]:
+        """Best-improvement steps (add, drop or, with ``swaps``, exchange one cluster) until none helps."""
+        everything = range(len(self.layouts))
+        value = self.value(subset)
+        while True:
+            moves = [subset ^ {i} for i in everything]
+            if swaps:
+                moves += [subset - {i} | {j} for i in subset for j in everything if j not in subset]
+            moves = [m for m in moves if m]
+            best = max(moves, key=lambda s: (self.value(s), -len(s), sorted(s)), default=subset)
+            if self.value(best) <= value * (1 + 1e-9):
+                return subset
+            subset, value = best, self.value(best)
