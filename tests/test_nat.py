@@ -4,20 +4,16 @@ give exactly what it gives with open ports."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from ravq.cli.demo import free_ports
 from ravq.net.security import keygen
 from tests import sgd_task
 from tests.pipeline_harness import train_one_process
-from tests.swarm import ROOT, Swarm, local_topology
+from tests.swarm import Swarm, assert_clusters_equal, local_topology, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,22 +46,9 @@ def test_behind_nat_sync_training_equals_one_process(tmp_path: Path, curve: bool
     ckpt = tmp_path / "ckpt"
     training = {"steps": 12, "micro_batch": 4, "max_inflight": 1, "sync_every": 1, "overlap_averaging": False,
                 "checkpoint_dir": str(ckpt)}
-    swarm = Swarm(tmp_path, nat_topology(training, tmp_path / "keys" if curve else None))
-    try:
-        codes = swarm.wait()
-        assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
-    finally:
-        swarm.close()
+    swarm = train(tmp_path, nat_topology(training, tmp_path / "keys" if curve else None), timeout_s=240)
     want = train_one_process(sgd_task, steps=12, micro_batch=4, shards=2)
-    for cluster in (0, 1):
-        out = tmp_path / f"c{cluster}.safetensors"
-        proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",
-                               str(out), "--cluster", str(cluster)], cwd=ROOT, capture_output=True, text=True,
-                              check=False)
-        assert proc.returncode == 0, proc.stderr
-        got = load_file(str(out))
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=f"cluster {cluster} {name}")
+    assert_clusters_equal(ckpt, 2, want, tmp_path, same_names=False)
     routes = {n: swarm.summary(n)["routes"] for n in swarm.nodes}
     assert routes["c0s0"]["pipeline"]["c0s1"] == "accept" and routes["c0s1"]["pipeline"]["c0s0"] == "dial"
     assert routes["c1s0"]["pipeline"]["c1s1"] == "relay:broker" == routes["c1s1"]["pipeline"]["c1s0"]
