@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -48,3 +50,31 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
 
     walk(group)
     return leaves[0] if len(leaves) == 1 else group
+
+
+def process_age_s() -> float:
+    """Seconds since this process began (exec, before Python and its imports), from /proc; 0.0 without it."""
+    try:
+        fields = open("/proc/self/stat").read().rpartition(")")[2].split()  # noqa: SIM115 (read at once)
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime: clock ticks after boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+class StartupTimes:
+    """Where a node's start went, from the process's own start to each phase, for one log line:
+    ``started in 3.9s (imports 2.8s, join 0.1s, build 0.7s, connect 0.3s)``."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic() - process_age_s()
+        self.last, self.parts = self.t0, list[tuple[str, float]]()
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.parts.append((phase, now - self.last))
+        self.last = now
+
+    def line(self) -> str:
+        parts = ", ".join(f"{phase} {s:.1f}s" for phase, s in self.parts)
+        return f"started in {self.last - self.t0:.1f}s since the process began ({parts})"

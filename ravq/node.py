@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from ravq.average.averager import Averager, ring_owners
 from ravq.config import Plan, Topology, resolve_task_module
-from ravq.lifecycle import first_error, in_daemon_thread
+from ravq.lifecycle import StartupTimes, first_error, in_daemon_thread
 from ravq.metrics import Metrics
 from ravq.net.limits import derived_max_message_bytes
 from ravq.net.listen import serve_metrics
@@ -79,6 +79,7 @@ class Node:
 
     def __init__(self, topology: Topology, name: str, options: NodeOptions, metrics: Metrics) -> None:
         self.topology, self.name, self.options, self.metrics = topology, name, options, metrics
+        self.startup = StartupTimes()  # imports end here; create() marks each phase, logs one line at the end
         self.config = topology.node(name)
         self.task = resolve_task_module(topology.task)
         t = topology.limits
@@ -96,16 +97,12 @@ class Node:
         self.stopping = Stopping(name=name, drain_s=topology.timeouts.drain_s, churn=self.churn,
                                  membership=self.membership)
         self._force = self.stopping.force
-        self.run_id: str | None = None
-        """The run this stage's weights belong to: the broker's (``brokers.run``)."""
+        self.run_id: str | None = None  # the run this stage's weights belong to: the broker's (brokers.run)
         self.rejoining = False
-        self._resuming_at = 0
-        """The version this stage resumes from, reported until the stage is built."""
+        self._resuming_at = 0  # the version this stage resumes from, reported until the stage is built
         self._owners: list[dict[str, str]] | None = None
         """Who holds each tensor in every cluster (the averaging rings), computed in the build thread."""
-        self._stage_bytes = 0
-        """What this stage takes in memory (weights, gradients, optimizer state, a stash per micro-batch in
-        flight): a standby replacing this node needs at least as much."""
+        self._stage_bytes = 0  # weights, gradients, optimizer state, a stash per micro-batch in flight
 
     def fail(self, reason: str) -> None:
         """End this node with ``reason`` as its failure (exit status 1)."""
@@ -115,6 +112,7 @@ class Node:
 
     # ------------------------------------------------------------------ create
     async def create(self, tg: asyncio.TaskGroup) -> None:
+        self.startup.mark("imports")
         threads = self.options.threads or cpu_budget()
         if self.options.threads or threads < torch.get_num_threads():
             torch.set_num_threads(threads)  # torch alone sizes its pool by the cores, not the cgroup quota
@@ -124,6 +122,7 @@ class Node:
             serve_metrics(self.metrics, self.config.metrics_port, self.config.bind_host or self.config.host)
         plan = await self.membership.join()
         self.run_id = self.membership.run_id
+        self.startup.mark("join")
         if self.topology.training.resume is not None:
             log.warning("%s: training.resume is deprecated and ignored: a node always resumes from the newest "
                         "checkpoint of the broker's run (a new run: `ravq broker --new-run`)", self.name)
@@ -148,10 +147,12 @@ class Node:
             if not self.rejoining:  # the whole cluster starts: it resumes from one consistent point of the run
                 agreeing = tg.create_task(resume.agree(self.membership, plan.clusters[self.cluster].nodes, self.name,
                                                        self.topology.timeouts.connect_s))
+        self.startup.mark("checkpoints")
         built = await in_daemon_thread(self._build_stage, plan)  # a stop meanwhile need not wait for the tracer
         if agreeing is not None:
             await asyncio.to_thread(self._load, built.worker, await agreeing)
         self.worker = worker = built.worker
+        self.startup.mark("build")
         self._derive_limits(built.largest_frame)
         weights = sum(t.numel() * t.element_size() for t in {**worker.params, **worker.buffers}.values())
         self._stage_bytes = weights * (3 + worker.options.max_inflight)
@@ -175,6 +176,7 @@ class Node:
                           cluster_nodes=cluster.nodes,
                           peers=peers | (set(worker._first_destinations()) if worker.is_first else set()))
         self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
+        self.startup.mark("connect")
         if not self.rejoining:
             await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
             self.churn.set_phase("training")
@@ -182,6 +184,7 @@ class Node:
         log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)", self.name,
                  self.cluster, self.stage, len(cluster.nodes), sum(p.numel() for p in worker.params.values()),
                  compress.pipeline, compress.ring)
+        log.info("%s: %s", self.name, self.startup.line())
 
     def _memory_bytes(self) -> int:
         if self.config.memory_bytes is not None:

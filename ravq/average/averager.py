@@ -64,9 +64,9 @@ def ring_owners(task: Any, topology: Topology, plan: Plan, cluster: int,
     """For each cluster of ``plan``: tensor name -> the node holding it.  Clusters cut elsewhere than this
     node's are traced here (seconds of CPU on the whole model): a node calls this in its build thread, never
     on its event loop, whose heartbeats would stop meanwhile (the broker then takes the node for lost)."""
-    own_cuts = tuple(plan.clusters[cluster].cuts)
-    return stage_owners(lambda: build_meta_model(task, topology.seed).model,
-                        task.example_inputs(topology.training.micro_batch), plan, {own_cuts: stage_names})
+    own_cuts, t = tuple(plan.clusters[cluster].cuts), topology.training
+    return stage_owners(lambda: build_meta_model(task, topology.seed).model, task.example_inputs(t.micro_batch), plan,
+                        {own_cuts: stage_names}, checkpoint_dir=t.checkpoint_dir)
 
 
 class Averager:

@@ -15,19 +15,20 @@ import torch
 from ravq.average.segments import averaged_names, with_optimizer_state
 from ravq.config import Plan
 from ravq.stage.recipe import build_optimizer
-from ravq.stage.split import split_model
+from ravq.stage.split_cache import cache_dir, cached_split
 
 
 def stage_owners(build: Callable[[], torch.nn.Module], example: tuple[Any, ...], plan: Plan,
-                 known: dict[tuple[str, ...], list[list[str]]] | None = None) -> list[dict[str, str]]:
+                 known: dict[tuple[str, ...], list[list[str]]] | None = None,
+                 checkpoint_dir: str | None = None) -> list[dict[str, str]]:
     """For each cluster: tensor name -> node holding it (one split of a fresh model per distinct set of
-    cuts: tracing consumes the model it splits)."""
+    cuts: tracing consumes the model it splits; read from the split cache beside the checkpoints when there)."""
     cache: dict[tuple[str, ...], list[list[str]]] = dict(known or {})
     owners = []
     for cluster in plan.clusters:
         key = tuple(cluster.cuts)
         if key not in cache:
-            specs = split_model(build(), example, list(key))
+            specs = cached_split(build(), example, list(key), cache_dir(checkpoint_dir))
             cache[key] = [list(s.module.state_dict().keys()) for s in specs]
         owners.append({name: node for node, names in zip(cluster.nodes, cache[key]) for name in names})
     return owners

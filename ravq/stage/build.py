@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from ravq.stage.meta import build_meta_model, retarget_device
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.recipe import recipe_options
 from ravq.stage.split import StageSpec, build_task_model, split_model, stage_input_specs
+from ravq.stage.split_cache import cache_dir, cached_split
 from ravq.stage.tensors import model_input_needs
 from ravq.stage.tied_step import tied_meta
 from ravq.stage.types import StageOptions
@@ -49,7 +51,7 @@ class BuiltStage:
 def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[int], stage: int, cluster: int,
                 clusters: int, device: str, metrics: Metrics) -> BuiltStage:
     example = task.example_inputs(training.micro_batch)
-    model, specs, in_specs = _traced(task, seed, example, cuts, stage, device)
+    model, specs, in_specs = _traced(task, seed, example, cuts, stage, device, cache_dir(training.checkpoint_dir))
     options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
@@ -68,13 +70,16 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
                       largest_frame=largest_inbound_frame(specs, in_specs, stage, target_example))
 
 
-def _traced(task: Any, seed: int, example: tuple[Any, ...], cuts: list[str], stage: int,
-            device: str) -> tuple[torch.nn.Module, list[StageSpec], list[list[Any]]]:
+def _traced(task: Any, seed: int, example: tuple[Any, ...], cuts: list[str], stage: int, device: str,
+            split_cache: Path | None) -> tuple[torch.nn.Module, list[StageSpec], list[list[Any]]]:
     """The model on meta, its stages and their input shapes, with this stage's weights made real.  A model
-    that cannot be traced on meta is traced with real weights (the same values), at the whole model's cost."""
+    that cannot be traced on meta is traced with real weights (the same values), at the whole model's cost.
+    The meta split is read from ``split_cache`` when it holds it (``ravq.stage.split_cache``)."""
     try:
         model = build_meta_model(task, seed).model
-        specs = split_model(model, example, cuts)
+        t0 = time.monotonic()
+        specs = cached_split(model, example, cuts, split_cache)
+        log.info("stage %d: split in %.2fs", stage, time.monotonic() - t0)
         in_specs = stage_input_specs(specs, example)
     except Exception as err:  # noqa: BLE001 - user code: the real trace says what is wrong, if anything is
         log.warning("the model cannot be traced on the meta device (%s: %s); tracing it with real weights, "

@@ -32,7 +32,6 @@ from ravq.stage.materialize import materialize
 from ravq.stage.meta import build_meta_model, retarget_device, to_meta
 from ravq.stage.split import build_task_model, model_output
 from ravq.stage.tensors import Parts, data_for, gather_inputs, targets_of, to_device
-from ravq.stage.trace import split_pipe
 from ravq.stage.types import MicroBatch, Outbound
 
 log = logging.getLogger(__name__)
@@ -51,6 +50,8 @@ def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts:
         model, meta = build_task_model(task, seed), False
     model.eval()
     if cuts:
+        from ravq.stage.trace import split_pipe  # torch's pipelining, export and dynamo: only when tracing
+
         pipe = split_pipe(model, to_meta(example_args) if meta else example_args, cuts)
         module = pipe.get_stage_module(stage)
     else:

@@ -26,7 +26,6 @@ from torch.utils._pytree import TreeSpec
 
 from ravq.stage.meta import build_meta_model, is_meta, shape_pass, to_meta
 from ravq.stage.tied import TiedGroup, settle_ties, tie_groups
-from ravq.stage.trace import split_pipe
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +148,8 @@ def split_model(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]
             raise ValueError(f"cuts: {cut!r} is not a module of the model")
     if not cuts:
         return [_whole_model_stage(model, example_args)]
+    from ravq.stage.trace import split_pipe  # imports torch's pipelining, export and dynamo: only when tracing
+
     groups = tie_groups(model)
     leaves, out_spec = _output_structure(model, example_args)
     try:
