@@ -3,7 +3,10 @@ later (as systemd's Restart= would), against the same swarm left alone, in the s
 ``--mix`` a third run where some faults are clean stops (SIGTERM, restarted once the node exited) and
 one is a power cut (the broker and every node killed, all restarted).
 
-    python benchmarks/bench_churn.py [--minutes N] [--kill-every M] [--restart-after R] [--mix] [--quick] [--json]
+    python benchmarks/bench_churn.py [--minutes N] [--kill-every M] [--restart-after R] [--mix] [--beside] [--quick] [--json]
+
+With ``--beside`` a second 2x2 swarm trains, undisturbed, beside both runs: the PC is busy (the issue's
+"restart on a busy PC" case).
 
 Everything is measured from outside the processes, as a supervisor sees it: a recovery runs from the
 fault (kill, SIGTERM, power cut) to the broker reporting the cluster training again, so the node's
@@ -302,16 +305,26 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the run directories (logs)")
     p.add_argument("--quick", action="store_true", help="1 minute, a fault every 20 s (a smoke run)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--beside", action="store_true",
+                   help="a second, undisturbed 2x2 swarm trains beside both runs (a busy PC)")
     args = p.parse_args()
     if args.quick:
         args.minutes, args.kill_every = 1.0, 20.0
     root = Path(tempfile.mkdtemp(prefix="rq11-churn-"))
-    base = one(args, root, "undisturbed", None)
-    kills = one(args, root, "churn", argparse.Namespace(**{**vars(args), "stops": 0, "power_cut": False}))
-    mixed = one(args, root, "mixed", argparse.Namespace(**{**vars(args), "power_cut": True})) if args.mix else None
+    beside = Run(root / "beside", args) if args.beside else None
+    try:
+        if beside is not None:
+            wait_training(beside)
+        base = one(args, root, "undisturbed", None)
+        kills = one(args, root, "churn", argparse.Namespace(**{**vars(args), "stops": 0, "power_cut": False}))
+        mixed = one(args, root, "mixed", argparse.Namespace(**{**vars(args), "power_cut": True})) if args.mix else None
+    finally:
+        if beside is not None:
+            beside.close()
     print(f"undisturbed: {base['samples_per_s']:.1f} samples/s, final loss {base['final_loss']}; load "
           f"{base['load'][:3]} -> {base['load'][3:]}")
     result = {"minutes": args.minutes, "fault_every_s": args.kill_every, "restart_after_s": args.restart_after,
+              "beside": args.beside,
               "undisturbed": {"samples_per_s": round(base["samples_per_s"], 1), "final_loss": base["final_loss"],
                               "load": base["load"]},
               "kills": report("kills", base, kills, args.restart_after),

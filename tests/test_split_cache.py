@@ -14,7 +14,7 @@ import torch
 
 from ravq.stage.meta import build_meta_model, retarget_device
 from ravq.stage.split import StageSpec, build_task_model, candidate_cuts, even_cuts, model_output
-from ravq.stage.split_cache import cached_split, split_key
+from ravq.stage.split_cache import cached_split, cached_stages, split_key
 from ravq.tasks import charlm
 from tests import zoo
 
@@ -72,11 +72,12 @@ def test_a_hit_computes_what_a_fresh_trace_computes(tmp_path: Path, name: str, s
     task = TASKS[name]
     cuts = _cuts(task, stages)
     caplog.set_level(logging.INFO, logger="ravq.stage.split_cache")
-    fresh = _split(task, cuts, tmp_path)
+    fresh, fresh_inputs = cached_stages(build_meta_model(task, 0).model, task.example_inputs(2), cuts, tmp_path)
     assert len(list(tmp_path.glob("split-*.json"))) == 1 and "read from the cache" not in caplog.text
-    cached = _split(task, cuts, tmp_path)
+    cached, cached_inputs = cached_stages(build_meta_model(task, 0).model, task.example_inputs(2), cuts, tmp_path)
     assert "read from the cache" in caplog.text
     assert _describe(cached) == _describe(fresh)
+    assert cached_inputs == fresh_inputs
     loss_f, grads_f = _run(task, fresh)
     loss_c, grads_c = _run(task, cached)
     assert torch.equal(loss_f, loss_c)

@@ -29,7 +29,7 @@ from ravq.stage.meta import build_meta_model, retarget_device
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.recipe import recipe_options
 from ravq.stage.split import StageSpec, build_task_model, split_model, stage_input_specs
-from ravq.stage.split_cache import cache_dir, cached_split
+from ravq.stage.split_cache import cache_dir, cached_stages
 from ravq.stage.tensors import model_input_needs
 from ravq.stage.tied_step import tied_meta
 from ravq.stage.types import StageOptions
@@ -78,9 +78,8 @@ def _traced(task: Any, seed: int, example: tuple[Any, ...], cuts: list[str], sta
     try:
         model = build_meta_model(task, seed).model
         t0 = time.monotonic()
-        specs = cached_split(model, example, cuts, split_cache)
+        specs, in_specs = cached_stages(model, example, cuts, split_cache)
         log.info("stage %d: split in %.2fs", stage, time.monotonic() - t0)
-        in_specs = stage_input_specs(specs, example)
     except Exception as err:  # noqa: BLE001 - user code: the real trace says what is wrong, if anything is
         log.warning("the model cannot be traced on the meta device (%s: %s); tracing it with real weights, "
                     "which needs the whole model in memory", type(err).__name__, str(err)[:300])

@@ -50,7 +50,8 @@ def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts:
         model, meta = build_task_model(task, seed), False
     model.eval()
     if cuts:
-        from ravq.stage.trace import split_pipe  # torch's pipelining, export and dynamo: only when tracing
+        # imported here: torch's pipelining, export and dynamo take seconds to import (ravq.stage.split)
+        from ravq.stage.trace import split_pipe
 
         pipe = split_pipe(model, to_meta(example_args) if meta else example_args, cuts)
         module = pipe.get_stage_module(stage)

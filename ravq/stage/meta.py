@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,36 @@ def _param_to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> 
     return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
 
+_VALUE_OPS = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+    "kaiming_normal_", "orthogonal_", "sparse_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "exponential_", "log_normal_", "cauchy_", "geometric_", "random_", "bernoulli_",
+    "fill_", "zero_", "copy_", "erfinv_", "mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "clamp_max_"})
+"""In-place ops that only set values (what initialisers do): nothing to do on a meta tensor."""
+
+
+class _SkipMetaInPlace(TorchFunctionMode):
+    """Value-setting in-place ops on ``meta`` tensors while the model is built (``nn.init``'s ``normal_``,
+    ``uniform_``, ``zero_``...) are skipped: a meta tensor has no values, and torch runs several of them
+    through Python references that import torch._dynamo on first use (seconds of a node's start).  Ops that
+    change a tensor's metadata (``requires_grad_``, ``unsqueeze_``...) run as always."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # nn.init passes its tensor by keyword
+        if getattr(func, "__name__", "") in _VALUE_OPS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
 def build_meta_model(task: Any, seed: int) -> Blueprint:
     """The task's model on ``meta``, built with the run's seed (buffers made at random stay reproducible)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         handle = register_module_parameter_registration_hook(_param_to_meta)
         try:
-            model = task.build_model()
+            with _SkipMetaInPlace():
+                model = task.build_model()
         finally:
             handle.remove()
     if not isinstance(model, nn.Module):

@@ -148,7 +148,8 @@ def split_model(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]
             raise ValueError(f"cuts: {cut!r} is not a module of the model")
     if not cuts:
         return [_whole_model_stage(model, example_args)]
-    from ravq.stage.trace import split_pipe  # imports torch's pipelining, export and dynamo: only when tracing
+    # imported here: torch's pipelining, export and dynamo take seconds to import, and a cached split needs none
+    from ravq.stage.trace import split_pipe
 
     groups = tie_groups(model)
     leaves, out_spec = _output_structure(model, example_args)

@@ -29,7 +29,7 @@ from torch import fx, nn
 from torch.fx.graph_module import _format_import_block, _forward_from_src
 from torch.package import sys_importer
 
-from ravq.stage.split import Constant, InputRef, StageSpec, split_model
+from ravq.stage.split import Constant, InputRef, StageSpec, TensorSpec, split_model, stage_input_specs
 from ravq.stage.tied import TiedGroup
 
 log = logging.getLogger(__name__)
@@ -51,26 +51,35 @@ def cached_split(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str
                  cache_dir: str | os.PathLike[str] | None) -> list[StageSpec]:
     """``split_model(model, example_args, cuts)``, read from ``cache_dir`` when a valid entry is there, else
     traced and written there (when ``cache_dir`` is given and the split can be represented)."""
+    return cached_stages(model, example_args, cuts, cache_dir)[0]
+
+
+def cached_stages(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str],
+                  cache_dir: str | os.PathLike[str] | None) -> tuple[list[StageSpec], list[list[TensorSpec]]]:
+    """``cached_split`` and ``stage_input_specs`` of it: a hit needs no shape pass either (torch's fake
+    tensors import torch._dynamo, a second or more of a start)."""
     if cache_dir is None or not cuts:
-        return split_model(model, example_args, cuts)
+        specs = split_model(model, example_args, cuts)
+        return specs, stage_input_specs(specs, example_args)
     key = split_key(model, example_args, cuts)
     path = Path(cache_dir) / f"split-{key[:32]}.json"
     if path.exists():
         try:
-            specs = load(path, key)
+            specs, in_specs = load(path, key)
             log.info("split: read from the cache %s (cuts %s): no trace", path.name, cuts)
-            return specs
+            return specs, in_specs
         except Exception as err:  # noqa: BLE001 - damaged, stale or unreadable: trace again
             log.warning("split cache %s unusable (%s: %s); tracing again and rewriting it", path,
                         type(err).__name__, str(err)[:200])
     specs = split_model(model, example_args, cuts)
+    in_specs = stage_input_specs(specs, example_args)
     try:
-        write(path, key, specs)
+        write(path, key, specs, in_specs)
     except CacheMiss as why:
         log.info("split: not cached (%s)", why)
     except Exception as err:  # noqa: BLE001 - a cache is an optimisation: the traced split is served anyway
         log.warning("split cache %s not written (%s: %s)", path, type(err).__name__, str(err)[:200])
-    return specs
+    return specs, in_specs
 
 
 def split_key(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]) -> str:
@@ -98,9 +107,10 @@ def split_key(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]) 
 
 
 # ----------------------------------------------------------------------------------------------- writing
-def write(path: Path, key: str, specs: list[StageSpec]) -> None:
-    """Write ``specs`` under ``key``, atomically (a temporary file renamed over the old one)."""
-    body = json.dumps([_spec_entry(s) for s in specs], sort_keys=True)
+def write(path: Path, key: str, specs: list[StageSpec], in_specs: list[list[TensorSpec]]) -> None:
+    """Write ``specs`` and their input shapes under ``key``, atomically (a temporary file renamed over)."""
+    inputs = [[[list(shape), str(dtype)] for shape, dtype in stage] for stage in in_specs]
+    body = json.dumps({"stages": [_spec_entry(s) for s in specs], "inputs": inputs}, sort_keys=True)
     doc = {"format": FORMAT, "key": key, "sha256": hashlib.sha256(body.encode()).hexdigest(), "body": body}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -179,14 +189,23 @@ def _is_tensor_or_module(owner: nn.Module, target: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- reading
-def load(path: Path, key: str) -> list[StageSpec]:
+def load(path: Path, key: str) -> tuple[list[StageSpec], list[list[TensorSpec]]]:
     doc = json.loads(path.read_text())
     if doc.get("format") != FORMAT or doc.get("key") != key:
         raise CacheMiss("written for another model, cut, torch or ravq")
     body = doc["body"]
     if hashlib.sha256(body.encode()).hexdigest() != doc.get("sha256"):
         raise CacheMiss("its checksum does not match (a damaged file)")
-    return [_spec(e) for e in json.loads(body)]
+    entry = json.loads(body)
+    inputs = [[(torch.Size(shape), _dtype(dtype)) for shape, dtype in stage] for stage in entry["inputs"]]
+    return [_spec(e) for e in entry["stages"]], inputs
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."))
+    if not isinstance(dtype, torch.dtype):
+        raise CacheMiss(f"{name} is not a dtype")
+    return dtype
 
 
 def _spec(e: dict[str, Any]) -> StageSpec:
@@ -216,9 +235,7 @@ def _module(e: dict[str, Any]) -> nn.Module:
         if t["alias"] is not None:
             tensors[t["name"]] = tensors[t["alias"]]
             continue
-        dtype = getattr(torch, t["dtype"].removeprefix("torch."))
-        assert isinstance(dtype, torch.dtype), t["dtype"]
-        value = torch.empty(t["shape"], dtype=dtype, device="meta")
+        value = torch.empty(t["shape"], dtype=_dtype(t["dtype"]), device="meta")
         tensors[t["name"]] = nn.Parameter(value, requires_grad=t["requires_grad"]) if t["kind"] == "param" else value
     built: dict[str, nn.Module] = {}
     for m in sorted(e["modules"], key=lambda m: -(m["path"].count(".") + bool(m["path"]))):  # deepest first
