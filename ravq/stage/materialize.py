@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ravq.stage.meta import Blueprint, build_meta_model
+from ravq.stage.meta import Blueprint, SkipMetaInPlace, build_meta_model
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def _initialise(model: nn.Module, owners: set[str], task: Any, seed: int) -> Non
             if custom is not None:
                 custom(module, prefix)
 
-    with torch.no_grad():
+    with torch.no_grad(), SkipMetaInPlace():  # an initialiser's draws for tensors this stage does not hold
         visit("", model, None)
 
 

@@ -52,7 +52,7 @@ _VALUE_OPS = frozenset({
 """In-place ops that only set values (what initialisers do): nothing to do on a meta tensor."""
 
 
-class _SkipMetaInPlace(TorchFunctionMode):
+class SkipMetaInPlace(TorchFunctionMode):
     """Value-setting in-place ops on ``meta`` tensors while the model is built (``nn.init``'s ``normal_``,
     ``uniform_``, ``zero_``...) are skipped: a meta tensor has no values, and torch runs several of them
     through Python references that import torch._dynamo on first use (seconds of a node's start).  Ops that
@@ -72,7 +72,7 @@ def build_meta_model(task: Any, seed: int) -> Blueprint:
         torch.manual_seed(seed)
         handle = register_module_parameter_registration_hook(_param_to_meta)
         try:
-            with _SkipMetaInPlace():
+            with SkipMetaInPlace():
                 model = task.build_model()
         finally:
             handle.remove()
