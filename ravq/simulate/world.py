@@ -54,6 +54,8 @@ class Settings:
     micro_batch: int = 16
     max_inflight: int | None = None
     """Micro-batches in flight per cluster; None: its number of stages."""
+    inflight_warmup_steps: int = 0
+    """Stage 0 keeps one micro-batch in flight until its version reaches this (training.inflight_warmup_steps)."""
     update_every: int = 1
     sync_every: int = 10
     overlap_averaging: bool = True
@@ -90,7 +92,8 @@ class Settings:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
-        for name in ("churn_per_hour", "restart_s", "jitter", "ring_timeout_s", "message_overhead_s"):
+        for name in ("churn_per_hour", "restart_s", "jitter", "ring_timeout_s", "message_overhead_s",
+                     "inflight_warmup_steps"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("pipeline_wire", "ring_wire"):
