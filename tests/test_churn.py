@@ -39,7 +39,7 @@ STEPS = 1800
 """While its faults go on a swarm trains at most 1 / PAUSE_S = 20 micro-batches/s (``tests.churn_task``'s
 loss sleeps), so STEPS last at least 90 s: the faults take 30-45 s on a quiet 2-core machine, and a loaded
 one only trains slower.  Once they are over the throttle is lifted and the rest of the steps train as fast
-as the machine can (about 50/s here): the budget is sized for the slowest machine, not waited out."""
+as the machine can (65-180/s here): the budget is sized for a slow machine, not waited out."""
 UNTHROTTLED = "unthrottled"
 """The file (in a test's directory) whose existence lifts the throttle."""
 
