@@ -172,8 +172,11 @@ def stage_averaging_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int,
 def stage_message_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int, e: int) -> float:
     """CPU seconds per micro-batch a stage of blocks [s, e) on ``node`` spends on messages: half of the
     activation's and half of the gradient's message at each cut it borders, and for the last stage the
-    loss's extra work (``NodeProfile.loss_s``), as the cost model charges."""
+    loss's extra work (``NodeProfile.loss_s``), and for a stage of a pipeline what a node adds around it
+    (``NodeProfile.pipeline_stage_s``), as the cost model charges."""
     total = node.loss_s if e == len(blocks) else 0.0
+    if (s, e) != (0, len(blocks)):
+        total += node.pipeline_stage_s
     for cut in (s, e):
         if 0 < cut < len(blocks):
             block = blocks[cut - 1]
