@@ -76,9 +76,10 @@ a fraction of a percent of each activation and gradient.
     python benchmarks/bench_convergence.py --compare-inflight [--tasks T ...] [--seeds N ...] [--steps 120]
                                            [--inflight-headroom 1.5] [--also 'predict-weights 0' ...]
 
-``--compare-inflight`` (issue #25): one cluster of 2 stages on the transformers tasks, 1 micro-batch in
-flight (synchronous) against the defaults and against the defaults without delay compensation (and any
-``--also`` settings); ``--inflight-headroom`` lets those train longer than the synchronous run, so the wall
+``--compare-inflight`` (issue #25): one cluster of 2 stages on the transformers tasks (GPT-2 and Llama from
+configs), 1 micro-batch in flight (synchronous) against the defaults and against the defaults without the
+asynchrony warm-up (``--inflight-warmup-steps 0``; and any ``--also`` settings, e.g. 'extrapolate-gradients 0'),
+loss against samples and against wall time; ``--inflight-headroom`` lets those train longer than the synchronous run, so the wall
 time they need to reach its final loss is measured even when that takes more samples; figures in
 docs/convergence.md.
 """
@@ -244,12 +245,24 @@ def demo_curve(task: str, steps: int, micro_batch: int, seed: int, extra: list[s
     return summary["loss_history"], [t - times[0] for t in times]
 
 
+def loss_at_time(smooth: list[float], t: list[float], when: float) -> float | None:
+    """The smoothed loss of the last update applied by ``when`` seconds (None before the first)."""
+    last = None
+    for value, at in zip(smooth, t):
+        if at > when:
+            break
+        last = value
+    return last
+
+
 def compare_inflight(args: argparse.Namespace) -> None:
     """Per task and seed: 2 stages with 1 micro-batch in flight (synchronous: equals one process) against
-    the defaults (2 in flight, weight prediction, delay compensation) and against the defaults without delay
-    compensation: loss at the same samples, and wall time to reach the synchronous run's final loss."""
+    the defaults (2 in flight after the asynchrony warm-up, weight prediction, delay compensation) and against
+    the defaults without the warm-up (the defaults before it): loss against samples (at the quarters of the
+    synchronous run's samples) and against wall time (at the quarters of its time), and the wall time each
+    needs to reach the synchronous run's final loss."""
     settings = {"1 in flight": ["--max-inflight", "1"], "default": [],
-                "no compensation": ["--extrapolate-gradients", "0"]}
+                "no warm-up": ["--inflight-warmup-steps", "0"]}
     settings.update({f"--{flags}": [f"--{f}" if i % 2 == 0 else f for i, f in enumerate(flags.split())]
                      for flags in args.also or []})
     window, out = args.window, []
@@ -259,21 +272,30 @@ def compare_inflight(args: argparse.Namespace) -> None:
             curves = {name: demo_curve(task, args.steps if name == "1 in flight" else longer, args.micro_batch, seed,
                                        extra) for name, extra in settings.items()}
             sync_loss, sync_t = curves["1 in flight"]
-            target = trailing_mean(sync_loss, window)[-1]
+            sync_smooth = trailing_mean(sync_loss, window)
+            target = sync_smooth[-1]
+            marks = [args.steps * q // 4 - 1 for q in (1, 2, 3, 4)]
+            times = [sync_t[-1] * q / 4 for q in (1, 2, 3, 4)]
             print(f"{task} seed {seed}: {args.steps} micro-batches of {args.micro_batch}; 1 in flight ends at loss "
-                  f"{target:.4f} (mean of the last {window}) after {sync_t[-1]:.2f}s")
+                  f"{target:.4f} (mean of the last {window}) after {sync_t[-1]:.2f}s; quarters: samples "
+                  + ", ".join(str((m + 1) * args.micro_batch) for m in marks)
+                  + "; seconds " + ", ".join(f"{x:.2f}" for x in times))
             row: dict = {"task": task, "seed": seed, "sync_final": target, "sync_s": sync_t[-1], "runs": {}}
             for name, (loss, t) in curves.items():
                 smooth = trailing_mean(loss, window)
-                marks = [args.steps * q // 4 - 1 for q in (1, 2, 3, 4)]
-                at = [smooth[m] / trailing_mean(sync_loss, window)[m] for m in marks]
+                by_samples = [smooth[m] for m in marks]
+                by_time = [loss_at_time(smooth, t, x) for x in times]
                 reach = next((i for i in range(window - 1, len(smooth)) if smooth[i] <= target), None)
                 reach_s = t[reach] if reach is not None else None
                 final = smooth[args.steps - 1]
-                row["runs"][name] = {"final": final, "ratio_at_quarters": at, "reach_step": reach,
-                                     "reach_s": reach_s, "total_s": t[args.steps - 1], "trained": len(loss)}
-                print(f"  {name:16} final {final:.4f} ({final / target:.3f}x); loss / synchronous at "
-                      f"1/4..4/4 of the samples: " + ", ".join(f"{a:.3f}" for a in at)
+                row["runs"][name] = {"final": final, "loss_at_sample_quarters": by_samples,
+                                     "ratio_at_quarters": [a / sync_smooth[m] for a, m in zip(by_samples, marks)],
+                                     "loss_at_time_quarters": by_time, "reach_step": reach, "reach_s": reach_s,
+                                     "total_s": t[args.steps - 1], "trained": len(loss)}
+                print(f"  {name:16} final {final:.4f} ({final / target:.3f}x); loss at the samples' quarters "
+                      + ", ".join(f"{a:.3f}" for a in by_samples) + " ("
+                      + ", ".join(f"{a / sync_smooth[m]:.3f}x" for a, m in zip(by_samples, marks))
+                      + "); at the seconds' quarters " + ", ".join("-" if a is None else f"{a:.3f}" for a in by_time)
                       + (f"; reaches {target:.4f} at micro-batch {reach + 1}, {reach_s:.2f}s "
                          f"({reach_s / sync_t[-1]:.2f}x the synchronous run's time)" if reach is not None
                          else f"; does not reach it in {len(loss)} micro-batches")

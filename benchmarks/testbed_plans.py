@@ -85,7 +85,8 @@ def scaled(node: NodeProfile, speed: float) -> NodeProfile:
     loss's CPU time over ``speed``."""
     return dataclasses.replace(node, flops=node.flops * speed,
                                message_s=tuple((size, seconds / speed) for size, seconds in node.message_s),
-                               ring_s_per_byte=node.ring_s_per_byte / speed, loss_s=node.loss_s / speed)
+                               ring_s_per_byte=node.ring_s_per_byte / speed, loss_s=node.loss_s / speed,
+                               pipeline_stage_s=node.pipeline_stage_s / speed)
 
 
 def predict(topology_path: Path, profiles_dir: Path, plan_path: Path, flops_scale: dict[str, float]) -> float:

@@ -5,7 +5,9 @@ each: the loss is detected within ``lost_s`` (plus one broker check period and o
 other process exited; the other cluster never stalled for more than two heartbeats; the hit cluster
 trains again within 30 s of the restart.  At the end: every process exited 0, all clusters' weights
 agree after the final averaging round, every checkpoint loads, and no micro-batch was trained twice
-or skipped by a stage 0 that survived.
+or skipped by a stage 0 that survived.  The task is throttled (``tests.churn_task``) so that a run outlasts
+its faults on a loaded machine; once the last fault is over the throttle is lifted and the rest of the
+steps train at full speed.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import itertools
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +24,9 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from ravq.stage import checkpoint
-from tests.swarm import ROOT, Swarm, local_topology
+from tests.swarm import Swarm, export, local_topology
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.fault]
 
@@ -35,6 +34,26 @@ HEARTBEAT_S = 1.0
 LOST_S = 4.0
 RESTART_AFTER_S = 3.0
 BACK_WITHIN_S = 30.0
+PAUSE_S = 0.05
+STEPS = 1800
+"""While its faults go on a swarm trains at most 1 / PAUSE_S = 20 micro-batches/s (``tests.churn_task``'s
+loss sleeps), so STEPS last at least 90 s: the faults take 30-45 s on a quiet 2-core machine, and a loaded
+one only trains slower.  Once they are over the throttle is lifted and the rest of the steps train as fast
+as the machine can (65-180/s here): the budget is sized for a slow machine, not waited out."""
+UNTHROTTLED = "unthrottled"
+"""The file (in a test's directory) whose existence lifts the throttle."""
+
+
+def throttled_swarm(tmp: Path, topology: dict[str, Any], **kwargs: Any) -> Swarm:
+    """A swarm of ``tests.churn_task`` throttled to 1 / PAUSE_S micro-batches/s until ``unthrottle``, on every
+    node (restarts included)."""
+    env = {"CHURN_TASK_PAUSE_S": str(PAUSE_S), "CHURN_TASK_UNTHROTTLED_IF": str(tmp / UNTHROTTLED)}
+    return Swarm(tmp, topology, env={node["name"]: dict(env) for node in topology["nodes"]}, **kwargs)
+
+
+def unthrottle(swarm: Swarm) -> None:
+    """The faults are over: the rest of the steps only have to be trained, as fast as the machine can."""
+    (swarm.tmp / UNTHROTTLED).touch()
 
 
 @dataclass
@@ -139,11 +158,7 @@ def _final_checks(tmp_path: Path, swarm: Swarm, ckpt: Path, clusters: list[int],
     for c in range(len(clusters)):
         for s in range(clusters[c]):
             checkpoint.load_stage(ckpt, c, s)
-        out = tmp_path / f"c{c}.safetensors"
-        proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",
-                               str(out), "--cluster", str(c)], cwd=ROOT, capture_output=True, text=True, check=False)
-        assert proc.returncode == 0, proc.stderr
-        exported.append(load_file(str(out)))
+        exported.append(export(ckpt, c, tmp_path / f"c{c}.safetensors"))  # what `ravq export --cluster c` writes
     assert all(swarm.summary(n)["final_round"] for n in swarm.nodes), "a node skipped the final round"
     for name, value in exported[0].items():
         torch.testing.assert_close(exported[1][name], value, rtol=0, atol=1e-5, msg=name)
@@ -167,10 +182,10 @@ def _topology(clusters: list[int], steps: int, ckpt: Path, checkpoint_every: int
 def test_kill_first_middle_and_last_stage_and_restart(tmp_path: Path) -> None:
     """2 clusters x 3 stages: kill -9 the first stage of cluster 1, the middle one of cluster 0 and the
     last one of cluster 1 in turn, each restarted 3 s later (as systemd would).  Every stage saves a
-    checkpoint every 4 steps, so kills also land in checkpoint saves."""
+    checkpoint every 2 steps (several times a second), so kills also land in checkpoint saves."""
     ckpt = tmp_path / "ckpt"
-    steps = 3600
-    swarm = Swarm(tmp_path, _topology([3, 3], steps, ckpt, checkpoint_every=4))
+    steps = STEPS
+    swarm = throttled_swarm(tmp_path, _topology([3, 3], steps, ckpt, checkpoint_every=2))
     watch = Watch(swarm)
     events = []
     try:
@@ -178,6 +193,7 @@ def test_kill_first_middle_and_last_stage_and_restart(tmp_path: Path) -> None:
         for victim in ("c1s0", "c0s1", "c1s2"):
             hit = int(victim[1])
             events.append((hit, _kill_and_restart(swarm, watch, victim, hit)))
+        unthrottle(swarm)
         _final_checks(tmp_path, swarm, ckpt, [3, 3], steps, events, survivors0=["c0s0"])
     finally:
         swarm.close()
@@ -188,8 +204,8 @@ def test_freeze_broker_restart_and_a_kill_while_the_broker_is_down(tmp_path: Pat
     """2 clusters x 2 stages: SIGSTOP a stage for 20 s (longer than ring_step_s) then SIGCONT; then kill
     the broker, kill -9 a node while it is down, restart the broker after 3 s and the node after 5 s."""
     ckpt = tmp_path / "ckpt"
-    steps = 3600
-    swarm = Swarm(tmp_path, _topology([2, 2], steps, ckpt))
+    steps = STEPS
+    swarm = throttled_swarm(tmp_path, _topology([2, 2], steps, ckpt))
     watch = Watch(swarm)
     events = []
     try:
@@ -218,6 +234,7 @@ def test_freeze_broker_restart_and_a_kill_while_the_broker_is_down(tmp_path: Pat
         assert t_trains - t_back <= BACK_WITHIN_S
         assert t_detect - t_up <= LOST_S + 2 * HEARTBEAT_S + 3, f"seen {t_detect - t_up:.1f}s after the broker was up"
         events.append((0, {"fault": t_fault, "detect": t_detect, "back": t_back, "trains": t_trains}))
+        unthrottle(swarm)
         _final_checks(tmp_path, swarm, ckpt, [2, 2], steps, events, survivors0=["c0s0", "c1s0"])
     finally:
         swarm.close()
@@ -232,14 +249,14 @@ def test_a_standby_takes_over_a_node_that_does_not_come_back(tmp_path: Path) -> 
     from ravq.config import load_topology
 
     ckpt = tmp_path / "ckpt"
-    steps = 3600
+    steps = STEPS
     topo = _topology([3, 2], steps, ckpt, replace_s=2.0)
     topo["nodes"][2]["name"] = "spare"  # cluster 0's third node: idle in the plan below
     (tmp_path / "probe").mkdir()
     (tmp_path / "probe" / "t.yaml").write_text(yaml.safe_dump(
         {**topo, "nodes": [n for n in topo["nodes"] if n["name"] != "spare"]}))
     plan = plan_for(load_topology(tmp_path / "probe" / "t.yaml"), None).model_dump()
-    swarm = Swarm(tmp_path, topo, plan=plan)
+    swarm = throttled_swarm(tmp_path, topo, plan=plan)
     watch = Watch(swarm)
     try:
         trained = [n for n in swarm.nodes if n != "spare"]
@@ -252,6 +269,7 @@ def test_a_standby_takes_over_a_node_that_does_not_come_back(tmp_path: Path) -> 
                     LOST_S + 2.0 + 30, others)
         t_trains = watch.until("cluster 1 to train again with the standby",
                                lambda s: _training(s, 1, 1) and _version(s, "spare") > 0, 60, others)
+        unthrottle(swarm)
         codes = swarm.wait(others, timeout_s=240)
         assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
         for name in ("c0s0", "c0s1"):
@@ -259,12 +277,7 @@ def test_a_standby_takes_over_a_node_that_does_not_come_back(tmp_path: Path) -> 
             assert _max_gap(times, t_fault, t_trains) <= 2 * HEARTBEAT_S, name
         exported = []
         for c in (0, 1):
-            out = tmp_path / f"c{c}.safetensors"
-            proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",
-                                   str(out), "--cluster", str(c)], cwd=ROOT, capture_output=True, text=True,
-                                  check=False)
-            assert proc.returncode == 0, proc.stderr
-            exported.append(load_file(str(out)))
+            exported.append(export(ckpt, c, tmp_path / f"c{c}.safetensors"))
         for name, value in exported[0].items():
             torch.testing.assert_close(exported[1][name], value, rtol=0, atol=1e-5, msg=name)
         assert sorted(swarm.summary("c1s0")["completed"]) == list(range(steps))

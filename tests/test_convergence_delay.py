@@ -1,10 +1,12 @@
 """Asynchrony costs no convergence (issue #25): a tiny GPT-2 with Adam at lr 3e-3, 2 stages and 2 micro-batches
-in flight, ends where synchronous training (1 in flight, which equals one process) ends.
+in flight, trains as synchronous training (1 in flight, which equals one process) does, at the same samples.
 
 Without delay compensation the stale first stage spiked and sat at the plateau (ln 100 = 4.6) with weight
-prediction on (the defaults of the trial) and at 2.7 with it off, against 1.72 synchronous.  The runs are in
-one thread (``run_in_order``), so the first stage's staleness is exactly 1 after the first micro-batch and
-every run is deterministic."""
+prediction on (the defaults of the trial) and at 2.7 with it off, against 1.72 synchronous.  With it but without
+the asynchrony warm-up (``inflight_warmup_steps``: the first steps synchronous) the run ended near synchronous
+training but trailed it by 18-41% in the middle, and in threads and real processes some runs still stalled.
+The runs are in one thread (``run_in_order``), so the first stage's staleness is exactly 1 once the pipeline is
+open and every run is deterministic."""
 
 from __future__ import annotations
 
@@ -21,38 +23,68 @@ from tests.pipeline_harness import make_workers, run_in_order
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed (pip install transformers)")
 
-STEPS, MICRO_BATCH = 120, 8
+STEPS, MICRO_BATCH, WINDOW = 120, 8, 10
 
 
 @functools.cache
-def final_loss(max_inflight: int, *, extrapolate: float | None = None, kind: str = "gpt2") -> tuple[float, list]:
-    """Mean loss of the last 10 micro-batches, and the workers; the topology's defaults unless told."""
+def curve(max_inflight: int, *, extrapolate: float | None = None, warmup: int | None = None) -> tuple[list, list]:
+    """The last stage's losses and the workers; the topology's defaults unless told."""
     from tests import zoo_markov
 
     defaults = TrainingConfig()
-    workers = make_workers(getattr(zoo_markov, kind), 2, steps=STEPS, max_inflight=max_inflight,
+    workers = make_workers(zoo_markov.gpt2, 2, steps=STEPS, max_inflight=max_inflight,
                            micro_batch=MICRO_BATCH, predict_weights=defaults.predict_weights,
-                           extrapolate_gradients=defaults.extrapolate_gradients if extrapolate is None else extrapolate)
+                           extrapolate_gradients=defaults.extrapolate_gradients if extrapolate is None else extrapolate,
+                           inflight_warmup_steps=defaults.inflight_warmup_steps if warmup is None else warmup)
     run_in_order(workers)
     losses = workers[-1].stats.loss_history
     assert len(losses) == STEPS
-    return sum(losses[-10:]) / 10, workers
+    return losses, workers
 
 
-def test_two_stages_in_flight_reach_the_synchronous_loss() -> None:
+def smoothed(losses: list[float], at: int) -> float:
+    """Mean loss of the WINDOW micro-batches up to ``at`` (1-based count of micro-batches)."""
+    return sum(losses[at - WINDOW:at]) / WINDOW
+
+
+def test_two_stages_in_flight_train_as_synchronous_training() -> None:
+    """At the defaults, within 5% of synchronous training at half and at all of the samples."""
     torch.set_num_threads(1)
-    sync, _ = final_loss(1)
-    default, workers = final_loss(2)
+    sync, _ = curve(1)
+    default, workers = curve(2)
     assert workers[0].stats.snapshot()["staleness_max"] == 1  # the first stage really trained one step stale
-    assert default <= 1.05 * sync, (default, sync)
+    for at in (STEPS // 2, STEPS):
+        assert smoothed(default, at) <= 1.05 * smoothed(sync, at), (at, smoothed(default, at), smoothed(sync, at))
+
+
+def test_warmup_steps_are_synchronous_training() -> None:
+    """The first ``inflight_warmup_steps`` micro-batches are exactly synchronous training, then the pipeline opens."""
+    torch.set_num_threads(1)
+    warmup = TrainingConfig().inflight_warmup_steps
+    assert warmup > 0
+    sync, _ = curve(1)
+    default, _ = curve(2)
+    assert default[:warmup] == sync[:warmup]
+    assert default[warmup:] != sync[warmup:]
+
+
+def test_without_warmup_the_stale_run_lags_in_the_middle() -> None:
+    """Why the warm-up is on by default: opening the pipeline at once (the defaults before it) trails
+    synchronous training by more than 10% at half of the samples, although it ends close to it."""
+    torch.set_num_threads(1)
+    sync, _ = curve(1)
+    at_once, _ = curve(2, warmup=0)
+    assert smoothed(at_once, STEPS // 2) > 1.1 * smoothed(sync, STEPS // 2)
+    assert smoothed(at_once, STEPS) <= 1.05 * smoothed(sync, STEPS)
 
 
 def test_without_delay_compensation_the_stale_stage_stalls() -> None:
-    """Why the compensation is on by default: the same run with it off ends far above synchronous training."""
+    """Why the compensation is on by default: opening the pipeline at once with it off ends far above
+    synchronous training."""
     torch.set_num_threads(1)
-    sync, _ = final_loss(1)
-    stale, _ = final_loss(2, extrapolate=0.0)
-    assert stale > 1.4 * sync, (stale, sync)
+    sync, _ = curve(1)
+    stale, _ = curve(2, extrapolate=0.0, warmup=0)
+    assert smoothed(stale, STEPS) > 1.4 * smoothed(sync, STEPS)
 
 
 def test_extrapolation_leaves_fresh_updates_alone_and_carries_stale_ones_forward() -> None:

@@ -10,19 +10,16 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ravq.stage import checkpoint
 from ravq.stage.lineage import Point, consistent_choice
-from tests.swarm import ROOT, Swarm, local_topology
+from tests.swarm import Swarm, export, local_topology
 from tests.test_churn import HEARTBEAT_S, LOST_S, Watch, _cluster, _training, _version
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.fault]
@@ -101,12 +98,7 @@ def test_stop_all_then_a_power_cut_resume_the_same_run(tmp_path: Path) -> None:
             proc.wait(10)
         want = {c: _consistent(ckpt, c, 2, run_id) for c in (0, 1)}
         for c in (0, 1):
-            out = tmp_path / f"cut{c}.safetensors"
-            proc = subprocess.run([sys.executable, "-m", "ravq", "export", "--checkpoint-dir", str(ckpt), "--out",
-                                   str(out), "--cluster", str(c)], cwd=ROOT, capture_output=True, text=True,
-                                  check=False)
-            assert proc.returncode == 0, proc.stderr
-            exported = load_file(str(out))
+            exported = export(ckpt, c, tmp_path / f"cut{c}.safetensors")  # what `ravq export --cluster c` writes
             held = {k: v for s in (0, 1) for k, v in checkpoint.load_stage(ckpt, c, s, run_id, want[c][s]).model.items()}
             assert exported.keys() == held.keys()
             for name, value in held.items():

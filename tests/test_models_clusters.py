@@ -75,7 +75,8 @@ def test_overlapped_averaging_with_micro_batches_in_flight_trains(tmp_path: Path
     rotary model (non-persistent inv_freq, not averaged): 2 clusters x 2 stages, max_inflight 2,
     overlapped averaging every step.  Before buffers got fresh storage, BatchNorm's backward failed with
     "modified by an inplace operation"."""
-    training = {"steps": 40, "micro_batch": 8, "max_inflight": 2, "sync_every": 1, "overlap_averaging": True}
+    training = {"steps": 40, "micro_batch": 8, "max_inflight": 2, "inflight_warmup_steps": 0, "sync_every": 1,
+                "overlap_averaging": True}
     swarm = _run(tmp_path, task, [2, 2], training)
     for name in swarm.nodes:
         s = swarm.summary(name)

@@ -13,7 +13,7 @@ from ravq.cli.demo import free_ports
 from ravq.net.security import keygen
 from tests import sgd_task
 from tests.pipeline_harness import train_one_process
-from tests.swarm import Swarm, assert_clusters_equal, local_topology, train
+from tests.swarm import assert_clusters_equal, local_topology, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -66,14 +66,24 @@ def test_a_node_behind_nat_killed_and_restarted_rejoins(tmp_path: Path, victim: 
     mapping gives): it dials out again (to its peer, or to the relay), nothing waits to dial it; its
     cluster pauses, resumes once it is back, and every process ends training with exit status 0.
     Asserted on the broker's events (generation, state, the node's version), not on durations."""
-    from tests.test_churn import HEARTBEAT_S, LOST_S, Watch, _cluster, _training, _version
+    from tests.test_churn import (
+        HEARTBEAT_S,
+        LOST_S,
+        Watch,
+        _cluster,
+        _training,
+        _version,
+        throttled_swarm,
+        unthrottle,
+    )
 
-    training = {"steps": 1200, "micro_batch": 4, "sync_every": 5, "checkpoint_every": 40,
+    # throttled to 20 micro-batches/s until the victim is back: the other cluster trains for 30 s or more
+    training = {"steps": 600, "micro_batch": 4, "sync_every": 5, "checkpoint_every": 40,
                 "checkpoint_dir": str(tmp_path / "ckpt")}
     topo = nat_topology(training)
     topo["task"] = "tests.churn_task"
     topo["timeouts"] = {"heartbeat_interval_s": HEARTBEAT_S, "lost_s": LOST_S, "ring_step_s": 5.0}
-    swarm = Swarm(tmp_path, topo)
+    swarm = throttled_swarm(tmp_path, topo)
     hit = int(victim[1])
     others = [n for n in swarm.nodes if n != victim and n[1] == victim[1]]  # the other cluster may finish first
     try:
@@ -87,6 +97,7 @@ def test_a_node_behind_nat_killed_and_restarted_rejoins(tmp_path: Path, victim: 
         watch.until(f"{victim} to be measured again and its cluster to train",
                     lambda s: s.get("reach", {}).get(victim) == "behind_nat" and _training(s, hit, generation + 1)
                     and _version(s, victim) > 0 and s["members"][victim]["state"] == "up", 400, others)
+        unthrottle(swarm)  # what follows only has to end well, not take its time
         codes = swarm.wait(timeout_s=600)
         assert all(c == 0 for c in codes.values()), {n: swarm.log(n) for n, c in codes.items() if c}
     finally:

@@ -37,6 +37,7 @@ from ravq.profile.links import (
     serve_probes,
 )
 from ravq.profile.messages import MessageConfig, measure_messages, measure_ring
+from ravq.profile.stage_cost import StageCpu
 from ravq.profile.store import Measurement, load_profile, load_profiles, save_profile
 from tests.conftest import free_port
 from tests.virtual_time import now, run_virtual
@@ -438,10 +439,14 @@ def test_links_are_measured_before_compute(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(profile, "measure_compute", compute)
     monkeypatch.setattr(profile, "measure_messages", lambda *a, **k: order.append("messages") or [[1024, 0.001]])
     monkeypatch.setattr(profile, "measure_ring", lambda *a, **k: order.append("ring") or 0.01)
+    stage = StageCpu(pipeline_cpu_s=0.05, single_cpu_s=0.03, act_bytes=1024, grad_bytes=1024)
+    monkeypatch.setattr(profile, "measure_stage_cpu", lambda *a, **k: order.append("stage") or stage)
     topo = load_topology(write_topology(tmp_path / "t.yaml", [{"name": "a"}, {"name": "b"}]))
     m = profile.measure_node(topo, "a", wait_s=1.0)
-    assert order == ["links", "compute", "messages", "ring"]
+    assert order == ["links", "compute", "messages", "ring", "stage"]
     assert m.bandwidth_bytes_per_s == {"b": 1e8} and m.flops == 1e10 and m.message_s == [[1024, 0.002]]
+    # per stage: (two stages 50 ms - one stage 30 ms - two messages of 1 ms) / 2, at half a core
+    assert m.stage_cpu_s == pytest.approx(0.009) and m.stage_s == pytest.approx(0.018)
 
 
 def test_plan_main_writes_a_loadable_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

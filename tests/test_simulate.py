@@ -55,6 +55,20 @@ def test_balanced_pipeline_period_is_one_stage_time(stages: int) -> None:
     assert (wall(100) - wall(50)) / 50 == pytest.approx(0.03, rel=1e-9)
 
 
+def test_inflight_warmup_steps_run_synchronously_first() -> None:
+    """training.inflight_warmup_steps: the first steps take a whole round trip each (forward and backward on
+    both stages: 0.06 s), then the pipeline's period (one stage's 0.03 s)."""
+    def run(warmup: int):
+        clusters = [[stage(f"s{j}", 0.01, 0.02, act=1e3, grad=1e3) for j in range(2)]]
+        return simulate(world(clusters, Settings(steps=100, inflight_warmup_steps=warmup)))
+
+    opened, warm = run(0), run(20)
+    assert warm.wall_s - opened.wall_s == pytest.approx(20 * (0.06 - 0.03), rel=0.05)
+    assert warm.nodes[0].staleness_mean < opened.nodes[0].staleness_mean
+    with pytest.raises(ValueError, match="inflight_warmup_steps"):
+        Settings(inflight_warmup_steps=-1)
+
+
 def test_a_slow_link_sets_the_period() -> None:
     """Two stages whose 1 MB activation crosses a 10 MB/s link: 0.1 s per micro-batch, not the compute."""
     def wall(steps: int) -> float:

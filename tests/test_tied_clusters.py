@@ -44,6 +44,7 @@ def test_tied_copies_identical_after_overlapped_averaging(tmp_path: Path) -> Non
     """GPT-2, max_inflight 2, overlapped averaging every step with the optimizer state: the averaging deltas
     of the tied weight reach both copies in step order, so each cluster's copies end bit-identical."""
     ckpt = _train(tmp_path, "gpt2", {"steps": 16, "micro_batch": 4, "max_inflight": 2, "sync_every": 1,
-                                     "overlap_averaging": True, "average_optimizer_state": True})
+                                     "inflight_warmup_steps": 0, "overlap_averaging": True,
+                                     "average_optimizer_state": True})
     for cluster in (0, 1):
         tied_copies_identical(ckpt, cluster)

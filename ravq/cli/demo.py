@@ -24,7 +24,13 @@ from typing import Any
 
 import yaml
 
-from ravq.config import EXTRAPOLATE_GRADIENTS, PREDICT_WEIGHTS, ConfigError, parse_topology
+from ravq.config import (
+    EXTRAPOLATE_GRADIENTS,
+    INFLIGHT_WARMUP_STEPS,
+    PREDICT_WEIGHTS,
+    ConfigError,
+    parse_topology,
+)
 from ravq.net.listen import Listeners, ports_of
 
 DEFAULT_TASK = "ravq.tasks.charlm"
@@ -50,6 +56,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight prediction horizon, in multiples of a stage's staleness (0: off)")
     p.add_argument("--extrapolate-gradients", type=float, default=EXTRAPOLATE_GRADIENTS,
                    help="delay compensation of stale updates, in multiples of their staleness (0: off)")
+    p.add_argument("--inflight-warmup-steps", type=int, default=INFLIGHT_WARMUP_STEPS,
+                   help="optimizer steps trained with one micro-batch in flight before the pipeline opens (0: none)")
     p.add_argument("--average-optimizer-state", action="store_true", help="average optimizer state (Adam moments) too")
     p.add_argument("--compress-pipeline", choices=["none", "bf16", "fp16", "int8"], default="none",
                    help="activations and gradients on pipeline links (default none: on loopback bytes are free "
@@ -120,6 +128,7 @@ def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, A
         "micro_batch": args.micro_batch, "steps": args.steps, "max_inflight": args.max_inflight,
         "update_every": args.update_every, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
         "predict_weights": args.predict_weights, "extrapolate_gradients": args.extrapolate_gradients,
+        "inflight_warmup_steps": args.inflight_warmup_steps,
         "average_optimizer_state": args.average_optimizer_state,
         "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
     }

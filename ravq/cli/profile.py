@@ -44,6 +44,10 @@ def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s
     if measurement.loss_s:
         print(f"  loss stage: {measurement.loss_s * 1e3:.3g} ms more per micro-batch "
               f"({measurement.loss_cpu_s * 1e3:.3g} ms of CPU: loss forward and backward, metrics)")
+    if measurement.pipeline_cpu_s:
+        print(f"  pipeline stage: {measurement.stage_s * 1e3:.3g} ms more per micro-batch "
+              f"({measurement.stage_cpu_s * 1e3:.3g} ms of CPU: the model as two stages over this node's sockets "
+              f"{measurement.pipeline_cpu_s * 1e3:.3g} ms, as one {measurement.single_cpu_s * 1e3:.3g} ms)")
     for peer in sorted(measurement.bandwidth_bytes_per_s):
         print(f"  -> {peer}: {measurement.bandwidth_bytes_per_s[peer] * 8 / 1e6:.4g} Mbit/s, "
               f"{measurement.latency_s[peer] * 1e3:.3g} ms")

@@ -28,6 +28,7 @@ def settings_for(topology: Topology, *, steps: int | None = None, churn_per_hour
         raise ConfigError(f"--jitter: must be >= 0, got {jitter}")
     wire = Wire.of(t.compress.pipeline, t.compress.ring, t.compress.int8_block, t.average_optimizer_state)
     return Settings(steps=steps or t.steps, micro_batch=t.micro_batch, max_inflight=t.max_inflight,
+                    inflight_warmup_steps=t.inflight_warmup_steps,
                     update_every=t.update_every, sync_every=t.sync_every, overlap_averaging=t.overlap_averaging,
                     averaging_lead=t.averaging_lead, piece_bytes=t.ring_chunk_bytes,
                     ring_timeout_s=topology.timeouts.ring_step_s, churn_per_hour=churn_per_hour, jitter=jitter,

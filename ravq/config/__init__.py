@@ -14,6 +14,7 @@ from ravq.config.recipe import LRScheduleConfig
 from ravq.config.task import TASK_FUNCTIONS, resolve_task_module
 from ravq.config.topology import (
     EXTRAPOLATE_GRADIENTS,
+    INFLIGHT_WARMUP_STEPS,
     PREDICT_WEIGHTS,
     BrokerConfig,
     CompressConfig,
@@ -28,6 +29,7 @@ from ravq.config.topology import (
 
 __all__ = [
     "EXTRAPOLATE_GRADIENTS",
+    "INFLIGHT_WARMUP_STEPS",
     "PREDICT_WEIGHTS",
     "TASK_FUNCTIONS",
     "BrokerConfig",

@@ -29,6 +29,9 @@ PREDICT_WEIGHTS = 2.0
 EXTRAPOLATE_GRADIENTS = 2.0
 """Default delay compensation (ravq.stage.delay; measured in docs/convergence.md)."""
 
+INFLIGHT_WARMUP_STEPS = 20
+"""Default optimizer steps a cluster trains synchronously before it opens its pipeline (docs/convergence.md)."""
+
 
 class CompressConfig(UserModel):
     """Defaults from the measurements in docs/compression.md (benchmarks/bench_allreduce.py --link-mbit 200,
@@ -65,6 +68,11 @@ class TrainingConfig(UserModel):
     times its staleness along the change since the stage's previous update (``ravq.stage.delay``); without
     it Adam with one step of delay stalled a small GPT-2 at the unigram plateau.  0 turns it off.  No
     effect without staleness (max_inflight 1)."""
+    inflight_warmup_steps: int = Field(INFLIGHT_WARMUP_STEPS, ge=0)
+    """Asynchrony warm-up: the cluster's first this many optimizer steps train with one micro-batch in flight
+    (synchronous pipeline training), then stage 0 opens the pipeline to ``max_inflight``.  Early on,
+    while the loss falls fast, one step of delay made Adam overshoot on a small GPT-2 (docs/convergence.md);
+    past that phase the same delay trains as well as synchronous training.  0 opens the pipeline at once."""
     sync_every: int = Field(10, ge=1)
     """Optimizer steps between parameter averages across clusters."""
     overlap_averaging: bool = True

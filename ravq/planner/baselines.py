@@ -173,7 +173,8 @@ def _layout_chunks(p: Problem, members: tuple[int, ...],
     per_chunk = max(1, chunk // len(cuts))
     for lo in range(0, len(perms), per_chunk):
         o = perms[lo:lo + per_chunk]                                         # (orders, k)
-        t = work[None] / p.flops[o][:, None, :] + p.message[o[:, None, :], s[None]] + p.message[o[:, None, :], e[None]]
+        t = (work[None] / p.flops[o][:, None, :] + p.message[o[:, None, :], s[None]] + p.message[o[:, None, :], e[None]]
+             + p.pipelined[o][:, None, :] * p.piece[s, e][None])
         fits = (memory[None] <= p.mem[o][:, None, :]).all(axis=2)
         worst, cycle = t.max(axis=2), t.sum(axis=2)
         if k > 1:

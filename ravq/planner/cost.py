@@ -11,7 +11,9 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   which share the CPU with the compute, are part of that (2 x ~8 ms of ~100 ms for a middle stage).
   The stage that holds the last block also pays the loss (``NodeProfile.loss_s``: the task's loss
   forward and backward and its metrics, which ``ravq profile`` times apart and leaves out of the
-  FLOP/s; issue #26).
+  FLOP/s; issue #26).  Every stage of a pipeline (not a whole copy) also pays what a node adds around
+  a stage (``NodeProfile.pipeline_stage_s``: ``ravq profile`` times the model as two stages over the
+  node's own sockets against one stage; 4-17 ms of CPU per micro-batch on issue #26's testbed).
   Averaging rounds take CPU too (``NodeProfile.ring_s_per_byte``, measured by ``ravq profile`` on a
   loopback ring of two): among C clusters a stage holding H parameter bytes pays 2(C-1)/C x H x that
   per round, spread over the ``sync_every`` steps between rounds (``Problem.averaging_cpu_s``).  On

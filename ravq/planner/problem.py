@@ -65,6 +65,12 @@ class Problem:
                                              for c in range(1, self.B)]
         self.message[:, self.B] = [n.loss_s for n in nodes]
         """...and at c = B, the loss stage's extra work (``NodeProfile.loss_s``): the stage ending there pays it."""
+        self.pipelined = np.array([n.pipeline_stage_s for n in nodes], dtype=float)
+        """Seconds per micro-batch a stage of a pipeline costs a node beyond FLOPs, messages and loss
+        (``NodeProfile.pipeline_stage_s``): every stage but a whole copy, blocks [0, B), pays it."""
+        self.piece = np.ones((self.B + 1, self.B + 1))
+        self.piece[0, self.B] = 0.0
+        """piece[s, e]: 1 when a stage of blocks [s, e) is one of several (pays ``pipelined``), else 0."""
         self.ring_cpu = np.array([n.ring_s_per_byte for n in nodes], dtype=float)
         """Seconds of a node's CPU per parameter byte it holds for one averaging round in a ring of two."""
         self.act[1:self.B] *= self.wire.pipeline
@@ -98,15 +104,18 @@ class Problem:
 
     def stage_s(self, node: int, s: int, e: int) -> float:
         """Time per micro-batch of a stage on ``node`` holding blocks [s, e): its FLOPs at the node's speed,
-        its messages' CPU time and, for the last stage (e = B), the loss's."""
-        return float(self.work_span[s, e] / self.flops[node] + self.message[node, s] + self.message[node, e])
+        its messages' CPU time, for the last stage (e = B) the loss's, and for a stage of a pipeline what a
+        node adds around it (``pipelined``)."""
+        return float(self.work_span[s, e] / self.flops[node] + self.message[node, s] + self.message[node, e]
+                     + self.pipelined[node] * self.piece[s, e])
 
     def stage_times(self, node: int, stages: int) -> np.ndarray:
         """times[s, e]: ``stage_s`` of blocks [s, e) on ``node``; inf where it does not fit."""
         key = (node, self.inflight_for(stages))
         t = self._times.get(key)
         if t is None:
-            seconds = self.work_span / self.flops[node] + self.message[node][:, None] + self.message[node][None, :]
+            seconds = (self.work_span / self.flops[node] + self.message[node][:, None] + self.message[node][None, :]
+                       + self.pipelined[node] * self.piece)
             t = np.where(self.mem_span(stages) <= self.mem[node], seconds, INF)
             if len(self._times) >= self.TIMES_CACHED:
                 del self._times[next(iter(self._times))]

@@ -88,6 +88,12 @@ class NodeProfile:
     """Seconds per micro-batch this node spends on what only the loss-computing stage does (the task's
     loss forward and backward, its metrics), charged to the stage holding the last block; ``flops``
     leaves it out (``ravq profile`` measures both).  0: not measured."""
+    pipeline_stage_s: float = 0.0
+    """Seconds per micro-batch a stage of a pipeline (any stage but a whole copy of the model) costs this
+    node beyond its FLOPs, its messages and the loss: what a node adds around a stage (compute thread and
+    event loop handing work back and forth, send and read loops, the stage's bookkeeping), measured by
+    ``ravq profile`` on a real two-stage pipeline over the node's sockets (``ravq.profile.stage_cost``).
+    0: not measured."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -2,7 +2,8 @@
 them agree across the PCs of a deployment, and gathers them into one ``Measurement``.
 
 Links (``ravq.profile.links``), then compute (``ravq.profile.compute``), then the CPU cost of
-pipeline messages and averaging rounds (``ravq.profile.messages``), and memory.  ``ravq profile``
+pipeline messages and averaging rounds (``ravq.profile.messages``), what a node adds around a stage of a
+pipeline (``ravq.profile.stage_cost``), and memory.  ``ravq profile``
 (``ravq.cli.profile``) writes the result to ``profile-NAME.json`` (``ravq.profile.store``).
 """
 
@@ -11,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
+
 from ravq.config import Topology, resolve_task_module
+from ravq.planner.types import message_seconds
 from ravq.profile.compute import (
     ComputeSample,
     measure_compute,
@@ -22,16 +26,22 @@ from ravq.profile.compute import (
 from ravq.profile.links import ProbeConfig, profile_links
 from ravq.profile.loss import flops_without_loss, measure_loss
 from ravq.profile.messages import RING_BYTES, MessageConfig, measure_messages, measure_ring
+from ravq.profile.stage_cost import StageCostConfig, StageCpu, measure_stage_cpu
 from ravq.profile.store import Measurement
+from ravq.tuning import cpu_budget
 
 log = logging.getLogger(__name__)
 
 
 def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
-                 compute_s: float = 6.0, windows: int = 5, messages: MessageConfig | None = None) -> Measurement:
+                 compute_s: float = 6.0, windows: int = 5, messages: MessageConfig | None = None,
+                 stages: StageCostConfig | None = None) -> Measurement:
     """Links, then compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), the
     loss stage's extra work (``measure_loss``: taken out of the FLOP/s when the timed step computed the
-    loss, charged to the last stage instead), the CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``), memory.
+    loss, charged to the last stage instead), the CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``), what a node adds around a stage of a pipeline
+    (``measure_stage_cpu``: the model as two stages over the node's sockets against one stage), memory.
+    torch gets the threads a node gets (``cpu_budget``: the CPU affinity and the cgroup quota), so every
+    figure is measured as the node will run.
 
     Links come first: this node serves probes until every peer has measured its link to it, so the
     compute that follows starts on every PC at about the same moment, once the whole deployment is up.
@@ -41,6 +51,8 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     finished and sat waiting, and read up to 15% faster than they trained (issue #14, compute_bound)."""
     me = topology.node(name)
     task = resolve_task_module(topology.task)
+    if cpu_budget() < torch.get_num_threads():
+        torch.set_num_threads(cpu_budget())  # as ravq.node does: torch sizes its pool by the cores, not the quota
     links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
     matmul = measure_matmul_flops(me.device, seconds=0.5)
     try:
@@ -53,6 +65,8 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     message_cpu = measure_messages(topology, name, messages)
     ring_bytes = min(max(model_param_bytes(task), RING_BYTES[0]), RING_BYTES[1])
     ring_cpu = measure_ring(topology, name, ring_bytes)
+    stage_cpu = _stage_cpu(topology, name, task, stages)
+    stage_extra = stage_cpu_s(stage_cpu, message_cpu) if stage_cpu else 0.0
     share = sample.cpu_share if sample and sample.cpu_share > 0 else 1.0
     flops = sample.flops if sample else matmul
     if sample and sample.with_loss:  # the loss stage pays the loss apart (NodeProfile.loss_s)
@@ -66,4 +80,28 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
         cpu_share=sample.cpu_share if sample else None,
         message_s=[[size, cpu / share] for size, cpu in message_cpu], message_cpu_s=message_cpu,
         ring_s=[ring_bytes, ring_cpu / share], ring_cpu_s=[ring_bytes, ring_cpu],
-        loss_s=loss_cpu / share, loss_cpu_s=loss_cpu)
+        loss_s=loss_cpu / share, loss_cpu_s=loss_cpu, stage_s=stage_extra / share, stage_cpu_s=stage_extra,
+        pipeline_cpu_s=stage_cpu.pipeline_cpu_s if stage_cpu else 0.0,
+        single_cpu_s=stage_cpu.single_cpu_s if stage_cpu else 0.0)
+
+
+def _stage_cpu(topology: Topology, name: str, task: object, config: StageCostConfig | None) -> StageCpu | None:
+    """``measure_stage_cpu``, or None (nothing charged) for a model too large to run whole here or one that
+    cannot be cut in two."""
+    if 4 * model_param_bytes(task) > usable_memory_bytes(topology.node(name).device) // 2:
+        log.info("profile: the model is too large to time as two stages here; no per-stage cost measured")
+        return None
+    try:
+        return measure_stage_cpu(topology, name, task, config)
+    except Exception as err:  # noqa: BLE001 - the task's code in a pipeline: the profile goes on without it
+        log.warning("profile: the model could not be timed as two stages (%s); no per-stage cost measured", err)
+        return None
+
+
+def stage_cpu_s(stage: StageCpu, message_cpu: list[list[float]]) -> float:
+    """CPU seconds per micro-batch a stage of a pipeline costs beyond its share of the model's work, its
+    messages and the loss: the two-stage pipeline less the one stage, less the two messages crossing the
+    cut (which the profile charges apart, ``message_s``), shared by the two stages; never below 0."""
+    table = tuple((int(size), float(cpu)) for size, cpu in message_cpu)
+    messages = message_seconds(table, stage.act_bytes) + message_seconds(table, stage.grad_bytes)
+    return max(0.0, (stage.pipeline_cpu_s - stage.single_cpu_s - messages) / 2)

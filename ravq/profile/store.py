@@ -49,6 +49,17 @@ class Measurement:
     ``flops`` leaves it out.  0: not measured (profiles made before issue #26)."""
     loss_cpu_s: float = 0.0
     """CPU seconds of that work as measured (``ravq.profile.loss.measure_loss``)."""
+    stage_s: float = 0.0
+    """Seconds per micro-batch a stage of a pipeline costs this PC beyond its FLOPs, its messages and the
+    loss, at this PC's compute speed: ``stage_cpu_s`` over ``cpu_share``; the planner's
+    ``NodeProfile.pipeline_stage_s``.  0: not measured (profiles made before it)."""
+    stage_cpu_s: float = 0.0
+    """CPU seconds of that: (two-stage pipeline - one stage - the two messages at the cut) / 2, from
+    ``pipeline_cpu_s``, ``single_cpu_s`` and ``message_cpu_s`` (``ravq.profile.stage_cost``)."""
+    pipeline_cpu_s: float = 0.0
+    """CPU seconds per micro-batch of the task's model as two stages over this node's sockets, as measured."""
+    single_cpu_s: float = 0.0
+    """CPU seconds per micro-batch of the task's model as one stage, as measured."""
 
 
 def profile_path(out_dir: str | Path, name: str) -> Path:
@@ -93,7 +104,7 @@ def load_profiles(topology: Topology, profiles_dir: str | Path) -> list[NodeProf
                                     latency_s=dict(m.latency_s) if m else {},
                                     message_s=message_table(m) if m else (),
                                     ring_s_per_byte=m.ring_s[1] / m.ring_s[0] if m and m.ring_s else 0.0,
-                                    loss_s=m.loss_s if m else 0.0))
+                                    loss_s=m.loss_s if m else 0.0, pipeline_stage_s=m.stage_s if m else 0.0))
     return profiles
 
 

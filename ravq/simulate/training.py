@@ -5,7 +5,8 @@ What each node does, as ``ravq.stage.pipeline`` and ``ravq.average.averager`` do
 
 - one compute thread per node takes a waiting backward before a waiting forward (in arrival order);
   stage 0 starts a new micro-batch only while fewer than ``max_inflight`` of its micro-batches await
-  their backward (the credits); the last stage runs forward, loss and backward in one go;
+  their backward (the credits; 1 for its first ``inflight_warmup_steps`` versions); the last stage runs
+  forward, loss and backward in one go;
 - activations go downstream and gradients upstream as messages on one stream per neighbour, over the
   sender's uplink, which its ring streams share (``engine``);
 - after every ``update_every`` backwards the stage steps (version + 1), then, overlapped: waits while
@@ -107,7 +108,8 @@ class Simulation:
         elif node.fwd_queue:
             self._compute(node, "last" if node.last else "fwd", node.fwd_queue.popleft())
         elif (node.stage == 0 and node.started < self.settings.steps
-              and len(node.stash) < self.inflight[node.cluster]):
+              and len(node.stash) < (1 if node.version < self.settings.inflight_warmup_steps
+                                     else self.inflight[node.cluster])):
             mb = node.started
             node.started += 1
             self._compute(node, "last" if node.last else "fwd", mb)

@@ -54,6 +54,8 @@ class Settings:
     micro_batch: int = 16
     max_inflight: int | None = None
     """Micro-batches in flight per cluster; None: its number of stages."""
+    inflight_warmup_steps: int = 0
+    """Stage 0 keeps one micro-batch in flight until its version reaches this (training.inflight_warmup_steps)."""
     update_every: int = 1
     sync_every: int = 10
     overlap_averaging: bool = True
@@ -90,7 +92,8 @@ class Settings:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
-        for name in ("churn_per_hour", "restart_s", "jitter", "ring_timeout_s", "message_overhead_s"):
+        for name in ("churn_per_hour", "restart_s", "jitter", "ring_timeout_s", "message_overhead_s",
+                     "inflight_warmup_steps"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("pipeline_wire", "ring_wire"):
@@ -169,8 +172,11 @@ def stage_averaging_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int,
 def stage_message_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int, e: int) -> float:
     """CPU seconds per micro-batch a stage of blocks [s, e) on ``node`` spends on messages: half of the
     activation's and half of the gradient's message at each cut it borders, and for the last stage the
-    loss's extra work (``NodeProfile.loss_s``), as the cost model charges."""
+    loss's extra work (``NodeProfile.loss_s``), and for a stage of a pipeline what a node adds around it
+    (``NodeProfile.pipeline_stage_s``), as the cost model charges."""
     total = node.loss_s if e == len(blocks) else 0.0
+    if (s, e) != (0, len(blocks)):
+        total += node.pipeline_stage_s
     for cut in (s, e):
         if 0 < cut < len(blocks):
             block = blocks[cut - 1]

@@ -56,6 +56,7 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
                            extrapolate_gradients=training.extrapolate_gradients,
+                           inflight_warmup_steps=training.inflight_warmup_steps,
                            compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block,
                            recipe=recipe_options(task, training, seed))
     batches = iter(task.train_batches(training.micro_batch, cluster, clusters, seed)) if stage == 0 else None

@@ -58,8 +58,7 @@ class StageWorker:
     def __init__(self, spec: StageSpec, num_stages: int, optimizer_factory: Callable[..., torch.optim.Optimizer],
                  loss_fn: Callable[[Any, Any], torch.Tensor], options: StageOptions,
                  device: torch.device | str = "cpu", batches: Iterator[Any] | None = None,
-                 cluster: int = 0, metrics: Any = None,
-                 model_input_needs: dict[int, list[int]] | None = None,
+                 cluster: int = 0, metrics: Any = None, model_input_needs: dict[int, list[int]] | None = None,
                  input_specs: list[tuple[torch.Size, torch.dtype]] | None = None,
                  target_example: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec, self.num_stages, self.options = spec, num_stages, options
@@ -236,10 +235,10 @@ class StageWorker:
 
     # ----------------------------------------------------------------- asked by the scheduler
     def may_start(self) -> bool:
-        """Stage 0 holds a credit (fewer than ``max_inflight`` in flight) and has data left."""
+        """Stage 0 holds a credit (fewer than ``max_inflight`` in flight, 1 while warming up) and has data left."""
         more = bool(self._requeue) or self.data_position < self.options.steps
         return (self.is_first and not self._sched.stopping and more
-                and len(self._stash) < self.options.max_inflight and self.may_forward())
+                and len(self._stash) < self.options.inflight_limit(self.version) and self.may_forward())
 
     def may_forward(self) -> bool:
         """Tied copies are no more than ``max_inflight - 1`` tied steps behind (``ravq.stage.tied_step``)."""
@@ -254,7 +253,8 @@ class StageWorker:
         """A wait now is for "credits" (stage 0 at ``max_inflight``) or "input"; None before training starts."""
         if self.stats.started_at is None:
             return None
-        return "credits" if self.is_first and len(self._stash) >= self.options.max_inflight else "input"
+        full = len(self._stash) >= self.options.inflight_limit(self.version)
+        return "credits" if self.is_first and full else "input"
 
     def waited_idle(self, reason: str, seconds: float) -> None:
         self.waited(reason, seconds)

@@ -69,8 +69,15 @@ class StageOptions:
     extrapolated by this many times its staleness along the change since the stage's last update;
     0 hands it the gradient as it is.  No effect without staleness (max_inflight 1).  The last gradient is
     not checkpointed: after a resume the first update is not extrapolated."""
+    inflight_warmup_steps: int = 0
+    """Stage 0 keeps one micro-batch in flight (trains synchronously) until its version reaches this many
+    optimizer steps, then up to ``max_inflight`` (``ravq.config.TrainingConfig.inflight_warmup_steps``)."""
     compress: Format = Format.NONE
     """How activations and gradients leave this stage (``ravq.net.compress``); model inputs and targets never
     are compressed, and what arrives compressed is restored to the dtype this stage expects."""
     int8_block: int = DEFAULT_BLOCK
     recipe: RecipeOptions = field(default_factory=RecipeOptions)
+
+    def inflight_limit(self, version: int) -> int:
+        """Micro-batches stage 0 may keep in flight at its weight version ``version``."""
+        return 1 if version < self.inflight_warmup_steps else self.max_inflight
