@@ -124,3 +124,36 @@ def test_the_default_limit_follows_the_model() -> None:
     assert derived_max_message_bytes(10 << 20) == 20 << 20
     assert derived_max_message_bytes(1000) == CONTROL_FRAME_BYTES
     assert derived_max_message_bytes(1000, ring_piece_bytes=4 << 20) == 8 << 20
+
+
+def test_a_probe_that_closes_beside_a_pending_link_is_no_failed_handshake() -> None:
+    """A node's start: its upstream peer's link and the broker's reachability probe are accepted together; the
+    probe's handshake succeeds (the event names no connection) and it closes while the link's handshake is
+    still under way. That is a normal close, not a refused connection; the link settles with its own success."""
+    from ravq.net.connections import Handshakes
+
+    book = Handshakes()
+    link, probe = 7, 8
+    assert book.event(zmq.EVENT_ACCEPTED, link) is None
+    assert book.event(zmq.EVENT_ACCEPTED, probe) is None
+    assert book.event(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0) is None  # the probe's
+    assert book.event(zmq.EVENT_DISCONNECTED, probe) == "closed"
+    assert book.event(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0) is None  # the link's
+    assert book.established == {link} and not book.pending
+    assert book.event(zmq.EVENT_DISCONNECTED, link) == "closed"
+
+
+def test_connections_that_end_before_their_handshake_failed_it() -> None:
+    from ravq.net.connections import Handshakes
+
+    book = Handshakes()
+    for fd in (3, 4):
+        book.event(zmq.EVENT_ACCEPTED, fd)
+    assert book.event(zmq.EVENT_DISCONNECTED, 3) == "failed"  # no handshake succeeded: garbage
+    assert book.event(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0) is None
+    assert book.established == {4}
+    book.event(zmq.EVENT_ACCEPTED, 5)
+    assert book.event(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, 1) == "failed"
+    assert book.event(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 1) is None  # counted by the ZAP handler, not here
+    assert not book.pending
+    assert book.event(zmq.EVENT_DISCONNECTED, 5) is None  # already booked as failed

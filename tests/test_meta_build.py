@@ -323,3 +323,41 @@ def test_profiling_a_model_that_does_not_fit_times_its_largest_block() -> None:
     loss = forward()
     loss.backward()
     assert all(p.grad is not None for p in block)
+
+
+def test_a_new_run_starts_from_an_export_whatever_the_new_cuts(tmp_path: Path) -> None:
+    """Re-planning keeps the weights: a 3-stage charlm trained away from the seed is exported, and the stages
+    of a 2-stage plan built with ``training.init_from`` set to that export hold its tensors, each stage its
+    own; without it they hold the seed's."""
+    from safetensors.torch import load_file
+
+    from ravq.config import TrainingConfig
+    from ravq.metrics import Metrics
+    from ravq.stage.build import build_stage
+    from ravq.stage.checkpoint import save_stage
+
+    model = build_meta_model(charlm, 0).model
+    candidates = candidate_cuts(model, charlm)
+    old = split_model(model, charlm.example_inputs(2), even_cuts(candidates, 3))
+    for spec in old:
+        materialize(spec.module, charlm, 0)
+        with torch.no_grad():
+            for p in spec.module.parameters():
+                p.add_(0.5)  # "trained": far from the seed's values
+        save_stage(tmp_path / "old", cluster=0, stage=spec.index, num_stages=3, node=f"n{spec.index}",
+                   module=spec.module, optimizer=torch.optim.SGD(spec.module.parameters(), lr=0.1), version=9,
+                   data_position=0, run_id="r1")
+    out = tmp_path / "model.safetensors"
+    export_cluster(tmp_path / "old", out, 0, model=build_meta_model(charlm, 0).model)
+    exported, seed = load_file(str(out)), build_task_model(charlm, 0).state_dict()
+    new_cuts = even_cuts(candidates, 2)
+    assert new_cuts != even_cuts(candidates, 3)
+    for init_from, want in ((str(out), exported), (None, seed)):
+        training = TrainingConfig(micro_batch=2, init_from=init_from)
+        for stage in range(2):
+            built = build_stage(charlm, training, seed=0, cuts=new_cuts, stage=stage, cluster=0, clusters=1,
+                                device="cpu", metrics=Metrics(f"s{stage}"))
+            held = built.worker.module.state_dict()
+            assert held
+            for name, value in held.items():
+                assert torch.equal(value, want[name]), (init_from, stage, name)

@@ -5,7 +5,8 @@ rolling stop/start: each node resumes from its checkpoint, the broker restarted)
 standby and rotating a node's key (the new topology everywhere, then that same rolling restart: the
 procedures share it, so each node restarts once for the three), rebooting the broker's PC (the broker
 and its node stopped and started: training resumes), and re-planning so that the added PC trains
-(other cut points: the old checkpoints and the broker's run state set aside, a new run).
+(other cut points: the old run exported and given to the new one as training.init_from, the old checkpoints and
+the broker's run state set aside, a new run that starts from the old weights).
 
 The model is tests.churn_task (a small network whose last stages are throttled): the procedures are
 about processes, keys and state on disk, and a small, quiet model keeps each node's start short.  The
@@ -16,6 +17,7 @@ under test.  Needs root, iproute2, setpriv; skipped with the reason otherwise.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -37,6 +39,8 @@ PCS = ["pc1", "pc2", "pc3", "pc4"]
 TRAINING = ["pc1", "pc2", "pc3"]
 CLUSTERS = {"pc1": 0, "pc2": 0, "pc3": 1}
 TOPOLOGY = "/etc/ravq/topology.yaml"
+START = "/var/lib/ravq/start.safetensors"
+"""Where the re-plan procedure puts the old run's export on every PC (``training.init_from``)."""
 
 
 @pytest.fixture
@@ -54,8 +58,8 @@ def site() -> Iterator[Site]:
             s.kill_all()
 
 
-def _topology(site: Site, keys: dict[str, str], nodes: list[str], clusters: dict[str, int] = CLUSTERS
-              ) -> dict[str, Any]:
+def _topology(site: Site, keys: dict[str, str], nodes: list[str], clusters: dict[str, int] = CLUSTERS,
+              init_from: str | None = None) -> dict[str, Any]:
     entries = []
     for pc in nodes:
         entry: dict[str, Any] = {"name": pc, "host": site.addr[pc], "pipeline_port": 5560, "ring_port": 5561,
@@ -66,7 +70,8 @@ def _topology(site: Site, keys: dict[str, str], nodes: list[str], clusters: dict
         entries.append(entry)
     return {"task": "tests.churn_task", "seed": 27,
             "training": {"micro_batch": 8, "steps": 1_000_000, "sync_every": 20, "checkpoint_every": 10,
-                         "log_every": 100, "checkpoint_dir": "/var/lib/ravq/checkpoints"},
+                         "log_every": 100, "checkpoint_dir": "/var/lib/ravq/checkpoints",
+                         **({"init_from": init_from} if init_from else {})},
             # replace_s: no standby takes a stage while its node is away for a procedure
             "timeouts": {"drain_s": 10, "connect_s": 120, "lost_s": 6, "replace_s": 600},
             "security": {"curve": True, "key_dir": "/etc/ravq/keys"},
@@ -80,7 +85,7 @@ def _install(site: Site, topology: dict[str, Any]) -> None:
     text = yaml.safe_dump(topology, sort_keys=False)
     for pc in PCS:
         moved = text.replace("/etc/ravq/keys", str(site.path(pc, "/etc/ravq/keys")))
-        for state in ("/var/lib/ravq/checkpoints", "/var/lib/ravq/broker"):
+        for state in ("/var/lib/ravq/checkpoints", "/var/lib/ravq/broker", START):
             moved = moved.replace(state, str(site.path(pc, state)))
         site.path(pc, TOPOLOGY).write_text(moved)
 
@@ -215,15 +220,25 @@ def test_upgrade_add_a_standby_pc_rotate_a_key_reboot_the_broker_and_replan(site
     assert _run_id(site) == run_id
     print(f"procedures: upgrade, broker's PC rebooted, a PC added, a key rotated {time.monotonic() - t0:.0f} s")
 
-    # Re-planning so that pc4 trains (cluster 1: pc3 and pc4): other cuts, so a new run (the old
-    # checkpoints and the broker's run state set aside).
+    # Re-planning so that pc4 trains (cluster 1: pc3 and pc4): other cuts, so a new run that starts from the
+    # old run's weights (its export, training.init_from), the old checkpoints and the broker's run state set aside.
     replanned = {**CLUSTERS, "pc4": 1}
-    _install(site, _topology(site, keys, PCS, replanned))
+    _install(site, _topology(site, keys, PCS, replanned, init_from=START))
     planned = site.run("pc1", "plan", "--topology", TOPOLOGY, "--profiles", "/etc/ravq", "--out",
                        "/etc/ravq/plan.yaml", as_user=False)
     assert planned.returncode == 0, planned.stdout + planned.stderr
     print(f"procedures: re-planned {time.monotonic() - t0:.0f} s")
     assert _stop_together([procs[pc] for pc in PCS]) == [0] * len(PCS)  # systemctl stop 'ravq-node@*'
+    gathered = site.path("pc1", "/var/lib/ravq/export/cluster0")  # cluster 0's stages copied to pc1 (scp)
+    gathered.mkdir(parents=True)
+    for pc in ("pc1", "pc2"):
+        for f in site.path(pc, "/var/lib/ravq/checkpoints").glob("cluster0/stage*"):
+            shutil.copy(f, gathered)
+    os.chown(gathered.parent, site.uid, site.gid)
+    exported = site.run("pc1", "export", "--checkpoint-dir", "/var/lib/ravq/export", "--cluster", "0", "--out", START)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    for pc in PCS[1:]:  # scp to every PC
+        shutil.copy(site.path("pc1", START), site.path(pc, START))
     for pc in PCS:
         checkpoints = site.path(pc, "/var/lib/ravq/checkpoints")
         checkpoints.rename(checkpoints.with_name("checkpoints.before-replan"))
@@ -240,6 +255,8 @@ def test_upgrade_add_a_standby_pc_rotate_a_key_reboot_the_broker_and_replan(site
     status = _status(site)
     assert status is not None and [c["nodes"] for c in status["plan"]["clusters"]] == [["pc1", "pc2"], ["pc3", "pc4"]]
     assert _run_id(site) != run_id
+    for pc in PCS:  # every stage of the new cuts started from the old run's weights, not from the seed
+        assert f"from {site.path(pc, START)})" in (site.root / f"{pc}-ravq-node.log").read_text(), pc
     for pc in TRAINING:  # started after the new topology: nobody's key refused (the logs are of those processes)
         assert "refused a connection" not in (site.root / f"{pc}-ravq-node.log").read_text(), pc
     for proc in (*procs.values(), broker):

@@ -93,6 +93,12 @@ class TrainingConfig(UserModel):
     """Optimizer steps between checkpoints of a stage; 0 writes only the final one."""
     checkpoint_dir: str | None = None
     """Directory for stage checkpoints; None disables checkpoints."""
+    init_from: str | None = None
+    """Weights a new run starts from instead of the seed's: what ``ravq export`` wrote (a ``.safetensors``
+    file, or a directory of them such as a ``from_pretrained`` directory), read by each stage for its own
+    tensors by name, whatever the cuts.  A stage that resumes from a checkpoint of the broker's run ignores
+    it.  Re-planning keeps the trained weights this way (deploy/README.md); the optimizer state and the
+    data position start afresh."""
     ring_chunk_bytes: int = Field(4 << 20, ge=1024)
     """Piece size in which ring all-reduce streams a chunk."""
     resume: bool | None = None

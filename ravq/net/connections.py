@@ -102,37 +102,20 @@ class ConnectionMonitor:
         await self._watch(sock, server)
 
     async def _watch(self, monitor: zmq.asyncio.Socket, server: str) -> None:
-        pending: dict[int, None] = {}  # accepted, handshake not settled (in order)
-        established: set[int] = set()
+        book = Handshakes()
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
             kind, value = event["event"], int(event["value"])
             where = event["endpoint"].decode(errors="replace")
-            if kind == zmq.EVENT_ACCEPTED:
-                pending[value] = None
-            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if pending:
-                    fd = next(iter(pending))
-                    del pending[fd]
-                    established.add(fd)
-            elif kind & (HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
-                if pending:
-                    pending.pop(next(iter(pending)))
-                if kind & HANDSHAKE_FAILED:
-                    self._handshake_failed(server, where)
-            elif kind == zmq.EVENT_DISCONNECTED:
-                if value in pending:  # ended before its handshake did: garbage, or a client that gave up
-                    del pending[value]
-                    self._handshake_failed(server, where)
-                elif value in established:
-                    established.discard(value)
-                    if server in self._closes_normal:
-                        continue
-                    self.metrics.connections_dropped.labels(server, "closed").inc()
-                    self._note(server, "closed", where, "a connection closed (peer gone, or dropped for a frame "
-                                                        "over limits.max_message_bytes)", logging.INFO)
-            elif kind == zmq.EVENT_MONITOR_STOPPED:
+            if kind == zmq.EVENT_MONITOR_STOPPED:
                 return
+            outcome = book.event(kind, value)
+            if outcome == "failed":
+                self._handshake_failed(server, where)
+            elif outcome == "closed" and server not in self._closes_normal:
+                self.metrics.connections_dropped.labels(server, "closed").inc()
+                self._note(server, "closed", where, "a connection closed (peer gone, or dropped for a frame "
+                                                    "over limits.max_message_bytes)", logging.INFO)
 
     def _handshake_failed(self, socket: str, where: str) -> None:
         self.metrics.connections_dropped.labels(socket, "handshake_failed").inc()
@@ -145,3 +128,48 @@ class ConnectionMonitor:
             return
         self._warned.add(key)
         log.log(level, "%s: %s at %s; further ones are only counted", socket, what, where)
+
+
+class Handshakes:
+    """Which accepted connections of one server socket settled their handshake, from its monitor's events.
+
+    ``EVENT_ACCEPTED`` and ``EVENT_DISCONNECTED`` carry the connection's descriptor; the handshake events do
+    not, so when several connections are accepted at once (a peer's link and the broker's reachability probe
+    at a node's start) a success cannot be pinned on one of them.  It is kept as a credit of the pending
+    connections instead: one of them that disconnects while a credit is left is taken for the one that
+    succeeded (a normal close), and when there are as many credits as pending connections, all of them
+    are established.  A connection that ends before its handshake with no credit left failed it."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, None] = {}  # accepted, handshake not settled (in order)
+        self.established: set[int] = set()
+        self.succeeded = 0  # handshakes that succeeded among ``pending``, not yet pinned on one
+
+    def event(self, kind: int, value: int) -> str | None:
+        """Book one monitor event; ``"failed"`` (a handshake failed, counted unless ZAP did), ``"closed"`` (an
+        established connection closed), or None."""
+        outcome = None
+        if kind == zmq.EVENT_ACCEPTED:
+            self.pending[value] = None
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.succeeded += 1
+        elif kind & (HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+            if len(self.pending) > self.succeeded:  # one of those not known to have succeeded
+                self.pending.pop(next(iter(self.pending)))
+            outcome = "failed" if kind & HANDSHAKE_FAILED else None
+        elif kind == zmq.EVENT_DISCONNECTED:
+            if value in self.pending:
+                del self.pending[value]
+                if self.succeeded:  # ended after a handshake that succeeded, as far as anyone can tell
+                    self.succeeded -= 1
+                    outcome = "closed"
+                else:  # ended before its handshake did: garbage, or a client that gave up
+                    outcome = "failed"
+            elif value in self.established:
+                self.established.discard(value)
+                outcome = "closed"
+        if self.pending and self.succeeded >= len(self.pending):
+            self.established.update(self.pending)
+            self.pending.clear()
+            self.succeeded = 0
+        return outcome

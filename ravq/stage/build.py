@@ -51,7 +51,8 @@ class BuiltStage:
 def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[int], stage: int, cluster: int,
                 clusters: int, device: str, metrics: Metrics) -> BuiltStage:
     example = task.example_inputs(training.micro_batch)
-    model, specs, in_specs = _traced(task, seed, example, cuts, stage, device, cache_dir(training.checkpoint_dir))
+    model, specs, in_specs = _traced(task, seed, example, cuts, stage, device, cache_dir(training.checkpoint_dir),
+                                     training.init_from)
     options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
@@ -72,27 +73,32 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
 
 
 def _traced(task: Any, seed: int, example: tuple[Any, ...], cuts: list[str], stage: int, device: str,
-            split_cache: Path | None) -> tuple[torch.nn.Module, list[StageSpec], list[list[Any]]]:
-    """The model on meta, its stages and their input shapes, with this stage's weights made real.  A model
-    that cannot be traced on meta is traced with real weights (the same values), at the whole model's cost.
-    The meta split is read from ``split_cache`` when it holds it (``ravq.stage.split_cache``)."""
+            split_cache: Path | None, init_from: str | None = None
+            ) -> tuple[torch.nn.Module, list[StageSpec], list[list[Any]]]:
+    """The model on meta, its stages and their input shapes, with this stage's weights made real (read from
+    ``init_from`` where it holds them).  A model that cannot be traced on meta is traced with real weights
+    (the same values), at the whole model's cost.  The meta split is read from ``split_cache`` when it holds
+    it (``ravq.stage.split_cache``)."""
     try:
         model = build_meta_model(task, seed).model
         t0 = time.monotonic()
         specs, in_specs = cached_stages(model, example, cuts, split_cache)
         log.info("stage %d: split in %.2fs", stage, time.monotonic() - t0)
-    except Exception as err:  # noqa: BLE001 - user code: the real trace says what is wrong, if anything is
+    except Exception as err:  # user code: the real trace says what is wrong, if anything is
         log.warning("the model cannot be traced on the meta device (%s: %s); tracing it with real weights, "
                     "which needs the whole model in memory", type(err).__name__, str(err)[:300])
+        if init_from:
+            raise ValueError(f"training.init_from ({init_from}) needs a model that can be built on the meta "
+                             "device; this one cannot (see the warning above)") from err
         model = build_task_model(task, seed)
         specs = split_model(model, example, cuts)
         retarget_device(specs[stage].module, "cpu", device)
         return model, specs, stage_input_specs(specs, example)
     t0 = time.monotonic()
-    report = materialize(specs[stage].module, task, seed)
+    report = materialize(specs[stage].module, task, seed, pretrained=init_from)
     retarget_device(specs[stage].module, "meta", device)
     log.info("stage %d: %d tensors made real in %.1fs%s", stage, report.names, time.monotonic() - t0,
-             f" ({len(report.loaded)} from the pretrained checkpoint)" if report.loaded else "")
+             f" ({len(report.loaded)} from {init_from or 'the pretrained checkpoint'})" if report.loaded else "")
     return model, specs, in_specs
 
 
