@@ -16,10 +16,10 @@ from ravq.profile.stage_cost import StageCostConfig, StageCpu, measure_stage_cpu
 from ravq.profile.store import Measurement, load_profiles, save_profile
 from ravq.simulate import Settings, build_world, simulate
 from ravq.simulate.world import stage_message_s
+from tests import test_loss_costs as loss_costs
 from tests.test_profile import one_node_topology
 
-GIB = 1 << 30
-SETTINGS = {"micro_batch": 4, "sync_every": 10}
+GIB, SETTINGS = loss_costs.GIB, loss_costs.SETTINGS
 
 
 def nodes(stage_s: float, names: tuple[str, ...] = ("a", "b", "c")) -> list[NodeProfile]:
@@ -28,8 +28,7 @@ def nodes(stage_s: float, names: tuple[str, ...] = ("a", "b", "c")) -> list[Node
 
 
 def blocks(count: int = 6) -> list[BlockProfile]:
-    return [BlockProfile(name=f"b{i}", param_bytes=1000, fwd_flops=1e8, bwd_flops=2e8, act_bytes_out=10,
-                         memory_bytes=1 << 20) for i in range(count)]
+    return loss_costs.blocks(count)
 
 
 def test_every_stage_of_a_pipeline_pays_it_and_a_whole_copy_does_not() -> None:
