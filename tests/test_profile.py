@@ -393,9 +393,13 @@ def test_profile_main_writes_the_node_profile(tmp_path: Path, capsys: pytest.Cap
     ring_bytes, ring_wall = data["ring_s"]
     assert ring_bytes >= 1 << 20 and data["ring_cpu_s"][0] == ring_bytes
     assert ring_wall == pytest.approx(data["ring_cpu_s"][1] / data["cpu_share"]) and ring_wall > 0
+    # rounds as a node runs them: the whole model's bytes, timed (a failed measurement leaves it empty)
+    avg_bytes, avg_wall = data["averaging_s"]
+    assert data["averaging_cpu_s"][0] == avg_bytes > 0
+    assert avg_wall == pytest.approx(data["averaging_cpu_s"][1] / data["cpu_share"]) and avg_wall >= 0
     assert data["loss_s"] == pytest.approx(data["loss_cpu_s"] / data["cpu_share"]) and data["loss_s"] > 0
     out = capsys.readouterr().out
-    assert "wrote" in out and "pipeline messages" in out and "averaging:" in out and "loss stage:" in out
+    assert "wrote" in out and "pipeline messages" in out and "as a node runs it" in out and "loss stage:" in out
     assert profile_main(str(topo), "nobody", str(tmp_path / "out"), 1.0) == 2
 
 
@@ -441,9 +445,11 @@ def test_links_are_measured_before_compute(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(profile, "measure_ring", lambda *a, **k: order.append("ring") or 0.01)
     stage = StageCpu(pipeline_cpu_s=0.05, single_cpu_s=0.03, act_bytes=1024, grad_bytes=1024)
     monkeypatch.setattr(profile, "measure_stage_cpu", lambda *a, **k: order.append("stage") or stage)
+    monkeypatch.setattr(profile, "measure_averaging_cpu", lambda *a, **k: order.append("averaging") or 0.004)
     topo = load_topology(write_topology(tmp_path / "t.yaml", [{"name": "a"}, {"name": "b"}]))
     m = profile.measure_node(topo, "a", wait_s=1.0)
-    assert order == ["links", "compute", "messages", "ring", "stage"]
+    assert order == ["links", "compute", "messages", "ring", "stage", "averaging"]
+    assert m.averaging_cpu_s[1] == 0.004 and m.averaging_s[1] == pytest.approx(0.008)   # at half a core
     assert m.bandwidth_bytes_per_s == {"b": 1e8} and m.flops == 1e10 and m.message_s == [[1024, 0.002]]
     # per stage: (two stages 50 ms - one stage 30 ms - two messages of 1 ms) / 2, at half a core
     assert m.stage_cpu_s == pytest.approx(0.009) and m.stage_s == pytest.approx(0.018)

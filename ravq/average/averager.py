@@ -49,9 +49,9 @@ from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
 from ravq.net.compress import Format
 from ravq.net.options import SocketOptions
-from ravq.net.transport import Context
+from ravq.net.transport import Context, Outlink
 from ravq.net.wire import DecodeLimits, Message
-from ravq.stage.meta import build_meta_model
+from ravq.stage.meta import build_meta_model, example_args
 from ravq.stage.optim import set_clusters
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.tied_step import hand_over, held_params, tied_sinks
@@ -65,7 +65,7 @@ def ring_owners(task: Any, topology: Topology, plan: Plan, cluster: int,
     node's are traced here (seconds of CPU on the whole model): a node calls this in its build thread, never
     on its event loop, whose heartbeats would stop meanwhile (the broker then takes the node for lost)."""
     own_cuts, t = tuple(plan.clusters[cluster].cuts), topology.training
-    return stage_owners(lambda: build_meta_model(task, topology.seed).model, task.example_inputs(t.micro_batch), plan,
+    return stage_owners(lambda: build_meta_model(task, topology.seed).model, example_args(task, t.micro_batch), plan,
                         {own_cuts: stage_names}, checkpoint_dir=t.checkpoint_dir)
 
 
@@ -78,7 +78,7 @@ class Averager:
     def __init__(self, *, ctx: Context, topology: Topology, plan: Callable[[], Plan], me: str, cluster: int,
                  worker: StageWorker, model: torch.nn.Module, stage_names: list[list[str]], task: Any,
                  metrics: Metrics, sock_opts: SocketOptions, limits: DecodeLimits,
-                 owners: list[dict[str, str]] | None = None) -> None:
+                 owners: list[dict[str, str]] | None = None, connect: Callable[[str], Outlink] | None = None) -> None:
         self.topology, self.me, self.cluster, self.worker, self.metrics = topology, me, cluster, worker, metrics
         t = topology.training
         self.sync_every, self.overlap, self.piece_bytes = t.sync_every, t.overlap_averaging, t.ring_chunk_bytes
@@ -123,7 +123,7 @@ class Averager:
         self.hold_backs = 0
         self.held_s = 0.0
         peers = sorted({m for owners in self.owners for m in owners.values()} - {me})
-        self.port = RingPort(ctx, topology, me, peers, metrics, limits, sock_opts)
+        self.port = RingPort(ctx, topology, me, peers, metrics, limits, sock_opts, connect)
         self.queue = RoundQueue(me=me, plan=plan, mailbox=self.mailbox, link=self.port.link, metrics=metrics,
                                 piece_bytes=self.piece_bytes, timeout_s=self.timeout_s, notify_s=self.hold_s,
                                 compression=self.compression)

@@ -37,7 +37,12 @@ def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s
     if measurement.message_s:
         print("  pipeline messages (CPU time at this speed): " + ", ".join(
             f"{size_text(size)} {seconds * 1e3:.3g} ms" for size, seconds in measurement.message_s))
-    if measurement.ring_s:
+    if measurement.averaging_s:
+        nbytes, seconds = measurement.averaging_s
+        print(f"  averaging: {seconds * 1e3:.3g} ms per round of {size_text(int(nbytes))} in a ring of two as a node "
+              f"runs it ({measurement.averaging_cpu_s[1] * 1e3:.3g} ms of CPU"
+              + (f"; the bare ring {measurement.ring_cpu_s[1] * 1e3:.3g} ms)" if measurement.ring_cpu_s else ")"))
+    elif measurement.ring_s:
         nbytes, seconds = measurement.ring_s
         print(f"  averaging: {seconds * 1e3:.3g} ms per round of {size_text(int(nbytes))} in a ring of two "
               f"({measurement.ring_cpu_s[1] * 1e3:.3g} ms of CPU)")

@@ -16,6 +16,7 @@ import torch
 
 from ravq.config import Topology, resolve_task_module
 from ravq.planner.types import message_seconds
+from ravq.profile.averaging_cost import measure_averaging_cpu
 from ravq.profile.compute import (
     ComputeSample,
     measure_compute,
@@ -38,8 +39,10 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
                  stages: StageCostConfig | None = None) -> Measurement:
     """Links, then compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), the
     loss stage's extra work (``measure_loss``: taken out of the FLOP/s when the timed step computed the
-    loss, charged to the last stage instead), the CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``), what a node adds around a stage of a pipeline
-    (``measure_stage_cpu``: the model as two stages over the node's sockets against one stage), memory.
+    loss, charged to the last stage instead), the CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``: the bare
+    ring; ``measure_averaging_cpu``: rounds as a node runs them, the planner's figure), what a node adds around a
+    stage of a pipeline (``measure_stage_cpu``: the model as two stages over the node's sockets against one
+    stage), memory.
     torch gets the threads a node gets (``cpu_budget``: the CPU affinity and the cgroup quota), so every
     figure is measured as the node will run.
 
@@ -67,6 +70,7 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     ring_cpu = measure_ring(topology, name, ring_bytes)
     stage_cpu = _stage_cpu(topology, name, task, stages)
     stage_extra = stage_cpu_s(stage_cpu, message_cpu) if stage_cpu else 0.0
+    averaging = _averaging_cpu(topology, name, task, stage_cpu, stages)
     share = sample.cpu_share if sample and sample.cpu_share > 0 else 1.0
     flops = sample.flops if sample else matmul
     if sample and sample.with_loss:  # the loss stage pays the loss apart (NodeProfile.loss_s)
@@ -80,6 +84,8 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
         cpu_share=sample.cpu_share if sample else None,
         message_s=[[size, cpu / share] for size, cpu in message_cpu], message_cpu_s=message_cpu,
         ring_s=[ring_bytes, ring_cpu / share], ring_cpu_s=[ring_bytes, ring_cpu],
+        averaging_s=[model_param_bytes(task), averaging / share] if averaging is not None else [],
+        averaging_cpu_s=[model_param_bytes(task), averaging] if averaging is not None else [],
         loss_s=loss_cpu / share, loss_cpu_s=loss_cpu, stage_s=stage_extra / share, stage_cpu_s=stage_extra,
         pipeline_cpu_s=stage_cpu.pipeline_cpu_s if stage_cpu else 0.0,
         single_cpu_s=stage_cpu.single_cpu_s if stage_cpu else 0.0)
@@ -95,6 +101,21 @@ def _stage_cpu(topology: Topology, name: str, task: object, config: StageCostCon
         return measure_stage_cpu(topology, name, task, config)
     except Exception as err:  # noqa: BLE001 - the task's code in a pipeline: the profile goes on without it
         log.warning("profile: the model could not be timed as two stages (%s); no per-stage cost measured", err)
+        return None
+
+
+def _averaging_cpu(topology: Topology, name: str, task: object, stage: StageCpu | None,
+                   config: StageCostConfig | None) -> float | None:
+    """``measure_averaging_cpu`` (against the one stage ``measure_stage_cpu`` timed, if it did), or None (the
+    planner then charges the bare ring, ``measure_ring``) for a model too large to run whole here, or when
+    the rounds fail."""
+    if 4 * model_param_bytes(task) > usable_memory_bytes(topology.node(name).device) // 2:
+        return None
+    try:
+        return measure_averaging_cpu(topology, name, task, stage.single_cpu_s if stage else None, config)
+    except Exception as err:  # noqa: BLE001 - the task's code averaging: the profile goes on without it
+        log.warning("profile: averaging rounds could not be timed as a node runs them (%s); charging the bare "
+                    "ring's CPU", err)
         return None
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ravq.stage.materialize import materialize
-from ravq.stage.meta import build_meta_model, retarget_device
+from ravq.stage.meta import build_meta_model, example_args, retarget_device
 from ravq.stage.split import StageSpec, build_task_model, candidate_cuts, model_output, split_model
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def timed_step(task: Any, micro_batch: int, device: str,
     if need <= budget_bytes:
         model = build_task_model(task, 0).to(device)
         return list(model.parameters()), lambda: task.loss_fn(model(*inputs), targets), True
-    specs = split_model(meta, task.example_inputs(micro_batch), candidate_cuts(meta, task))
+    specs = split_model(meta, example_args(task, micro_batch), candidate_cuts(meta, task))
     biggest = max(specs, key=lambda s: sum(p.numel() for p in s.module.parameters()))
     log.info("profile: the model (%.0f MB with gradients and optimizer state) is timed on its largest block, "
              "%d of %d", need / 1e6, biggest.index, len(specs))

@@ -43,6 +43,12 @@ class Measurement:
     ``NodeProfile.ring_s_per_byte``.  Empty: not measured."""
     ring_cpu_s: list[float] = field(default_factory=list)
     """[parameter bytes, CPU seconds] of that round as measured."""
+    averaging_s: list[float] = field(default_factory=list)
+    """[parameter bytes, seconds] of this node's part of one averaging round of the whole model in a ring of
+    two as a node runs it (snapshot, queue, ring, reader, apply; ``ravq.profile.averaging_cost``) at this
+    PC's compute speed.  When present the planner's ``NodeProfile.ring_s_per_byte`` (else ``ring_s``)."""
+    averaging_cpu_s: list[float] = field(default_factory=list)
+    """[parameter bytes, CPU seconds] of that round as measured."""
     loss_s: float = 0.0
     """Seconds per micro-batch of the loss stage's extra work (loss forward and backward, metrics) at
     this PC's compute speed: ``loss_cpu_s`` over ``cpu_share``; the planner's ``NodeProfile.loss_s``.
@@ -103,9 +109,18 @@ def load_profiles(topology: Topology, profiles_dir: str | Path) -> list[NodeProf
         profiles.append(NodeProfile(name=node.name, flops=flops, memory_bytes=memory, bandwidth_bytes_per_s=bandwidth,
                                     latency_s=dict(m.latency_s) if m else {},
                                     message_s=message_table(m) if m else (),
-                                    ring_s_per_byte=m.ring_s[1] / m.ring_s[0] if m and m.ring_s else 0.0,
+                                    ring_s_per_byte=ring_s_per_byte(m) if m else 0.0,
                                     loss_s=m.loss_s if m else 0.0, pipeline_stage_s=m.stage_s if m else 0.0))
     return profiles
+
+
+def ring_s_per_byte(measurement: Measurement) -> float:
+    """Seconds of averaging per parameter byte in a ring of two: rounds as a node runs them when measured,
+    else the bare ring (profiles made before them), else 0."""
+    for figure in (measurement.averaging_s, measurement.ring_s):
+        if figure and figure[0]:
+            return figure[1] / figure[0]
+    return 0.0
 
 
 def message_table(measurement: Measurement) -> tuple[tuple[int, float], ...]:

@@ -25,7 +25,7 @@ from ravq.net.compress import Format
 from ravq.net.limits import largest_inbound_frame
 from ravq.stage import checkpoint, evaluate
 from ravq.stage.materialize import materialize
-from ravq.stage.meta import build_meta_model, retarget_device
+from ravq.stage.meta import build_meta_model, example_args, retarget_device
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.recipe import recipe_options
 from ravq.stage.split import StageSpec, build_task_model, split_model, stage_input_specs
@@ -50,7 +50,7 @@ class BuiltStage:
 
 def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[int], stage: int, cluster: int,
                 clusters: int, device: str, metrics: Metrics) -> BuiltStage:
-    example = task.example_inputs(training.micro_batch)
+    example = example_args(task, training.micro_batch)
     model, specs, in_specs = _traced(task, seed, example, cuts, stage, device, cache_dir(training.checkpoint_dir),
                                      training.init_from)
     options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),

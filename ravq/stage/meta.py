@@ -66,6 +66,13 @@ class SkipMetaInPlace(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def example_args(task: Any, micro_batch: int) -> tuple[Any, ...]:
+    """``task.example_inputs(micro_batch)`` as the tuple the tracer takes (a bare tensor is one input, never a
+    tuple of its rows)."""
+    example = task.example_inputs(micro_batch)
+    return tuple(example) if isinstance(example, (tuple, list)) else (example,)
+
+
 def build_meta_model(task: Any, seed: int) -> Blueprint:
     """The task's model on ``meta``, built with the run's seed (buffers made at random stay reproducible)."""
     with torch.random.fork_rng(devices=[]):
