@@ -53,6 +53,8 @@ import _emulate
 
 _common.use_repo_checkout()
 
+from ravq.config.topology import INFLIGHT_WARMUP_STEPS  # the checkout's, once on the path
+
 REPO = _common.REPO
 UNITS = REPO / "deploy" / "systemd"
 PIPELINE_PORT, RING_PORT, PUB_PORT, ROUTER_PORT = 5560, 5561, 5550, 5551
@@ -299,7 +301,8 @@ class Testbed:
                 time.sleep(2)
                 continue
             members = status.get("members", {})
-            if all(members.get(n, {}).get("stats", {}).get("backwards", 0) >= 2 for n in nodes):
+            if all(members.get(n, {}).get("stats", {}).get("backwards", 0) >= settled_backwards(self.scenario.training)
+                   for n in nodes):
                 return status
             time.sleep(2)
         raise RuntimeError(f"{tag}: nodes did not all start training within {timeout_s:.0f} s")
@@ -342,6 +345,14 @@ def _stop_all(procs: Sequence[Any], grace_s: float = 15.0) -> None:
 
 WINDOW_COUNTERS = ("forwards", "backwards", "forward_s", "backward_s", "forward_step_sq_s")
 """Stage statistics kept per node as their change over the window: compute per micro-batch and its spread."""
+
+
+def settled_backwards(training: dict[str, Any]) -> int:
+    """Micro-batches every node finishes before the window opens: two, and its cluster's asynchrony warm-up
+    (``training.inflight_warmup_steps`` optimizer steps with one micro-batch in flight) past.  The planner
+    predicts the steady state; the warm-up is the first steps of a run (20 by default), and inside a 45 s
+    window it held a 3-stage pipeline of quarter cores to 0.73 of its prediction (memory_bound)."""
+    return 2 + training.get("inflight_warmup_steps", INFLIGHT_WARMUP_STEPS) * training.get("update_every", 1)
 
 
 def measure(first: dict[str, Any], end: dict[str, Any], nodes: Sequence[str], last: set[str],

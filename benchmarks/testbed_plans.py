@@ -101,7 +101,8 @@ def predict(topology_path: Path, profiles_dir: Path, plan_path: Path, flops_scal
 
 def simulate_profiles(topology_path: Path, profiles_dir: Path, plan_path: Path, steps: int = 400) -> float:
     """``ravq simulate``'s samples/s for a plan from the profiles alone (no measured compute): each
-    cluster's samples over its own run, summed, as the testbed measures a window (``bench_simulate``)."""
+    cluster's samples over its own run, summed, as the testbed measures a window (``bench_simulate``).
+    Without the asynchrony warm-up: the testbed's window opens after it (``Testbed.settled_backwards``)."""
     from ravq.cli.simulate import settings_for
     from ravq.simulate import build_world, simulate
 
@@ -109,7 +110,8 @@ def simulate_profiles(topology_path: Path, profiles_dir: Path, plan_path: Path, 
     nodes = load_profiles(topology, profiles_dir)
     task = resolve_task_module(topology.task)
     blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=1)
-    result = simulate(build_world(load_plan(plan_path), nodes, blocks, settings_for(topology, steps=steps)))
+    settings = dataclasses.replace(settings_for(topology, steps=steps), inflight_warmup_steps=0)
+    result = simulate(build_world(load_plan(plan_path), nodes, blocks, settings))
     return sum(c.samples_per_s for c in result.clusters)
 
 

@@ -99,3 +99,13 @@ def test_the_verdict_ranks_plans_and_judges_prediction_and_simulation_at_15_perc
     assert v["ranking"]["measured"] == ["planner", "paired", "by_speed"]
     assert v["ranking"]["predicted"] == ["planner", "by_speed", "paired"] and not v["ranking"]["predicted_matches"]
     assert v["ranking"]["simulated_matches"]
+
+
+def test_the_window_opens_after_the_asynchrony_warm_up() -> None:
+    """The planner predicts the steady state; a cluster's first ``inflight_warmup_steps`` steps run one
+    micro-batch in flight, so the window opens once every node is past them."""
+    from benchmarks.testbed import settled_backwards
+
+    assert settled_backwards({}) == 22                                    # the default 20 steps, and two more
+    assert settled_backwards({"inflight_warmup_steps": 0}) == 2
+    assert settled_backwards({"inflight_warmup_steps": 5, "update_every": 3}) == 17   # steps of 3 micro-batches
