@@ -14,12 +14,13 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   FLOP/s; issue #26).  Every stage of a pipeline (not a whole copy) also pays what a node adds around
   a stage (``NodeProfile.pipeline_stage_s``: ``ravq profile`` times the model as two stages over the
   node's own sockets against one stage; 4-17 ms of CPU per micro-batch on issue #26's testbed).
-  Averaging rounds take CPU too (``NodeProfile.ring_s_per_byte``, measured by ``ravq profile`` on a
-  loopback ring of two): among C clusters a stage holding H parameter bytes pays 2(C-1)/C x H x that
-  per round, spread over the ``sync_every`` steps between rounds (``Problem.averaging_cpu_s``).  On
-  the testbed's quarter-core PCs, six one-stage clusters averaging every 2 steps, the event loop and
-  ZeroMQ's I/O thread took 11% of the process's CPU and the stages computed 1.15-1.29x their FLOPs
-  (issue #14, item 7 of docs/testbed.md).  When ``max_inflight`` is None every stage of a k-stage cluster
+  Averaging rounds take CPU too (``NodeProfile.ring_s_per_byte``: ``ravq profile`` times two copies of
+  the model averaging every step over the node's own ring sockets, each with its own ``Averager``):
+  among C clusters a stage holding H parameter bytes pays 2(C-1)/C x H x that per round, spread over
+  the ``sync_every`` steps between rounds (``Problem.averaging_cpu_s``).  On the testbed's quarter-core
+  PCs, six one-stage clusters averaging every 2 steps, the event loop and ZeroMQ's I/O thread took 11%
+  of the process's CPU; charged the bare ring's 4-5 ms per round they ran at 0.83 of the prediction,
+  charged rounds as a node runs them (3-4x that) at 1.01 (issue #26, docs/testbed.md).  When ``max_inflight`` is None every stage of a k-stage cluster
   stashes k micro-batches (the pipeline's default); each block's ``inflight_bytes`` scales with that.
 - The link from stage a to stage b (cut before block e) carries the activations crossing the cut one way
   and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds, counting the bytes

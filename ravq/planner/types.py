@@ -82,8 +82,9 @@ class NodeProfile:
     measures a few sizes); empty: not measured, messages cost no compute time."""
     ring_s_per_byte: float = 0.0
     """Seconds of this node's CPU per parameter byte it holds, for its part in one averaging round in
-    a ring of two (packing, error feedback, sums, sockets); a ring of C costs 2(C-1)/C times that (the
-    share of the segment a member sends and receives).  0: not measured, averaging costs no compute."""
+    a ring of two as a node runs it (snapshot, packing, error feedback, sums, sockets, the ring socket's
+    reader, applying the result: ``ravq.profile.averaging_cost``); a ring of C costs 2(C-1)/C times that
+    (the share of the segment a member sends and receives).  0: not measured, averaging costs no compute."""
     loss_s: float = 0.0
     """Seconds per micro-batch this node spends on what only the loss-computing stage does (the task's
     loss forward and backward, its metrics), charged to the stage holding the last block; ``flops``
