@@ -10,10 +10,14 @@ sorts every piece into the mailbox, and every piece is a message encoded, encryp
 ``measure_averaging_cpu`` runs the task's model as a node runs it with averaging: two one-stage copies,
 each a real ``StageWorker`` (``ravq.stage.build.build_stage``) in its own compute thread with a real
 ``ravq.average.averager.Averager`` averaging every step, joined by their own ring sockets over loopback TCP
-with the node's socket options (CURVE when on), rounds compressed as ``training.compress.ring`` asks.  The
-process's CPU seconds per micro-batch and copy, less one copy training alone (``StageCpu.single_cpu_s``),
-is one member's round in a ring of two: it sends and receives the model's parameter bytes once, which
-``ravq.profile.measure`` turns into seconds per parameter byte (``NodeProfile.ring_s_per_byte``).
+with the node's socket options (CURVE when on), rounds compressed as ``training.compress.ring`` asks.  What
+the rounds cost is the process's CPU time less what the two compute threads spent training: every other
+thread's (the event loop: round queue, ring reader, encoding; ZeroMQ's I/O threads: CURVE) and the
+compute threads' own time inside the averager (snapshots, applying results).  Measured that way, not as
+the difference of two runs: two runs of ~130 ms of CPU per micro-batch differ by as much as a round costs
+(issue #26's testbed: 0-13 ms either way).  One member's part of a round in a ring of two sends and
+receives the model's parameter bytes once; ``ravq.profile.measure`` turns it into seconds per parameter
+byte (``NodeProfile.ring_s_per_byte``).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import zmq
 
 from ravq.average.averager import Averager
@@ -35,13 +41,18 @@ from ravq.net.transport import Outlink
 from ravq.net.wire import DecodeLimits
 from ravq.profile.links import CHUNK_BYTES
 from ravq.profile.session import zmq_session
-from ravq.profile.stage_cost import StageCostConfig, _Window, single_cpu_s
+from ravq.profile.stage_cost import StageCostConfig
 from ravq.stage.build import build_stage
 from ravq.stage.pipeline import StageWorker
 
 log = logging.getLogger(__name__)
 
 MEMBERS = 2
+MICRO_BATCH = 2
+"""Micro-batch of the two copies (2, not 1: a BatchNorm in training mode needs two samples)."""
+MEMORY_FACTOR = 16
+"""Bytes the measurement needs per parameter byte: two copies of weights, gradients, Adam's two states,
+and each averager's starting point, snapshot and error feedback."""
 
 
 def _members(name: str) -> list[str]:
@@ -51,18 +62,46 @@ def _members(name: str) -> list[str]:
 def _ring_topology(topology: Topology, name: str) -> Topology:
     """The topology with the two members in place of its nodes: this node's settings on loopback, each
     ring ROUTER on a port of the system's choosing, averaging every step (one round per micro-batch) and
-    never the optimizer state (its bytes are the planner's ``Wire.state`` factor, not this figure's)."""
+    never the optimizer state (its bytes are the planner's ``Wire.state`` factor, not this figure's).
+    Micro-batches of ``MICRO_BATCH``: a round's cost does not depend on them, and two copies training
+    the topology's micro-batches took the testbed's 450 MB PCs out of memory."""
     me = topology.node(name)
     nodes = [me.model_copy(update={"name": m, "host": "127.0.0.1", "bind_host": None, "ring_port": 0,
                                    "reachable": True, "cluster": None, "stage": None}) for m in _members(name)]
     training = topology.training.model_copy(update={
-        "sync_every": 1, "averaging_lead": max(1, topology.training.averaging_lead), "overlap_averaging": True,
+        "micro_batch": min(MICRO_BATCH, topology.training.micro_batch), "sync_every": 1, "averaging_lead": max(1, topology.training.averaging_lead), "overlap_averaging": True,
         "average_optimizer_state": False, "eval_every": 0, "checkpoint_every": 0, "max_inflight": 1})
     return topology.model_copy(update={"nodes": nodes, "training": training, "relays": []})
 
 
-async def _pair_cpu_s(task: Any, topology: Topology, name: str, config: StageCostConfig) -> float:
-    """CPU seconds of the whole process per micro-batch and copy, the two copies averaging every step."""
+class _ThreadCpu:
+    """CPU seconds a compute thread spends in ``run`` and, apart, inside the averager's hooks."""
+
+    def __init__(self) -> None:
+        self.run_s = 0.0
+        self.hooks_s = 0.0
+        self._depth = 0
+
+    def hook(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1  # the outermost call counts (an update applies finished rounds within it)
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    self.hooks_s += time.thread_time() - t0
+        return timed
+
+    def run(self, worker: StageWorker) -> None:
+        t0 = time.thread_time()
+        worker.run(lambda out: None)
+        self.run_s = time.thread_time() - t0
+
+
+async def _round_cpu_s(task: Any, topology: Topology, name: str, config: StageCostConfig) -> float:
+    """CPU seconds per round and member, the two copies averaging every step (see the module's doc)."""
     ring = _ring_topology(topology, name)
     members = _members(name)
     plan = Plan(epoch=1, clusters=[ClusterPlan(nodes=[m]) for m in members])
@@ -74,7 +113,7 @@ async def _pair_cpu_s(task: Any, topology: Topology, name: str, config: StageCos
     largest = max(b.largest_frame for b in built)
     options = dataclasses.replace(options, max_message_bytes=2 * max(largest, training.ring_chunk_bytes) + CHUNK_BYTES)
     limits = DecodeLimits(max_tensor_bytes=2 * max(largest, training.ring_chunk_bytes))
-    window = _Window(config.warmup)
+    threads = [_ThreadCpu() for _ in members]
     async with zmq_session(options) as (ctx, group):
         addresses: dict[str, str] = {}
 
@@ -87,30 +126,21 @@ async def _pair_cpu_s(task: Any, topology: Topology, name: str, config: StageCos
                               model=b.model, stage_names=b.stage_names, task=task, metrics=Metrics(m),
                               sock_opts=options, limits=limits, connect=connect_from(m))
                      for i, (m, b) in enumerate(zip(members, built, strict=True))]
-        for m, averager in zip(members, averagers, strict=True):
+        loops = []
+        for m, averager, thread in zip(members, averagers, threads, strict=True):
             averager.port.inbox.authenticated = False  # CURVE names every connection after this node, not a member
             addresses[m] = averager.port.inbox.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            averager.worker.on_update = thread.hook(averager.on_update)
+            averager._apply = thread.hook(averager._apply)  # type: ignore[method-assign]  # applied via worker.submit
+            loops += [group.create_task(f()) for f in (averager.serve, averager.run_rounds, averager.send_skips)]
         for averager in averagers:
             averager.port.connect({m: True for m in members})
-
-        def on_update_of(averager: Averager, timed: bool) -> Any:
-            def on_update(worker: StageWorker) -> None:
-                averager.on_update(worker)
-                if timed:
-                    window.on_update(worker)
-            return on_update
-
-        loops = []
-        for i, averager in enumerate(averagers):
-            averager.worker.on_update = on_update_of(averager, timed=i == MEMBERS - 1)
-            loops += [group.create_task(f()) for f in (averager.serve, averager.run_rounds, averager.send_skips)]
         try:
-            await asyncio.gather(*(asyncio.to_thread(a.worker.run, lambda out: None) for a in averagers))
+            cpu0 = time.process_time()
+            await asyncio.gather(*(asyncio.to_thread(t.run, a.worker) for a, t in zip(averagers, threads, strict=True)))
             await asyncio.wait_for(asyncio.gather(*(a.drain() for a in averagers)), 60)
+            cpu = time.process_time() - cpu0
             rounds = min(a.queue.completed for a in averagers)
-            if rounds < config.micro_batches:
-                raise RuntimeError(f"profile: only {rounds} of {config.warmup + config.micro_batches} loopback "
-                                   "averaging rounds finished")
         finally:
             for a in averagers:
                 a.worker.stop()
@@ -118,20 +148,22 @@ async def _pair_cpu_s(task: Any, topology: Topology, name: str, config: StageCos
                 task_.cancel()
             for a in averagers:
                 a.close()
-    return window.per_micro_batch() / MEMBERS
+    if rounds < config.micro_batches:
+        raise RuntimeError(f"profile: only {rounds} of {training.steps} loopback averaging rounds finished")
+    training_s = sum(t.run_s - t.hooks_s for t in threads)
+    return max(0.0, cpu - training_s) / rounds / MEMBERS
 
 
-def measure_averaging_cpu(topology: Topology, name: str, task: Any, single: float | None = None,
-                          config: StageCostConfig | None = None) -> float:
+def measure_averaging_cpu(topology: Topology, name: str, task: Any, config: StageCostConfig | None = None) -> float:
     """CPU seconds of one member's part of one averaging round of the task's whole model in a ring of two,
-    as a node runs it (see the module's doc): the two copies averaging every step, less one copy training
-    alone (``single``: ``StageCpu.single_cpu_s`` when ``ravq.profile.stage_cost`` timed it, else timed
-    here); never below 0."""
+    as a node runs it (see the module's doc).  torch runs one thread meanwhile, so that the compute
+    threads' own CPU time is all their training (a pool's threads would count as averaging)."""
     config = config or StageCostConfig()
-    t0 = time.process_time()
-    if single is None:
-        single = single_cpu_s(task, topology, name, config)
-    pair = asyncio.run(_pair_cpu_s(task, topology, name, config))
-    log.info("profile: %s averaging every step %.3g ms of CPU per micro-batch and copy, alone %.3g ms "
-             "(%.1f s of CPU)", name, pair * 1e3, single * 1e3, time.process_time() - t0)
-    return max(0.0, pair - single)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cpu = asyncio.run(_round_cpu_s(task, topology, name, config))
+    finally:
+        torch.set_num_threads(threads)
+    log.info("profile: %s averaging round as a node runs it: %.3g ms of CPU per member", name, cpu * 1e3)
+    return cpu

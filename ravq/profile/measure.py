@@ -16,7 +16,7 @@ import torch
 
 from ravq.config import Topology, resolve_task_module
 from ravq.planner.types import message_seconds
-from ravq.profile.averaging_cost import measure_averaging_cpu
+from ravq.profile.averaging_cost import MEMORY_FACTOR, measure_averaging_cpu
 from ravq.profile.compute import (
     ComputeSample,
     measure_compute,
@@ -70,7 +70,7 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     ring_cpu = measure_ring(topology, name, ring_bytes)
     stage_cpu = _stage_cpu(topology, name, task, stages)
     stage_extra = stage_cpu_s(stage_cpu, message_cpu) if stage_cpu else 0.0
-    averaging = _averaging_cpu(topology, name, task, stage_cpu, stages)
+    averaging = _averaging_cpu(topology, name, task, stages)
     share = sample.cpu_share if sample and sample.cpu_share > 0 else 1.0
     flops = sample.flops if sample else matmul
     if sample and sample.with_loss:  # the loss stage pays the loss apart (NodeProfile.loss_s)
@@ -104,15 +104,14 @@ def _stage_cpu(topology: Topology, name: str, task: object, config: StageCostCon
         return None
 
 
-def _averaging_cpu(topology: Topology, name: str, task: object, stage: StageCpu | None,
-                   config: StageCostConfig | None) -> float | None:
-    """``measure_averaging_cpu`` (against the one stage ``measure_stage_cpu`` timed, if it did), or None (the
-    planner then charges the bare ring, ``measure_ring``) for a model too large to run whole here, or when
-    the rounds fail."""
-    if 4 * model_param_bytes(task) > usable_memory_bytes(topology.node(name).device) // 2:
+def _averaging_cpu(topology: Topology, name: str, task: object, config: StageCostConfig | None) -> float | None:
+    """``measure_averaging_cpu``, or None (the planner then charges the bare ring, ``measure_ring``) for a
+    model too large to run whole here, or when the rounds fail."""
+    if MEMORY_FACTOR * model_param_bytes(task) > usable_memory_bytes(topology.node(name).device) // 2:
+        log.info("profile: two copies of the model do not fit here; averaging charged as the bare ring costs")
         return None
     try:
-        return measure_averaging_cpu(topology, name, task, stage.single_cpu_s if stage else None, config)
+        return measure_averaging_cpu(topology, name, task, config)
     except Exception as err:  # noqa: BLE001 - the task's code averaging: the profile goes on without it
         log.warning("profile: averaging rounds could not be timed as a node runs them (%s); charging the bare "
                     "ring's CPU", err)

@@ -111,7 +111,7 @@ def _workers(task: Any, topology: Topology, name: str, stages: int, steps: int,
     return [b.worker for b in built], max(b.largest_frame for b in built)
 
 
-def single_cpu_s(task: Any, topology: Topology, name: str, config: StageCostConfig) -> float:
+def _single_cpu_s(task: Any, topology: Topology, name: str, config: StageCostConfig) -> float:
     (worker,), _ = _workers(task, topology, name, 1, config.warmup + config.micro_batches, 1)
     window = _Window(config.warmup)
     worker.on_update = window.on_update
@@ -183,7 +183,7 @@ def measure_stage_cpu(topology: Topology, name: str, task: Any, config: StageCos
     """CPU seconds per micro-batch of the task's model run as a node runs a pipeline of two stages (see
     the module's doc) and as one stage, and the float32 bytes crossing the cut each way."""
     config = config or StageCostConfig()
-    single = single_cpu_s(task, topology, name, config)
+    single = _single_cpu_s(task, topology, name, config)
     pipeline, act, grad = asyncio.run(_pipeline_cpu_s(task, topology, name, config))
     log.info("profile: %s as two stages %.3g ms of CPU per micro-batch, as one %.3g ms", name, pipeline * 1e3,
              single * 1e3)
