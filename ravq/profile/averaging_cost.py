@@ -68,9 +68,11 @@ def _ring_topology(topology: Topology, name: str) -> Topology:
     me = topology.node(name)
     nodes = [me.model_copy(update={"name": m, "host": "127.0.0.1", "bind_host": None, "ring_port": 0,
                                    "reachable": True, "cluster": None, "stage": None}) for m in _members(name)]
-    training = topology.training.model_copy(update={
-        "micro_batch": min(MICRO_BATCH, topology.training.micro_batch), "sync_every": 1, "averaging_lead": max(1, topology.training.averaging_lead), "overlap_averaging": True,
-        "average_optimizer_state": False, "eval_every": 0, "checkpoint_every": 0, "max_inflight": 1})
+    t = topology.training
+    training = t.model_copy(update={
+        "micro_batch": min(MICRO_BATCH, t.micro_batch), "sync_every": 1, "averaging_lead": max(1, t.averaging_lead),
+        "overlap_averaging": True, "average_optimizer_state": False, "eval_every": 0, "checkpoint_every": 0,
+        "max_inflight": 1})
     return topology.model_copy(update={"nodes": nodes, "training": training, "relays": []})
 
 
@@ -108,8 +110,8 @@ async def _round_cpu_s(task: Any, topology: Topology, name: str, config: StageCo
     training = ring.training.model_copy(update={"steps": config.warmup + config.micro_batches})
     metrics = Metrics(name)
     options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0)
-    built = [build_stage(task, training, seed=0, cuts=[], stage=0, cluster=i, clusters=MEMBERS, device=ring.node(m).device,
-                         metrics=Metrics(m)) for i, m in enumerate(members)]
+    built = [build_stage(task, training, seed=0, cuts=[], stage=0, cluster=i, clusters=MEMBERS,
+                         device=ring.node(m).device, metrics=Metrics(m)) for i, m in enumerate(members)]
     largest = max(b.largest_frame for b in built)
     options = dataclasses.replace(options, max_message_bytes=2 * max(largest, training.ring_chunk_bytes) + CHUNK_BYTES)
     limits = DecodeLimits(max_tensor_bytes=2 * max(largest, training.ring_chunk_bytes))
