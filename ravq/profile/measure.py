@@ -105,8 +105,8 @@ def _stage_cpu(topology: Topology, name: str, task: object, config: StageCostCon
 
 
 def _averaging_cpu(topology: Topology, name: str, task: object, config: StageCostConfig | None) -> float | None:
-    """``measure_averaging_cpu``, or None (the planner then charges the bare ring, ``measure_ring``) for a
-    model too large to run whole here, or when the rounds fail."""
+    """``measure_averaging_cpu``, or None (the planner then charges the bare ring, ``measure_ring``) when two
+    copies of the model do not fit in half of the usable memory, or when the rounds fail."""
     if MEMORY_FACTOR * model_param_bytes(task) > usable_memory_bytes(topology.node(name).device) // 2:
         log.info("profile: two copies of the model do not fit here; averaging charged as the bare ring costs")
         return None
