@@ -297,8 +297,22 @@ class Metrics:
 
     def total(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples, optionally only those with the given labels."""
-        return sum(sample.value for family in self.registry.collect() for sample in family.samples
-                   if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+        return self.totals({name: (name, labels)})[name]
+
+    def totals(self, queries: dict[str, tuple[str, dict[str, str]]]) -> dict[str, float]:
+        """Several ``total``s, key -> (metric name, labels), in one pass over the registry.  A node reports
+        seven of them every heartbeat: one collection of every family each took half of its event loop's
+        CPU (0.012 cores of a node training alone, twice that on the testbed's quarter-core PCs)."""
+        wanted: dict[str, list[tuple[str, dict[str, str]]]] = {}
+        for key, (name, labels) in queries.items():
+            wanted.setdefault(name, []).append((key, labels))
+        sums = dict.fromkeys(queries, 0.0)
+        for family in self.registry.collect():
+            for sample in family.samples:
+                for key, labels in wanted.get(sample.name, ()):
+                    if all(sample.labels.get(k) == v for k, v in labels.items()):
+                        sums[key] += sample.value
+        return sums
 
     def serve(self, port: int, host: str = "0.0.0.0", listening: socket.socket | None = None) -> None:
         """Serve /metrics over HTTP from a daemon thread: on ``listening``, a socket already bound to

@@ -58,6 +58,13 @@ from ravq.tuning import cpu_budget, peak_rss_bytes
 log = logging.getLogger(__name__)
 
 
+_TOTALS = {"pauses": ("ravq_pauses_total", {}), "bytes_sent": ("ravq_bytes_sent_total", {}),  # Node.stats, one pass
+           "bytes_received": ("ravq_bytes_received_total", {}),
+           "ring_bytes_sent": ("ravq_bytes_sent_total", {"socket": "ring"}),
+           "payload_wire_bytes_sent": ("ravq_payload_wire_bytes_total", {"direction": "sent"}),
+           "payload_logical_bytes_sent": ("ravq_payload_logical_bytes_total", {"direction": "sent"}),
+           "bad_messages": ("ravq_bad_messages_total", {})}
+
 class _Finished(Exception):
     """Raised inside the TaskGroup to end it once training and draining are over."""
 
@@ -331,20 +338,13 @@ class Node:
         self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
 
     def stats(self) -> dict[str, Any]:
-        worker, total = self.worker, self.metrics.total
+        worker = self.worker
         snap = worker.stats.snapshot() if worker is not None else {}
         ring = self.averager.stats() if self.averager is not None else {}
-        return {**snap, **ring, "name": self.name, "failure": self.failure, "cluster": self.cluster, "stage": self.stage,
-                "phase": self.churn.phase, "generation": self.churn.generation,
-                "pauses": total("ravq_pauses_total"),
+        return {**snap, **ring, **self.metrics.totals(_TOTALS), "name": self.name, "failure": self.failure,
+                "cluster": self.cluster, "stage": self.stage, "phase": self.churn.phase,
+                "generation": self.churn.generation,
                 "version": worker.version if worker else self._resuming_at, "trained": worker.trained if worker else 0,
-                "bytes_sent": total("ravq_bytes_sent_total"),
-                "bytes_received": total("ravq_bytes_received_total"),
-                "ring_bytes_sent": total("ravq_bytes_sent_total", socket="ring"),
-                "payload_wire_bytes_sent": total("ravq_payload_wire_bytes_total", direction="sent"),
-                "payload_logical_bytes_sent": total("ravq_payload_logical_bytes_total",
-                                                     direction="sent"),
-                "bad_messages": total("ravq_bad_messages_total"),
                 "routes": {"pipeline": self.links.routes if self.links else {},
                            "ring": self.averager.port.routes if self.averager else {}}}
 

@@ -65,6 +65,24 @@ def test_hop_counter_labels_are_checked() -> None:
         m.bytes_received.labels(socket="a", peer="b")
 
 
+def test_totals_in_one_pass_agree_with_total_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = Metrics()
+    m.bytes_sent.labels("pipeline", "b", "fwd").inc(100)
+    m.bytes_sent.labels("ring", "b", "piece").inc(30)
+    m.bytes_sent.labels("ring", "c", "piece").inc(5)
+    m.bad_messages.labels("pipeline", "decode").inc(2)
+    queries = {"all": ("ravq_bytes_sent_total", {}), "ring": ("ravq_bytes_sent_total", {"socket": "ring"}),
+               "ring_c": ("ravq_bytes_sent_total", {"socket": "ring", "peer": "c"}),
+               "bad": ("ravq_bad_messages_total", {}), "none": ("ravq_no_such_total", {})}
+    collections = []
+    collect = m.registry.collect
+    monkeypatch.setattr(m.registry, "collect", lambda: (collections.append(1), collect())[1])
+    assert m.totals(queries) == {"all": 135, "ring": 35, "ring_c": 5, "bad": 2, "none": 0}
+    assert len(collections) == 1                            # one pass over the registry for all five
+    for key, (name, labels) in queries.items():
+        assert m.total(name, **labels) == m.totals(queries)[key]
+
+
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed")
 def test_real_prometheus_scrapes_and_queries(tmp_path: Path) -> None:
     target, web = free_ports(2)
