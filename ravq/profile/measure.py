@@ -1,9 +1,9 @@
 """Measuring a node for the planner: ``measure_node`` runs every measurement in the order that makes
 them agree across the PCs of a deployment, and gathers them into one ``Measurement``.
 
-Links (``ravq.profile.links``), then compute (``ravq.profile.compute``), then the CPU cost of
+Links (``ravq.profile.links``), memory, then compute (``ravq.profile.compute``), then the CPU cost of
 pipeline messages and averaging rounds (``ravq.profile.messages``), what a node adds around a stage of a
-pipeline (``ravq.profile.stage_cost``), and memory.  ``ravq profile``
+pipeline (``ravq.profile.stage_cost``) and averaging as a node runs it (``ravq.profile.averaging_cost``).  ``ravq profile``
 (``ravq.cli.profile``) writes the result to ``profile-NAME.json`` (``ravq.profile.store``).
 """
 
@@ -42,7 +42,7 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     loss, charged to the last stage instead), the CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``: the bare
     ring; ``measure_averaging_cpu``: rounds as a node runs them, the planner's figure), what a node adds around a
     stage of a pipeline (``measure_stage_cpu``: the model as two stages over the node's sockets against one
-    stage), memory.
+    stage).
     torch gets the threads a node gets (``cpu_budget``: the CPU affinity and the cgroup quota), so every
     figure is measured as the node will run.
 
@@ -51,12 +51,19 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     PCs that share a host (nodes of one machine, the testbed's emulated PCs) then measure while the
     others compute too, as they will train.  Measured before the links, the slowest PCs (a seventh of
     a core: torch alone takes them tens of seconds to import) computed while the faster ones had
-    finished and sat waiting, and read up to 15% faster than they trained (issue #14, compute_bound)."""
+    finished and sat waiting, and read up to 15% faster than they trained (issue #14, compute_bound).
+
+    Memory is read right after the links, with the runtime a node also holds (Python, torch, ZeroMQ,
+    the task's module) loaded and no model built yet.  Read last, it also counted what the measurements
+    had left in the process (two copies of the model, two stages, the allocator's caches): on the
+    testbed's 450 MB PCs it read 0.01-0.07 GiB from run to run where a node has ~0.14 GiB for its stage,
+    and decided which plans fit."""
     me = topology.node(name)
     task = resolve_task_module(topology.task)
     if cpu_budget() < torch.get_num_threads():
         torch.set_num_threads(cpu_budget())  # as ravq.node does: torch sizes its pool by the cores, not the quota
     links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
+    memory = usable_memory_bytes(me.device)  # before any model is built here: see the docstring
     matmul = measure_matmul_flops(me.device, seconds=0.5)
     try:
         sample: ComputeSample | None = measure_compute(task, topology.training.micro_batch, me.device,
@@ -77,7 +84,7 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
         flops = flops_without_loss(flops, sample.step_flops, loss_cpu / share)
     return Measurement(
         name=name, device=me.device, flops=flops, matmul_flops=matmul,
-        model_flops=sample.flops if sample else None, memory_bytes=usable_memory_bytes(me.device),
+        model_flops=sample.flops if sample else None, memory_bytes=memory,
         bandwidth_bytes_per_s={p: link.bandwidth_bytes_per_s for p, link in links.items()},
         latency_s={p: link.latency_s for p, link in links.items()},
         flops_windows=sample.window_flops if sample else [], flops_spread=sample.spread if sample else None,
