@@ -459,6 +459,38 @@ def test_links_are_measured_before_compute(tmp_path: Path, monkeypatch: pytest.M
     assert m.stage_cpu_s == pytest.approx(0.009) and m.stage_s == pytest.approx(0.018)
 
 
+def test_working_set_is_what_the_measurement_took_at_its_peak() -> None:
+    from ravq.profile.measure import working_set
+
+    def allocate() -> float:
+        block = torch.ones(64 << 18)                       # 64 MiB of float32, touched
+        return float(block[-1])
+
+    value, taken = working_set("cpu", allocate)
+    assert value == 1.0 and taken >= 60 << 20
+    _, nothing = working_set("cpu", lambda: None)
+    assert nothing < 16 << 20
+
+
+def test_a_model_timed_as_two_stages_only_when_two_training_steps_fit(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small-memory PC's profile was killed for memory timing two stages: the guard counted parameters
+    alone, and charlm's activations are a hundred times its weights."""
+    from ravq.profile import measure as profile
+
+    stage = StageCpu(pipeline_cpu_s=0.05, single_cpu_s=0.03, act_bytes=1024, grad_bytes=1024)
+    timed: list[int] = []
+    monkeypatch.setattr(profile, "measure_stage_cpu", lambda *a, **k: timed.append(1) or stage)
+    monkeypatch.setattr(profile, "usable_memory_bytes", lambda *a, **k: 300 << 20)
+    monkeypatch.setattr(profile, "model_param_bytes", lambda task: 2 << 20)
+    topo = load_topology(write_topology(tmp_path / "t.yaml", [{"name": "a"}, {"name": "b"}]))
+    assert profile._stage_cpu(topo, "a", mlp, None, step_bytes=140 << 20) is stage
+    assert profile._stage_cpu(topo, "a", mlp, None, step_bytes=160 << 20) is None    # two steps: 320 MiB
+    monkeypatch.setattr(profile, "model_param_bytes", lambda task: 40 << 20)       # 160 MiB > half of 300
+    assert profile._stage_cpu(topo, "a", mlp, None, step_bytes=0) is None
+    assert timed == [1]
+
+
 def test_plan_main_writes_a_loadable_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     nodes = [{"name": n, "memory_bytes": GIB, "flops": f, "bandwidth_bytes_per_s": 1e8}
              for n, f in (("a", 1e10), ("b", 2e10), ("c", 4e10))]

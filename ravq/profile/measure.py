@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -32,6 +35,8 @@ from ravq.profile.store import Measurement
 from ravq.tuning import cpu_budget
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
@@ -65,9 +70,11 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
     memory = usable_memory_bytes(me.device)  # before any model is built here: see the docstring
     matmul = measure_matmul_flops(me.device, seconds=0.5)
+    sample: ComputeSample | None
+    step_bytes = 0
     try:
-        sample: ComputeSample | None = measure_compute(task, topology.training.micro_batch, me.device,
-                                                       window_s=compute_s / windows, windows=windows)
+        sample, step_bytes = working_set(me.device, lambda: measure_compute(
+            task, topology.training.micro_batch, me.device, window_s=compute_s / windows, windows=windows))
     except (RuntimeError, ValueError, TypeError) as err:  # a model that cannot run here: matmuls only
         log.warning("profile: forward + backward of the task's model failed (%s); using matmul FLOP/s", err)
         sample = None
@@ -75,7 +82,7 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     message_cpu = measure_messages(topology, name, messages)
     ring_bytes = min(max(model_param_bytes(task), RING_BYTES[0]), RING_BYTES[1])
     ring_cpu = measure_ring(topology, name, ring_bytes)
-    stage_cpu = _stage_cpu(topology, name, task, stages)
+    stage_cpu = _stage_cpu(topology, name, task, stages, step_bytes)
     stage_extra = stage_cpu_s(stage_cpu, message_cpu) if stage_cpu else 0.0
     averaging = _averaging_cpu(topology, name, task, stages)
     share = sample.cpu_share if sample and sample.cpu_share > 0 else 1.0
@@ -98,11 +105,17 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
         single_cpu_s=stage_cpu.single_cpu_s if stage_cpu else 0.0)
 
 
-def _stage_cpu(topology: Topology, name: str, task: object, config: StageCostConfig | None) -> StageCpu | None:
+def _stage_cpu(topology: Topology, name: str, task: object, config: StageCostConfig | None,
+               step_bytes: int = 0) -> StageCpu | None:
     """``measure_stage_cpu``, or None (nothing charged) for a model too large to run whole here or one that
-    cannot be cut in two."""
-    if 4 * model_param_bytes(task) > usable_memory_bytes(topology.node(name).device) // 2:
-        log.info("profile: the model is too large to time as two stages here; no per-stage cost measured")
+    cannot be cut in two.  Too large: its weights, gradients and optimizer state (4x the parameters) over
+    half of the usable memory, or twice what the timed training step took (``step_bytes``, activations
+    included: two stages hold the whole model and two micro-batches in flight) over all of it.  The
+    parameters alone let the profile of a 350 MB PC (charlm, 0.17 GiB usable) be killed for memory."""
+    usable = usable_memory_bytes(topology.node(name).device)
+    if 4 * model_param_bytes(task) > usable // 2 or 2 * step_bytes > usable:
+        log.info("profile: the model is too large to time as two stages here (%.0f MB a training step, %.0f MB "
+                 "usable); no per-stage cost measured", step_bytes / 1e6, usable / 1e6)
         return None
     try:
         return measure_stage_cpu(topology, name, task, config)
@@ -132,3 +145,34 @@ def stage_cpu_s(stage: StageCpu, message_cpu: list[list[float]]) -> float:
     table = tuple((int(size), float(cpu)) for size, cpu in message_cpu)
     messages = message_seconds(table, stage.act_bytes) + message_seconds(table, stage.grad_bytes)
     return max(0.0, (stage.pipeline_cpu_s - stage.single_cpu_s - messages) / 2)
+
+
+def working_set(device: str, measure: Callable[[], T]) -> tuple[T, int]:
+    """``measure()`` and the memory it took at its peak beyond what the process held before: on a CPU the
+    peak resident size (reset first where Linux allows, ``/proc/self/clear_refs``; else an upper bound when
+    an earlier peak was higher) over the resident size before, on cuda the device's peak allocation."""
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = measure()
+        return result, max(0, torch.cuda.max_memory_allocated(device) - before)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak resident size (VmHWM)
+    except OSError:
+        pass
+    before = _status_bytes("VmRSS")
+    result = measure()
+    return result, max(0, _status_bytes("VmHWM") - before)
+
+
+def _status_bytes(field: str) -> int:
+    """A size from /proc/self/status (VmRSS, VmHWM), or the lifetime peak where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
