@@ -446,12 +446,14 @@ def test_links_are_measured_before_compute(tmp_path: Path, monkeypatch: pytest.M
     stage = StageCpu(pipeline_cpu_s=0.05, single_cpu_s=0.03, act_bytes=1024, grad_bytes=1024)
     monkeypatch.setattr(profile, "measure_stage_cpu", lambda *a, **k: order.append("stage") or stage)
     monkeypatch.setattr(profile, "measure_averaging_cpu", lambda *a, **k: order.append("averaging") or 0.004)
-    free = iter(range(8 * GIB, 0, -GIB // 4))  # every later read finds less: the measurements' leftovers
-    monkeypatch.setattr(profile, "usable_memory_bytes", lambda *a, **k: order.append("memory") or next(free))
+    free = iter(range(8 * GIB, 0, -GIB // 4))  # every later read finds less: what the measurements built
+    read: list[int] = []
+    monkeypatch.setattr(profile, "usable_memory_bytes",
+                        lambda *a, **k: order.append("memory") or read.append(next(free)) or read[-1])
     topo = load_topology(write_topology(tmp_path / "t.yaml", [{"name": "a"}, {"name": "b"}]))
     m = profile.measure_node(topo, "a", wait_s=1.0)
-    # memory right after the links, before any model is built (the guards of stage and averaging read it again)
-    assert order[:3] == ["links", "memory", "compute"] and m.memory_bytes == 8 * GIB
+    # memory last, after the model was built as a node builds its stage (the guards read it before)
+    assert order[-1] == "memory" and m.memory_bytes == read[-1] == min(read)
     assert [o for o in order if o != "memory"] == ["links", "compute", "messages", "ring", "stage", "averaging"]
     assert m.averaging_cpu_s[1] == 0.004 and m.averaging_s[1] == pytest.approx(0.008)   # at half a core
     assert m.bandwidth_bytes_per_s == {"b": 1e8} and m.flops == 1e10 and m.message_s == [[1024, 0.002]]

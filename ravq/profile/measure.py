@@ -1,9 +1,10 @@
 """Measuring a node for the planner: ``measure_node`` runs every measurement in the order that makes
 them agree across the PCs of a deployment, and gathers them into one ``Measurement``.
 
-Links (``ravq.profile.links``), memory, then compute (``ravq.profile.compute``), then the CPU cost of
+Links (``ravq.profile.links``), then compute (``ravq.profile.compute``), then the CPU cost of
 pipeline messages and averaging rounds (``ravq.profile.messages``), what a node adds around a stage of a
-pipeline (``ravq.profile.stage_cost``) and averaging as a node runs it (``ravq.profile.averaging_cost``).  ``ravq profile``
+pipeline (``ravq.profile.stage_cost``), averaging as a node runs it (``ravq.profile.averaging_cost``), and
+memory.  ``ravq profile``
 (``ravq.cli.profile``) writes the result to ``profile-NAME.json`` (``ravq.profile.store``).
 """
 
@@ -58,17 +59,17 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     a core: torch alone takes them tens of seconds to import) computed while the faster ones had
     finished and sat waiting, and read up to 15% faster than they trained (issue #14, compute_bound).
 
-    Memory is read right after the links, with the runtime a node also holds (Python, torch, ZeroMQ,
-    the task's module) loaded and no model built yet.  Read last, it also counted what the measurements
-    had left in the process (two copies of the model, two stages, the allocator's caches): on the
-    testbed's 450 MB PCs it read 0.01-0.07 GiB from run to run where a node has ~0.14 GiB for its stage,
-    and decided which plans fit."""
+    Memory is read last, once the profile has built and trained the task's model (and, where two fit, two
+    stages of it, traced and split as a node builds its stage): what a node holds besides its stage grows
+    by as much.  Read right after the links instead (issue #26, third session), before any model was
+    built, a 350 MB PC read 0.17 GiB, the planner gave it half of charlm with four micro-batches in
+    flight, and its node was killed for memory while training.  Read last it also counts what the measurements left in the
+    process, so it errs low (0.01-0.07 GiB on 450 MB PCs from run to run), not high."""
     me = topology.node(name)
     task = resolve_task_module(topology.task)
     if cpu_budget() < torch.get_num_threads():
         torch.set_num_threads(cpu_budget())  # as ravq.node does: torch sizes its pool by the cores, not the quota
     links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
-    memory = usable_memory_bytes(me.device)  # before any model is built here: see the docstring
     matmul = measure_matmul_flops(me.device, seconds=0.5)
     sample: ComputeSample | None
     step_bytes = 0
@@ -91,7 +92,7 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
         flops = flops_without_loss(flops, sample.step_flops, loss_cpu / share)
     return Measurement(
         name=name, device=me.device, flops=flops, matmul_flops=matmul,
-        model_flops=sample.flops if sample else None, memory_bytes=memory,
+        model_flops=sample.flops if sample else None, memory_bytes=usable_memory_bytes(me.device),
         bandwidth_bytes_per_s={p: link.bandwidth_bytes_per_s for p, link in links.items()},
         latency_s={p: link.latency_s for p, link in links.items()},
         flops_windows=sample.window_flops if sample else [], flops_spread=sample.spread if sample else None,
