@@ -63,8 +63,9 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     stages of it, traced and split as a node builds its stage): what a node holds besides its stage grows
     by as much.  Read right after the links instead (issue #26, third session), before any model was
     built, a 350 MB PC read 0.17 GiB, the planner gave it half of charlm with four micro-batches in
-    flight, and its node was killed for memory while training.  Read last it also counts what the measurements left in the
-    process, so it errs low (0.01-0.07 GiB on 450 MB PCs from run to run), not high."""
+    flight, and its node was killed for memory while training.  Read last it also counts what the
+    measurements left in the process, so it errs low (0.01-0.07 GiB on 450 MB PCs from run to run), not
+    high."""
     me = topology.node(name)
     task = resolve_task_module(topology.task)
     if cpu_budget() < torch.get_num_threads():
