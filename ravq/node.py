@@ -139,10 +139,7 @@ class Node:
         self.cluster, self.stage = plan.locate(self.name)
         self.churn.cluster = self.cluster
         self.metrics.set_role("node", self.cluster, self.stage)
-        state = self.membership.cluster_state(self.cluster)
-        self.rejoining = state["state"] != "starting"
-        if self.rejoining:
-            self.churn.rejoin(state)
+        self.rejoining = self.churn.rejoin_if_running(self.membership.cluster_state(self.cluster))
         root, agreeing = self.topology.training.checkpoint_dir, None
         if root:  # refuse another run's checkpoints before the slow part; tell the cluster what we hold
             held = self.membership.report["checkpoints"] = resume.check_run(
@@ -156,8 +153,11 @@ class Node:
                                                        self.topology.timeouts.connect_s))
         self.startup.mark("checkpoints")
         built = await in_daemon_thread(self._build_stage, plan)  # a stop meanwhile need not wait for the tracer
-        if agreeing is not None:
+        if agreeing is not None:  # it returns once every member reported to the broker: its state is current
             await asyncio.to_thread(self._load, built.worker, await agreeing)
+        elif not self.rejoining:
+            await self.membership.poll_snapshot()  # the broker's state now, not as this node registered
+        self.rejoining = self.rejoining or self.churn.rejoin_if_running(self.membership.cluster_state(self.cluster))
         self.worker = worker = built.worker
         self.startup.mark("build")
         self._derive_limits(built.largest_frame)

@@ -241,6 +241,37 @@ def test_freeze_broker_restart_and_a_kill_while_the_broker_is_down(tmp_path: Pat
     assert os.path.exists(tmp_path / "broker.log")
 
 
+def test_a_node_that_registers_with_a_restarted_broker_before_its_live_peer_rejoins(tmp_path: Path) -> None:
+    """The broker's PC reboots: the broker and that PC's node (stage 0) killed and started together while
+    stage 1 lives on.  The node registers with the new broker before stage 1's first heartbeat reaches it
+    (stage 1 frozen meanwhile, so that it does every time): the new broker, which knows nothing yet,
+    answers that the cluster is starting, then rebuilds it from that heartbeat (paused, then recovering:
+    the node restarted while it was down).  The node must join through that recovery, not wait as at a
+    first start for reachability verdicts and registrations the live member never sends again (it stayed
+    ``starting`` until connect_s, and its cluster ``recovering``)."""
+    ckpt = tmp_path / "ckpt"
+    swarm = throttled_swarm(tmp_path, _topology([2], STEPS, ckpt, checkpoint_every=5))
+    watch = Watch(swarm)
+    try:
+        watch.until("training", lambda s: all(_version(s, n) > 10 for n in swarm.nodes), 120, list(swarm.nodes))
+        swarm.nodes["c0s1"].send_signal(signal.SIGSTOP)  # its heartbeats reach the new broker only later
+        before = _version(watch.poll() or {}, "c0s0")
+        for proc in (swarm.broker, swarm.nodes["c0s0"]):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        swarm.restart_broker()
+        swarm.start("c0s0")
+        watch.until("c0s0 to register with the new broker",
+                    lambda s: s.get("members", {}).get("c0s0", {}).get("state") == "up", 60, ["c0s0"])
+        swarm.nodes["c0s1"].send_signal(signal.SIGCONT)
+        watch.until("cluster 0 to train again", lambda s: _training(s, 0, 1) and _version(s, "c0s0") > before,
+                    BACK_WITHIN_S + 15, list(swarm.nodes))
+    finally:
+        swarm.close()
+    assert "restarted while the broker was down" in swarm.log("broker")
+    assert "rejoining" in swarm.log("c0s0")
+
+
 def test_a_standby_takes_over_a_node_that_does_not_come_back(tmp_path: Path) -> None:
     """2 clusters x 2 stages and one node the plan leaves idle: kill -9 a stage for good; after
     lost_s + replace_s the standby takes its stage, catches up from the other cluster, and its cluster

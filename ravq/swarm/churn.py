@@ -77,6 +77,19 @@ class Churn:
         assert plan is not None
         return plan
 
+    def rejoin_if_running(self, state: dict[str, Any]) -> bool:
+        """Join through recovery (``rejoin``) when the broker says this node's cluster is not starting;
+        whether it did.  A node asks at registration and again once its stage is built: a restarted broker's
+        book starts with every cluster ``starting`` and rebuilds it from the live members' heartbeats
+        (``brokers.book.Book._adopt``), so a node whose REGISTER arrived first (the broker's PC rebooted
+        with it) read ``starting`` of a cluster that runs on and, its restart noticed, is now paused.
+        Waiting for everyone as at a first start would wait for reachability verdicts and registrations
+        that live nodes never send again."""
+        if state["state"] == "starting":
+            return False
+        self.rejoin(state)
+        return True
+
     def rejoin(self, state: dict[str, Any]) -> None:
         """This node starts while its cluster is not starting (it restarted): join through recovery."""
         self.generation, self.paused_since = int(state["generation"]), time.monotonic()
