@@ -474,23 +474,27 @@ def test_working_set_is_what_the_measurement_took_at_its_peak() -> None:
     assert nothing < 16 << 20
 
 
-def test_a_model_timed_as_two_stages_only_when_two_training_steps_fit(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_stages_are_timed_at_a_micro_batch_that_fits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A small-memory PC's profile was killed for memory timing two stages: the guard counted parameters
-    alone, and charlm's activations are a hundred times its weights."""
+    alone, and charlm's activations are a hundred times its weights.  Where two training steps do not fit
+    the stages run at a smaller micro-batch; not at all below one sample, or when the weights do not fit."""
     from ravq.profile import measure as profile
 
     stage = StageCpu(pipeline_cpu_s=0.05, single_cpu_s=0.03, act_bytes=1024, grad_bytes=1024)
-    timed: list[int] = []
-    monkeypatch.setattr(profile, "measure_stage_cpu", lambda *a, **k: timed.append(1) or stage)
+    timed: list[int | None] = []
+    monkeypatch.setattr(profile, "measure_stage_cpu", lambda t, n, task, config: timed.append(config.micro_batch)
+                        or stage)
     monkeypatch.setattr(profile, "usable_memory_bytes", lambda *a, **k: 300 << 20)
     monkeypatch.setattr(profile, "model_param_bytes", lambda task: 2 << 20)
     topo = load_topology(write_topology(tmp_path / "t.yaml", [{"name": "a"}, {"name": "b"}]))
-    assert profile._stage_cpu(topo, "a", mlp, None, step_bytes=140 << 20) is stage
-    assert profile._stage_cpu(topo, "a", mlp, None, step_bytes=160 << 20) is None    # two steps: 320 MiB
+    micro_batch = topo.training.micro_batch
+    assert micro_batch >= 4
+    assert profile._stage_cpu(topo, "a", mlp, None, step_bytes=140 << 20) is stage     # two steps fit
+    assert profile._stage_cpu(topo, "a", mlp, None, step_bytes=300 << 20) is stage     # at 0.8 x half
+    assert profile._stage_cpu(topo, "a", mlp, None, step_bytes=micro_batch * (300 << 20)) is None  # < 1 sample
     monkeypatch.setattr(profile, "model_param_bytes", lambda task: 40 << 20)       # 160 MiB > half of 300
     assert profile._stage_cpu(topo, "a", mlp, None, step_bytes=0) is None
-    assert timed == [1]
+    assert timed == [None, int(0.8 * micro_batch / 2)]
 
 
 def test_plan_main_writes_a_loadable_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

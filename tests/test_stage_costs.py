@@ -80,6 +80,10 @@ def test_a_stage_is_timed_as_a_node_runs_it(tmp_path: Path) -> None:
     assert got.act_bytes > 0 and got.grad_bytes > 0     # the cut's activations (and targets) and gradients
     # the model as two stages does all the one stage does, and its messages on top, in CPU terms
     assert got.pipeline_cpu_s < 50 * got.single_cpu_s
+    # where two stages at the topology's micro-batch do not fit, they run at a smaller one
+    half = measure_stage_cpu(topology, "a", resolve_task_module("ravq.tasks.charlm"),
+                             StageCostConfig(micro_batches=2, warmup=1, micro_batch=2))
+    assert half.act_bytes == got.act_bytes // 2 and half.grad_bytes == got.grad_bytes // 2
 
 
 def test_the_per_stage_cost_travels_from_profile_to_planner(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ memory.  ``ravq profile``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import resource
 from collections.abc import Callable
@@ -38,6 +39,10 @@ from ravq.tuning import cpu_budget
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+FIT_SHARE = 0.8
+"""Share of the usable memory two stages timed at a smaller micro-batch may take (``_stage_cpu``): what a
+training step takes is not all in proportion to the micro-batch."""
 
 
 def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig | None = None,
@@ -111,14 +116,24 @@ def _stage_cpu(topology: Topology, name: str, task: object, config: StageCostCon
                step_bytes: int = 0) -> StageCpu | None:
     """``measure_stage_cpu``, or None (nothing charged) for a model too large to run whole here or one that
     cannot be cut in two.  Too large: its weights, gradients and optimizer state (4x the parameters) over
-    half of the usable memory, or twice what the timed training step took (``step_bytes``, activations
-    included: two stages hold the whole model and two micro-batches in flight) over all of it.  The
+    half of the usable memory.  Two stages hold the whole model and the micro-batches in flight: where
+    twice what the timed training step took (``step_bytes``, activations included) is over the usable
+    memory, they run at a micro-batch small enough to fit (what a stage adds is taken to be per
+    micro-batch; its messages are charged by their size apart), and not at all below one sample.  The
     parameters alone let the profile of a 350 MB PC (charlm, 0.17 GiB usable) be killed for memory."""
     usable = usable_memory_bytes(topology.node(name).device)
-    if 4 * model_param_bytes(task) > usable // 2 or 2 * step_bytes > usable:
+    config = config or StageCostConfig()
+    micro_batch = config.micro_batch or topology.training.micro_batch
+    if 2 * step_bytes > usable:
+        micro_batch = int(FIT_SHARE * micro_batch * usable / (2 * step_bytes))
+    if 4 * model_param_bytes(task) > usable // 2 or micro_batch < 1:
         log.info("profile: the model is too large to time as two stages here (%.0f MB a training step, %.0f MB "
                  "usable); no per-stage cost measured", step_bytes / 1e6, usable / 1e6)
         return None
+    if micro_batch < topology.training.micro_batch:
+        log.info("profile: two stages timed at %d samples a micro-batch (%.0f MB a training step of %d, %.0f MB "
+                 "usable)", micro_batch, step_bytes / 1e6, topology.training.micro_batch, usable / 1e6)
+        config = dataclasses.replace(config, micro_batch=micro_batch)
     try:
         return measure_stage_cpu(topology, name, task, config)
     except Exception as err:  # noqa: BLE001 - the task's code in a pipeline: the profile goes on without it

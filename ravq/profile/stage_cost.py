@@ -55,6 +55,9 @@ class StageCostConfig:
     warmup: int = 3
     max_inflight: int | None = None
     """In flight in the two-stage pipeline; None: the topology's ``max_inflight``, else 2 (one per stage)."""
+    micro_batch: int | None = None
+    """Samples per micro-batch; None: the topology's.  Smaller on a PC where two stages at the topology's
+    do not fit (``ravq.profile.measure``): the per-stage cost is taken to be per micro-batch."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,9 +105,10 @@ def _float_bytes(tensors: dict[str, Any]) -> int:
 
 
 def _workers(task: Any, topology: Topology, name: str, stages: int, steps: int,
-             max_inflight: int | None) -> tuple[list[StageWorker], int]:
+             max_inflight: int | None, micro_batch: int | None) -> tuple[list[StageWorker], int]:
     me = topology.node(name)
-    training = topology.training.model_copy(update={"steps": steps, "eval_every": 0, "max_inflight": max_inflight})
+    training = topology.training.model_copy(update={"steps": steps, "eval_every": 0, "max_inflight": max_inflight,
+                                                    "micro_batch": micro_batch or topology.training.micro_batch})
     cuts = even_cuts(candidate_cuts(build_meta_model(task, 0).model, task), stages) if stages > 1 else []
     built = [build_stage(task, training, seed=0, cuts=cuts, stage=i, cluster=0, clusters=1, device=me.device,
                          metrics=Metrics(f"{name}.{i}")) for i in range(stages)]
@@ -112,7 +116,7 @@ def _workers(task: Any, topology: Topology, name: str, stages: int, steps: int,
 
 
 def _single_cpu_s(task: Any, topology: Topology, name: str, config: StageCostConfig) -> float:
-    (worker,), _ = _workers(task, topology, name, 1, config.warmup + config.micro_batches, 1)
+    (worker,), _ = _workers(task, topology, name, 1, config.warmup + config.micro_batches, 1, config.micro_batch)
     window = _Window(config.warmup)
     worker.on_update = window.on_update
     worker.run(lambda out: None)
@@ -122,7 +126,8 @@ def _single_cpu_s(task: Any, topology: Topology, name: str, config: StageCostCon
 async def _pipeline_cpu_s(task: Any, topology: Topology, name: str,
                           config: StageCostConfig) -> tuple[float, int, int]:
     inflight = config.max_inflight or topology.training.max_inflight or 2
-    workers, largest = _workers(task, topology, name, 2, config.warmup + config.micro_batches, inflight)
+    workers, largest = _workers(task, topology, name, 2, config.warmup + config.micro_batches, inflight,
+                                config.micro_batch)
     metrics = Metrics(name)
     options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0,
                                   max_message_bytes=2 * largest + CHUNK_BYTES)
