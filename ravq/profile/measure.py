@@ -53,7 +53,7 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     loss, charged to the last stage instead), the CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``: the bare
     ring; ``measure_averaging_cpu``: rounds as a node runs them, the planner's figure), what a node adds around a
     stage of a pipeline (``measure_stage_cpu``: the model as two stages over the node's sockets against one
-    stage).
+    stage), and memory (see below).
     torch gets the threads a node gets (``cpu_budget``: the CPU affinity and the cgroup quota), so every
     figure is measured as the node will run.
 
