@@ -4,6 +4,7 @@ model profile per block."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 from pathlib import Path
@@ -465,9 +466,16 @@ def test_working_set_is_what_the_measurement_took_at_its_peak() -> None:
     from ravq.profile.measure import working_set
 
     def allocate() -> float:
+        gc.collect()                                       # as Python may collect while a measurement runs
         block = torch.ones(64 << 18)                       # 64 MiB of float32, touched
         return float(block[-1])
 
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.self, garbage.tensor = garbage, torch.ones(48 << 18)   # 48 MiB only a collection frees
+    del garbage
     value, taken = working_set("cpu", allocate)
     assert value == 1.0 and taken >= 60 << 20
     _, nothing = working_set("cpu", lambda: None)
