@@ -59,11 +59,11 @@ log = logging.getLogger(__name__)
 
 
 _TOTALS = {"pauses": ("ravq_pauses_total", {}), "bytes_sent": ("ravq_bytes_sent_total", {}),  # Node.stats, one pass
-           "bytes_received": ("ravq_bytes_received_total", {}),
+           "bytes_received": ("ravq_bytes_received_total", {}), "bad_messages": ("ravq_bad_messages_total", {}),
            "ring_bytes_sent": ("ravq_bytes_sent_total", {"socket": "ring"}),
            "payload_wire_bytes_sent": ("ravq_payload_wire_bytes_total", {"direction": "sent"}),
-           "payload_logical_bytes_sent": ("ravq_payload_logical_bytes_total", {"direction": "sent"}),
-           "bad_messages": ("ravq_bad_messages_total", {})}
+           "payload_logical_bytes_sent": ("ravq_payload_logical_bytes_total", {"direction": "sent"})}
+
 
 class _Finished(Exception):
     """Raised inside the TaskGroup to end it once training and draining are over."""

@@ -104,10 +104,21 @@ def _read(path: Path) -> str | None:
 
 def peak_rss_bytes(status: str = "/proc/self/status") -> int | None:
     """This process's peak resident memory (Linux's VmHWM), or None where the kernel does not say."""
+    return status_bytes("VmHWM", status)
+
+
+def rss_bytes(status: str = "/proc/self/status") -> int | None:
+    """This process's resident memory now (Linux's VmRSS), or None where the kernel does not say."""
+    return status_bytes("VmRSS", status)
+
+
+def status_bytes(field: str, status: str = "/proc/self/status") -> int | None:
+    """A size in kB from ``/proc/self/status`` (VmHWM, VmRSS, ...) in bytes, or None."""
     try:
         for line in Path(status).read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
     return None

@@ -15,7 +15,6 @@ import ctypes
 import dataclasses
 import gc
 import logging
-import resource
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -36,7 +35,7 @@ from ravq.profile.loss import flops_without_loss, measure_loss
 from ravq.profile.messages import RING_BYTES, MessageConfig, measure_messages, measure_ring
 from ravq.profile.stage_cost import StageCostConfig, StageCpu, measure_stage_cpu
 from ravq.profile.store import Measurement
-from ravq.tuning import cpu_budget
+from ravq.tuning import cpu_budget, peak_rss_bytes, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +168,7 @@ def stage_cpu_s(stage: StageCpu, message_cpu: list[list[float]]) -> float:
 def working_set(device: str, measure: Callable[[], T]) -> tuple[T, int]:
     """``measure()`` and the memory it took at its peak beyond what the process held before: on a CPU the
     peak resident size (reset first where Linux allows, ``/proc/self/clear_refs``; else an upper bound when
-    an earlier peak was higher) over the resident size before, garbage collected and the allocator's
+    an earlier peak was higher; 0 where the kernel does not say) over the resident size before, garbage collected and the allocator's
     free memory given back first (in a process that had run most of the test suite, a collection during
     the measurement hid all but 15 of 64 MiB); on cuda the device's peak allocation."""
     if device.startswith("cuda"):
@@ -184,9 +183,10 @@ def working_set(device: str, measure: Callable[[], T]) -> tuple[T, int]:
             f.write("5")  # resets the peak resident size (VmHWM)
     except OSError:
         pass
-    before = _status_bytes("VmRSS")
+    before = rss_bytes()
     result = measure()
-    return result, max(0, _status_bytes("VmHWM") - before)
+    peak = peak_rss_bytes()
+    return result, 0 if before is None or peak is None else max(0, peak - before)
 
 
 def _trim() -> None:
@@ -195,15 +195,3 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _status_bytes(field: str) -> int:
-    """A size from /proc/self/status (VmRSS, VmHWM), or the lifetime peak where there is none."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
