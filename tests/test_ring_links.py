@@ -14,22 +14,23 @@ from ravq.average.averager import Averager
 from ravq.average.links import RingPort
 from ravq.average.mailbox import Mailbox
 from ravq.average.ring import ring_allreduce
+from ravq.cli.demo import free_ports
 from ravq.config import ClusterPlan, Plan, Topology
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions
 from ravq.net.security import Curve
 from ravq.net.transport import Outlink
 from ravq.net.wire import DecodeLimits
-from tests.conftest import free_port
 
 NAMES = ("n1", "n2")
 
 
 def _topology() -> Topology:
+    ports = iter(free_ports(8))  # distinct: one free_port after another may return the same port twice
     return Topology.model_validate({
         "task": "tasks_for_tests",
-        "broker": {"pub_port": free_port(), "router_port": free_port()},
-        "nodes": [{"name": n, "pipeline_port": free_port(), "ring_port": free_port()} for n in (*NAMES, "n3")],
+        "broker": {"pub_port": next(ports), "router_port": next(ports)},
+        "nodes": [{"name": n, "pipeline_port": next(ports), "ring_port": next(ports)} for n in (*NAMES, "n3")],
     })
 
 
