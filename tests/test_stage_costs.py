@@ -11,8 +11,9 @@ import yaml
 
 from ravq.config import ClusterPlan, Plan, load_topology, resolve_task_module
 from ravq.planner import BlockProfile, NodeProfile, cut_plan, evaluate_plan, make_plan
+from ravq.profile import stage_cost
 from ravq.profile.measure import stage_cpu_s
-from ravq.profile.stage_cost import StageCostConfig, StageCpu, measure_stage_cpu
+from ravq.profile.stage_cost import StageCostConfig, StageCpu, balanced_order, measure_stage_cpu
 from ravq.profile.store import Measurement, load_profiles, save_profile
 from ravq.simulate import Settings, build_world, simulate
 from ravq.simulate.world import stage_message_s
@@ -73,6 +74,34 @@ def test_the_per_stage_cost_is_what_two_stages_cost_beyond_one_and_their_message
     assert stage_cpu_s(cheaper, table) == 0.0
 
 
+def test_runs_alternate_so_that_a_drifting_machine_cancels_out(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed once each, one stage then two, the per-stage cost of PCs alike came out 0-16 ms of CPU (issue
+    #26): the machine's CPU per step moves by 10% within minutes.  Runs go one, two, two, one, and a speed
+    that drifts at a steady rate adds as much to both means."""
+    assert balanced_order(1) == ["single", "pipeline"]
+    assert balanced_order(2) == ["single", "pipeline", "pipeline", "single"]
+    assert balanced_order(3) == ["single", "pipeline", "pipeline", "single", "single", "pipeline"]
+    clock = iter(range(100))
+    ran: list[str] = []
+
+    def single(*args: object) -> float:          # 100 ms of CPU, 5 ms more at every run: the machine slows
+        ran.append("single")
+        return 0.100 + 0.005 * next(clock)
+
+    async def pipeline(*args: object) -> tuple[float, int, int]:
+        ran.append("pipeline")
+        return 0.120 + 0.005 * next(clock), 4096, 8192
+
+    monkeypatch.setattr(stage_cost, "_single_cpu_s", single)
+    monkeypatch.setattr(stage_cost, "_pipeline_cpu_s", pipeline)
+    topology = one_node_topology(tmp_path, False, {"micro_batch": 4})
+    got = measure_stage_cpu(topology, "a", None, StageCostConfig(repeats=2))
+    assert ran == ["single", "pipeline", "pipeline", "single"]
+    assert got.pipeline_cpu_s - got.single_cpu_s == pytest.approx(0.020)   # one run each read 0.025
+    assert (got.act_bytes, got.grad_bytes) == (4096, 8192)
+
+
 def test_a_stage_is_timed_as_a_node_runs_it(tmp_path: Path) -> None:
     topology = one_node_topology(tmp_path, True, {"compress": {"pipeline": "int8"}, "micro_batch": 4})
     got = measure_stage_cpu(topology, "a", resolve_task_module("ravq.tasks.charlm"), StageCostConfig(micro_batches=4, warmup=2))
@@ -82,7 +111,7 @@ def test_a_stage_is_timed_as_a_node_runs_it(tmp_path: Path) -> None:
     assert got.pipeline_cpu_s < 50 * got.single_cpu_s
     # where two stages at the topology's micro-batch do not fit, they run at a smaller one
     half = measure_stage_cpu(topology, "a", resolve_task_module("ravq.tasks.charlm"),
-                             StageCostConfig(micro_batches=2, warmup=1, micro_batch=2))
+                             StageCostConfig(micro_batches=2, warmup=1, micro_batch=2, repeats=1))
     assert half.act_bytes == got.act_bytes // 2 and half.grad_bytes == got.grad_bytes // 2
 
 

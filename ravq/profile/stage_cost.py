@@ -12,7 +12,8 @@ is not in a bare forward and backward, nor in a message sent on its own.
 joined over loopback TCP by their own ROUTER and DEALER sockets with the node's socket options (CURVE
 when on), messages made and read as a node's pipeline links make and read them; and the same model as
 one stage (no sockets).  Both in CPU seconds of the whole process per micro-batch, so other work on
-the machine hardly moves them.  ``ravq.profile.measure`` turns the difference, less the two messages
+the machine hardly moves them; what a CPU second buys still drifts, so the runs alternate (one, two,
+two, one: ``balanced_order``) and each kind's mean is kept.  ``ravq.profile.measure`` turns the difference, less the two messages
 the profile already charges, into a per-stage cost (``Measurement.stage_s``; the planner's
 ``NodeProfile.pipeline_stage_s``).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +53,12 @@ _KINDS = {"fwd": MsgType.FORWARD, "bwd": MsgType.BACKWARD}
 @dataclass(kw_only=True, slots=True)
 class StageCostConfig:
     micro_batches: int = 12
-    """Micro-batches timed (after ``warmup``), in each of the two runs."""
+    """Micro-batches timed (after ``warmup``), in each run."""
+    repeats: int = 2
+    """Runs of each of the two, in the order one, two, two, one (then again): a drift in what a CPU second
+    buys over the measurement cancels out of the difference.  Each run timed once (issue #26, third
+    session), per-stage costs came out 0-16 ms of CPU on PCs alike: the difference of two runs of about
+    100 ms each, taken seconds apart on a machine whose CPU per step moves by 10% within minutes."""
     warmup: int = 3
     max_inflight: int | None = None
     """In flight in the two-stage pipeline; None: the topology's ``max_inflight``, else 2 (one per stage)."""
@@ -188,8 +195,30 @@ def measure_stage_cpu(topology: Topology, name: str, task: Any, config: StageCos
     """CPU seconds per micro-batch of the task's model run as a node runs a pipeline of two stages (see
     the module's doc) and as one stage, and the float32 bytes crossing the cut each way."""
     config = config or StageCostConfig()
-    single = _single_cpu_s(task, topology, name, config)
-    pipeline, act, grad = asyncio.run(_pipeline_cpu_s(task, topology, name, config))
-    log.info("profile: %s as two stages %.3g ms of CPU per micro-batch, as one %.3g ms", name, pipeline * 1e3,
-             single * 1e3)
+    singles: list[float] = []
+    pipelines: list[float] = []
+    act = grad = 0
+    for kind in balanced_order(config.repeats):
+        if kind == "single":
+            singles.append(_single_cpu_s(task, topology, name, config))
+        else:
+            cpu, act, grad = asyncio.run(_pipeline_cpu_s(task, topology, name, config))
+            pipelines.append(cpu)
+    pipeline, single = statistics.fmean(pipelines), statistics.fmean(singles)
+    log.info("profile: %s as two stages %.3g ms of CPU per micro-batch (runs %s), as one %.3g ms (runs %s)", name,
+             pipeline * 1e3, _ms(pipelines), single * 1e3, _ms(singles))
     return StageCpu(pipeline_cpu_s=pipeline, single_cpu_s=single, act_bytes=act, grad_bytes=grad)
+
+
+def balanced_order(repeats: int) -> list[str]:
+    """``repeats`` runs of each kind ("single", "pipeline") in the order one, two, two, one, ...: each pair of
+    pairs is symmetric in time, so a speed that drifts linearly over the measurement adds as much to each
+    kind's mean (an odd ``repeats`` leaves one pair in that order)."""
+    order: list[str] = []
+    for i in range(max(1, repeats)):
+        order += ["single", "pipeline"] if i % 2 == 0 else ["pipeline", "single"]
+    return order
+
+
+def _ms(values: list[float]) -> str:
+    return ", ".join(f"{v * 1e3:.3g}" for v in values)
