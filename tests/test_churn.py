@@ -93,6 +93,19 @@ def _version(status: dict[str, Any], node: str) -> int:
     return int(status.get("members", {}).get(node, {}).get("stats", {}).get("version", 0))
 
 
+def _reboot_with_the_broker(swarm: Swarm, node: str) -> None:
+    """The broker's PC loses power with ``node`` on it: both killed, then started again."""
+    for proc in (swarm.broker, swarm.nodes[node]):
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    swarm.restart_broker()
+    swarm.start(node)
+
+
+def _stats(status: dict[str, Any], node: str) -> dict[str, Any]:
+    return dict(status.get("members", {}).get(node, {}).get("stats", {}))
+
+
 def _training(status: dict[str, Any], c: int, generation: int) -> bool:
     cs = _cluster(status, c)
     return cs.get("state") == "training" and cs.get("generation", 0) >= generation
@@ -256,11 +269,7 @@ def test_a_node_that_registers_with_a_restarted_broker_before_its_live_peer_rejo
         watch.until("training", lambda s: all(_version(s, n) > 10 for n in swarm.nodes), 120, list(swarm.nodes))
         swarm.nodes["c0s1"].send_signal(signal.SIGSTOP)  # its heartbeats reach the new broker only later
         before = _version(watch.poll() or {}, "c0s0")
-        for proc in (swarm.broker, swarm.nodes["c0s0"]):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
-        swarm.restart_broker()
-        swarm.start("c0s0")
+        _reboot_with_the_broker(swarm, "c0s0")
         watch.until("c0s0 to register with the new broker",
                     lambda s: s.get("members", {}).get("c0s0", {}).get("state") == "up", 60, ["c0s0"])
         swarm.nodes["c0s1"].send_signal(signal.SIGCONT)
@@ -270,6 +279,33 @@ def test_a_node_that_registers_with_a_restarted_broker_before_its_live_peer_rejo
         swarm.close()
     assert "restarted while the broker was down" in swarm.log("broker")
     assert "rejoining" in swarm.log("c0s0")
+
+
+def test_a_whole_cluster_restarted_with_the_broker_trains_again(tmp_path: Path) -> None:
+    """A site's power cut: the broker and all of cluster 0 killed and started together while cluster 1 lives
+    on.  The new broker knows nothing of cluster 0 (no live member to rebuild it from), so its node starts
+    as at a first start and waits for a reachability verdict on every member of the rings; cluster 1's
+    node had one from the old broker and, asking again only at its own start, never sent the new one its
+    request (cluster 0 stayed ``starting`` until connect_s).  A node now asks again while the broker's
+    state has no verdict on it."""
+    ckpt = tmp_path / "ckpt"
+    swarm = throttled_swarm(tmp_path, _topology([1, 1], STEPS, ckpt, checkpoint_every=5))
+    watch = Watch(swarm)
+    try:
+        watch.until("training", lambda s: all(_version(s, n) > 10 for n in swarm.nodes), 120, list(swarm.nodes))
+        before = _version(watch.poll() or {}, "c0s0")
+        _reboot_with_the_broker(swarm, "c0s0")
+        watch.until("the new broker to hear cluster 1's verdict",
+                    lambda s: s.get("reach", {}).get("c1s0") == "reachable", 60, list(swarm.nodes))
+        watch.until("cluster 0 to train again", lambda s: _cluster(s, 0).get("state") == "training"
+                    and _version(s, "c0s0") > before, BACK_WITHIN_S + 15, list(swarm.nodes))
+        now = watch.poll() or {}
+        watch.until("both clusters to train on, averaging together",
+                    lambda s: all(_version(s, n) > _version(now, n) + 10 for n in swarm.nodes)
+                    and all(_stats(s, n).get("allreduce_rounds", 0) > _stats(now, n).get("allreduce_rounds", 0)
+                            for n in swarm.nodes), 60, list(swarm.nodes))
+    finally:
+        swarm.close()
 
 
 def test_a_standby_takes_over_a_node_that_does_not_come_back(tmp_path: Path) -> None:

@@ -66,6 +66,8 @@ class Membership:
         """This process's id: a restarted node has a new one, so the broker knows it lost its state."""
         self.reach: dict[str, str] = {}
         """The broker's reachability verdicts: node -> ``reachable`` or ``behind_nat`` (issue #24)."""
+        self.reach_ports: list[str] | None = None
+        """The ports this node asked the broker to dial back (``wait_reach``); None before it asked."""
         self.report: dict[str, Any] = {}
         """What every heartbeat tells the broker besides statistics (generation, phase, ready, trained)."""
 
@@ -171,6 +173,7 @@ class Membership:
         """Ask the broker to dial this node's ``ports`` back, and wait until it has a verdict for every
         named node (this one among them); returns node -> reachable."""
         deadline = time.monotonic() + timeout_s
+        self.reach_ports = ports
         while True:
             if self.name not in self.reach:
                 await self.link.send(Message(type=MsgType.REACH_REQ, sender=self.name, meta={"ports": ports}))
@@ -212,8 +215,13 @@ class Membership:
                 self.metrics.bad_messages.labels("broker", "bad_state").inc()
 
     async def heartbeat(self, stats: dict[str, Any], done: bool) -> None:
+        """A heartbeat; and the reachability request again while the broker's state has no verdict on this node
+        after it asked: a restarted broker knows none, and a whole cluster that restarts with it waits at
+        its first start for every member's verdict (it stayed ``starting`` until ``connect_s``)."""
         await self.link.send(Message(type=MsgType.HEARTBEAT, sender=self.name, meta={
             "stats": stats, "done": done, "incarnation": self.node_incarnation, **self.report}))
+        if self.reach_ports is not None and self.name not in self.reach:
+            await self.link.send(Message(type=MsgType.REACH_REQ, sender=self.name, meta={"ports": self.reach_ports}))
 
     def close(self) -> None:
         self.sub.close()
