@@ -121,4 +121,3 @@ def status_bytes(field: str, status: str = "/proc/self/status") -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-    return None

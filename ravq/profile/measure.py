@@ -51,10 +51,10 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
                  stages: StageCostConfig | None = None) -> Measurement:
     """Links, then compute over ``windows`` windows totalling ``compute_s`` (see ``measure_compute``), the
     loss stage's extra work (``measure_loss``: taken out of the FLOP/s when the timed step computed the
-    loss, charged to the last stage instead), the CPU cost of pipeline messages (``measure_messages``) and of averaging rounds (``measure_ring``: the bare
-    ring; ``measure_averaging_cpu``: rounds as a node runs them, the planner's figure), what a node adds around a
-    stage of a pipeline (``measure_stage_cpu``: the model as two stages over the node's sockets against one
-    stage), and memory (see below).
+    loss, charged to the last stage instead), the CPU cost of pipeline messages (``measure_messages``) and
+    of averaging rounds (``measure_ring``: the bare ring; ``measure_averaging_cpu``: rounds as a node runs
+    them, the planner's figure), what a node adds around a stage of a pipeline (``measure_stage_cpu``: the
+    model as two stages over the node's sockets against one stage), and memory (see below).
     torch gets the threads a node gets (``cpu_budget``: the CPU affinity and the cgroup quota), so every
     figure is measured as the node will run.
 
@@ -168,9 +168,10 @@ def stage_cpu_s(stage: StageCpu, message_cpu: list[list[float]]) -> float:
 def working_set(device: str, measure: Callable[[], T]) -> tuple[T, int]:
     """``measure()`` and the memory it took at its peak beyond what the process held before: on a CPU the
     peak resident size (reset first where Linux allows, ``/proc/self/clear_refs``; else an upper bound when
-    an earlier peak was higher; 0 where the kernel does not say) over the resident size before, garbage collected and the allocator's
-    free memory given back first (in a process that had run most of the test suite, a collection during
-    the measurement hid all but 15 of 64 MiB); on cuda the device's peak allocation."""
+    an earlier peak was higher; 0 where the kernel does not say) over the resident size before, garbage
+    collected and the allocator's free memory given back first (in a process that had run most of the
+    test suite, a collection during the measurement hid all but 15 of 64 MiB); on cuda the device's peak
+    allocation."""
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)

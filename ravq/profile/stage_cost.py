@@ -13,9 +13,9 @@ joined over loopback TCP by their own ROUTER and DEALER sockets with the node's 
 when on), messages made and read as a node's pipeline links make and read them; and the same model as
 one stage (no sockets).  Both in CPU seconds of the whole process per micro-batch, so other work on
 the machine hardly moves them; what a CPU second buys still drifts, so the runs alternate (one, two,
-two, one: ``balanced_order``) and each kind's mean is kept.  ``ravq.profile.measure`` turns the difference, less the two messages
-the profile already charges, into a per-stage cost (``Measurement.stage_s``; the planner's
-``NodeProfile.pipeline_stage_s``).
+two, one: ``balanced_order``) and each kind's mean is kept.  ``ravq.profile.measure`` turns the
+difference, less the two messages the profile already charges, into a per-stage cost
+(``Measurement.stage_s``; the planner's ``NodeProfile.pipeline_stage_s``).
 """
 
 from __future__ import annotations
