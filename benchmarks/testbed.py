@@ -38,6 +38,7 @@ import math
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -56,6 +57,7 @@ _common.use_repo_checkout()
 from ravq.config.topology import INFLIGHT_WARMUP_STEPS  # the checkout's, once on the path
 
 REPO = _common.REPO
+HERE = Path(__file__).resolve().parent
 UNITS = REPO / "deploy" / "systemd"
 PIPELINE_PORT, RING_PORT, PUB_PORT, ROUTER_PORT = 5560, 5561, 5550, 5551
 PLANS = ("planner", "ravnest", "naive")
@@ -222,6 +224,23 @@ class Testbed:
                 raise RuntimeError(f"ravq profile on {n} failed:\n{(self.run_dir / f'profile-{n}.log').read_text()}")
         return {n: json.loads((out / f"profile-{n}.json").read_text()) for n in names}
 
+    def host_speed(self, names: Sequence[str]) -> dict[str, float]:
+        """Per PC, all at once: the training FLOP/s its profile measured, measured again now in its namespace
+        and cgroup (benchmarks/host_probe.py, ~10 s); {} when a probe fails (the figure is only reported)."""
+        micro_batch = yaml.safe_load(self.topology_path.read_text())["training"].get("micro_batch", 32)
+        stamp = time.monotonic_ns()
+        logs = {n: self.run_dir / f"probe-{n}-{stamp}.log" for n in names}
+        procs = {n: self.world.spawn(n, [sys.executable, str(HERE / "host_probe.py"), self.scenario.task,
+                                         str(micro_batch)], logs[n], env=self.env(n)) for n in names}
+        flops = {}
+        for n, proc in procs.items():
+            try:
+                if proc.wait(timeout=120) == 0:
+                    flops[n] = json.loads(logs[n].read_text().strip().splitlines()[-1])["flops"]
+            except (subprocess.TimeoutExpired, OSError, ValueError, KeyError, IndexError):
+                _emulate.stop(proc)  # a probe that hangs or prints nothing: no figure, the run goes on
+        return flops if len(flops) == len(procs) else {}
+
     def status(self) -> dict[str, Any]:
         out = self.ravq("broker", "status", "--topology", str(self.topology_path), "--json", "--timeout", "10",
                         timeout_s=90, limited=False)
@@ -244,6 +263,7 @@ class Testbed:
         plan = yaml.safe_load(plan_path.read_text())["plan"]
         nodes = [n for c in plan["clusters"] for n in c["nodes"]]
         last = {c["nodes"][-1] for c in plan["clusters"]}
+        before = self.host_speed(nodes)
         procs = [self.world.spawn("broker", [*unit_command("ravq-broker.service", self.topology_path), "--plan",
                                              str(plan_path)], self.run_dir / f"{tag}-broker.log",
                                   env=self.env("broker"))]
@@ -261,6 +281,7 @@ class Testbed:
             self._check_alive(procs, tag)
         finally:
             _stop_all(procs)
+        after = self.host_speed(nodes)
         result = measure(first, end, nodes, last, plan)
         result["status_text"] = shown
         quotas = {p["name"]: p["cpu"] * self.dilation if p.get("cpu") else None for p in self.scenario.pcs}
@@ -275,8 +296,26 @@ class Testbed:
             result["speed_vs_profile"] = scale
             result["predicted_load_adjusted"] = predict(self.topology_path, self.run_dir / "profiles", plan_path,
                                                         scale)
+        host = self.host_vs_profile(before, after)
+        if host:
+            from testbed_plans import predict
+
+            result["host_speed_vs_profile"] = host
+            result["predicted_host_adjusted"] = predict(self.topology_path, self.run_dir / "profiles", plan_path, host)
         result["load_average"] = os.getloadavg()[0]  # the machine's, over the last minute of the window
         return result
+
+    def host_vs_profile(self, before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        """Per PC: the mean of its training FLOP/s just before and just after the window (``host_speed``)
+        over its profile's.  A prediction with each PC's speed scaled by this is the cost model's figure
+        for the host as it was while the plan trained; the plain prediction holds it to the host as it
+        was while profiling, minutes earlier.  Reported beside the prediction, never instead of it."""
+        scale = {}
+        for name in before.keys() & after.keys():
+            profile = json.loads((self.run_dir / "profiles" / f"profile-{name}.json").read_text())
+            if profile.get("flops"):
+                scale[name] = round((before[name] + after[name]) / 2 / profile["flops"], 3)
+        return scale
 
     def speed_vs_profile(self, nodes: dict[str, dict[str, Any]]) -> dict[str, float]:
         """Per PC: the CPU share it got while computing in the window (CPU seconds over busy seconds)
@@ -505,6 +544,10 @@ def report_lines(result: dict[str, Any]) -> Iterator[str]:
             yield (f"           load-adjusted prediction {r['predicted_load_adjusted']:.1f} (each PC's speed scaled by "
                    f"its CPU share in the window over its share while profiled: "
                    + ", ".join(f"{n} {f:.2f}" for n, f in r["speed_vs_profile"].items()) + ")")
+        if r.get("predicted_host_adjusted") is not None:
+            yield (f"           host-adjusted prediction {r['predicted_host_adjusted']:.1f} (each PC's speed scaled by its "
+                   f"training FLOP/s just before and after the window over its profile's: "
+                   + ", ".join(f"{n} {f:.2f}" for n, f in r["host_speed_vs_profile"].items()) + ")")
         nodes = r.get("nodes", {})
         yield "           busy / waiting / cpu got of quota: " + "; ".join(
             f"{n} {v['busy_fraction']:.2f} / {sum(v['wait_fraction'].values()):.2f} / "

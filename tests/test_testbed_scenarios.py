@@ -109,3 +109,30 @@ def test_the_window_opens_after_the_asynchrony_warm_up() -> None:
     assert settled_backwards({}) == 22                                    # the default 20 steps, and two more
     assert settled_backwards({"inflight_warmup_steps": 0}) == 2
     assert settled_backwards({"inflight_warmup_steps": 5, "update_every": 3}) == 17   # steps of 3 micro-batches
+
+
+def test_the_host_adjusted_prediction_scales_each_pc_by_its_probes_over_its_profile(tmp_path: Path) -> None:
+    """The host's speed moves between profiling and training: each PC's training FLOP/s probed before and
+    after the window, over its profile's, is the scale; the verdict reports it beside, not instead of,
+    the prediction from the profiles alone."""
+    import json
+
+    from benchmarks.bench_testbed import judge
+    from benchmarks.testbed import Testbed
+
+    (tmp_path / "profiles").mkdir()
+    for name, flops in (("pc1", 20e9), ("pc2", 10e9), ("pc3", 0.0)):
+        (tmp_path / "profiles" / f"profile-{name}.json").write_text(json.dumps({"flops": flops}))
+    bed = Testbed.__new__(Testbed)
+    bed.run_dir = tmp_path
+    scale = bed.host_vs_profile({"pc1": 16e9, "pc2": 9e9, "pc3": 5e9, "pc4": 1e9}, {"pc1": 18e9, "pc2": 8e9, "pc3": 5e9})
+    assert scale == {"pc1": 0.85, "pc2": 0.85}             # pc3: no profiled FLOP/s; pc4: probed once only
+
+    plans = {"planner": {"samples_per_s": 80, "predicted_samples_per_s": 100, "predicted_host_adjusted": 85},
+             "paired": {"samples_per_s": 70, "predicted_samples_per_s": 75}}
+    v = judge({"plans": plans})
+    assert not v["prediction_met"]                                   # 80/100 misses by 20%
+    assert v["measured_over_host_adjusted"] == {"planner": pytest.approx(80 / 85)}
+    assert v["host_adjusted_prediction_met"]
+    plans["paired"]["predicted_host_adjusted"] = 50
+    assert not judge({"plans": plans})["host_adjusted_prediction_met"]   # 70/50
