@@ -99,15 +99,17 @@ def predict(topology_path: Path, profiles_dir: Path, plan_path: Path, flops_scal
     return evaluate_plan(load_plan(plan_path), nodes, blocks, **_settings(topology)).samples_per_s
 
 
-def simulate_profiles(topology_path: Path, profiles_dir: Path, plan_path: Path, steps: int = 400) -> float:
+def simulate_profiles(topology_path: Path, profiles_dir: Path, plan_path: Path,
+                      flops_scale: dict[str, float] | None = None, steps: int = 400) -> float:
     """``ravq simulate``'s samples/s for a plan from the profiles alone (no measured compute): each
     cluster's samples over its own run, summed, as the testbed measures a window (``bench_simulate``).
+    ``flops_scale``: every node's speed scaled as in ``predict``.
     Without the asynchrony warm-up: the testbed's window opens after it (``Testbed.settled_backwards``)."""
     from ravq.cli.simulate import settings_for
     from ravq.simulate import build_world, simulate
 
     topology = load_topology(topology_path)
-    nodes = load_profiles(topology, profiles_dir)
+    nodes = [scaled(n, (flops_scale or {}).get(n.name, 1.0)) for n in load_profiles(topology, profiles_dir)]
     task = resolve_task_module(topology.task)
     blocks = profile_blocks(task, topology.training.micro_batch, max_inflight=1)
     settings = dataclasses.replace(settings_for(topology, steps=steps), inflight_warmup_steps=0)
