@@ -18,7 +18,9 @@ the real deployment flow:
 4. for each plan: the broker and the plan's nodes started with the command lines of
    deploy/systemd/ravq-broker.service and ravq-node@.service (the broker gets ``--plan``, as a drop-in
    would add), ``ravq status`` polled until every node trains, then a window of ``train_s`` seconds
-   measured from the last stages' heartbeat statistics: samples/s, loss, busy and waiting time;
+   measured from the last stages' heartbeat statistics: samples/s, loss, busy and waiting time; just
+   before and just after it every PC of the plan is probed for its training FLOP/s
+   (benchmarks/host_probe.py): the host's drift since the profile, and the prediction from fresh compute;
 5. everything stopped and removed, even on Ctrl-C or SIGTERM.
 
 ``run_scenario(path, plans=...)`` does the same from Python and returns the figures as a dict (for
