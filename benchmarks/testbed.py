@@ -291,19 +291,17 @@ class Testbed:
             result["nodes"][n]["cpu_cores"] = round((cpu1[n] - cpu0[n]) / (t1 - t0), 3)
             result["nodes"][n]["cpu_quota"] = quotas[n]
         result["quota_received"] = quota_received(result["nodes"])
+        from testbed_plans import predict  # torch tracing only once the window is over
+
+        profiles = self.run_dir / "profiles"
         scale = self.speed_vs_profile(result["nodes"])
         if scale:
-            from testbed_plans import predict  # torch tracing only when planning
-
             result["speed_vs_profile"] = scale
-            result["predicted_load_adjusted"] = predict(self.topology_path, self.run_dir / "profiles", plan_path,
-                                                        scale)
+            result["predicted_load_adjusted"] = predict(self.topology_path, profiles, plan_path, scale)
         fresh, drift = self.host_vs_profile(before), self.host_vs_profile(after)
         if fresh:  # the cost model on the profiles with each PC's compute measured again just before the window
-            from testbed_plans import predict
-
             result["fresh_speed_vs_profile"] = fresh
-            result["predicted_fresh"] = predict(self.topology_path, self.run_dir / "profiles", plan_path, fresh)
+            result["predicted_fresh"] = predict(self.topology_path, profiles, plan_path, fresh)
         if drift:
             result["after_speed_vs_profile"] = drift
         result["load_average"] = os.getloadavg()[0]  # the machine's, over the last minute of the window
