@@ -55,8 +55,8 @@ from ravq.average.ring import ring_allreduce
 from ravq.average.ring_compression import compressed_ring_allreduce
 from ravq.average.rounds import average_segments
 from ravq.average.segments import plan_segments, segments_for
+from ravq.codec.compress import Format
 from ravq.config import TrainingConfig
-from ravq.net.compress import Format
 
 WORLD = 4
 DEFAULT_MB, DEFAULT_REPEATS, MIN_SHAPED_REPEATS = 100.0, 5, 3

@@ -1,4 +1,4 @@
-"""CPU cost of ravq.net.compress on one thread: pack and unpack throughput per format and piece size.
+"""CPU cost of ravq.codec.compress on one thread: pack and unpack throughput per format and piece size.
 
 What a link needs: a ring member at R Mbit/s sends R/8 MB/s of packed bytes, i.e. (R/8) / ratio MB/s of
 float32 (ratio: packed bytes over float32 bytes); it packs about that much and unpacks, adds and packs
@@ -21,7 +21,7 @@ use_repo_checkout()
 
 import torch
 
-from ravq.net.compress import Format, Packed, pack, unpack
+from ravq.codec.compress import Format, Packed, pack, unpack
 from ravq.tuning import tune_process
 
 

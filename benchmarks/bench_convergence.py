@@ -102,7 +102,7 @@ use_repo_checkout()
 import torch
 
 from ravq.cli.demo import SYNC_EVERY
-from ravq.stage.split import build_task_model
+from ravq.cut.split import build_task_model
 
 
 def one_process_losses(task_name: str, steps: int, micro_batch: int, seed: int) -> list[float]:

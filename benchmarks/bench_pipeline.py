@@ -318,7 +318,7 @@ def _torch_schedule_run(rank: int, schedule_name: str, cfg: BenchConfig) -> dict
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
     from ravq.config import resolve_task_module
-    from ravq.stage.split import build_task_model, even_cuts
+    from ravq.cut.split import build_task_model, even_cuts
 
     task = resolve_task_module(cfg.task_spec)
     model = build_task_model(task, cfg.seed)  # the weights ravq's nodes start from

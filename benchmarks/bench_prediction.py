@@ -85,9 +85,10 @@ from ravq.planner import (
     training_settings,
 )
 from ravq.profile.blocks import profile_blocks
-from ravq.profile.compute import measure_model_flops, usable_memory_bytes
+from ravq.profile.compute import measure_model_flops
 from ravq.profile.links import ProbeConfig, profile_links
 from ravq.profile.store import Measurement, load_profiles, save_profile
+from ravq.tuning import usable_memory_bytes
 
 TASK = "ravq.tasks.charlm"
 TARGET = (0.75, 1.25)

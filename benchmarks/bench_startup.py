@@ -35,7 +35,7 @@ import torch
 from ravq.config import TrainingConfig, resolve_task_module
 from ravq.metrics import Metrics
 from ravq.stage.build import build_stage
-from ravq.stage.split import even_cuts
+from ravq.cut.split import even_cuts
 task_name, stages, stage, micro_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 task = resolve_task_module(task_name)
 base = hwm()

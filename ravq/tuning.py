@@ -121,3 +121,53 @@ def status_bytes(field: str, status: str = "/proc/self/status") -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+MEMORY_HEADROOM = 0.1
+"""Share of free memory a node leaves unused (the profiler's and a standby's usable memory)."""
+
+
+def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo",
+                        cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """Free device memory (cuda) or MemAvailable (otherwise), less MEMORY_HEADROOM.  On a CPU the memory
+    cgroup's limit less its usage caps it when lower (a container or a systemd MemoryMax= limit)."""
+    if device.startswith("cuda"):
+        import torch  # only for a GPU: this module stays light
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * (1 - MEMORY_HEADROOM))
+    available = None
+    for line in Path(meminfo).read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    if available is None:
+        raise RuntimeError(f"{meminfo} has no MemAvailable line")
+    limited = cgroup_memory_free(cgroup_root, proc_cgroup)
+    return int(min(available, limited if limited is not None else available) * (1 - MEMORY_HEADROOM))
+
+
+def cgroup_memory_free(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Limit less usage of this process's memory cgroup (v1 ``memory.limit_in_bytes`` or v2
+    ``memory.max``), or None when it has no limit or no such file can be read."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            group, limit_file, usage_file = Path(cgroup_root, "memory", path.lstrip("/")), "memory.limit_in_bytes", \
+                "memory.usage_in_bytes"
+        elif controllers == "":
+            group, limit_file, usage_file = Path(cgroup_root, path.lstrip("/")), "memory.max", "memory.current"
+        else:
+            continue
+        try:
+            limit_text = (group / limit_file).read_text().strip()
+            usage = int((group / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or int(limit_text) >= 1 << 60:  # v1 reports "no limit" as a huge number
+            continue
+        return max(0, int(limit_text) - usage)
+    return None

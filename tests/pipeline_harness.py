@@ -11,12 +11,12 @@ from typing import Any
 import orjson
 import torch
 
-from ravq.net.compress import Format, Packed
+from ravq.codec.compress import Format, Packed
+from ravq.cut.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
 from ravq.net.wire import Message, MsgType, decode, encode
 from ravq.stage.evaluate import attach, eval_stage_module
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.recipe import build_optimizer
-from ravq.stage.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
 from ravq.stage.tensors import model_input_needs
 from ravq.stage.types import Outbound, RecipeOptions, StageOptions
 

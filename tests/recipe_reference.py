@@ -7,9 +7,9 @@ from types import ModuleType
 
 import torch
 
+from ravq.cut.split import build_task_model
 from ravq.stage.precision import autocast_for
 from ravq.stage.recipe import build_optimizer
-from ravq.stage.split import build_task_model
 from ravq.stage.types import RecipeOptions
 
 

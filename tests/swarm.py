@@ -122,7 +122,7 @@ def export(ckpt: Path, cluster: int, out: Path) -> dict[str, torch.Tensor]:
     """What ``ravq export --cluster N`` writes from these checkpoints (in this process: no interpreter start)."""
     from safetensors.torch import load_file
 
-    from ravq.stage.export import export_cluster
+    from ravq.persist.export import export_cluster
 
     export_cluster(ckpt, out, cluster)
     return load_file(str(out))
@@ -142,7 +142,7 @@ def assert_clusters_equal(ckpt: Path, clusters: int, want: dict[str, torch.Tenso
 def tied_copies_identical(ckpt: Path, cluster: int, stages: tuple[int, ...] = (0, 1)) -> None:
     """Each of ``stages``' checkpoints holds its copy under the names it reads; all copies of a tie are one
     value, bit for bit."""
-    from ravq.stage import checkpoint
+    from ravq.persist import checkpoint
 
     loaded = [checkpoint.load_stage(ckpt, cluster, s) for s in stages]
     for s, ck in zip(stages, loaded, strict=True):

@@ -108,7 +108,7 @@ def test_compressed_ring_matches_gloo_within_the_format_bound(
         gloo_results: dict[tuple[int, int, int], torch.Tensor], ring_size: int, fmt: str) -> None:
     """ravq.average.ring_compression against gloo's float32 average: within the format's bound, same bits on
     every member (the all-gather restores the same bytes everywhere)."""
-    from ravq.net.compress import Format
+    from ravq.codec.compress import Format
     from tests.test_ring_compression import compressed_average, ring_bound
 
     for numel in SIZES[1:]:

@@ -68,7 +68,7 @@ def test_simulated_device_time_is_an_identity_that_splits_like_any_op(
 
     sys.path.insert(0, str(ROOT))
     from benchmarks import synthetic_task
-    from ravq.stage.split import split_model
+    from ravq.cut.split import split_model
 
     slept: list[float] = []
     monkeypatch.setattr(synthetic_task, "time", SimpleNamespace(sleep=slept.append))

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ravq.stage.meta import build_meta_model
-from ravq.stage.split import candidate_cuts, even_cuts, split_model
+from ravq.cut.meta import build_meta_model
+from ravq.cut.split import candidate_cuts, even_cuts, split_model
 from tests import big_task
 from tests.swarm import ROOT, Swarm, local_topology
 
@@ -110,6 +110,6 @@ def test_a_model_larger_than_any_pc_trains_checkpoints_and_exports(tmp_path: Pat
     with safe_open(str(out), framework="pt") as f:
         assert sorted(f.keys()) == sorted(model.state_dict().keys())
         head = f.get_tensor("head.weight")
-    from ravq.stage.checkpoint import load_stage
+    from ravq.persist.checkpoint import load_stage
 
     assert torch.equal(head, load_stage(ckpt, 0, 3).model["head.weight"])

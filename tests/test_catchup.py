@@ -12,12 +12,12 @@ import zmq
 from ravq.average import catchup
 from ravq.average.owners import stage_owners
 from ravq.config import ClusterPlan, Plan
+from ravq.cut.split import build_task_model, candidate_cuts, even_cuts
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions
 from ravq.net.transport import Inbox, Outlink
 from ravq.net.wire import DecodeLimits, MsgType
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.split import build_task_model, candidate_cuts, even_cuts
 from tests import models_for_tests as skipnet
 from tests.pipeline_harness import make_workers, run_workers
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ravq.stage import checkpoint
-from ravq.stage.checkpoint import CheckpointError, load_stage, remove_temp_files, save_stage
-from ravq.stage.export import export_cluster
+from ravq.persist import checkpoint
+from ravq.persist.checkpoint import CheckpointError, load_stage, remove_temp_files, save_stage
+from ravq.persist.export import export_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def test_an_interrupted_rotation_is_finished_by_the_next_save(tmp_path: Path) ->
 
 _SAVER = textwrap.dedent("""
     import sys, torch
-    from ravq.stage.checkpoint import save_stage
+    from ravq.persist.checkpoint import save_stage
     root = sys.argv[1]
     torch.manual_seed(0)
     module = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])  # ~8 MiB + Adam state

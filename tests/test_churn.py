@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from ravq.stage import checkpoint
+from ravq.persist import checkpoint
 from tests.swarm import Swarm, export, local_topology
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.fault]

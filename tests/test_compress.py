@@ -1,4 +1,4 @@
-"""ravq.net.compress: round-trip error bounds per format, error feedback, the compressed wire frames and the
+"""ravq.codec.compress: round-trip error bounds per format, error feedback, the compressed wire frames and the
 pipeline's compressed links (in-process harness)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import orjson
 import pytest
 import torch
 
-from ravq.net import compress
-from ravq.net.compress import ErrorFeedback, Format, Packed, error_bound, pack, unpack
+from ravq.codec import compress
+from ravq.codec.compress import ErrorFeedback, Format, Packed, error_bound, pack, unpack
 from ravq.net.wire import DecodeLimits, Message, MsgType, WireError, decode, encode
 from tests import models_for_tests as skipnet
 from tests.pipeline_harness import make_workers, merged_state, run_workers

@@ -16,11 +16,11 @@ import zmq.asyncio
 
 from ravq.metrics import Metrics
 from ravq.net.connections import ConnectionMonitor
-from ravq.net.limits import derived_max_message_bytes, largest_inbound_frame
 from ravq.net.options import CONTROL_FRAME_BYTES, SocketOptions
 from ravq.net.security import Curve, keygen
 from ravq.net.transport import Inbox
 from ravq.net.wire import DecodeLimits
+from ravq.stage.frames import derived_max_message_bytes, largest_inbound_frame
 
 GARBAGE = 24
 
@@ -108,7 +108,7 @@ def test_a_frame_over_the_limit_is_dropped_and_counted() -> None:
 
 
 def test_the_default_limit_follows_the_model() -> None:
-    from ravq.stage.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
+    from ravq.cut.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
     from tests import models_for_tests as task
 
     micro_batch = 64

@@ -111,7 +111,7 @@ def test_stale_pipeline_is_pipedream_to_float_tolerance() -> None:
     version its forward used, applied to the current ones; the last stage fresh)."""
     from torch.func import functional_call
 
-    from ravq.stage.split import build_task_model
+    from ravq.cut.split import build_task_model
     from tests import zoo_markov
 
     torch.set_num_threads(1)

@@ -29,8 +29,8 @@ def test_no_module_is_over_400_lines() -> None:
 
 def test_the_size_check_sees_every_subsystem() -> None:
     folders = {p.parent.relative_to(ROOT).as_posix() for p in _modules()}
-    for folder in ("ravq/net", "ravq/stage", "ravq/average", "ravq/swarm", "ravq/profile", "ravq/planner",
-                   "ravq/simulate", "ravq/cli", "brokers"):
+    for folder in ("ravq/codec", "ravq/net", "ravq/cut", "ravq/persist", "ravq/stage", "ravq/average", "ravq/swarm",
+                   "ravq/node", "ravq/profile", "ravq/planner", "ravq/simulate", "ravq/cli", "brokers"):
         assert folder in folders
 
 
@@ -54,7 +54,7 @@ def test_a_broken_layer_is_caught(tmp_path: Path) -> None:
         shutil.copytree(ROOT / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__", "data"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     wire = tmp_path / "ravq" / "net" / "wire.py"
-    wire.write_text(wire.read_text() + "\nfrom ravq.stage import checkpoint  # noqa: E402  (a layer broken)\n")
+    wire.write_text(wire.read_text() + "\nfrom ravq.persist import checkpoint  # noqa: E402  (a layer broken)\n")
     ring = tmp_path / "ravq" / "average" / "ring.py"
     ring.write_text(ring.read_text() + "\nimport zmq  # noqa: E402\n")
     segments = tmp_path / "ravq" / "average" / "segments.py"  # imported by ring: a circle
@@ -62,6 +62,6 @@ def test_a_broken_layer_is_caught(tmp_path: Path) -> None:
     proc = subprocess.run([_lint_imports(), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, check=False,
                           timeout=300, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.returncode != 0
-    assert "ravq.net.wire -> ravq.stage.checkpoint" in proc.stdout
+    assert "ravq.net.wire -> ravq.persist.checkpoint" in proc.stdout
     assert "ravq.average is not allowed to import zmq" in proc.stdout
     assert "No cycles are allowed in ravq.average" in proc.stdout

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from ravq.stage import checkpoint
-from ravq.stage.lineage import Point, consistent_choice
+from ravq.persist import checkpoint
+from ravq.persist.lineage import Point, consistent_choice
 from tests.swarm import Swarm, export, local_topology
 from tests.test_churn import HEARTBEAT_S, LOST_S, Watch, _cluster, _training, _version
 

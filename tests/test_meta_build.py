@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from ravq.stage.export import export_cluster
-from ravq.stage.materialize import MaterializeError, materialize
-from ravq.stage.meta import build_meta_model, is_meta, retarget_device
-from ravq.stage.split import SplitError, build_task_model, candidate_cuts, even_cuts, split_model
+from ravq.cut.materialize import MaterializeError, materialize
+from ravq.cut.meta import build_meta_model, is_meta, retarget_device
+from ravq.cut.split import SplitError, build_task_model, candidate_cuts, even_cuts, split_model
+from ravq.persist.export import export_cluster
 from ravq.tasks import charlm
 from tests import zoo
 
@@ -199,7 +199,7 @@ def test_a_pretrained_checkpoint_is_read_per_stage(tmp_path: Path, tied: bool) -
 
 def _pipeline(specs: list, args: tuple) -> object:  # type: ignore[type-arg]
     """The stages run one after the other, each handed what it receives, as nodes do."""
-    from ravq.stage.split import model_output
+    from ravq.cut.split import model_output
 
     outputs: dict[int, tuple] = {}  # type: ignore[type-arg]
     for spec in specs:
@@ -221,7 +221,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(tmp_path: Path) -> 
 def test_export_writes_what_the_model_loads(tmp_path: Path) -> None:
     """Stage checkpoints of a 3-stage charlm: the export (a tensor at a time) loads with strict=True and
     holds each stage's weights; checked against the task's model, a wrong model is refused."""
-    from ravq.stage.checkpoint import save_stage
+    from ravq.persist.checkpoint import save_stage
 
     model = build_meta_model(charlm, 0).model
     specs = split_model(model, charlm.example_inputs(2), even_cuts(candidate_cuts(model, charlm), 3))
@@ -246,7 +246,7 @@ def test_ravq_export_writes_a_from_pretrained_directory(tmp_path: Path) -> None:
     """With the topology, a transformers model is exported as a directory from_pretrained loads."""
     import yaml
 
-    from ravq.stage.checkpoint import save_stage
+    from ravq.persist.checkpoint import save_stage
 
     task = _gpt2_task()
     model = build_meta_model(task, 0).model
@@ -279,7 +279,7 @@ def test_a_swarm_trains_from_a_pretrained_checkpoint_and_exports_it(tmp_path: Pa
     """A 1x2 swarm starts from a saved GPT-2 (each node reads its stage's tensors), trains, checkpoints;
     `ravq export --topology` writes a directory from_pretrained loads, whose logits are the trained
     stages' logits."""
-    from ravq.stage.checkpoint import load_stage
+    from ravq.persist.checkpoint import load_stage
     from tests.swarm import Swarm, local_topology
 
     original = _save_pretrained(tmp_path / "gpt2", tied=True)
@@ -333,8 +333,8 @@ def test_a_new_run_starts_from_an_export_whatever_the_new_cuts(tmp_path: Path) -
 
     from ravq.config import TrainingConfig
     from ravq.metrics import Metrics
+    from ravq.persist.checkpoint import save_stage
     from ravq.stage.build import build_stage
-    from ravq.stage.checkpoint import save_stage
 
     model = build_meta_model(charlm, 0).model
     candidates = candidate_cuts(model, charlm)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ravq.average.segments import apply_average_delta, averaged_names, flatten
-from ravq.stage.split import SplitError, build_task_model, split_model, stage_input_specs
+from ravq.cut.split import SplitError, build_task_model, split_model, stage_input_specs
 from tests import zoo
 from tests.pipeline_harness import make_workers, merged_state, run_workers, train_one_process
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from ravq.stage.split import build_task_model
+from ravq.cut.split import build_task_model
 from tests import zoo
 from tests.swarm import ROOT, Swarm, assert_clusters_equal, local_topology, train
 

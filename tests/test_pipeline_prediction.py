@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ravq.stage.split import build_task_model
+from ravq.cut.split import build_task_model
 from tests import models_for_tests as skipnet
 from tests.pipeline_harness import make_workers, merged_state, run_workers
 

@@ -201,7 +201,7 @@ def test_ravnest_and_the_optimum_charge_messages_as_the_cost_model_does() -> Non
 def test_wire_fraction_is_what_compress_puts_on_the_wire(fmt: str, block: int) -> None:
     import torch
 
-    from ravq.net.compress import Format, Packed, pack
+    from ravq.codec.compress import Format, Packed, pack
 
     x = torch.randn(64, 1024)
     packed = pack(x, Format(fmt), block)

@@ -27,7 +27,6 @@ from ravq.profile.compute import (
     measure_compute,
     measure_matmul_flops,
     measure_model_flops,
-    usable_memory_bytes,
 )
 from ravq.profile.links import (
     Link,
@@ -40,6 +39,7 @@ from ravq.profile.links import (
 from ravq.profile.messages import MessageConfig, measure_messages, measure_ring
 from ravq.profile.stage_cost import StageCpu
 from ravq.profile.store import Measurement, load_profile, load_profiles, save_profile
+from ravq.tuning import usable_memory_bytes
 from tests.conftest import free_port
 from tests.virtual_time import now, run_virtual
 

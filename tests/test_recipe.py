@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from ravq.config import TrainingConfig
+from ravq.cut.split import build_task_model
 from ravq.stage import build
 from ravq.stage.lr import ScheduleSpec, lr_lambda
 from ravq.stage.recipe import recipe_options
-from ravq.stage.split import build_task_model
 from ravq.stage.types import RecipeOptions
 from tests import models_for_tests as skipnet
 from tests import recipe_tasks

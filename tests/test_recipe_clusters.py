@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ravq.config import TrainingConfig
+from ravq.cut.split import build_task_model
 from ravq.stage.recipe import recipe_options
-from ravq.stage.split import build_task_model
 from tests import models_for_tests as skipnet
 from tests import recipe_tasks
 from tests.recipe_reference import train_one_process_recipe

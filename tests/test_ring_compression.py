@@ -14,7 +14,7 @@ from ravq.average.mailbox import Mailbox, RingAborted, received_piece
 from ravq.average.ring_compression import RingCompression, compressed_ring_allreduce
 from ravq.average.rounds import average_segments
 from ravq.average.segments import plan_segments
-from ravq.net.compress import Format, Packed, error_bound
+from ravq.codec.compress import Format, Packed, error_bound
 from ravq.net.wire import decode, encode
 
 FORMATS = [Format.BF16, Format.INT8]

@@ -13,10 +13,10 @@ from brokers.book import Book
 from brokers.run import RUN_FILE, open_run, save_run
 from ravq.config import ClusterPlan, ConfigError, Plan
 from ravq.metrics import Metrics
-from ravq.stage import checkpoint
-from ravq.stage.checkpoint import CheckpointError, save_stage
-from ravq.stage.export import export_cluster
-from ravq.stage.lineage import Point, coexisted, consistent_choice, older
+from ravq.persist import checkpoint
+from ravq.persist.checkpoint import CheckpointError, save_stage
+from ravq.persist.export import export_cluster
+from ravq.persist.lineage import Point, coexisted, consistent_choice, older
 from ravq.swarm.resume import check_run
 
 PLAN = Plan(clusters=[ClusterPlan(nodes=["a0", "a1"], cuts=["l3"]), ClusterPlan(nodes=["b0", "b1"], cuts=["l3"])])

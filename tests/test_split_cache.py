@@ -1,4 +1,4 @@
-"""The split cache (``ravq.stage.split_cache``): a hit rebuilds stages that compute the same outputs and
+"""The split cache (``ravq.cut.split_cache``): a hit rebuilds stages that compute the same outputs and
 gradients as a fresh trace, with the same names, order and ties; a damaged or mismatched file is traced
 again and rewritten, with one log line."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from ravq.stage.meta import build_meta_model, retarget_device
-from ravq.stage.split import StageSpec, build_task_model, candidate_cuts, even_cuts, model_output
-from ravq.stage.split_cache import cached_split, cached_stages, split_key
+from ravq.cut.meta import build_meta_model, retarget_device
+from ravq.cut.split import StageSpec, build_task_model, candidate_cuts, even_cuts, model_output
+from ravq.cut.split_cache import cached_split, cached_stages, split_key
 from ravq.tasks import charlm
 from tests import zoo
 
@@ -71,7 +71,7 @@ def test_a_hit_computes_what_a_fresh_trace_computes(tmp_path: Path, name: str, s
                                                      caplog: pytest.LogCaptureFixture) -> None:
     task = TASKS[name]
     cuts = _cuts(task, stages)
-    caplog.set_level(logging.INFO, logger="ravq.stage.split_cache")
+    caplog.set_level(logging.INFO, logger="ravq.cut.split_cache")
     fresh, fresh_inputs = cached_stages(build_meta_model(task, 0).model, task.example_inputs(2), cuts, tmp_path)
     assert len(list(tmp_path.glob("split-*.json"))) == 1 and "read from the cache" not in caplog.text
     cached, cached_inputs = cached_stages(build_meta_model(task, 0).model, task.example_inputs(2), cuts, tmp_path)
@@ -97,13 +97,13 @@ def test_damaged_or_mismatched_cache_is_traced_again(tmp_path: Path, caplog: pyt
                     json.dumps({**doc, "key": "0" * 64})):  # another model's entry under this name
         path.write_text(damaged)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="ravq.stage.split_cache"):
+        with caplog.at_level(logging.INFO, logger="ravq.cut.split_cache"):
             specs = _split(charlm, cuts, tmp_path)
         assert "unusable" in caplog.text and "tracing again" in caplog.text
         assert [s.num_outputs for s in specs] == [1, 1]
         assert json.loads(path.read_text()) == doc  # rewritten whole
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ravq.stage.split_cache"):
+    with caplog.at_level(logging.INFO, logger="ravq.cut.split_cache"):
         _split(charlm, cuts, tmp_path)
     assert "read from the cache" in caplog.text
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ravq.stage import checkpoint
+from ravq.cut.split import build_task_model, candidate_cuts, even_cuts, split_model
+from ravq.persist import checkpoint
+from ravq.persist.export import export_cluster
 from ravq.stage.build import save
-from ravq.stage.export import export_cluster
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.split import build_task_model, candidate_cuts, even_cuts, split_model
 from tests import zoo
 from tests.pipeline_harness import make_workers, merged_state, run_workers, train_one_process
 
@@ -172,8 +172,8 @@ def test_export_writes_every_name_of_a_tie_with_one_value(tmp_path: Path) -> Non
 def test_frame_limit_admits_a_tied_gradient() -> None:
     """A stage's derived frame limit covers the tied weight's gradient another holder sends it (the
     vocabulary-sized embedding can be larger than any activation)."""
-    from ravq.net.limits import largest_inbound_frame
-    from ravq.stage.split import stage_input_specs
+    from ravq.cut.split import stage_input_specs
+    from ravq.stage.frames import largest_inbound_frame
 
     specs = _split(zoo.tied, 3)
     in_specs = stage_input_specs(specs, zoo.tied.example_inputs(2))

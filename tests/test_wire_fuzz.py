@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ravq.net.compress import FLOAT_DTYPES, MAX_BLOCK, MIN_BLOCK, Format, Packed, pack, unpack
+from ravq.codec.compress import FLOAT_DTYPES, MAX_BLOCK, MIN_BLOCK, Format, Packed, pack, unpack
 from ravq.net.wire import (
     DTYPES,
     NEEDS_MICRO_BATCH,
@@ -141,7 +141,7 @@ def messages(draw: st.DrawFn) -> Message:
 
 @st.composite
 def packed_tensors(draw: st.DrawFn) -> Packed:
-    """A compressed tensor as ravq.net.compress makes it (from finite values of any size and scale)."""
+    """A compressed tensor as ravq.codec.compress makes it (from finite values of any size and scale)."""
     fmt = draw(st.sampled_from([Format.BF16, Format.FP16, Format.INT8]))
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
     shape = draw(st.lists(st.integers(1, 70), min_size=1, max_size=3))
@@ -260,7 +260,7 @@ def corpus() -> list[list[bytes]]:
                 tensors={"empty": torch.empty(0, 3), "scalar": torch.tensor(2.0, dtype=torch.float64),
                          "mask": torch.tensor([True, False, True]), "u8": torch.arange(5, dtype=torch.uint8)}),
         Message(type=MsgType.HEARTBEAT, sender="node-7", sent_at=6.0, meta={"loss": 1.25, "ok": True}),
-        # compressed frames (ravq.net.compress): int8 payload + scales, and a bf16 cast, beside a plain tensor
+        # compressed frames (ravq.codec.compress): int8 payload + scales, and a bf16 cast, beside a plain tensor
         Message(type=MsgType.FORWARD, sender="stage-0", micro_batch=(0, 18), version=3, sent_at=13.5,
                 tensors={"t": torch.randint(0, 50, (4,), generator=gen)},
                 packed={"o0": _packed(torch.randn(3, 70, generator=gen), Format.INT8, 64),

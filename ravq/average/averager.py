@@ -45,13 +45,13 @@ from ravq.average.segments import (
     segments_for,
     snapshot_segments,
 )
+from ravq.codec.compress import Format
 from ravq.config import Plan, Topology
+from ravq.cut.meta import build_meta_model, example_args
 from ravq.metrics import Metrics
-from ravq.net.compress import Format
 from ravq.net.options import SocketOptions
 from ravq.net.transport import Context, Outlink
 from ravq.net.wire import DecodeLimits, Message
-from ravq.stage.meta import build_meta_model, example_args
 from ravq.stage.optim import set_clusters
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.tied_step import hand_over, held_params, tied_sinks

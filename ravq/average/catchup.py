@@ -88,7 +88,7 @@ def holders(plan: Plan, me_cluster: int, owners: Sequence[Mapping[str, str]],
 async def fetch(outlinks: Mapping[str, Outlink], me: str, by_node: Mapping[str, Sequence[str]],
                 timeout_s: float, lineages: dict[str, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
     """Ask every holder for its names (all at once); CatchupError if any part does not arrive.  What
-    each holder says of its copy (run id, version: ``ravq.stage.lineage``) goes into ``lineages``: the
+    each holder says of its copy (run id, version: ``ravq.persist.lineage``) goes into ``lineages``: the
     oldest part it sent, when a holder answered several requests."""
 
     async def one(node: str, names: Sequence[str]) -> dict[str, torch.Tensor]:

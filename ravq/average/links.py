@@ -16,10 +16,10 @@ import torch
 
 from ravq.average.mailbox import Mailbox, received_piece
 from ravq.average.rounds import ROUNDS_PER_EPOCH
+from ravq.codec.compress import Packed
 from ravq.config import Topology
 from ravq.config.routes import relays, route
 from ravq.metrics import Metrics
-from ravq.net.compress import Packed
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.routed import Links, RoutedLink
 from ravq.net.transport import Context, Inbox, Outlink

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ravq.net.compress import Packed
+from ravq.codec.compress import Packed
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ import torch
 
 from ravq.average.segments import averaged_names, with_optimizer_state
 from ravq.config import Plan
+from ravq.cut.split_cache import cache_dir, cached_split
 from ravq.stage.recipe import build_optimizer
-from ravq.stage.split_cache import cache_dir, cached_split
 
 
 def stage_owners(build: Callable[[], torch.nn.Module], example: tuple[Any, ...], plan: Plan,

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ravq.average.mailbox import Mailbox, OpenRound, RingAborted
 from ravq.average.segments import chunk_bounds
-from ravq.net.compress import Packed
+from ravq.codec.compress import Packed
 
 log = logging.getLogger(__name__)
 

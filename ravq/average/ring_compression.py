@@ -1,6 +1,6 @@
 """Compressed ring all-reduce with error feedback.
 
-Reduce-scatter pieces go out compressed (bf16 or blockwise int8, ``ravq.net.compress``); a member restores
+Reduce-scatter pieces go out compressed (bf16 or blockwise int8, ``ravq.codec.compress``); a member restores
 what it receives, adds its own values in float32 and compresses the sum again to forward it.  The
 member that completes a chunk's sum compresses it once, and the all-gather passes those bytes on
 unchanged, so every member restores the same bytes into the same result, bit for bit.
@@ -31,8 +31,8 @@ from torch import Tensor
 from ravq.average.mailbox import CompressedPiece, Mailbox, OpenRound, RingAborted
 from ravq.average.ring import RingLink, drive_ring, ring_plan
 from ravq.average.segments import Segment
-from ravq.net import compress
-from ravq.net.compress import Format, Packed
+from ravq.codec import compress
+from ravq.codec.compress import Format, Packed
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
         raise ConfigError("nodes: no node sets 'cluster'; set clusters in the topology or run "
                           "`ravq plan` and pass --plan")
     from ravq.config import resolve_task_module
-    from ravq.stage.meta import build_meta_model
-    from ravq.stage.split import candidate_cuts, even_cuts
+    from ravq.cut.meta import build_meta_model
+    from ravq.cut.split import candidate_cuts, even_cuts
 
     task = resolve_task_module(topology.task)
     if callable(getattr(task, "split_points", None)):
@@ -154,12 +154,12 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ravq.stage.export import export_cluster
+    from ravq.persist.export import export_cluster
 
     model = None
     if args.topology:
         from ravq.config import resolve_task_module
-        from ravq.stage.meta import build_meta_model
+        from ravq.cut.meta import build_meta_model
 
         topology = load_topology(args.topology)
         model = build_meta_model(resolve_task_module(topology.task), topology.seed).model

@@ -2,7 +2,7 @@
 endpoint addresses.
 
 Plain data without ZeroMQ, so the layers that must not import it (a stage's frame limits,
-``ravq.net.limits``) can read them; ``ravq.net.socket_io.configure`` applies them to a socket.
+``ravq.stage.frames``) can read them; ``ravq.net.socket_io.configure`` applies them to a socket.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 CONTROL_FRAME_BYTES = 1 << 20
 """ZMQ_MAXMSGSIZE of sockets that carry no tensors (broker, status) unless limits.max_message_bytes is set.
-A node raises its data sockets' limit to what its stage can legitimately receive (ravq.net.limits)."""
+A node raises its data sockets' limit to what its stage can legitimately receive (ravq.stage.frames)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -6,7 +6,7 @@ length before a single tensor is made, and raises ``WireError`` with a short ``r
 metric label) otherwise.  Tensor frames are sent without a copy (a memoryview over the tensor's
 storage) and received without a copy (``torch.frombuffer`` over the frame).
 
-Compressed tensors (``ravq.net.compress.Packed``, in ``Message.packed``) are frames of their own kinds,
+Compressed tensors (``ravq.codec.compress.Packed``, in ``Message.packed``) are frames of their own kinds,
 named in the descriptor's ``kind``: ``cast`` (a bf16/fp16 frame standing for a wider float tensor,
 ``to`` naming it), ``q8`` (int8 values of a float tensor, ``to`` and ``block`` as sent) always followed
 by its ``q8_scale`` frame (one float32 scale per block).  They are validated like every frame and
@@ -29,7 +29,7 @@ import orjson
 if TYPE_CHECKING:
     import torch
 
-    from ravq.net.compress import Packed
+    from ravq.codec.compress import Packed
 
 PROTOCOL_VERSION = 1
 
@@ -134,7 +134,7 @@ class Message:
     meta: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     packed: dict[str, Packed] = field(default_factory=dict)
-    """Compressed tensors (see ``ravq.net.compress``); their names differ from those in ``tensors``."""
+    """Compressed tensors (see ``ravq.codec.compress``); their names differ from those in ``tensors``."""
 
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
@@ -327,7 +327,7 @@ def decode(frames: Sequence[Any], limits: DecodeLimits = DecodeLimits()) -> Mess
 class _PackedFrames:
     name: str
     format: str
-    """A ``ravq.net.compress.Format`` value (that module, and torch, load only once such a frame arrives)."""
+    """A ``ravq.codec.compress.Format`` value (that module, and torch, load only once such a frame arrives)."""
     data: memoryview
     dtype: str
     shape: list[int]
@@ -336,7 +336,7 @@ class _PackedFrames:
     scales: memoryview | None = None
 
     def make(self) -> Packed:
-        from ravq.net.compress import Format, Packed
+        from ravq.codec.compress import Format, Packed
 
         data = _tensor(self.data, self.dtype, self.shape)  # loads torch
         if self.format != Format.INT8:
@@ -347,7 +347,7 @@ class _PackedFrames:
 
 
 Q8_BLOCKS = (64, 256)
-"""Smallest and largest int8 block (ravq.net.compress.MIN_BLOCK, MAX_BLOCK; a test holds them equal: this
+"""Smallest and largest int8 block (ravq.codec.compress.MIN_BLOCK, MAX_BLOCK; a test holds them equal: this
 module does not import torch until a tensor arrives)."""
 _FLOAT32_MAX, _FLOAT16_MAX, _BFLOAT16_MAX = 3.4028234663852886e38, 65504.0, 3.3895313892515355e38
 _MAX_SCALE = {"float32": _FLOAT32_MAX / 127 * (1 - 1e-6), "float64": _FLOAT32_MAX / 127 * (1 - 1e-6),

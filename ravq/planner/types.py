@@ -11,7 +11,7 @@ GIB = float(1 << 30)
 
 @dataclass(frozen=True, slots=True)
 class Wire:
-    """Bytes that cross a link per float32 byte, as ``training.compress`` packs them (``ravq.net.compress``):
+    """Bytes that cross a link per float32 byte, as ``training.compress`` packs them (``ravq.codec.compress``):
     pipeline messages (activations and gradients) and ring pieces.  1.0: uncompressed."""
 
     pipeline: float = 1.0
@@ -32,7 +32,7 @@ with ``training.average_optimizer_state``; the planner and the simulator assume 
 
 
 def wire_fraction(fmt: str, int8_block: int = 128) -> float:
-    """Wire bytes per float32 byte of a format of ``ravq.net.compress``: none 1; bf16 and fp16 2 bytes a
+    """Wire bytes per float32 byte of a format of ``ravq.codec.compress``: none 1; bf16 and fp16 2 bytes a
     value; int8 one byte a value and a float32 scale per ``int8_block`` values."""
     if fmt == "none":
         return 1.0

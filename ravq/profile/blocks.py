@@ -1,6 +1,6 @@
 """The model's profile per candidate block, for the planner: bytes, FLOPs and memory.
 
-The model is built on ``meta`` and cut at every candidate cut (``ravq.stage.split.split_model``, torch's
+The model is built on ``meta`` and cut at every candidate cut (``ravq.cut.split.split_model``, torch's
 pipelining tracer); each piece is a block, given real weights only while it is measured, so profiling
 never holds more than one block.  One real micro-batch (the task's first training batch) runs through the blocks one
 by one, each block forward and backward under torch's ``FlopCounterMode``, each block's inputs detached
@@ -25,11 +25,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ravq.cut.materialize import materialize
+from ravq.cut.meta import build_meta_model, retarget_device
+from ravq.cut.split import StageSpec, candidate_cuts, model_output, split_model
 from ravq.planner import BlockProfile
-from ravq.stage.materialize import materialize
-from ravq.stage.meta import build_meta_model, retarget_device
 from ravq.stage.recipe import build_optimizer
-from ravq.stage.split import StageSpec, candidate_cuts, model_output, split_model
 
 
 @dataclass(kw_only=True, slots=True)

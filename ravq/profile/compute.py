@@ -4,7 +4,7 @@ FLOP/s of matmuls and of training steps of the task's own model (its forward + b
 counted with the same ``FlopCounterMode`` as the model profile, over the time of forward, backward and
 optimizer step), measured in several windows so that two runs on the same PC agree
 (``measure_compute``), and the memory a stage may use: the device's free memory, or on a CPU the
-available memory capped by the memory cgroup's limit, less some headroom (``usable_memory_bytes``).
+available memory capped by the memory cgroup's limit, less some headroom (``ravq.tuning.usable_memory_bytes``).
 """
 
 from __future__ import annotations
@@ -14,18 +14,15 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ravq.stage.recipe import build_optimizer
+from ravq.tuning import usable_memory_bytes
 
 log = logging.getLogger(__name__)
-
-MEMORY_HEADROOM = 0.1
-"""Share of the available memory left to the operating system and the node's own runtime."""
 
 
 def _sync(device: str) -> None:
@@ -142,54 +139,10 @@ def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_
                          cpu_share=share, step_flops=flops, with_loss=with_loss)
 
 
-def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo",
-                        cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
-    """Free device memory (cuda) or MemAvailable (otherwise), less MEMORY_HEADROOM.  On a CPU the memory
-    cgroup's limit less its usage caps it when lower (a container or a systemd MemoryMax= limit)."""
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free * (1 - MEMORY_HEADROOM))
-    available = None
-    for line in Path(meminfo).read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-    if available is None:
-        raise RuntimeError(f"{meminfo} has no MemAvailable line")
-    limited = cgroup_memory_free(cgroup_root, proc_cgroup)
-    return int(min(available, limited if limited is not None else available) * (1 - MEMORY_HEADROOM))
-
-
-def cgroup_memory_free(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
-    """Limit less usage of this process's memory cgroup (v1 ``memory.limit_in_bytes`` or v2
-    ``memory.max``), or None when it has no limit or no such file can be read."""
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            group, limit_file, usage_file = Path(cgroup_root, "memory", path.lstrip("/")), "memory.limit_in_bytes", \
-                "memory.usage_in_bytes"
-        elif controllers == "":
-            group, limit_file, usage_file = Path(cgroup_root, path.lstrip("/")), "memory.max", "memory.current"
-        else:
-            continue
-        try:
-            limit_text = (group / limit_file).read_text().strip()
-            usage = int((group / usage_file).read_text())
-        except (OSError, ValueError):
-            continue
-        if limit_text == "max" or int(limit_text) >= 1 << 60:  # v1 reports "no limit" as a huge number
-            continue
-        return max(0, int(limit_text) - usage)
-    return None
-
-
 def model_param_bytes(task: Any) -> int:
     """Float32 bytes of the task's model's parameters (0 when it cannot be built here)."""
     try:
-        from ravq.stage.meta import build_meta_model
+        from ravq.cut.meta import build_meta_model
 
         return sum(4 * p.numel() for p in build_meta_model(task, 0).model.parameters())
     except (RuntimeError, ValueError, TypeError) as err:

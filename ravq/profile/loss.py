@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ravq.cut.meta import build_meta_model
+from ravq.cut.split import build_task_model
 from ravq.profile.compute import usable_memory_bytes
-from ravq.stage.meta import build_meta_model
-from ravq.stage.split import build_task_model
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from ravq.average.mailbox import Mailbox, received_piece
 from ravq.average.ring_compression import RingCompression
 from ravq.average.rounds import average_segments
 from ravq.average.segments import Segment
+from ravq.codec import compress
+from ravq.codec.compress import Format, Packed
 from ravq.config import Topology
 from ravq.metrics import Metrics
-from ravq.net import compress
-from ravq.net.compress import Format, Packed
 from ravq.net.security import socket_options_for
 from ravq.net.transport import Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType

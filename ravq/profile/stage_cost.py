@@ -31,18 +31,18 @@ from typing import Any
 import torch
 import zmq
 
+from ravq.codec.compress import Packed
 from ravq.config import Topology
+from ravq.cut.meta import build_meta_model
+from ravq.cut.split import candidate_cuts, even_cuts
 from ravq.metrics import Metrics
-from ravq.net.compress import Packed
 from ravq.net.security import socket_options_for
 from ravq.net.transport import Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
 from ravq.profile.links import CHUNK_BYTES
 from ravq.profile.session import zmq_session
 from ravq.stage.build import build_stage
-from ravq.stage.meta import build_meta_model
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.split import candidate_cuts, even_cuts
 from ravq.stage.types import Outbound
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ async def _pipeline_cpu_s(task: Any, topology: Topology, name: str,
                     for i in range(2)]
         queues: list[asyncio.Queue[Outbound]] = [asyncio.Queue() for _ in workers]
 
-        async def send_loop(i: int) -> None:  # as ravq.swarm.links.StageLinks.send_loop
+        async def send_loop(i: int) -> None:  # as ravq.node.pipeline_links.StageLinks.send_loop
             while True:
                 out = await queues[i].get()
                 tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
@@ -159,7 +159,7 @@ async def _pipeline_cpu_s(task: Any, topology: Topology, name: str,
                                                version=out.version, meta={**out.meta, "gen": out.generation},
                                                tensors=tensors, packed=packed))
 
-        async def read_loop(i: int) -> None:  # as ravq.swarm.links.StageLinks.read_loop
+        async def read_loop(i: int) -> None:  # as ravq.node.pipeline_links.StageLinks.read_loop
             while True:
                 _, msg = await inboxes[i].recv()
                 kind = next(k for k, t in _KINDS.items() if t == msg.type)

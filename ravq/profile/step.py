@@ -5,7 +5,7 @@ fits in half of the PC's usable memory (weights, gradients and two optimizer sta
 whole, as before; a larger one (the models ravq exists for) is timed on its largest block, the one a
 PC of the swarm is most likely to hold: its inputs are made by running the blocks before it one at a
 time (each given real weights, run without gradients, then dropped), so profiling never holds more
-than one block.  Weights follow the materialisation rule (``ravq.stage.materialize``).
+than one block.  Weights follow the materialisation rule (``ravq.cut.materialize``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ravq.stage.materialize import materialize
-from ravq.stage.meta import build_meta_model, example_args, retarget_device
-from ravq.stage.split import StageSpec, build_task_model, candidate_cuts, model_output, split_model
+from ravq.cut.materialize import materialize
+from ravq.cut.meta import build_meta_model, example_args, retarget_device
+from ravq.cut.split import StageSpec, build_task_model, candidate_cuts, model_output, split_model
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ravq.net.compress import Packed
+from ravq.codec.compress import Packed
 from ravq.stage.tensors import expected_backward
 from ravq.stage.types import MicroBatch
 

@@ -1,11 +1,11 @@
 """Build one node's stage from the task and the plan, and save or resume it from its checkpoint.
 
-``build_stage`` traces the task's model on the ``meta`` device (``ravq.stage.meta``), gives only this
-node's stage real weights (``ravq.stage.materialize``: the same values whatever the cut, or a pretrained
+``build_stage`` traces the task's model on the ``meta`` device (``ravq.cut.meta``), gives only this
+node's stage real weights (``ravq.cut.materialize``: the same values whatever the cut, or a pretrained
 checkpoint's, read tensor by tensor) and wraps it in a ``StageWorker`` with the topology's training
 settings; stage 0 also gets its cluster's shard of the data.  No node ever holds more of the model than
 its stage.
-``resume`` loads the newest checkpoint of the stage (``ravq.stage.checkpoint``), if any, with its
+``resume`` loads the newest checkpoint of the stage (``ravq.persist.checkpoint``), if any, with its
 optimizer state, version and data position; ``save`` writes one.
 """
 
@@ -19,17 +19,18 @@ from typing import Any
 
 import torch
 
+from ravq.codec.compress import Format
 from ravq.config import TrainingConfig
+from ravq.cut.materialize import materialize
+from ravq.cut.meta import build_meta_model, example_args, retarget_device
+from ravq.cut.split import StageSpec, build_task_model, split_model, stage_input_specs
+from ravq.cut.split_cache import cache_dir, cached_stages
 from ravq.metrics import Metrics
-from ravq.net.compress import Format
-from ravq.net.limits import largest_inbound_frame
-from ravq.stage import checkpoint, evaluate
-from ravq.stage.materialize import materialize
-from ravq.stage.meta import build_meta_model, example_args, retarget_device
+from ravq.persist import checkpoint
+from ravq.stage import evaluate
+from ravq.stage.frames import largest_inbound_frame
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.recipe import recipe_options
-from ravq.stage.split import StageSpec, build_task_model, split_model, stage_input_specs
-from ravq.stage.split_cache import cache_dir, cached_stages
 from ravq.stage.tensors import model_input_needs
 from ravq.stage.tied_step import tied_meta
 from ravq.stage.types import StageOptions
@@ -78,7 +79,7 @@ def _traced(task: Any, seed: int, example: tuple[Any, ...], cuts: list[str], sta
     """The model on meta, its stages and their input shapes, with this stage's weights made real (read from
     ``init_from`` where it holds them).  A model that cannot be traced on meta is traced with real weights
     (the same values), at the whole model's cost.  The meta split is read from ``split_cache`` when it holds
-    it (``ravq.stage.split_cache``)."""
+    it (``ravq.cut.split_cache``)."""
     try:
         model = build_meta_model(task, seed).model
         t0 = time.monotonic()

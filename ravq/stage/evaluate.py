@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ravq.stage.materialize import materialize
-from ravq.stage.meta import build_meta_model, retarget_device, to_meta
-from ravq.stage.split import build_task_model, model_output
+from ravq.cut.materialize import materialize
+from ravq.cut.meta import build_meta_model, retarget_device, to_meta
+from ravq.cut.split import build_task_model, model_output
 from ravq.stage.tensors import Parts, data_for, gather_inputs, targets_of, to_device
 from ravq.stage.types import MicroBatch, Outbound
 
@@ -50,8 +50,8 @@ def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts:
         model, meta = build_task_model(task, seed), False
     model.eval()
     if cuts:
-        # imported here: torch's pipelining, export and dynamo take seconds to import (ravq.stage.split)
-        from ravq.stage.trace import split_pipe
+        # imported here: torch's pipelining, export and dynamo take seconds to import (ravq.cut.split)
+        from ravq.cut.trace import split_pipe
 
         pipe = split_pipe(model, to_meta(example_args) if meta else example_args, cuts)
         module = pipe.get_stage_module(stage)

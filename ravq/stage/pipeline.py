@@ -26,12 +26,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ravq.net import compress
-from ravq.net.compress import Packed
+from ravq.codec import compress
+from ravq.codec.compress import Packed
+from ravq.cut.split import StageSpec, model_output
 from ravq.stage.arrivals import deliver
 from ravq.stage.recipe import Recipe, build_optimizer
 from ravq.stage.schedule import Scheduler
-from ravq.stage.split import StageSpec, model_output
 from ravq.stage.stash import GradientSum, Stashed, WeightStash, fresh_buffers
 from ravq.stage.stats import StageStats
 from ravq.stage.tensors import (

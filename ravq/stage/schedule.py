@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ravq.net.compress import Packed
+from ravq.codec.compress import Packed
 from ravq.stage.tensors import Expected, Parts, check_tensors
 from ravq.stage.types import MicroBatch
 

@@ -3,7 +3,7 @@
 Names in a FORWARD message: ``x{k}`` model input k (from stage 0), ``o{i}`` output i of the sending
 stage, and for the last stage ``t`` (one target) or ``t{i}`` (several), sent by stage 0.  In a BACKWARD
 message: ``g{i}``, the gradient for output i of the receiving stage.  Only ``o`` and ``g`` tensors may
-arrive packed (``ravq.net.compress``); model inputs and targets never are.
+arrive packed (``ravq.codec.compress``); model inputs and targets never are.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ravq.net import compress
-from ravq.net.compress import Packed
-from ravq.stage.split import StageSpec
+from ravq.codec import compress
+from ravq.codec.compress import Packed
+from ravq.cut.split import StageSpec
 
 Expected = dict[str, tuple[torch.Size, torch.dtype | None]]
 """Tensor name -> the shape and dtype it must have (a packed one: once restored); dtype None: any of

@@ -1,6 +1,6 @@
 """Keeping the copies of a tied weight equal while an asynchronous pipeline trains (DeepSpeed's tied layers).
 
-Every stage holding a copy of a tied weight (``ravq.stage.tied.TiedGroup``) takes the copy's gradient out of
+Every stage holding a copy of a tied weight (``ravq.cut.tied.TiedGroup``) takes the copy's gradient out of
 its own optimizer step: at its j-th step it sends that gradient, its *contribution* j, to the other holders
 (a TIED message; the last stage sends it before its input-gradients, so an upstream holder has it before it
 can finish the same micro-batch).  Tied step j runs on every holder once all contributions j are in: the same
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ravq.stage.tied import TiedGroup
+from ravq.cut.tied import TiedGroup
 from ravq.stage.types import Outbound
 
 GRAD, DELTA, SET, FIN = "g:", "d:", "s:", "fin"
@@ -333,7 +333,7 @@ def hand_over(worker: Any, sinks: Mapping[str, torch.Tensor]) -> None:
 
 def tied_meta(tied: TiedExchange | None) -> list[dict[str, Any]]:
     """What a stage checkpoint records of its tied copies: each group's names and the tied steps applied
-    (``ravq.stage.export`` writes the copy furthest along under every name)."""
+    (``ravq.persist.export`` writes the copy furthest along under every name)."""
     if tied is None:
         return []
     return [{"key": g.key, "names": list(g.names), "holders": list(g.holders), "applied": tied.applied[g.key]}

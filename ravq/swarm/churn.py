@@ -17,20 +17,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ravq.average.averager import Averager
 from ravq.average.catchup import CatchupError
 from ravq.average.catchup import apply_tensors as catchup_apply
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
-from ravq.stage.lineage import older
+from ravq.persist.lineage import older
 from ravq.stage.pipeline import StageWorker
-from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership
 
 log = logging.getLogger(__name__)
+
+class PipelineLinks(Protocol):
+    """What churn asks of the node's pipeline links (``ravq.node.pipeline_links.PipelineLinks``)."""
+
+    def replace(self, renamed: dict[str, str], cluster_nodes: Sequence[str]) -> None:
+        """Standbys took over lost peers (``renamed``: old name -> new): link to them instead."""
+
 
 PHASES = ("starting", "standby", "training", "paused", "catching_up", "finishing", "leaving")
 
@@ -53,7 +59,7 @@ class Churn:
         self.cluster = -1
         self._worker: StageWorker | None = None
         self._averager: Averager | None = None
-        self._links: StageLinks | None = None
+        self._links: PipelineLinks | None = None
         self.caught_up_from: dict[str, int] | None = None
         """The holders (node -> version) this stage's weights were last loaded from (its lineage)."""
         self._export_phase()
@@ -64,7 +70,7 @@ class Churn:
             self.metrics.node_phase.labels(p).set(float(p == self.phase))
 
     def attach(self, *, plan: Plan, cluster: int, worker: StageWorker, averager: Averager | None,
-               links: StageLinks) -> None:
+               links: PipelineLinks) -> None:
         """The node's stage is built: from now on pauses, catch-ups and replacements act on these."""
         self.plan, self.cluster = plan, cluster
         self._worker, self._averager, self._links = worker, averager, links

@@ -9,7 +9,7 @@ rotate that run's checkpoints away.
 
 When a whole cluster starts (a power cut, a restart of everything), its members agree on one
 consistent point: each reports its stage's checkpoints of the run in its heartbeats, the broker relays
-them, and every member picks the newest set that coexisted (``ravq.stage.lineage``), so a power cut
+them, and every member picks the newest set that coexisted (``ravq.persist.lineage``), so a power cut
 between two stages' saves never resumes a pipeline from two moments.  A single node that restarts
 while its cluster is paused loads its own newest checkpoint and catches up (``ravq.swarm.churn``).
 """
@@ -22,10 +22,10 @@ import time
 from typing import Any
 
 from ravq.metrics import Metrics
-from ravq.stage import checkpoint
+from ravq.persist import checkpoint
+from ravq.persist.checkpoint import CheckpointError
+from ravq.persist.lineage import Point, consistent_choice, describe
 from ravq.stage.build import resume
-from ravq.stage.checkpoint import CheckpointError
-from ravq.stage.lineage import Point, consistent_choice, describe
 from ravq.stage.pipeline import StageWorker
 from ravq.swarm.membership import Membership
 
@@ -97,7 +97,7 @@ def load(worker: StageWorker, root: str, *, cluster: int, stage: int, update_eve
 
 def lineage(worker: StageWorker, run_id: str | None, *, caught_up_from: dict[str, Any] | None,
             epoch: int, clusters_in_rings: int, rounds: int) -> dict[str, Any]:
-    """What a stage's checkpoint records of where its weights come from (``ravq.stage.lineage``)."""
+    """What a stage's checkpoint records of where its weights come from (``ravq.persist.lineage``)."""
     return {"window": worker.options.max_inflight,
             "lineage": {"run_id": run_id, "version": worker.version, "caught_up_from": caught_up_from,
                         "averaged_with": {"plan_epoch": epoch, "clusters_in_rings": clusters_in_rings,

@@ -13,7 +13,7 @@ broker lets the cluster train again.  A node exits only on a signal, at the end 
 ``timeouts.give_up_s`` paused.  A node that starts while its cluster is not starting (it restarted)
 loads its checkpoint, if any, and joins through the same recovery.  ``ravq.swarm.churn.Churn`` owns that
 state; this module only composes the parts.  Every stage resumes from its run's checkpoints
-(``ravq.swarm.resume``); a signal while the run goes on is a leave (``ravq.swarm.stopping``).
+(``ravq.swarm.resume``); a signal while the run goes on is a leave (``ravq.node.stopping``).
 """
 
 from __future__ import annotations
@@ -36,24 +36,24 @@ from ravq.average.averager import Averager, ring_owners
 from ravq.config import Plan, Topology, resolve_task_module
 from ravq.lifecycle import StartupTimes, first_error, in_daemon_thread
 from ravq.metrics import Metrics
-from ravq.net.limits import derived_max_message_bytes
 from ravq.net.listen import serve_metrics
 from ravq.net.options import io_threads
 from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits
-from ravq.stage import checkpoint
+from ravq.node.pipeline_links import StageLinks
+from ravq.node.progress import log_progress
+from ravq.node.routes import open_routes
+from ravq.node.stopping import Stopping
+from ravq.persist import checkpoint
 from ravq.stage.build import BuiltStage, build_stage, save
+from ravq.stage.frames import derived_max_message_bytes
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.tied_step import close_tied
 from ravq.stage.types import Outbound
 from ravq.swarm import resume
 from ravq.swarm.churn import Churn
-from ravq.swarm.links import StageLinks
 from ravq.swarm.membership import Membership, beat_on_cadence
-from ravq.swarm.progress import log_progress
-from ravq.swarm.routes import open_routes
-from ravq.swarm.stopping import Stopping
-from ravq.tuning import cpu_budget, peak_rss_bytes
+from ravq.tuning import cpu_budget, peak_rss_bytes, usable_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class NodeOptions:
 
 class Node:
     """The composition root of one node: membership (``ravq.swarm.membership``), churn
-    (``ravq.swarm.churn``), the pipeline links (``ravq.swarm.links``), the stage
+    (``ravq.swarm.churn``), the pipeline links (``ravq.node.pipeline_links``), the stage
     (``ravq.stage``) and averaging (``ravq.average``), each owning its own state."""
 
     def __init__(self, topology: Topology, name: str, options: NodeOptions, metrics: Metrics) -> None:
@@ -196,11 +196,10 @@ class Node:
     def _memory_bytes(self) -> int:
         if self.config.memory_bytes is not None:
             return self.config.memory_bytes
-        from ravq.profile.compute import usable_memory_bytes  # a standby only: keep the node's start light
         return usable_memory_bytes(self.config.device)
 
     def _derive_limits(self, largest_frame: int) -> None:
-        """Data sockets accept frames up to what this stage can legitimately receive (ravq.net.limits)."""
+        """Data sockets accept frames up to what this stage can legitimately receive (ravq.stage.frames)."""
         if self.topology.limits.max_message_bytes is not None:
             return
         ring = self.topology.training.ring_chunk_bytes  # also with one cluster: a re-plan may add rings

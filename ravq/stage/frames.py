@@ -27,7 +27,7 @@ def largest_inbound_frame(specs: list[Any], input_specs: list[list[tuple[Any, An
     """Bytes of the largest tensor frame ``stage`` can receive on its pipeline link.
 
     ``specs`` are the cluster's StageSpecs, ``input_specs`` every stage's (shape, dtype) inputs from
-    ``ravq.stage.split.stage_input_specs``; a stage's output gradient has the shape of the consumer input it feeds, and a tied weight's gradient (a
+    ``ravq.cut.split.stage_input_specs``; a stage's output gradient has the shape of the consumer input it feeds, and a tied weight's gradient (a
 TIED message) that of the weight."""
     sizes = [_nbytes(shape, dtype) for shape, dtype in input_specs[stage]]
     for s, spec in enumerate(specs):

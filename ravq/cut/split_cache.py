@@ -29,8 +29,8 @@ from torch import fx, nn
 from torch.fx.graph_module import _format_import_block, _forward_from_src
 from torch.package import sys_importer
 
-from ravq.stage.split import Constant, InputRef, StageSpec, TensorSpec, split_model, stage_input_specs
-from ravq.stage.tied import TiedGroup
+from ravq.cut.split import Constant, InputRef, StageSpec, TensorSpec, split_model, stage_input_specs
+from ravq.cut.tied import TiedGroup
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.utils._pytree import TreeSpec
 
-from ravq.stage.meta import build_meta_model, is_meta, shape_pass, to_meta
-from ravq.stage.tied import TiedGroup, settle_ties, tie_groups
+from ravq.cut.meta import build_meta_model, is_meta, shape_pass, to_meta
+from ravq.cut.tied import TiedGroup, settle_ties, tie_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,7 @@ class StageSpec:
     output_spec: TreeSpec | None = None
     """The structure ``output_leaves`` are put back into (a ModelOutput, dataclass, dict, tuple...)."""
     tied: list[TiedGroup] = field(default_factory=list)
-    """The tied weights this stage holds a copy of, beside other stages (``ravq.stage.tied``)."""
+    """The tied weights this stage holds a copy of, beside other stages (``ravq.cut.tied``)."""
 
     @property
     def received(self) -> list[InputRef]:
@@ -149,7 +149,7 @@ def split_model(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]
     if not cuts:
         return [_whole_model_stage(model, example_args)]
     # imported here: torch's pipelining, export and dynamo take seconds to import, and a cached split needs none
-    from ravq.stage.trace import split_pipe
+    from ravq.cut.trace import split_pipe
 
     groups = tie_groups(model)
     leaves, out_spec = _output_structure(model, example_args)
@@ -279,7 +279,7 @@ def _whole_model_stage(model: nn.Module, example_args: tuple[Any, ...]) -> Stage
 
 def _check_names(model: nn.Module, specs: list[StageSpec]) -> None:
     """Every parameter and persistent buffer lands in a stage under its own name, and only a tied one
-    (``ravq.stage.tied``) in several."""
+    (``ravq.cut.tied``) in several."""
     want = list(model.state_dict().keys())
     holders: dict[str, list[int]] = {}
     for spec in specs:
@@ -314,9 +314,9 @@ def keep_buffers(modules: Sequence[nn.Module]) -> Iterator[None]:
 
 
 def build_task_model(task: Any, seed: int) -> nn.Module:
-    """The whole task model with real weights, as every cluster starts from it (``ravq.stage.materialize``'s
+    """The whole task model with real weights, as every cluster starts from it (``ravq.cut.materialize``'s
     rule: the same values a stage of any cut gets).  For one process: references, tests, export checks."""
-    from ravq.stage.materialize import materialize
+    from ravq.cut.materialize import materialize
 
     blueprint = build_meta_model(task, seed)
     materialize(blueprint.model, task, seed)

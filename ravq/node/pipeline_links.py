@@ -13,10 +13,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
+from ravq.codec.compress import Packed
 from ravq.config import Topology
 from ravq.config.routes import DIAL, RELAY, relays, route
 from ravq.metrics import Metrics
-from ravq.net.compress import Packed
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.routed import Links, RoutedLink
 from ravq.net.transport import Context, Inbox, Outlink

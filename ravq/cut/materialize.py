@@ -11,7 +11,7 @@ seed and the module's qualified name:
 
 A checkpoint the task names (``pretrained``: a transformers directory, a ``.safetensors`` file or a
 directory of them, sharded or not) then overwrites the tensors it holds, each read alone with
-safetensors' ``safe_open``.  Buffers start from the constructor's values (``ravq.stage.meta``).  A
+safetensors' ``safe_open``.  Buffers start from the constructor's values (``ravq.cut.meta``).  A
 parameter that nothing initialises (a bare ``nn.Parameter`` in a module without ``reset_parameters``)
 takes the constructor's value, which costs one build of the whole model: a warning names it.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ravq.stage.meta import Blueprint, SkipMetaInPlace, build_meta_model
+from ravq.cut.meta import Blueprint, SkipMetaInPlace, build_meta_model
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from ravq.average.averager import Averager
 from ravq.config import Topology
 from ravq.config.routes import declared_reach
 from ravq.metrics import Metrics
-from ravq.swarm.links import StageLinks
+from ravq.node.pipeline_links import StageLinks
 from ravq.swarm.membership import Membership
 
 log = logging.getLogger("ravq.node")  # the node's own lines

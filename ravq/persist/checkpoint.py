@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ravq.stage.safetensors_io import entry, write_safetensors
+from ravq.persist.safetensors_io import entry, write_safetensors
 
 log = logging.getLogger(__name__)
 

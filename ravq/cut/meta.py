@@ -7,7 +7,7 @@ moves the buffers to ``meta`` too, keeping their values aside: buffers are small
 put in train mode: a ``from_pretrained`` model arrives in eval mode and must not train with dropout off.
 
 Tracing, the planner's block profile, averaging owners and ``ravq plan`` all work on this model;
-``ravq.stage.materialize`` gives one stage real weights.  ``shape_pass`` runs the model (or a stage) on
+``ravq.cut.materialize`` gives one stage real weights.  ``shape_pass`` runs the model (or a stage) on
 fake tensors, for what a pass over example inputs reveals: output structure, shapes, dtypes.
 """
 

@@ -25,8 +25,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ravq.stage import lineage
-from ravq.stage.checkpoint import (
+from ravq.persist import lineage
+from ravq.persist.checkpoint import (
     CheckpointError,
     newest_run,
     runs_of,
@@ -34,7 +34,7 @@ from ravq.stage.checkpoint import (
     stage_metas,
     stages_found,
 )
-from ravq.stage.safetensors_io import NAMES, Entry, write_safetensors
+from ravq.persist.safetensors_io import NAMES, Entry, write_safetensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +113,7 @@ def _stages(root: Path, cluster: int, run_id: str | None) -> tuple[list[dict[str
 
 def _coexisting(root: Path, cluster: int, run_id: str | None,
                 newest: dict[int, tuple[dict[str, Any], Path]]) -> dict[int, tuple[dict[str, Any], Path]]:
-    """The newest checkpoint of every stage such that all of them coexisted (``ravq.stage.lineage``: a
+    """The newest checkpoint of every stage such that all of them coexisted (``ravq.persist.lineage``: a
     power cut between two stages' saves leaves one a save ahead); one line naming each stage's
     checkpoints when none did."""
     stages = sorted(newest)
@@ -143,7 +143,7 @@ def _sources(paths: list[Path]) -> dict[str, list[_Source]]:
 
 
 def _furthest_copies(sources: dict[str, list[_Source]], metas: list[dict[str, Any]]) -> None:
-    """Every name of a tied weight held by several stages (``ravq.stage.tied``) reads the copy that applied
+    """Every name of a tied weight held by several stages (``ravq.cut.tied``) reads the copy that applied
     the most tied steps (each stage's checkpoint records them): one value under all its names, equal to
     every copy once training ended."""
     best: dict[str, tuple[int, int]] = {}
