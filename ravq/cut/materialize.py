@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ravq.cut.meta import Blueprint, SkipMetaInPlace, build_meta_model
+from ravq.cut.modules import hf_init_weights, is_parameter, replace_tensor
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +95,8 @@ def _meta_constants(module: nn.Module) -> list[str]:
 
 
 def _install(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    prefix, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(prefix) if prefix else module
-    if leaf in owner._parameters:
-        assert isinstance(value, nn.Parameter), name
-        owner._parameters[leaf] = value
-    else:
-        assert leaf in owner._buffers, name
-        owner._buffers[leaf] = value
+    assert not is_parameter(module, name) or isinstance(value, nn.Parameter), name
+    replace_tensor(module, name, value)
 
 
 def _real_tensors(source: Blueprint, wanted: set[str], task: Any, seed: int,
@@ -172,7 +167,7 @@ def _initialise(model: nn.Module, owners: set[str], task: Any, seed: int) -> Non
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derived_seed(seed, prefix))
             if hf is not None:
-                hf._init_weights(module)  # type: ignore[operator]
+                hf_init_weights(hf, module)
             else:
                 reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
                 if callable(reset):

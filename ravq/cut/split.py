@@ -25,6 +25,7 @@ from torch import fx, nn
 from torch.utils._pytree import TreeSpec
 
 from ravq.cut.meta import build_meta_model, is_meta, shape_pass, to_meta
+from ravq.cut.modules import mark_non_persistent, non_persistent_buffers
 from ravq.cut.tied import TiedGroup, settle_ties, tie_groups
 
 
@@ -264,12 +265,11 @@ def _mark_non_persistent(model: nn.Module, specs: list[StageSpec]) -> None:
     """The tracer makes every buffer persistent; give back the model's non-persistent ones (e.g. rotary
     embeddings' ``inv_freq``) their kind: on the stages that use them, never saved, checkpointed or averaged."""
     wanted = {f"{prefix}.{b}" if prefix else b for prefix, mod in model.named_modules()
-              for b in mod._non_persistent_buffers_set}
+              for b in non_persistent_buffers(mod)}
     for spec in specs:
         for full, _ in spec.module.named_buffers():
             if full in wanted:
-                owner, _, leaf = full.rpartition(".")
-                spec.module.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+                mark_non_persistent(spec.module, full)
 
 
 def _whole_model_stage(model: nn.Module, example_args: tuple[Any, ...]) -> StageSpec:

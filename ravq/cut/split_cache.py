@@ -29,6 +29,15 @@ from torch import fx, nn
 from torch.fx.graph_module import _format_import_block, _forward_from_src
 from torch.package import sys_importer
 
+from ravq.cut.modules import (
+    adopt_members,
+    child_names,
+    graph_pytree_spec,
+    holds,
+    non_persistent_buffers,
+    own_buffers,
+    own_parameters,
+)
 from ravq.cut.split import Constant, InputRef, StageSpec, TensorSpec, split_model, stage_input_specs
 from ravq.cut.tied import TiedGroup
 
@@ -151,12 +160,12 @@ def _module_entry(module: nn.Module) -> dict[str, Any]:
         graph = getattr(getattr(sub, "graph_module", None) or sub, "graph", None)  # InterpreterModule: graph_module
         if not isinstance(graph, fx.Graph) and type(sub) is not nn.Module:
             raise CacheMiss(f"module {path or '(stage)'} is a {type(sub).__name__}, not a graph")
-        entry: dict[str, Any] = {"path": path, "children": list(sub._modules),
-                                 "non_persistent": sorted(sub._non_persistent_buffers_set)}
+        entry: dict[str, Any] = {"path": path, "children": child_names(sub),
+                                 "non_persistent": sorted(non_persistent_buffers(sub))}
         if isinstance(graph, fx.Graph):
             entry.update(_graph_code(graph, sub))
         modules.append(entry)
-        for kind, own in (("param", sub._parameters), ("buffer", sub._buffers)):
+        for kind, own in (("param", own_parameters(sub)), ("buffer", own_buffers(sub))):
             for leaf, t in own.items():
                 if t is None:
                     raise CacheMiss(f"{path}.{leaf} is None")
@@ -175,7 +184,7 @@ def _graph_code(graph: fx.Graph, owner: nn.Module) -> dict[str, Any]:
     specs = {}
     for name in ("_in_spec", "_out_spec"):
         if f"self.{name}" in code.src:
-            specs[name] = pytree.treespec_dumps(getattr(graph._codegen.pytree_info, name[1:]))  # type: ignore[attr-defined]
+            specs[name] = pytree.treespec_dumps(graph_pytree_spec(graph, name[1:]))
     return {"code": _format_import_block(code.globals, sys_importer) + "\n" + code.src, "specs": specs}
 
 
@@ -185,7 +194,7 @@ def _is_tensor_or_module(owner: nn.Module, target: str) -> bool:
         holder = owner.get_submodule(".".join(prefix))
     except AttributeError:
         return False
-    return leaf in holder._parameters or leaf in holder._buffers or leaf in holder._modules
+    return holds(holder, leaf)
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -262,8 +271,5 @@ def _graph_module(holder: nn.Module, m: dict[str, Any]) -> fx.GraphModule:
     root.__dict__.update({k: v for k, v in holder.__dict__.items() if k != "training"})
     gm = fx.GraphModule(root, _KeepModules().trace(root))
     # the graph keeps only what it reads: give back the rest, in the original order
-    gm._modules = dict(holder._modules)
-    gm._parameters = dict(holder._parameters)
-    gm._buffers = dict(holder._buffers)
-    gm._non_persistent_buffers_set = set(holder._non_persistent_buffers_set)
+    adopt_members(gm, holder)
     return gm

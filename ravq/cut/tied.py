@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ravq.cut.modules import child, delete_parameter, set_parameter
+
 
 @dataclass(frozen=True, slots=True)
 class TiedGroup:
@@ -126,20 +128,19 @@ def _give_unused_to_first(model: nn.Module, modules: list[nn.Module]) -> None:
 def _owner(module: nn.Module, path: str) -> nn.Module:
     """The submodule at ``path``, made (empty) where the stage has none."""
     for part in path.split(".") if path else []:
-        child = module._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            module.add_module(part, child)
-        module = child
+        sub = child(module, part)
+        if sub is None:
+            sub = nn.Module()
+            module.add_module(part, sub)
+        module = sub
     return module
 
 
 def _put(module: nn.Module, name: str, param: nn.Parameter) -> None:
     owner, _, leaf = name.rpartition(".")
-    _owner(module, owner)._parameters[leaf] = param
+    set_parameter(_owner(module, owner), leaf, param)
 
 
 def _delete(module: nn.Module, name: str) -> None:
-    owner, _, leaf = name.rpartition(".")
-    del module.get_submodule(owner)._parameters[leaf]
+    delete_parameter(module, name)
 

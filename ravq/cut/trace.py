@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,13 +19,15 @@ from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.distributed.pipelining._IR import Pipe
 
+from ravq.cut.modules import pipe_export_trace, set_pipe_export_trace
+
 _PATCH_LOCK = threading.Lock()
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 
 
 def split_pipe(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]) -> Pipe:
     """``torch.distributed.pipelining.pipeline`` cut before each module in ``cuts``, no-grad regions inlined."""
-    trace: Callable[..., Any] = Pipe._trace_with_export
+    trace = pipe_export_trace()
 
     def traced(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         exported = trace(mod, args, kwargs)
@@ -34,11 +35,11 @@ def split_pipe(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str])
         return exported
 
     with _PATCH_LOCK:
-        Pipe._trace_with_export = staticmethod(traced)  # type: ignore[method-assign, assignment]
+        set_pipe_export_trace(traced)
         try:
             return pipeline(model, mb_args=example_args, split_spec={c: SplitPoint.BEGINNING for c in cuts})
         finally:
-            Pipe._trace_with_export = staticmethod(trace)  # type: ignore[method-assign, assignment]
+            set_pipe_export_trace(trace)
 
 
 def inline_no_grad_regions(gm: fx.GraphModule) -> int:
