@@ -1,9 +1,10 @@
 """The float32 ring: one ring's reduce-scatter + all-gather over its members, pieces streamed.
 
 The nodes holding one segment (one per cluster) form its *ring* and average it with reduce-scatter +
-all-gather, every node sending 2(C-1)/C of the segment's bytes.  ``drive_ring`` runs a member's send
-and receive loops and turns a failure into RING_ABORTs; the compressed ring
-(``ravq.average.ring_compression``) uses it and ``ring_plan`` too.  This module never touches ZeroMQ:
+all-gather, every node sending 2(C-1)/C of the segment's bytes.  ``RingRun`` is a member's send and
+receive loops over that schedule, written once: the float32 ring here and the compressed ring
+(``ravq.average.ring_compression``) say only what a piece is and how a received one is worked on, and
+``drive_ring`` runs either's loops and turns a failure into RING_ABORTs.  This module never touches ZeroMQ:
 the node implements ``RingLink`` (sending) and feeds a ``Mailbox`` (receiving) from its ring socket,
 so everything here is testable in one process.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -33,7 +34,7 @@ class RingLink(Protocol):
         compressed round ``base`` (see ``ravq.average.ring_compression``), with ``tensor`` packed or raw.
 
         It may send without copying and return before the bytes have left: ``ring_allreduce`` never
-        writes to a sent tensor until the ring proves it arrived (see ``_RingRun``).
+        writes to a sent tensor until the ring proves it arrived (see ``_PlainRun``).
         """
 
     async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
@@ -67,12 +68,78 @@ def ring_bytes_sent(numel: int, element_size: int, ring_size: int, rank: int) ->
     return element_size * (2 * numel - size[(rank + 1) % ring_size] - size[(rank + 2) % ring_size])
 
 
-class _RingRun:
+class RingRun:
     """One member's half of one round: a sender and a receiver that overlap piece by piece.
 
     With chunk k = (rank - step) mod C sent and chunk (rank - step - 1) mod C received at every step,
     the chunk sent at step t is exactly the one received at step t-1; so piece j of step t can leave as
     soon as piece j of step t-1 has been handled, and a segment streams round the ring like a pipeline.
+    The first ``size - 1`` steps reduce (a received partial sum gets this member's values added), the
+    rest gather (finished sums pass on); at step ``size - 2`` and after, a piece's full sum is known.
+
+    A subclass says what step 0 sends of this member's own values (``own_piece``, then ``sent_own``),
+    what a received piece becomes (``take``: checked, summed, the piece to forward) and what is kept of
+    it (``finish``); the schedule, the waits and their timeouts are here.
+    """
+
+    def __init__(self, numel: int, members: Sequence[str], me: str, piece_numel: int) -> None:
+        self.size, self.rank = len(members), list(members).index(me)
+        self.successor, self.predecessor = members[(self.rank + 1) % self.size], members[self.rank - 1]
+        self.send_plan, self.recv_plan = ring_plan(numel, self.size, self.rank, piece_numel)
+        self.last_reduce = self.size - 2
+        """The last step that adds this member's values; from it on, a piece holds its full sum."""
+        self.received = [0] * len(self.send_plan)
+        self.progress = asyncio.Event()
+        self.forward: dict[tuple[int, int], Tensor | Packed] = {}
+        """(step, piece) -> what to send for that piece (steps 1 and later)."""
+
+    def own_piece(self, a: int, b: int) -> Tensor | Packed:
+        """What step 0 sends of this member's elements [a, b)."""
+        raise NotImplementedError
+
+    def sent_own(self, piece: Tensor | Packed, a: int, b: int) -> None:
+        """Step 0's piece of [a, b) is on its way (nothing to do by default)."""
+
+    def take(self, piece: object, rnd: OpenRound, step: int, a: int, b: int,
+             ) -> tuple[Tensor | Packed, Tensor | None]:
+        """A received piece of [a, b) at ``step``, checked (RingAborted if it is not one) and worked on:
+        (what to forward, this member's partial sum when it added its values, else None)."""
+        raise NotImplementedError
+
+    def finish(self, forwarded: Tensor | Packed, summed: Tensor | None, step: int, a: int, b: int) -> None:
+        """Once the piece is forwarded: keep what this member keeps of it (``take``'s two results)."""
+        raise NotImplementedError
+
+    async def send_loop(self, link: RingLink, meta: dict[str, int], timeout_s: float) -> None:
+        for step, plan in enumerate(self.send_plan):
+            for j, (a, b) in enumerate(plan):
+                while step > 0 and self.received[step - 1] <= j:
+                    self.progress.clear()
+                    await self.progress.wait()
+                piece = self.forward.pop((step, j)) if step else self.own_piece(a, b)
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        await link.send(self.successor, {**meta, "step": step, "piece": j}, piece)
+                except TimeoutError:
+                    raise RingAborted(meta["ring"], meta["round"], "send_timeout", self.successor) from None
+                if step == 0:
+                    self.sent_own(piece, a, b)
+
+    async def recv_loop(self, mailbox: Mailbox, rnd: OpenRound, timeout_s: float) -> None:
+        last = len(self.recv_plan) - 1
+        for step, plan in enumerate(self.recv_plan):
+            for j, (a, b) in enumerate(plan):
+                forwarded, summed = self.take(await mailbox.take(rnd, step, j, timeout_s), rnd, step, a, b)
+                if step < last:
+                    self.forward[step + 1, j] = forwarded
+                    self.received[step] = j + 1
+                    self.progress.set()
+                    await asyncio.sleep(0)  # the send loop queues it: it leaves while this member works on
+                self.finish(forwarded, summed, step, a, b)
+
+
+class _PlainRun(RingRun):
+    """The float32 ring's run.
 
     Every pass over memory counts (on loopback the ring is bound by memory bandwidth), so a received
     piece is worked on where it arrived and forwarded from there: reduce-scatter adds this member's
@@ -89,45 +156,24 @@ class _RingRun:
     """
 
     def __init__(self, flat: Tensor, out: Tensor, members: Sequence[str], me: str, piece_bytes: int) -> None:
-        self.flat, self.out, self.size, self.rank = flat, out, len(members), list(members).index(me)
-        self.successor, self.predecessor = members[(self.rank + 1) % self.size], members[self.rank - 1]
-        self.send_plan, self.recv_plan = ring_plan(flat.numel(), self.size, self.rank,
-                                                   max(1, piece_bytes // flat.element_size()))
-        self.received = [0] * len(self.send_plan)
-        self.progress = asyncio.Event()
-        self.forward: dict[tuple[int, int], Tensor] = {}
-        """(step, piece) -> the received buffer to send for that piece (steps 1 and later)."""
+        super().__init__(flat.numel(), members, me, max(1, piece_bytes // flat.element_size()))
+        self.flat, self.out = flat, out
 
-    async def send_loop(self, link: RingLink, meta: dict[str, int], timeout_s: float) -> None:
-        for step, plan in enumerate(self.send_plan):
-            for j, (a, b) in enumerate(plan):
-                while step > 0 and self.received[step - 1] <= j:
-                    self.progress.clear()
-                    await self.progress.wait()
-                tensor = self.forward.pop((step, j)) if step else self.flat[a:b]
-                try:
-                    async with asyncio.timeout(timeout_s):
-                        await link.send(self.successor, {**meta, "step": step, "piece": j}, tensor)
-                except TimeoutError:
-                    raise RingAborted(meta["ring"], meta["round"], "send_timeout", self.successor) from None
+    def own_piece(self, a: int, b: int) -> Tensor:
+        return self.flat[a:b]
 
-    async def recv_loop(self, mailbox: Mailbox, rnd: OpenRound, timeout_s: float) -> None:
-        last_reduce, last = self.size - 2, len(self.recv_plan) - 1
-        for step, plan in enumerate(self.recv_plan):
-            for j, (a, b) in enumerate(plan):
-                piece = await mailbox.take(rnd, step, j, timeout_s)
-                if not isinstance(piece, Tensor) or piece.dtype != self.out.dtype or piece.numel() != b - a:
-                    raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
-                piece = piece.reshape(-1)
-                if step <= last_reduce:
-                    piece.add_(self.flat[a:b])
-                if step < last:
-                    self.forward[step + 1, j] = piece
-                    self.received[step] = j + 1
-                    self.progress.set()
-                    await asyncio.sleep(0)  # the send loop queues it: it leaves while this member divides
-                if step >= last_reduce:  # the full sum of this piece: finished into out
-                    torch.div(piece, self.size, out=self.out[a:b])
+    def take(self, piece: object, rnd: OpenRound, step: int, a: int, b: int) -> tuple[Tensor, Tensor]:
+        if not isinstance(piece, Tensor) or piece.dtype != self.out.dtype or piece.numel() != b - a:
+            raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
+        piece = piece.reshape(-1)
+        if step <= self.last_reduce:
+            piece.add_(self.flat[a:b])
+        return piece, piece
+
+    def finish(self, forwarded: Tensor | Packed, summed: Tensor | None, step: int, a: int, b: int) -> None:
+        if step >= self.last_reduce:  # the full sum of this piece: finished into out
+            assert isinstance(forwarded, Tensor)
+            torch.div(forwarded, self.size, out=self.out[a:b])
 
 
 async def ring_allreduce(flat: Tensor, *, ring_id: int, round_id: int, members: Sequence[str], me: str,
@@ -145,16 +191,16 @@ async def ring_allreduce(flat: Tensor, *, ring_id: int, round_id: int, members: 
     if len(members) == 1:
         return flat
     assert flat.dim() == 1 and flat.is_floating_point(), "ring_allreduce averages a flat float tensor"
-    run = _RingRun(flat, flat if inplace else torch.empty_like(flat), members, me, piece_bytes)
+    run = _PlainRun(flat, flat if inplace else torch.empty_like(flat), members, me, piece_bytes)
     await drive_ring(run, {"ring": ring_id, "round": round_id}, members=members, me=me, link=link,
                      mailbox=mailbox, timeout_s=timeout_s)
     return run.out
 
 
-async def drive_ring(run: Any, meta: dict[str, Any], *, members: Sequence[str], me: str, link: RingLink,
+async def drive_ring(run: RingRun, meta: dict[str, int], *, members: Sequence[str], me: str, link: RingLink,
                      mailbox: Mailbox, timeout_s: float) -> None:
-    """Run one ring's send and receive loops (``run``: a _RingRun or a compressed run) to the end; on an
-    abort, tell the other members (unless a peer told us) and raise RingAborted."""
+    """Run one ring's send and receive loops (``run``: the float32 ring's or a compressed one) to the end;
+    on an abort, tell the other members (unless a peer told us) and raise RingAborted."""
     ring_id, round_id = meta["ring"], meta["round"]
     rnd = mailbox.open(ring_id, round_id, members=members, me=me,
                        pieces_per_step=[len(p) for p in run.recv_plan])
@@ -181,8 +227,8 @@ async def _broadcast_abort(link: RingLink, members: Sequence[str], me: str, ring
                            reason: str, timeout_s: float) -> None:
     """Tell every other member to stop waiting; best effort, as a dead peer cannot be told anything."""
     peers = [p for p in members if p != me]
-    outcomes = await asyncio.gather(*(asyncio.wait_for(link.send_abort(p, ring_id, round_id, reason), timeout_s)
-                                      for p in peers), return_exceptions=True)
+    sends = (asyncio.wait_for(link.send_abort(p, ring_id, round_id, reason), timeout_s) for p in peers)
+    outcomes = await asyncio.gather(*sends, return_exceptions=True)
     for peer, outcome in zip(peers, outcomes):
         if isinstance(outcome, Exception):
             log.debug("ring %d round %d: abort not sent to %s: %r", ring_id, round_id, peer, outcome)

@@ -20,7 +20,6 @@ the round and every member drops its anchor, so the next round starts again from
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ravq.average.mailbox import CompressedPiece, Mailbox, OpenRound, RingAborted
-from ravq.average.ring import RingLink, drive_ring, ring_plan
+from ravq.average.ring import RingLink, RingRun, drive_ring
 from ravq.average.segments import Segment
 from ravq.codec import compress
 from ravq.codec.compress import Format, Packed
@@ -39,27 +38,21 @@ log = logging.getLogger(__name__)
 RING_FORMATS = (Format.BF16, Format.INT8)
 
 
-class _CompressedRun:
-    """One member's half of one compressed round; the schedule is ``ravq.average.ring._RingRun``'s.
+class _CompressedRun(RingRun):
+    """One member's half of one compressed round, over ``ravq.average.ring.RingRun``'s schedule.
 
     ``x`` is this member's input (float32, residual already added), ``out`` the averaged result and
     ``residual`` what this member's compressions lost, both written chunk by chunk."""
 
     def __init__(self, x: Tensor, members: Sequence[str], me: str, piece_bytes: int, fmt: Format, block: int,
                  base: int, out: Tensor | None, residual: Tensor | None) -> None:
-        self.x, self.size, self.rank = x, len(members), list(members).index(me)
-        self.fmt, self.block, self.base = fmt, block, base
+        super().__init__(x.numel(), members, me, max(1, piece_bytes // 4))  # as many elements as float32's
+        self.x, self.fmt, self.block, self.base = x, fmt, block, base
         # Every element of both is written (each chunk is compressed once by every member, and every
         # chunk's average is written once), so buffers from an earlier round serve as they are: fresh
         # pages for a segment's worth cost more than the round's own work on a slow link's clock.
         self.out = out if out is not None else torch.empty_like(x)
         self.residual = residual if residual is not None else torch.empty_like(x)
-        self.successor, self.predecessor = members[(self.rank + 1) % self.size], members[self.rank - 1]
-        # pieces cover as many elements as uncompressed ones
-        self.send_plan, self.recv_plan = ring_plan(x.numel(), self.size, self.rank, max(1, piece_bytes // 4))
-        self.received = [0] * len(self.send_plan)
-        self.progress = asyncio.Event()
-        self.forward: dict[tuple[int, int], Tensor | Packed] = {}
 
     def _keep_residual(self, values: Tensor, packed: Tensor | Packed, a: int, b: int) -> Tensor:
         """What compressing ``values`` (elements [a, b)) lost goes into this member's residual; returns the
@@ -68,20 +61,11 @@ class _CompressedRun:
         torch.sub(values, restored, out=self.residual[a:b])
         return restored
 
-    async def send_loop(self, link: RingLink, meta: dict[str, int], timeout_s: float) -> None:
-        for step, plan in enumerate(self.send_plan):
-            for j, (a, b) in enumerate(plan):
-                while step > 0 and self.received[step - 1] <= j:
-                    self.progress.clear()
-                    await self.progress.wait()
-                piece = self.forward.pop((step, j)) if step else compress.pack(self.x[a:b], self.fmt, self.block)
-                try:
-                    async with asyncio.timeout(timeout_s):
-                        await link.send(self.successor, {**meta, "step": step, "piece": j}, piece)
-                except TimeoutError:
-                    raise RingAborted(meta["ring"], meta["round"], "send_timeout", self.successor) from None
-                if step == 0:
-                    self._keep_residual(self.x[a:b], piece, a, b)
+    def own_piece(self, a: int, b: int) -> Tensor | Packed:
+        return compress.pack(self.x[a:b], self.fmt, self.block)
+
+    def sent_own(self, piece: Tensor | Packed, a: int, b: int) -> None:
+        self._keep_residual(self.x[a:b], piece, a, b)
 
     def _check(self, piece: object, rnd: OpenRound, numel: int) -> Tensor | Packed:
         if not isinstance(piece, CompressedPiece):
@@ -94,32 +78,28 @@ class _CompressedRun:
             raise RingAborted(rnd.ring_id, rnd.round_id, "bad_piece", self.predecessor)
         return value
 
-    async def recv_loop(self, mailbox: Mailbox, rnd: OpenRound, timeout_s: float) -> None:
-        last_reduce, last = self.size - 2, len(self.recv_plan) - 1
-        for step, plan in enumerate(self.recv_plan):
-            for j, (a, b) in enumerate(plan):
-                received = self._check(await mailbox.take(rnd, step, j, timeout_s), rnd, b - a)
-                if step <= last_reduce:  # a partial sum: add this member's values in float32, pack again
-                    # (a buffer of this member's own: restored, or received raw)
-                    values = compress.unpack(received, torch.float32).view(-1).add_(self.x[a:b])
-                    send = compress.pack(values, self.fmt, self.block)
-                else:
-                    send = received  # the all-gather forwards the finished piece as it came
-                if step < last:
-                    self.forward[step + 1, j] = send
-                    self.received[step] = j + 1
-                    self.progress.set()
-                    await asyncio.sleep(0)  # the send loop queues it: it leaves while this member works on
-                if step <= last_reduce:
-                    finished = self._keep_residual(values, send, a, b)
-                else:
-                    finished = compress.unpack(send, torch.float32).view(-1)
-                if step >= last_reduce:  # every member restores the same bytes of the full sum
-                    torch.div(finished, self.size, out=self.out[a:b])
+    def take(self, piece: object, rnd: OpenRound, step: int, a: int, b: int,
+             ) -> tuple[Tensor | Packed, Tensor | None]:
+        received = self._check(piece, rnd, b - a)
+        if step > self.last_reduce:
+            return received, None  # the all-gather forwards the finished piece as it came
+        # a partial sum: add this member's values in float32 (a buffer of this member's own: restored, or
+        # received raw) and pack it again
+        values = compress.unpack(received, torch.float32).view(-1).add_(self.x[a:b])
+        return compress.pack(values, self.fmt, self.block), values
+
+    def finish(self, forwarded: Tensor | Packed, summed: Tensor | None, step: int, a: int, b: int) -> None:
+        if summed is not None:
+            finished = self._keep_residual(summed, forwarded, a, b)
+        else:
+            finished = compress.unpack(forwarded, torch.float32).view(-1)
+        if step >= self.last_reduce:  # every member restores the same bytes of the full sum
+            torch.div(finished, self.size, out=self.out[a:b])
 
 
-async def compressed_ring_allreduce(x: Tensor, *, ring_id: int, round_id: int, members: Sequence[str], me: str,
-                                    link: RingLink, mailbox: Mailbox, piece_bytes: int, timeout_s: float,
+async def compressed_ring_allreduce(x: Tensor, *, ring_id: int, round_id: int, members: Sequence[str],
+                                    me: str, link: RingLink, mailbox: Mailbox, piece_bytes: int,
+                                    timeout_s: float,
                                     fmt: Format, block: int = compress.DEFAULT_BLOCK, base: int = -1,
                                     out: Tensor | None = None, residual: Tensor | None = None,
                                     ) -> tuple[Tensor, Tensor]:
@@ -135,8 +115,8 @@ async def compressed_ring_allreduce(x: Tensor, *, ring_id: int, round_id: int, m
         return x.clone(), torch.zeros_like(x)
     assert out is not x and residual is not x
     run = _CompressedRun(x, members, me, piece_bytes, fmt, block, base, out, residual)
-    await drive_ring(run, {"ring": ring_id, "round": round_id, "base": base}, members=members, me=me, link=link,
-                     mailbox=mailbox, timeout_s=timeout_s)
+    await drive_ring(run, {"ring": ring_id, "round": round_id, "base": base}, members=members, me=me,
+                     link=link, mailbox=mailbox, timeout_s=timeout_s)
     return run.out, run.residual
 
 
@@ -181,8 +161,9 @@ class RingCompression:
             x += state.residual
         try:
             average, residual = await compressed_ring_allreduce(
-                x, ring_id=seg.ring_id, round_id=round_id, members=seg.ring, me=me, link=link, mailbox=mailbox,
-                piece_bytes=piece_bytes, timeout_s=timeout_s, fmt=self.fmt, block=self.block, base=state.base,
+                x, ring_id=seg.ring_id, round_id=round_id, members=seg.ring, me=me, link=link,
+                mailbox=mailbox, piece_bytes=piece_bytes, timeout_s=timeout_s, fmt=self.fmt, block=self.block,
+                base=state.base,
                 residual=state.residual)  # read into x above: its buffer takes this round's residual
         except RingAborted:
             # Other members may have finished this round and moved their anchors: start again from
