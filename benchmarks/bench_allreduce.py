@@ -89,7 +89,7 @@ class ZmqRingLink:
         self.me, self.outlinks = me, outlinks
 
     async def send(self, peer: str, meta: dict[str, int], tensor: Any) -> None:
-        from ravq.average.links import ring_chunk
+        from ravq.node.ring_port import ring_chunk
         await self.outlinks[peer].send(ring_chunk(self.me, meta, tensor))
 
     async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:

@@ -12,7 +12,7 @@ on several socket sets made side by side in every process, and with gloo's all_r
                were not connected beforehand: the TCP connect and handshake)
 
 Every socket set but the cold ones is connected when the process starts, as a node connects its ring
-links when it knows its plan (ravq.average.links.RingPort).  The first round of each set is timed
+links when it knows its plan (ravq.node.ring_port.RingPort).  The first round of each set is timed
 (``first``), then --repeats rounds of each, interleaved, whose median is ``steady``; a round's time is
 the slowest process's.  Printed in one run: first / steady for every ravq set and for gloo; CURVE over
 plaintext throughput (plain's steady time over the CURVE set's); the CPU seconds per GB averaged.

@@ -34,7 +34,8 @@ def local_topology(task: str, clusters: list[int], training: dict[str, Any], **e
 
 class Swarm:
     def __init__(self, tmp: Path, topology: dict[str, Any], env: dict[str, dict[str, str]] | None = None,
-                 plan: dict[str, Any] | None = None, broker_args: list[str] | None = None) -> None:
+                 plan: dict[str, Any] | None = None, broker_args: list[str] | None = None,
+                 faults: dict[str, str] | None = None) -> None:
         self.tmp, self.topology = tmp, topology
         self.path = tmp / "topology.yaml"
         self.path.write_text(yaml.safe_dump(topology))
@@ -43,6 +44,8 @@ class Swarm:
             (tmp / "plan.yaml").write_text(yaml.safe_dump(plan))
             self.broker_argv += ["--plan", str(tmp / "plan.yaml")]
         self.env = env or {}
+        self.faults = dict(faults or {})
+        """Node -> the fault its process starts with (``tests.faulty_node``), until taken out of here."""
         self.base = {**os.environ, "PYTHONPATH": str(ROOT)}
         self._listeners = Listeners()
         """Every port of the topology, bound here before the first process starts: each process inherits
@@ -61,9 +64,11 @@ class Swarm:
 
     def start(self, name: str) -> None:
         """Start (or restart, as systemd would) one node; its log is appended to."""
+        fault = self.faults.get(name)
         self.nodes[name] = self._spawn(["node", "--topology", str(self.path), "--name", name, "--threads", "1",
                                         "--summary", str(self.tmp / f"summary-{name}.json")], name,
-                                       {**self.base, **self.env.get(name, {})})
+                                       {**self.base, **self.env.get(name, {})},
+                                       ["tests.faulty_node", fault] if fault else ["ravq"])
 
     def restart_broker(self) -> None:
         self.broker = self._spawn(self.broker_argv, "broker", self.base)
@@ -73,11 +78,14 @@ class Swarm:
         from ravq.config import load_topology
         return status_once(load_topology(self.path), None, timeout_s=1.0)
 
-    def _spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, argv: list[str], name: str, env: dict[str, str],
+               module: list[str] | None = None) -> subprocess.Popen[bytes]:
         """Start one process with its listening sockets: held since the swarm started, or bound now (a
-        restart: its ports were freed when the process it replaces died)."""
+        restart: its ports were freed when the process it replaces died).  ``module``: what ``python -m``
+        runs, with its own arguments before ``argv`` (``ravq``; a faulty node's ``tests.faulty_node``)."""
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 (the child holds it)
-        return self._listeners.spawn([sys.executable, "-m", "ravq", *argv], ports_of(self._served, name), env,
+        return self._listeners.spawn([sys.executable, "-m", *(module or ["ravq"]), *argv],
+                                     ports_of(self._served, name), env,
                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def wait(self, names: list[str] | None = None, timeout_s: float = 240) -> dict[str, int]:

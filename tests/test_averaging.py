@@ -11,6 +11,7 @@ the common point by outer_lr times the clusters' mean step from it).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -35,6 +36,7 @@ def _averager(outer_lr: float, initial: torch.Tensor) -> Averager:
     avg.outer_lr, avg.anchors, avg._pending, avg.initial = outer_lr, {}, [], {"w": initial.clone()}
     avg.worker = SimpleNamespace(buffers={}, before_weight_change=lambda: None)  # type: ignore[assignment]
     avg.compression = None  # float32 rings (ravq.average.ring_compression not in play)
+    avg.compute_timer = contextlib.nullcontext
     avg.hold_s = 5.0
     avg.silent_s = lambda node: 0.0
     plan = Plan(clusters=[ClusterPlan(nodes=["c0"]), ClusterPlan(nodes=["c1"])])

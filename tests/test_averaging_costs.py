@@ -84,8 +84,15 @@ def test_a_compute_thread_counts_time_in_the_averager_once() -> None:
     import time
 
     thread = averaging_cost._ThreadCpu()
-    inner = thread.hook(lambda: sum(i * i for i in range(200_000)))
-    outer = thread.hook(lambda: (inner(), inner()))
+
+    def inner() -> None:
+        with thread.averaging():
+            sum(i * i for i in range(200_000))
+
+    def outer() -> None:
+        with thread.averaging():
+            inner()
+            inner()
     t0 = time.thread_time()
     outer()
     spent = time.thread_time() - t0

@@ -57,7 +57,7 @@ def test_killed_node_mid_round_aborts_round_and_survivors_finish(tmp_path: Path)
     # before the broker even declares it lost)
     topo = local_topology("tests.churn_task", [1, 1, 2], training,
                           timeouts={"ring_step_s": 2.0, "heartbeat_interval_s": 0.3, "lost_s": 4.0})
-    swarm = Swarm(tmp_path, topo, env={"c2s1": {"RAVQ_FAULT": "kill_in_round:10"}})
+    swarm = Swarm(tmp_path, topo, faults={"c2s1": "kill_in_round:10"})
     try:
         codes = swarm.wait(["c0s0", "c1s0"], timeout_s=180)
         assert codes == {"c0s0": 0, "c1s0": 0}, {n: swarm.log(n) for n in codes}

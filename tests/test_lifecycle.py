@@ -178,7 +178,7 @@ def test_a_holder_killed_during_a_catch_up_never_sends_weights_backwards(tmp_pat
         _all_training(watch, swarm, 0, {n: 300 for n in swarm.nodes})
         swarm.nodes["c0s1"].send_signal(signal.SIGKILL)
         swarm.nodes["c0s1"].wait(10)
-        swarm.env["c0s1"] = {"RAVQ_FAULT": "kill_in_catchup"}
+        swarm.faults["c0s1"] = "kill_in_catchup"
         swarm.start("c0s1")
         watch.until("cluster 0 back", lambda s: _training(s, 0, 1) and _version(s, "c0s1") > 300, 180,
                     list(swarm.nodes))
@@ -197,7 +197,7 @@ def test_a_holder_killed_during_a_catch_up_never_sends_weights_backwards(tmp_pat
         assert "catch-up from peers failed" in swarm.log("c1s1")
         watch.until("cluster 0 paused (c0s1 died)", lambda s: _cluster(s, 0).get("state") == "paused", 60, survivors)
         generation = _cluster(watch.samples[-1][1], 0)["generation"]
-        swarm.env["c0s1"] = {}
+        swarm.faults.pop("c0s1")
         swarm.start("c0s1")
         watch.until("cluster 0 to train again", lambda s: _training(s, 0, generation) and _version(s, "c0s1") > 0,
                     180, survivors)

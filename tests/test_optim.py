@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -132,6 +133,7 @@ def test_the_averager_tells_the_optimizer_how_many_clusters_average() -> None:
     avg = Averager.__new__(Averager)
     avg.loop, avg._pending, avg.lead, avg.sync_every, avg.cluster = object(), [], 1, 1000, 0
     avg._epoch, avg._steps_in_epoch = 0, 0
+    avg.compute_timer = contextlib.nullcontext
     avg.plan = lambda: SimpleNamespace(clusters=[0, 1, 2], excluded=excluded, epoch=0)
     opt = ClusterAdam([torch.nn.Parameter(torch.zeros(1))])
     worker = SimpleNamespace(version=1, optimizer=opt)

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from ravq.average.links import ring_chunk
 from ravq.average.mailbox import Mailbox, RingAborted, received_piece
 from ravq.average.ring_compression import RingCompression, compressed_ring_allreduce
 from ravq.average.rounds import average_segments
 from ravq.average.segments import plan_segments
 from ravq.codec.compress import Format, Packed, error_bound
 from ravq.net.wire import decode, encode
+from ravq.node.ring_port import ring_chunk
 
 FORMATS = [Format.BF16, Format.INT8]
 

@@ -11,7 +11,6 @@ import zmq
 import zmq.asyncio
 
 from ravq.average.averager import Averager
-from ravq.average.links import RingPort
 from ravq.average.mailbox import Mailbox
 from ravq.average.ring import ring_allreduce
 from ravq.cli.demo import free_ports
@@ -21,6 +20,7 @@ from ravq.net.options import SocketOptions
 from ravq.net.security import Curve
 from ravq.net.transport import Outlink
 from ravq.net.wire import DecodeLimits
+from ravq.node.ring_port import RingPort
 
 NAMES = ("n1", "n2")
 

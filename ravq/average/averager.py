@@ -1,4 +1,4 @@
-"""A node's part in cross-cluster averaging: ring sockets, round schedule, applying the result.
+"""A node's part in cross-cluster averaging: round schedule, applying the result, catch-up answers.
 
 Every ``sync_every`` optimizer steps the compute thread snapshots this stage's segments (version v)
 and hands them to the event loop; the rings run there while training goes on, and the compute
@@ -15,26 +15,29 @@ without talking to the broker, and a cluster that was away (or restarted) joins 
 others start, whatever its own version.  When the epoch changes, every open round of the old one is
 abandoned at once on every node (their rings cannot finish), and a stage never holds back for longer
 than a heartbeat or two on a round that does not finish: a dead member costs the others no training time.
+
+The ring sockets are the node's (``ravq.node.ring_port``): the averager gets them built, as a ``Port``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from ravq.average import catchup
+from ravq.average.compute import in_compute
 from ravq.average.correction import PendingRound, correct, keep_non_negative_state, outer_step, record_applied
-from ravq.average.links import RingPort
 from ravq.average.mailbox import Mailbox
-from ravq.average.owners import averaged_tensors, stage_owners
+from ravq.average.owners import averaged_tensors
+from ravq.average.port import Port
 from ravq.average.ring_compression import RingCompression
 from ravq.average.round_queue import RoundQueue
 from ravq.average.rounds import FINAL_ROUND, ROUNDS_PER_EPOCH, RoundResult, apply_round, average_segments
@@ -47,11 +50,8 @@ from ravq.average.segments import (
 )
 from ravq.codec.compress import Format
 from ravq.config import Plan, Topology
-from ravq.cut.meta import build_meta_model, example_args
 from ravq.metrics import Metrics
-from ravq.net.options import SocketOptions
-from ravq.net.transport import Context, Outlink
-from ravq.net.wire import DecodeLimits, Message
+from ravq.net.wire import Message
 from ravq.stage.optim import set_clusters
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.tied_step import hand_over, held_params, tied_sinks
@@ -59,29 +59,25 @@ from ravq.stage.tied_step import hand_over, held_params, tied_sinks
 log = logging.getLogger(__name__)
 
 
-def ring_owners(task: Any, topology: Topology, plan: Plan, cluster: int,
-                stage_names: list[list[str]]) -> list[dict[str, str]]:
-    """For each cluster of ``plan``: tensor name -> the node holding it.  Clusters cut elsewhere than this
-    node's are traced here (seconds of CPU on the whole model): a node calls this in its build thread, never
-    on its event loop, whose heartbeats would stop meanwhile (the broker then takes the node for lost)."""
-    own_cuts, t = tuple(plan.clusters[cluster].cuts), topology.training
-    return stage_owners(lambda: build_meta_model(task, topology.seed).model, example_args(task, t.micro_batch), plan,
-                        {own_cuts: stage_names}, checkpoint_dir=t.checkpoint_dir)
-
-
 class Averager:
     """One stage's averaging: its segments' rings, the rounds it snapshots and how they apply.
 
     The compute thread calls ``on_update`` after every optimizer step; the node's task group runs
-    ``serve``, ``run_rounds`` and ``send_skips`` on the event loop."""
+    ``serve``, ``run_rounds`` and ``send_skips`` on the event loop.
 
-    def __init__(self, *, ctx: Context, topology: Topology, plan: Callable[[], Plan], me: str, cluster: int,
-                 worker: StageWorker, model: torch.nn.Module, stage_names: list[list[str]], task: Any,
-                 metrics: Metrics, sock_opts: SocketOptions, limits: DecodeLimits,
-                 owners: list[dict[str, str]] | None = None, connect: Callable[[str], Outlink] | None = None) -> None:
-        self.topology, self.me, self.cluster, self.worker, self.metrics = topology, me, cluster, worker, metrics
+    It gets its node's ring sockets (``port``, linked to ``ravq.average.owners.ring_peers(owners)``) and
+    the ring ``owners`` (``ravq.average.owners.ring_owners``, computed in the node's build thread) built."""
+
+    def __init__(self, *, topology: Topology, plan: Callable[[], Plan], me: str, cluster: int,
+                 worker: StageWorker, model: torch.nn.Module, task: Any, metrics: Metrics, port: Port,
+                 owners: list[dict[str, str]], silent_s: Callable[[str], float], run_id: str | None,
+                 compute_timer: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+                 ) -> None:
+        self.topology, self.me, self.cluster, self.worker = topology, me, cluster, worker
+        self.metrics = metrics
         t = topology.training
-        self.sync_every, self.overlap, self.piece_bytes = t.sync_every, t.overlap_averaging, t.ring_chunk_bytes
+        self.sync_every, self.overlap = t.sync_every, t.overlap_averaging
+        self.piece_bytes = t.ring_chunk_bytes
         self.timeout_s = topology.timeouts.ring_step_s
         self.with_state = t.average_optimizer_state
         self.outer_lr = t.outer_lr
@@ -89,14 +85,15 @@ class Averager:
         ring_format = Format(t.compress.ring)
         self.compression = (RingCompression(ring_format, t.compress.int8_block)
                             if ring_format is not Format.NONE else None)
-        """Compressed rings with error feedback (ravq.average.ring_compression); None sends float32 as it is."""
+        """Compressed rings with error feedback (ravq.average.ring_compression); None: float32 as it is."""
         self.anchors: dict[tuple[str, ...], torch.Tensor] = {}
         self._pending: list[PendingRound] = []
         """Overlapped rounds snapshotted and not applied yet, oldest first (compute thread only)."""
-        self.initial = {n: v.detach().to("cpu").clone() for n, v in {**held_params(worker), **worker.buffers}.items()}
+        held = {**held_params(worker), **worker.buffers}
+        self.initial = {n: v.detach().to("cpu").clone() for n, v in held.items()}
         self.names, self.numels = averaged_tensors(model, task, self.with_state)
-        self.owners = owners if owners is not None else ring_owners(task, topology, plan(), cluster, stage_names)
-        """For each cluster, tensor name -> its holder (``ring_owners``: a node computes it in its build thread)."""
+        self.owners = owners
+        """For each cluster, tensor name -> its holder (renamed when standbys take stages over)."""
         self.plan = plan
         self.mailbox = Mailbox()
         self._epoch = -1
@@ -113,17 +110,19 @@ class Averager:
         compute thread).  When a round once released was never waited for again, a full-core PC averaging
         with PCs of 0.14 core took them for dead every few rounds, ran ahead, skipped most rounds (5 of 50
         ran) and trained on alone."""
-        self.silent_s: Callable[[str], float] = lambda node: 0.0
-        """Seconds since a node's last heartbeat reached the broker (set by the node from membership)."""
+        self.silent_s = silent_s
+        """Seconds since a node's last heartbeat reached the broker (the node's membership says)."""
         self.final_done = False
-        self.run_id: str | None = None
+        self.run_id = run_id
         """The run this stage's weights belong to (told to a peer catching up from them)."""
+        self.compute_timer = compute_timer
+        """A context around this averager's own work in the compute thread (``on_update``, applying a
+        round): the profiler times it (``ravq.profile.averaging_cost``); by default nothing."""
         self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         """The node's event loop (the Averager is made in it): rounds queue there from the first step on."""
         self.hold_backs = 0
         self.held_s = 0.0
-        peers = sorted({m for owners in self.owners for m in owners.values()} - {me})
-        self.port = RingPort(ctx, topology, me, peers, metrics, limits, sock_opts, connect)
+        self.port = port
         self.queue = RoundQueue(me=me, plan=plan, mailbox=self.mailbox, link=self.port.link, metrics=metrics,
                                 piece_bytes=self.piece_bytes, timeout_s=self.timeout_s, notify_s=self.hold_s,
                                 compression=self.compression)
@@ -145,17 +144,23 @@ class Averager:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         worker = self.worker
-        named: dict[str, torch.Tensor] = {**held_params(worker), **worker.buffers}  # a tied weight's every name
+        # a tied weight's every name
+        named: dict[str, torch.Tensor] = {**held_params(worker), **worker.buffers}
         if self.with_state:
             named.update(optimizer_state_tensors(worker.optimizer, held_params(worker)))
         return named
 
     # ------------------------------------------------------------ compute thread
     def on_update(self, worker: StageWorker) -> None:
-        """Called by the stage after each optimizer step, in the compute thread."""
+        """Called by the stage after each optimizer step, in the compute thread (inside ``compute_timer``)."""
+        with self.compute_timer():
+            self._after_step(worker)
+
+    def _after_step(self, worker: StageWorker) -> None:
         self._hold_back(worker)
         plan = self.plan()
-        set_clusters(worker.optimizer, self.live_clusters(plan))  # the next step's (a dropped cluster counts no more)
+        # the next step's count (a dropped cluster counts no more)
+        set_clusters(worker.optimizer, self.live_clusters(plan))
         if plan.epoch != self._epoch:
             self._epoch, self._steps_in_epoch = plan.epoch, 0
         self._steps_in_epoch += 1  # every step counts, or this stage's round ids drift from its peers'
@@ -167,7 +172,8 @@ class Averager:
         named = self.tensors()
         snapshots = snapshot_segments(named, segments)
         done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
-        round_id = plan.epoch * ROUNDS_PER_EPOCH + min(self._steps_in_epoch // self.sync_every - 1, FINAL_ROUND - 1)
+        in_epoch = min(self._steps_in_epoch // self.sync_every - 1, FINAL_ROUND - 1)
+        round_id = plan.epoch * ROUNDS_PER_EPOCH + in_epoch
         self.loop.call_soon_threadsafe(self.queue.enqueue, (round_id, snapshots, segments, done))
         if not self.overlap:
             t0 = time.monotonic()
@@ -215,7 +221,8 @@ class Averager:
         a dead node stops its whole cluster, so its ring members, alive, would never reach the round."""
         plan = self.plan()
         members = {m for seg in pending.segments for m in seg.ring}
-        nodes = {n for cluster in plan.clusters if members & set(cluster.nodes) for n in cluster.nodes} - {self.me}
+        nodes = {n for cluster in plan.clusters if members & set(cluster.nodes) for n in cluster.nodes}
+        nodes.discard(self.me)
         return lambda: any(self.silent_s(n) > self.hold_s for n in nodes)
 
     def _wait_round(self, worker: StageWorker, done: concurrent.futures.Future[RoundResult], round_id: int,
@@ -244,28 +251,33 @@ class Averager:
         """Apply every round that has finished and is not applied yet, oldest first."""
         for pending in list(self._pending):
             if pending.done is not None and pending.done.done():  # _apply removes only its own round
-                self._apply(self.tensors(), pending.segments, pending.snapshots, pending.done.result(), pending)
+                result = pending.done.result()
+                self._apply(self.tensors(), pending.segments, pending.snapshots, result, pending)
 
-    def _apply(self, named: dict[str, torch.Tensor], segments: list[Segment], snapshots: dict[int, torch.Tensor],
-               result: RoundResult, pending: PendingRound | None = None) -> None:
+    def _apply(self, named: dict[str, torch.Tensor], segments: list[Segment],
+               snapshots: dict[int, torch.Tensor], result: RoundResult,
+               pending: PendingRound | None = None) -> None:
         """Move each finished segment to the new common point, keeping progress made since the snapshot
         and, for an overlapped round, the rounds applied since it (``ravq.average.correction``)."""
-        if pending is not None:
-            self._pending.remove(pending)
-            correct(pending, segments, snapshots, result)
-        shifts = outer_step(segments, result, self.anchors, self.initial, self.outer_lr)
-        # Buffers get new storage before the delta lands: forwards in flight saved the old tensors
-        # (BatchNorm's running statistics) and must find them unchanged at backward.
-        moved = [n for seg in segments if seg.ring_id in result.averaged for n in seg.names if n in self.worker.buffers]
-        if moved:
-            named = {**named, **self.worker.fresh_buffers(moved)}
-        self.worker.before_weight_change()  # the same for the weights forwards in flight run on
-        named, sinks = tied_sinks(self.worker, named)  # a tied weight's delta reaches every copy in step order
-        deltas = apply_round(named, segments, snapshots, result)
-        hand_over(self.worker, sinks)
-        if self.compression is not None:
-            keep_non_negative_state(named, segments, snapshots, result)
-        record_applied(self._pending, segments, deltas, shifts)
+        worker = self.worker
+        with self.compute_timer():
+            if pending is not None:
+                self._pending.remove(pending)
+                correct(pending, segments, snapshots, result)
+            shifts = outer_step(segments, result, self.anchors, self.initial, self.outer_lr)
+            # Buffers get new storage before the delta lands: forwards in flight saved the old tensors
+            # (BatchNorm's running statistics) and must find them unchanged at backward.
+            averaged = [seg for seg in segments if seg.ring_id in result.averaged]
+            moved = [n for seg in averaged for n in seg.names if n in worker.buffers]
+            if moved:
+                named = {**named, **worker.fresh_buffers(moved)}
+            worker.before_weight_change()  # the same for the weights forwards in flight run on
+            named, sinks = tied_sinks(worker, named)  # a tied weight's delta reaches every copy in step order
+            deltas = apply_round(named, segments, snapshots, result)
+            hand_over(worker, sinks)
+            if self.compression is not None:
+                keep_non_negative_state(named, segments, snapshots, result)
+            record_applied(self._pending, segments, deltas, shifts)
 
     def rename(self, renamed: dict[str, str]) -> None:
         """Event loop: nodes that took over other nodes' stages (standbys) hold their tensors now."""
@@ -309,39 +321,26 @@ class Averager:
 
     async def _answer_catchup(self, identity: bytes, msg: Message) -> None:
         """Hand a (re)joining peer our copy of the tensors it asks for, read in the compute thread."""
-        names, inbox = catchup.requested_names(msg, self.worker), self.port.inbox
+        names = catchup.requested_names(msg, self.worker)
         if names is None:
             self.metrics.bad_messages.labels("ring", "bad_catchup_request").inc()
-            await inbox.reply(identity, catchup.reply_for(self.me, msg, None, "bad request"), msg.sender)
+            await self.port.reply(identity, catchup.reply_for(self.me, msg, None, "bad request"), msg.sender)
             return
-        if os.environ.get("RAVQ_FAULT") == "kill_in_catchup":  # fault injection for tests: a holder dies mid-way
-            os.kill(os.getpid(), signal.SIGKILL)
         tensors, version = await self.in_compute(lambda w: (catchup.stage_tensors(w, names), w.version))
         lineage = {"run_id": self.run_id, "version": version}  # read with the tensors: one consistent copy
-        await inbox.reply(identity, catchup.reply_for(self.me, msg, tensors, lineage=lineage), msg.sender)
+        await self.port.reply(identity, catchup.reply_for(self.me, msg, tensors, lineage=lineage), msg.sender)
         log.info("%s: sent %d tensors to %s for its catch-up", self.me, len(tensors), msg.sender)
 
     async def in_compute(self, fn: Callable[[StageWorker], Any]) -> Any:
-        """Run ``fn(worker)`` in the compute thread (or in a helper thread once that has ended)."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def call(w: StageWorker) -> None:
-            try:
-                future.set_result(fn(w))
-            except Exception as err:  # noqa: BLE001 (handed to the awaiting coroutine, which raises it)
-                future.set_exception(err)
-
-        if not self.worker.call(call):
-            await asyncio.to_thread(call, self.worker)
-        return await asyncio.wrap_future(future)
+        """Run ``fn(worker)`` in the compute thread (``ravq.average.compute.in_compute``)."""
+        return await in_compute(self.worker, fn)
 
     async def fetch_catchup(self, lineages: dict[str, dict[str, Any]] | None = None,
                             source: int | None = None) -> dict[str, torch.Tensor]:
-        """This stage's tensors from their live holders in another cluster (``source`` when it trains; CatchupError
-        if none); each holder's lineage (run id, version) goes into ``lineages``."""
-        plan = self.plan()
-        by_node = catchup.holders(plan, self.cluster, self.owners, list({**self.worker.params, **self.worker.buffers}),
-                                  source)
+        """This stage's tensors from their live holders in another cluster (``source`` when it trains;
+        CatchupError if none); each holder's lineage (run id, version) goes into ``lineages``."""
+        names = list({**self.worker.params, **self.worker.buffers})
+        by_node = catchup.holders(self.plan(), self.cluster, self.owners, names, source)
         t0 = time.monotonic()
         tensors = await catchup.fetch(self.port.outlinks, self.me, by_node, self.topology.timeouts.request_s,
                                       lineages)

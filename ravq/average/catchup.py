@@ -14,13 +14,12 @@ import asyncio
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ravq.average.segments import OPTIM_SEP
 from ravq.config import Plan
-from ravq.net.transport import Outlink
 from ravq.net.wire import Message, MsgType
 from ravq.stage.pipeline import StageWorker
 
@@ -32,6 +31,21 @@ MAX_NAMES_PER_REQUEST = 256
 
 class CatchupError(RuntimeError):
     """No complete copy of this stage could be fetched."""
+
+
+class CatchupLink(Protocol):
+    """A link to one holder that a request goes out on and its reply comes back on (a node's ring link:
+    ``ravq.net.transport.Outlink``, or ``ravq.net.routed.RoutedLink`` over its own ROUTER)."""
+
+    @property
+    def peer(self) -> str:
+        """The holder's name."""
+
+    async def send(self, msg: Message) -> None:
+        """Send one message to the holder."""
+
+    async def recv(self, timeout_s: float) -> Message:
+        """The holder's next reply; TimeoutError after ``timeout_s``."""
 
 
 def stage_tensors(worker: StageWorker, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
@@ -85,8 +99,9 @@ def holders(plan: Plan, me_cluster: int, owners: Sequence[Mapping[str, str]],
     return by_node
 
 
-async def fetch(outlinks: Mapping[str, Outlink], me: str, by_node: Mapping[str, Sequence[str]],
-                timeout_s: float, lineages: dict[str, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+async def fetch(outlinks: Mapping[str, CatchupLink], me: str, by_node: Mapping[str, Sequence[str]],
+                timeout_s: float, lineages: dict[str, dict[str, Any]] | None = None,
+                ) -> dict[str, torch.Tensor]:
     """Ask every holder for its names (all at once); CatchupError if any part does not arrive.  What
     each holder says of its copy (run id, version: ``ravq.persist.lineage``) goes into ``lineages``: the
     oldest part it sent, when a holder answered several requests."""
@@ -114,7 +129,7 @@ async def fetch(outlinks: Mapping[str, Outlink], me: str, by_node: Mapping[str, 
     return merged
 
 
-async def _request(link: Outlink, me: str, names: list[str],
+async def _request(link: CatchupLink, me: str, names: list[str],
                    timeout_s: float) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     request_id = os.urandom(6).hex()
     await link.send(Message(type=MsgType.CATCHUP_REQ, sender=me, meta={"id": request_id, "names": names}))

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from ravq.average.segments import averaged_names, with_optimizer_state
-from ravq.config import Plan
+from ravq.config import Plan, Topology
+from ravq.cut.meta import build_meta_model, example_args
 from ravq.cut.split_cache import cache_dir, cached_split
 from ravq.stage.recipe import build_optimizer
 
@@ -22,7 +23,8 @@ def stage_owners(build: Callable[[], torch.nn.Module], example: tuple[Any, ...],
                  known: dict[tuple[str, ...], list[list[str]]] | None = None,
                  checkpoint_dir: str | None = None) -> list[dict[str, str]]:
     """For each cluster: tensor name -> node holding it (one split of a fresh model per distinct set of
-    cuts: tracing consumes the model it splits; read from the split cache beside the checkpoints when there)."""
+    cuts: tracing consumes the model it splits; read from the split cache beside the checkpoints when
+    there)."""
     cache: dict[tuple[str, ...], list[list[str]]] = dict(known or {})
     owners = []
     for cluster in plan.clusters:
@@ -32,6 +34,23 @@ def stage_owners(build: Callable[[], torch.nn.Module], example: tuple[Any, ...],
             cache[key] = [list(s.module.state_dict().keys()) for s in specs]
         owners.append({name: node for node, names in zip(cluster.nodes, cache[key]) for name in names})
     return owners
+
+
+def ring_owners(task: Any, topology: Topology, plan: Plan, cluster: int,
+                stage_names: list[list[str]]) -> list[dict[str, str]]:
+    """For each cluster of ``plan``: tensor name -> the node holding it.  Clusters cut elsewhere than this
+    node's are traced here (seconds of CPU on the whole model): a node calls this in its build thread,
+    never on its event loop, whose heartbeats would stop meanwhile (the broker then takes the node for
+    lost)."""
+    own_cuts, t = tuple(plan.clusters[cluster].cuts), topology.training
+    example = example_args(task, t.micro_batch)
+    return stage_owners(lambda: build_meta_model(task, topology.seed).model, example, plan,
+                        {own_cuts: stage_names}, checkpoint_dir=t.checkpoint_dir)
+
+
+def ring_peers(owners: list[dict[str, str]], me: str) -> list[str]:
+    """The nodes ``me`` may share a ring with: every holder of a tensor in any cluster but itself."""
+    return sorted({node for held in owners for node in held.values()} - {me})
 
 
 def optimizer_state_keys(task: Any) -> list[str]:

@@ -50,12 +50,13 @@ class Inbox:
 
     @classmethod
     def bind(cls, ctx: zmq.asyncio.Context, addr: str, name: str, metrics: Metrics,
-             limits: DecodeLimits, opts: SocketOptions, me: str = "", *, one_shot_clients: bool = False) -> Inbox:
+             limits: DecodeLimits, opts: SocketOptions, me: str = "", *, one_shot_clients: bool = False,
+             authenticate: bool = True) -> Inbox:
         """``me``: this process's name as its routing id, for the connections this ROUTER dials itself
         (``ravq.net.routed``: a node behind NAT dials out); it also refuses (EHOSTUNREACH) to send to a
         peer that is not connected instead of dropping silently.  ``one_shot_clients``: clients that
         connect for one request and leave (the broker's: ``ravq status``), so a closed connection is no
-        dropped one."""
+        dropped one.  ``authenticate`` (with CURVE): a message's sender must be its key's name."""
         sock = ctx.socket(zmq.ROUTER)
         configure(sock, opts)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -67,7 +68,8 @@ class Inbox:
         elif opts.monitor is not None:
             opts.monitor.watch(sock, name, count_closed=not one_shot_clients)
         listen.bind(sock, addr, name)
-        return cls(sock, name, metrics, limits, authenticated=opts.curve is not None, opts=opts)
+        authenticated = authenticate and opts.curve is not None
+        return cls(sock, name, metrics, limits, authenticated=authenticated, opts=opts)
 
     async def recv(self) -> tuple[bytes, Message]:
         """The next valid message and the identity of the peer that sent it."""

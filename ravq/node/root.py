@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import zmq.asyncio
 
-from ravq.average.averager import Averager, ring_owners
+from ravq.average.averager import Averager
+from ravq.average.owners import ring_owners, ring_peers
 from ravq.config import Plan, Topology, resolve_task_module
 from ravq.lifecycle import StartupTimes, first_error, in_daemon_thread
 from ravq.metrics import Metrics
@@ -42,6 +43,7 @@ from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits
 from ravq.node.pipeline_links import StageLinks
 from ravq.node.progress import log_progress
+from ravq.node.ring_port import RingPort
 from ravq.node.routes import open_routes
 from ravq.node.stopping import Stopping
 from ravq.persist import checkpoint
@@ -169,17 +171,18 @@ class Node:
         peers = set(worker.spec.consumer_stages) | set(worker.spec.producer_stages)
         peers |= {h for group in worker.spec.tied for h in group.holders if h != self.stage}  # tied copies' holders
         self.links.bind()
-        if len(plan.clusters) > 1:
-            self.averager = Averager(ctx=self.ctx, topology=self.topology, plan=self.churn.current_plan, me=self.name,
-                                     cluster=self.cluster, worker=worker, model=built.model,
-                                     stage_names=built.stage_names, task=self.task,
-                                     metrics=self.metrics, sock_opts=self.sock_opts, limits=self.limits,
-                                     owners=self._owners)
-            self.averager.silent_s = self.membership.silent_s
-            self.averager.run_id = self.run_id
+        ring: RingPort | None = None
+        if len(plan.clusters) > 1:  # the ring sockets, then the averager they serve
+            assert self._owners is not None  # computed with the stage, in the build thread
+            ring = RingPort(self.ctx, self.topology, self.name, ring_peers(self._owners, self.name), self.metrics,
+                            self.limits, self.sock_opts)
+            self.averager = Averager(topology=self.topology, plan=self.churn.current_plan, me=self.name,
+                                     cluster=self.cluster, worker=worker, model=built.model, task=self.task,
+                                     metrics=self.metrics, port=ring, owners=self._owners,
+                                     silent_s=self.membership.silent_s, run_id=self.run_id)
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
         await open_routes(name=self.name, topology=self.topology, membership=self.membership, metrics=self.metrics,
-                          links=self.links, averager=self.averager, names=[self.name] if self.rejoining else everyone,
+                          links=self.links, ring=ring, names=[self.name] if self.rejoining else everyone,
                           cluster_nodes=cluster.nodes,
                           peers=peers | (set(worker._first_destinations()) if worker.is_first else set()))
         self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)

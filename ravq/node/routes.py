@@ -5,27 +5,28 @@ from __future__ import annotations
 
 import logging
 
-from ravq.average.averager import Averager
 from ravq.config import Topology
 from ravq.config.routes import declared_reach
 from ravq.metrics import Metrics
 from ravq.node.pipeline_links import StageLinks
+from ravq.node.ring_port import RingPort
 from ravq.swarm.membership import Membership
 
 log = logging.getLogger("ravq.node")  # the node's own lines
 
 
 async def open_routes(*, name: str, topology: Topology, membership: Membership, metrics: Metrics,
-                      links: StageLinks, averager: Averager | None, names: list[str], cluster_nodes: list[str],
+                      links: StageLinks, ring: RingPort | None, names: list[str], cluster_nodes: list[str],
                       peers: set[int]) -> None:
     """Wait for the broker's verdict on each of ``names`` (a rejoining node names only itself), then open
-    the pipeline links to ``peers`` and, with an averager, the ring's."""
-    ports = ["pipeline", "ring"] if averager is not None else ["pipeline"]
-    reach = {**declared_reach(topology), **await membership.wait_reach(names, ports, topology.timeouts.connect_s)}
+    the pipeline links to ``peers`` and, with ring sockets (clusters average), the ring's."""
+    ports = ["pipeline", "ring"] if ring is not None else ["pipeline"]
+    verdicts = await membership.wait_reach(names, ports, topology.timeouts.connect_s)
+    reach = {**declared_reach(topology), **verdicts}
     metrics.node_reachable.labels(name).set(float(reach.get(name, True)))
     log.info("%s: %s (%s)", name, "reachable" if reach.get(name, True) else "behind NAT: dialling out",
              membership.reach.get(name, "declared"))
     links.reach = reach
     links.open(cluster_nodes, peers)
-    if averager is not None:
-        averager.port.connect(reach)
+    if ring is not None:
+        ring.connect(reach)

@@ -23,22 +23,24 @@ byte (``NodeProfile.ring_s_per_byte``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import zmq
 
 from ravq.average.averager import Averager
+from ravq.average.owners import ring_owners, ring_peers
 from ravq.config import Topology
 from ravq.config.plan import ClusterPlan, Plan
 from ravq.metrics import Metrics
 from ravq.net.security import socket_options_for
 from ravq.net.transport import Outlink
 from ravq.net.wire import DecodeLimits
+from ravq.node.ring_port import RingPort
 from ravq.profile.links import CHUNK_BYTES
 from ravq.profile.session import zmq_session
 from ravq.profile.stage_cost import StageCostConfig
@@ -77,24 +79,24 @@ def _ring_topology(topology: Topology, name: str) -> Topology:
 
 
 class _ThreadCpu:
-    """CPU seconds a compute thread spends in ``run`` and, apart, inside the averager's hooks."""
+    """CPU seconds a compute thread spends in ``run`` and, apart, in the averager's own work there
+    (``averaging``: the averager's ``compute_timer``)."""
 
     def __init__(self) -> None:
         self.run_s = 0.0
         self.hooks_s = 0.0
         self._depth = 0
 
-    def hook(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self._depth += 1  # the outermost call counts (an update applies finished rounds within it)
-            t0 = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if not self._depth:
-                    self.hooks_s += time.thread_time() - t0
-        return timed
+    @contextlib.contextmanager
+    def averaging(self) -> Iterator[None]:
+        self._depth += 1  # the outermost counts (an update applies finished rounds within it)
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.hooks_s += time.thread_time() - t0
 
     def run(self, worker: StageWorker) -> None:
         t0 = time.thread_time()
@@ -112,34 +114,38 @@ async def _round_cpu_s(task: Any, topology: Topology, name: str, config: StageCo
     options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0)
     built = [build_stage(task, training, seed=0, cuts=[], stage=0, cluster=i, clusters=MEMBERS,
                          device=ring.node(m).device, metrics=Metrics(m)) for i, m in enumerate(members)]
-    largest = max(b.largest_frame for b in built)
-    options = dataclasses.replace(options, max_message_bytes=2 * max(largest, training.ring_chunk_bytes) + CHUNK_BYTES)
-    limits = DecodeLimits(max_tensor_bytes=2 * max(largest, training.ring_chunk_bytes))
+    largest = max(max(b.largest_frame for b in built), training.ring_chunk_bytes)
+    options = dataclasses.replace(options, max_message_bytes=2 * largest + CHUNK_BYTES)
+    limits = DecodeLimits(max_tensor_bytes=2 * largest)
     threads = [_ThreadCpu() for _ in members]
     async with zmq_session(options) as (ctx, group):
         addresses: dict[str, str] = {}
 
-        def connect_from(member: str) -> Any:
+        def connect_from(member: str) -> Callable[[str], Outlink]:
             # both members are this node as far as CURVE knows (its own key pair, as its ring uses it)
             return lambda peer: Outlink.connect(ctx, addresses[peer], "ring", name, metrics, limits, options,
                                                 identity=member)
 
-        averagers = [Averager(ctx=ctx, topology=ring, plan=lambda: plan, me=m, cluster=i, worker=b.worker,
-                              model=b.model, stage_names=b.stage_names, task=task, metrics=Metrics(m),
-                              sock_opts=options, limits=limits, connect=connect_from(m))
-                     for i, (m, b) in enumerate(zip(members, built, strict=True))]
+        owners = [ring_owners(task, ring, plan, i, b.stage_names) for i, b in enumerate(built)]
+        member_metrics = [Metrics(m) for m in members]
+        # CURVE names every connection after this node, not a member: senders are not checked
+        ports = [RingPort(ctx, ring, m, ring_peers(owners[i], m), member_metrics[i], limits, options,
+                          connect_from(m), authenticate=False) for i, m in enumerate(members)]
+        addresses.update({m: port.address for m, port in zip(members, ports, strict=True)})
+        averagers = [Averager(topology=ring, plan=lambda: plan, me=m, cluster=i, worker=built[i].worker,
+                              model=built[i].model, task=task, metrics=member_metrics[i], port=ports[i],
+                              owners=owners[i], silent_s=lambda node: 0.0, run_id=None,
+                              compute_timer=threads[i].averaging) for i, m in enumerate(members)]
         loops = []
-        for m, averager, thread in zip(members, averagers, threads, strict=True):
-            averager.port.inbox.authenticated = False  # CURVE names every connection after this node, not a member
-            addresses[m] = averager.port.inbox.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            averager.worker.on_update = thread.hook(averager.on_update)
-            averager._apply = thread.hook(averager._apply)  # type: ignore[method-assign]  # applied via worker.submit
-            loops += [group.create_task(f()) for f in (averager.serve, averager.run_rounds, averager.send_skips)]
-        for averager in averagers:
-            averager.port.connect({m: True for m in members})
+        for a in averagers:
+            a.worker.on_update = a.on_update
+            loops += [group.create_task(f()) for f in (a.serve, a.run_rounds, a.send_skips)]
+        for port in ports:
+            port.connect({m: True for m in members})
         try:
             cpu0 = time.process_time()
-            await asyncio.gather(*(asyncio.to_thread(t.run, a.worker) for a, t in zip(averagers, threads, strict=True)))
+            await asyncio.gather(*(asyncio.to_thread(t.run, a.worker)
+                                   for a, t in zip(averagers, threads, strict=True)))
             await asyncio.wait_for(asyncio.gather(*(a.drain() for a in averagers)), 60)
             cpu = time.process_time() - cpu0
             rounds = min(a.queue.completed for a in averagers)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from ravq.average.links import RingLinks
 from ravq.average.mailbox import Mailbox, received_piece
 from ravq.average.ring_compression import RingCompression
 from ravq.average.rounds import average_segments
@@ -29,6 +28,7 @@ from ravq.metrics import Metrics
 from ravq.net.security import socket_options_for
 from ravq.net.transport import Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
+from ravq.node.ring_port import RingLinks
 from ravq.profile.links import CHUNK_BYTES
 from ravq.profile.session import zmq_session
 

@@ -2,20 +2,19 @@
 
 ``RingLinks`` is the ``ravq.average.ring.RingLink`` the rings send through, one DEALER per ring peer;
 ``RingPort`` owns those DEALERs and the ROUTER peers send to, and its one reader hands pieces and aborts
-to the ``Mailbox`` and catch-up requests to the averager.
+to the ``Mailbox`` and catch-up requests to the averager.  The node builds the port and gives it to its
+``ravq.average.averager.Averager`` (typed there by ``ravq.average.port.Port``), which never touches ZeroMQ.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import torch
+import zmq
 
 from ravq.average.mailbox import Mailbox, received_piece
-from ravq.average.rounds import ROUNDS_PER_EPOCH
 from ravq.codec.compress import Packed
 from ravq.config import Topology
 from ravq.config.routes import relays, route
@@ -31,15 +30,11 @@ log = logging.getLogger(__name__)
 class RingLinks:
     """``ravq.average.ring.RingLink`` over one DEALER per ring peer."""
 
-    def __init__(self, me: str, outlinks: dict[str, Outlink | RoutedLink], fault: str | None = None) -> None:
+    def __init__(self, me: str, outlinks: dict[str, Outlink | RoutedLink]) -> None:
         self.me, self.outlinks = me, outlinks
-        self._kill_round = int(fault.split(":")[1]) if fault and fault.startswith("kill_in_round:") else None
 
     async def send(self, peer: str, meta: dict[str, int], tensor: torch.Tensor | Packed) -> None:
         await self.outlinks[peer].send(ring_chunk(self.me, meta, tensor))
-        if self._kill_round is not None and meta["round"] % ROUNDS_PER_EPOCH >= self._kill_round:
-            # Fault injection for tests (RAVQ_FAULT=kill_in_round:N): die mid-round, as a crash would.
-            os.kill(os.getpid(), signal.SIGKILL)
 
     async def send_abort(self, peer: str, ring_id: int, round_id: int, reason: str) -> None:
         await self.outlinks[peer].send(Message(type=MsgType.RING_ABORT, sender=self.me,
@@ -66,21 +61,24 @@ class RingPort:
 
     def __init__(self, ctx: Context, topology: Topology, me: str, peers: Iterable[str], metrics: Metrics,
                  limits: DecodeLimits, sock_opts: SocketOptions,
-                 connect: Callable[[str], Outlink] | None = None) -> None:
+                 connect: Callable[[str], Outlink] | None = None, authenticate: bool = True) -> None:
+        """``authenticate``: with CURVE, a message's sender must be the name its key was given
+        (``ravq.net.transport.Inbox``); the profiler's two ring members share one node's key and turn it
+        off."""
         self.ctx, self.topology, self.me, self.metrics = ctx, topology, me, metrics
         self.limits, self.sock_opts = limits, sock_opts
         self._hook = connect
         self._open = False
         """Whether ``connect`` ran: before, links wait for the peers' reachability."""
         bind = topology.node(me).bind_host or topology.node(me).host
-        self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits, sock_opts,
-                                me=me)
+        self.inbox = Inbox.bind(ctx, endpoint(bind, topology.node(me).ring_port), "ring", metrics, limits,
+                                sock_opts, me=me, authenticate=authenticate)
         self.peers = sorted(peers)
         self.reach: dict[str, bool] = {}
         self._links = Links(ctx=ctx, inbox=self.inbox, me=me, socket="ring", metrics=metrics, limits=limits,
                             opts=sock_opts, port_of={n.name: (n.host, n.ring_port) for n in topology.nodes})
         self.outlinks: dict[str, Outlink | RoutedLink] = {}
-        self.link = RingLinks(me, self.outlinks, os.environ.get("RAVQ_FAULT"))
+        self.link = RingLinks(me, self.outlinks)
 
     def connect(self, reach: Mapping[str, bool]) -> None:
         """Link to every ring peer along its route (``reach``: who can be dialled)."""
@@ -90,6 +88,11 @@ class RingPort:
     @property
     def routes(self) -> dict[str, str]:
         return dict(self._links.routes)
+
+    @property
+    def address(self) -> str:
+        """The endpoint the ROUTER is bound to (its port once the system chose one)."""
+        return self.inbox.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _connect(self, peer: str) -> Outlink | RoutedLink:
         if self._hook is not None:
@@ -127,6 +130,10 @@ class RingPort:
                 self._links.routed[msg.sender].deliver(msg)  # a reply over this ROUTER (a routed link)
             else:
                 self.metrics.bad_messages.labels("ring", "unexpected_message").inc()
+
+    async def reply(self, identity: bytes, msg: Message, peer: str) -> None:
+        """Answer the peer whose message came with ``identity`` (a catch-up reply), over the ROUTER."""
+        await self.inbox.reply(identity, msg, peer)
 
     def rename(self, renamed: Mapping[str, str], is_peer: Callable[[str], bool]) -> None:
         """Nodes that took over other nodes' stages (standbys): close the links to the old ones and
