@@ -14,7 +14,7 @@ import torch
 from ravq.codec.compress import Format, Packed
 from ravq.cut.split import build_task_model, candidate_cuts, even_cuts, split_model, stage_input_specs
 from ravq.net.wire import Message, MsgType, decode, encode
-from ravq.stage.evaluate import attach, eval_stage_module
+from ravq.stage.evaluate import eval_stage_module
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.recipe import build_optimizer
 from ravq.stage.tensors import model_input_needs
@@ -46,7 +46,8 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
                for spec in specs]
     if recipe.eval_every:
         for i, worker in enumerate(workers):
-            attach(worker, eval_stage_module(task, seed, task.example_inputs(micro_batch), cuts, i, worker.module))
+            example = task.example_inputs(micro_batch)
+            worker.recipe.evaluator.attach(eval_stage_module(task, seed, example, cuts, i, worker.module))
     return workers
 
 
@@ -134,10 +135,10 @@ def run_in_order(workers: list[StageWorker]) -> None:
         worker = ready[0]
         kind, arg = worker._sched.next(worker, lambda: False)
         if kind == "start":
-            worker._run_first_forward(emits[worker.spec.index])
+            worker.passes.start(emits[worker.spec.index])
         elif kind == "bwd":
-            worker._run_backward(arg[0], arg[1], emits[worker.spec.index])
+            worker.passes.backward(arg[0], arg[1], emits[worker.spec.index])
         else:
-            worker._run_forward(arg[0], arg[1], emits[worker.spec.index])
+            worker.passes.forward(arg[0], arg[1], emits[worker.spec.index])
     for w in workers:
         w._flush_update()

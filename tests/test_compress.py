@@ -301,13 +301,13 @@ def test_pipeline_sends_activations_and_gradients_compressed(fmt: Format) -> Non
     run_workers(plain)
     workers = make_workers(skipnet, 3, steps=20, max_inflight=1, compress=fmt)
     for w in workers:
-        pack_original = w._pack
+        pack_original = w.passes.pack
 
         def logged(tensors: dict[str, torch.Tensor], pack_original: Any = pack_original) -> dict[str, Any]:
             out = pack_original(tensors)
             sent.extend((name, type(v).__name__, v.dtype) for name, v in out.items())
             return out
-        w._pack = logged  # type: ignore[method-assign]
+        w.passes.pack = logged  # type: ignore[method-assign]
     run_workers(workers)
     assert all(w.stats.backwards == 20 for w in workers)
     names = {name[0] for name, _, _ in sent}
@@ -323,7 +323,7 @@ def test_pipeline_sends_activations_and_gradients_compressed(fmt: Format) -> Non
 def test_stage_refuses_packed_targets_and_wrong_restored_shapes() -> None:
     workers = make_workers(skipnet, 2, steps=1, max_inflight=1)
     last = workers[1]
-    expected = last._expected_fwd[0]
+    expected = last.state.expected_fwd[0]
     parts: dict[str, Any] = {}
     for name, (shape, dtype) in expected.items():
         parts[name] = torch.zeros(shape, dtype=dtype) if not dtype.is_floating_point else torch.randn(shape)

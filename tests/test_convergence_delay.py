@@ -118,13 +118,13 @@ def test_stale_pipeline_is_pipedream_to_float_tolerance() -> None:
     task, steps = zoo_markov.gpt2, 30
     workers = make_workers(task, 2, steps=steps, max_inflight=2, micro_batch=MICRO_BATCH)
     versions: dict[int, int] = {}
-    forward = workers[0]._forward
+    forward = workers[0].passes.run_module
 
     def recording(mb, inputs):  # the version each micro-batch's forward used on the first stage
         versions[mb[1]] = workers[0].version
         return forward(mb, inputs)
 
-    workers[0]._forward = recording
+    workers[0].passes.run_module = recording
     run_in_order(workers)
     model = build_task_model(task, 0)
     params = dict(model.named_parameters())

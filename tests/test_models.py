@@ -163,13 +163,13 @@ def test_fresh_buffers_keep_in_flight_forwards_valid() -> None:
     losses = {}
     for seq in range(2):  # two forwards in flight
         (x,), t = next(batches)
-        worker._forward((0, seq), [x])
-        losses[seq] = zoo.batchnorm.loss_fn(worker._stash[(0, seq)].outputs[0], t)
+        worker.passes.run_module((0, seq), [x])
+        losses[seq] = zoo.batchnorm.loss_fn(worker.state.stash[(0, seq)].outputs[0], t)
     names = [n for n in averaged_names(worker.module) if n in worker.buffers]
     live = worker.fresh_buffers(names)
     snapshot = flatten(list(live.values()))
     apply_average_delta(list(live.values()), snapshot, snapshot + 1.0)  # a round's delta, in place
     assert all(worker.module.get_buffer(n) is worker.buffers[n] for n in names)
     for seq, loss in losses.items():
-        worker._backward_from((0, seq), worker._stash[(0, seq)], [loss], [None], lambda out: None)
+        worker.passes.backward_from((0, seq), worker.state.stash[(0, seq)], [loss], [None], lambda out: None)
     assert worker.version == 2

@@ -65,12 +65,12 @@ def test_weight_stashing_gives_gradient_at_forward_weights() -> None:
     # gradient of micro-batch 2 at the initial weights
     skipnet.loss_fn(ref(x2, y2), t2).backward()
     expected = {n: p.grad.clone() for n, p in ref.named_parameters()}
-    out1 = w._forward((0, 0), [x1, y1])
-    out2 = w._forward((0, 1), [x2, y2])
+    out1 = w.passes.run_module((0, 0), [x1, y1])
+    out2 = w.passes.run_module((0, 1), [x2, y2])
     assert out1 and out2
     w.optimizer = torch.optim.SGD(w.params.values(), lr=1.0)  # big step: stale weights would show
-    w._backward_from((0, 0), w._stash[(0, 0)], [skipnet.loss_fn(w._stash[(0, 0)].outputs[0], t1)], [None],
-                     lambda out: None)
+    w.passes.backward_from((0, 0), w.state.stash[(0, 0)],
+                           [skipnet.loss_fn(w.state.stash[(0, 0)].outputs[0], t1)], [None], lambda out: None)
     assert w.version == 1
     captured = {}
     w.optimizer = torch.optim.SGD(w.params.values(), lr=0.0)
@@ -81,8 +81,8 @@ def test_weight_stashing_gives_gradient_at_forward_weights() -> None:
         return orig_step(*a, **k)
 
     w.optimizer.step = capture  # type: ignore[method-assign]
-    w._backward_from((0, 1), w._stash[(0, 1)], [skipnet.loss_fn(w._stash[(0, 1)].outputs[0], t2)], [None],
-                     lambda out: None)
+    w.passes.backward_from((0, 1), w.state.stash[(0, 1)],
+                           [skipnet.loss_fn(w.state.stash[(0, 1)].outputs[0], t2)], [None], lambda out: None)
     for n, g in expected.items():
         torch.testing.assert_close(captured[n], g, rtol=1e-6, atol=1e-7, msg=n)
     assert w.stats.staleness_max == 1
@@ -151,7 +151,7 @@ def test_waiting_is_not_busy_and_is_counted_by_reason() -> None:
         clocks[0].advance(held_s)
         worker.waited("averaging", worker.clock() - t0)
 
-    workers[0].on_update = hold
+    workers[0].subscribe_updates(hold)
     run_workers(workers)
     s0, s1 = workers[0].stats, workers[1].stats
     assert s0.updates == steps and s0.started_at == 0.0

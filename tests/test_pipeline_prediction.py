@@ -17,7 +17,7 @@ def test_prediction_without_staleness_is_bit_identical_to_plain() -> None:
     for k in (0.0, 2.0, 3.0):
         workers = make_workers(skipnet, 3, steps=20, max_inflight=1, predict_weights=k)
         run_workers(workers)
-        assert all(w.stats.staleness_max == 0 and w._last_update is None for w in workers)
+        assert all(w.stats.staleness_max == 0 and w.forward_weights.last_update is None for w in workers)
         runs.append(merged_state(workers))
     for other in runs[1:]:
         for name, value in runs[0].items():
@@ -44,7 +44,7 @@ class _OneStage:
         self.targets: dict[int, torch.Tensor] = {}
         self.inputs: dict[int, Any] = {}
         self.versions: list[dict[str, torch.Tensor]] = [self.params()]  # weights after each update
-        self.w.on_update = lambda w: self.versions.append(self.params())
+        self.w.subscribe_updates(lambda w: self.versions.append(self.params()))
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.w.params.items()}
@@ -52,12 +52,12 @@ class _OneStage:
     def forward(self, seq: int) -> None:
         inputs, self.targets[seq] = next(self.batches)
         self.inputs[seq] = inputs
-        self.w._forward((0, seq), list(inputs))
+        self.w.passes.run_module((0, seq), list(inputs))
 
     def backward(self, seq: int) -> None:
-        stash = self.w._stash[(0, seq)]
+        stash = self.w.state.stash[(0, seq)]
         loss = skipnet.loss_fn(stash.outputs[0], self.targets[seq])
-        self.w._backward_from((0, seq), stash, [loss], [None], lambda out: None)
+        self.w.passes.backward_from((0, seq), stash, [loss], [None], lambda out: None)
 
 
 def test_forward_runs_at_extrapolated_weights_and_backward_takes_their_gradient() -> None:
@@ -66,12 +66,12 @@ def test_forward_runs_at_extrapolated_weights_and_backward_takes_their_gradient(
     run.forward(0)
     run.forward(1)  # both at version 0: nothing measured yet, so no prediction
     for name, value in run.versions[0].items():
-        assert torch.equal(run.w._stash[(0, 1)].params[name], value)
+        assert torch.equal(run.w.state.stash[(0, 1)].params[name], value)
     run.backward(0)  # version 1, staleness 0
     run.backward(1)  # version 2, staleness 1
-    assert list(run.w._recent_staleness) == [0, 1] and run.w.version == 2
+    assert list(run.w.forward_weights.recent_staleness) == [0, 1] and run.w.version == 2
     run.forward(2)
-    stash = run.w._stash[(0, 2)]
+    stash = run.w.state.stash[(0, 2)]
     mean_staleness = 0.5
     w1, w2 = run.versions[1], run.versions[2]
     for name in w2:
@@ -104,6 +104,6 @@ def test_no_prediction_at_zero_k_even_with_staleness() -> None:
     run.backward(0)
     run.backward(1)
     run.forward(2)
-    assert run.w._last_update is None
+    assert run.w.forward_weights.last_update is None
     for name, value in run.versions[2].items():
-        assert torch.equal(run.w._stash[(0, 2)].params[name], value)
+        assert torch.equal(run.w.state.stash[(0, 2)].params[name], value)

@@ -61,7 +61,7 @@ def test_sync_recipe_equals_one_process(stages: int, precision: str) -> None:
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
     assert min(_reference_norms(skipnet, STEPS)) > MAX_NORM  # the clipping bound every step
-    assert all(w.version == STEPS and not w.recipe.unfinished(w) for w in workers)
+    assert all(w.version == STEPS and not w.recipe.unfinished() for w in workers)
 
 
 def test_recipe_changes_the_weights() -> None:

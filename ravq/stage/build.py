@@ -68,7 +68,7 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
                          model_input_needs=model_input_needs(specs), input_specs=in_specs[stage],
                          target_example=target_example)
     if training.eval_every:  # an eval-mode graph of this stage, sharing its weights (ravq.stage.evaluate)
-        evaluate.attach(worker, evaluate.eval_stage_module(task, seed, example, cuts, stage, worker.module))
+        worker.recipe.evaluator.attach(evaluate.eval_stage_module(task, seed, example, cuts, stage, worker.module))
     return BuiltStage(worker=worker, model=model, stage_names=[list(s.module.state_dict().keys()) for s in specs],
                       largest_frame=largest_inbound_frame(specs, in_specs, stage, target_example))
 
@@ -115,14 +115,10 @@ def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_e
     worker.module.load_state_dict(ckpt.model)
     checkpoint.restore_optimizer(worker.optimizer, checkpoint.optimizer_names(worker.optimizer, worker.params),
                                  ckpt.optimizer["tensors"], ckpt.optimizer["rest"])
-    worker.version = ckpt.meta["version"]
+    version = ckpt.meta["version"]
     # count the micro-batches already trained towards training.steps
-    done = ckpt.meta.get("trained", worker.version * update_every)
-    worker.stats.forwards = worker.stats.backwards = worker.trained = done
-    if worker.batches is not None:
-        for _ in range(ckpt.meta["data_position"]):
-            next(worker.batches)
-        worker.data_position = ckpt.meta["data_position"]
+    worker.restore(version=version, trained=ckpt.meta.get("trained", version * update_every),
+                   data_position=ckpt.meta["data_position"])
     run_id = ckpt.meta.get("run_id")
     log.info("%s: resumed at version %d (run %s)", name, worker.version, run_id)
     return run_id if isinstance(run_id, str) else None

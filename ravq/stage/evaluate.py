@@ -22,6 +22,8 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,13 +32,14 @@ from torch.func import functional_call
 
 from ravq.cut.materialize import materialize
 from ravq.cut.meta import build_meta_model, retarget_device, to_meta
+from ravq.cut.modules import replace_tensor
 from ravq.cut.split import build_task_model, model_output
+from ravq.stage.state import Outbox, StagePlace, StageState
+from ravq.stage.stats import StageStats
 from ravq.stage.tensors import Parts, data_for, gather_inputs, targets_of, to_device
-from ravq.stage.types import MicroBatch, Outbound
+from ravq.stage.types import MicroBatch, RecipeOptions
 
 log = logging.getLogger(__name__)
-StageWorker = Any
-"""``ravq.stage.pipeline.StageWorker`` (it imports this module, not the other way round)."""
 
 
 def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts: list[str], stage: int,
@@ -59,29 +62,38 @@ def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts:
         module = model
     live = {**dict(train_module.named_parameters()), **dict(train_module.named_buffers())}
     for name, _ in [*module.named_parameters(), *module.named_buffers()]:
-        owner, _, leaf = name.rpartition(".")
-        sub = module.get_submodule(owner) if owner else module
-        table = sub._parameters if leaf in sub._parameters else sub._buffers
         assert name in live, f"eval graph has {name}, which the training stage lacks"
-        table[leaf] = live[name]
+        replace_tensor(module, name, live[name])
     if meta:  # the weights are the training stage's (no second copy); real values for anything else
         materialize(module, task, seed)
         retarget_device(module, "meta", next(iter(train_module.parameters()), torch.empty(0)).device)
     return module
 
 
-def attach(worker: StageWorker, module: nn.Module) -> None:
-    """Evaluate with ``module`` (this stage's from ``eval_stage_modules``), on the stage's device."""
-    worker.recipe.evaluator.module = module.to(worker.device)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Scoring:
+    """How the last stage scores an eval micro-batch, and the recipe's part of every eval message."""
+
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    metrics_fn: Callable[[Any, Any], Any] | None
+    """The task's ``metrics_fn(outputs, targets)``, averaged over a round; None: loss only."""
+    autocast: Callable[[], AbstractContextManager[None]]
+    forward_meta: Callable[[], dict[str, Any]]
 
 
 class Evaluator:
     """One stage's side of evaluation (compute thread only)."""
 
-    def __init__(self, every: int, count: int, batches: Callable[[int, int], Any] | None, seed: int) -> None:
-        self.every, self.count, self.batches, self.seed = every, count, batches, seed
+    def __init__(self, options: RecipeOptions, *, place: StagePlace, state: StageState,
+                 params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor], scoring: Scoring, stats: StageStats, outbox: Outbox, micro_batch: int,
+                 clock: Callable[[], float]) -> None:
+        self.every, self.count, self.batches = options.eval_every, options.eval_count, options.eval_batches
+        self.seed, self._micro_batch = options.seed, micro_batch
+        self._place, self._state, self._scoring = place, state, scoring
+        self._params, self._buffers = params, buffers
+        self._stats, self._outbox, self._clock = stats, outbox, clock
         self.module: nn.Module | None = None
-        """This stage's eval-mode graph (``eval_stage_modules``); None: evaluation is off."""
+        """This stage's eval-mode graph (``attach``); None: evaluation is off."""
         self.seen: dict[int, int] = {}
         """Round -> eval micro-batches this stage has run of it."""
         self.rounds_done = 0
@@ -92,6 +104,10 @@ class Evaluator:
         self.metrics: dict[str, float] = {}
         """Last stage: the task's metrics_fn averaged over the latest round."""
 
+    def attach(self, module: nn.Module) -> None:
+        """Evaluate with ``module`` (this stage's from ``eval_stage_module``), on the stage's device."""
+        self.module = module.to(self._place.device)
+
     @property
     def enabled(self) -> bool:
         return self.module is not None and self.every > 0
@@ -100,89 +116,93 @@ class Evaluator:
         """Rounds up to ``version`` that this stage has not finished (it is not done until they are)."""
         return self.enabled and self.rounds_done < version // self.every
 
-    def after_step(self, worker: StageWorker, emit: Callable[[Outbound], None]) -> None:
+    def forget_in_flight(self) -> None:
+        """A pause cut the rounds in flight short: they are not waited for."""
+        self.seen.clear()
+        self.rounds_done = 1 << 62
+
+    def after_step(self) -> None:
         """Stage 0, after each optimizer step: start a round every ``every`` steps."""
-        if not (self.enabled and worker.is_first and worker.version % self.every == 0):
+        place, version = self._place, self._state.version
+        if not (self.enabled and place.is_first and version % self.every == 0):
             return
         if self.batches is None:
             return
-        round_ = worker.version // self.every
-        for j, (inputs, targets) in enumerate(itertools.islice(self.batches(worker.options.micro_batch, self.seed),
-                                                               self.count)):
-            mb = (worker.cluster, round_ * self.count + j)
+        round_ = version // self.every
+        held_out = itertools.islice(self.batches(self._micro_batch, self.seed), self.count)
+        for j, (inputs, targets) in enumerate(held_out):
+            mb = (place.cluster, round_ * self.count + j)
             inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
             parts: Parts = {0: {f"x{i}": x for i, x in enumerate(inputs)}}
-            if worker.is_last:
-                self.run(worker, mb, parts, emit, targets=targets)
+            if place.is_last:
+                self.run(mb, parts, targets=targets)
                 continue
-            data = {dest: data_for(dest, inputs, targets, worker.model_input_needs, worker.num_stages)
-                    for dest in worker._first_destinations()}
-            self._forward_and_send(worker, mb, parts, data, emit)
+            data = {dest: data_for(dest, inputs, targets, place.model_input_needs, place.num_stages)
+                    for dest in place.first_destinations()}
+            self._forward_and_send(mb, parts, data)
 
-    def run(self, worker: StageWorker, mb: MicroBatch, parts: Parts, emit: Callable[[Outbound], None],
-            targets: Any = None) -> None:
+    def run(self, mb: MicroBatch, parts: Parts, targets: Any = None) -> None:
         """An eval micro-batch arrived (or stage 0 made one): forward it, send it on or score it."""
-        if worker.is_last:
-            inputs = gather_inputs(worker.spec, parts)
-            out = self._forward(worker, inputs)
-            targets = to_device(targets_of(parts[0]) if targets is None else targets, worker.device)
-            full = model_output(worker.spec, out, inputs)  # what the unsplit model returns
-            with torch.no_grad(), worker.recipe.autocast():
-                loss = float(worker.loss_fn(full, targets))
-                scores = dict(worker.recipe.metrics_fn(full, targets)) if worker.recipe.metrics_fn else {}
-            round_ = mb[1] // self.count
-            self._loss_sum[round_] = self._loss_sum.get(round_, 0.0) + loss
-            sums = self._metric_sums.setdefault(round_, {})
-            for name, value in scores.items():
-                sums[name] = sums.get(name, 0.0) + float(value)
-            self._count(worker, round_)
+        spec = self._place.spec
+        if not self._place.is_last:
+            self._forward_and_send(mb, parts, {dest: {} for dest in spec.consumer_stages})
             return
-        self._forward_and_send(worker, mb, parts, {dest: {} for dest in worker.spec.consumer_stages}, emit)
+        inputs = gather_inputs(spec, parts)
+        out = self._forward(inputs)
+        targets = to_device(targets_of(parts[0]) if targets is None else targets, self._place.device)
+        full = model_output(spec, out, inputs)  # what the unsplit model returns
+        scoring = self._scoring
+        with torch.no_grad(), scoring.autocast():
+            loss = float(scoring.loss_fn(full, targets))
+            scores = dict(scoring.metrics_fn(full, targets)) if scoring.metrics_fn else {}
+        round_ = mb[1] // self.count
+        self._loss_sum[round_] = self._loss_sum.get(round_, 0.0) + loss
+        sums = self._metric_sums.setdefault(round_, {})
+        for name, value in scores.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+        self._count(round_)
 
-    def _forward(self, worker: StageWorker, inputs: list[torch.Tensor]) -> Any:
+    def _forward(self, inputs: list[torch.Tensor]) -> Any:
         assert self.module is not None
         names = {n for n, _ in [*self.module.named_parameters(), *self.module.named_buffers()]}
-        weights = {n: t for n, t in {**worker.params, **worker.buffers}.items() if n in names}
-        args = tuple(x.to(worker.device) for x in inputs[: len(worker.spec.inputs)])
-        t0 = worker.clock()
-        with torch.no_grad(), worker.recipe.autocast():
+        weights = {n: t for n, t in {**self._params, **self._buffers}.items() if n in names}
+        args = tuple(x.to(self._place.device) for x in inputs[: len(self._place.spec.inputs)])
+        t0 = self._clock()
+        with torch.no_grad(), self._scoring.autocast():
             out = functional_call(self.module, weights, args)
-        seconds = worker.clock() - t0  # busy, not waiting (the forward/backward statistics stay training's)
-        worker.stats.busy_s += seconds
-        if worker.metrics is not None:
-            worker.metrics.compute_seconds.labels("eval").observe(seconds)
-            worker.metrics.busy_seconds.inc(seconds)
+        # busy, not waiting (the forward/backward statistics stay training's)
+        self._stats.record_busy("eval", self._clock() - t0)
         return out
 
-    def _forward_and_send(self, worker: StageWorker, mb: MicroBatch, parts: Parts,
-                          data: dict[int, dict[str, torch.Tensor]], emit: Callable[[Outbound], None]) -> None:
-        out = self._forward(worker, gather_inputs(worker.spec, parts))
+    def _forward_and_send(self, mb: MicroBatch, parts: Parts, data: dict[int, dict[str, torch.Tensor]]) -> None:
+        spec = self._place.spec
+        out = self._forward(gather_inputs(spec, parts))
         outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         round_ = mb[1] // self.count
         for dest, extra in data.items():
-            tensors = {f"o{i}": outputs[i] for i, users in worker.spec.consumers.items() if dest in users}
-            emit(Outbound("eval", dest, mb, worker.version, {**worker._pack(tensors), **extra}, worker.generation,
-                          {**worker.recipe.forward_meta(), "eval": round_}))
-        self._count(worker, round_)
+            tensors = {f"o{i}": outputs[i] for i, users in spec.consumers.items() if dest in users}
+            self._outbox.send("eval", dest, mb[1], {**self._outbox.pack(tensors), **extra},
+                              {**self._scoring.forward_meta(), "eval": round_})
+        self._count(round_)
 
-    def _count(self, worker: StageWorker, round_: int) -> None:
+    def _count(self, round_: int) -> None:
         self.seen[round_] = self.seen.get(round_, 0) + 1
         if self.seen[round_] < self.count:
             return
         del self.seen[round_]
         self.rounds_done += 1
-        if not worker.is_last:
+        if not self._place.is_last:
             return
         loss = self._loss_sum.pop(round_) / self.count
         self.metrics = {k: v / self.count for k, v in self._metric_sums.pop(round_, {}).items()}
         self.history.append((round_ * self.every, loss))
-        worker.stats.recipe.update({"eval_loss": loss, "eval_loss_first": self.history[0][1],
-                                    "eval_version": round_ * self.every, "eval_metrics": dict(self.metrics),
-                                    "eval_history": [list(h) for h in self.history[-64:]]})
-        if worker.metrics is not None:
-            worker.metrics.eval_loss.set(loss)
-            worker.metrics.evaluations.inc()
+        self._stats.record_recipe({"eval_loss": loss, "eval_loss_first": self.history[0][1],
+                                   "eval_version": round_ * self.every, "eval_metrics": dict(self.metrics),
+                                   "eval_history": [list(h) for h in self.history[-64:]]})
+        if (metrics := self._stats.metrics) is not None:
+            metrics.eval_loss.set(loss)
+            metrics.evaluations.inc()
             for name, value in self.metrics.items():
-                worker.metrics.eval_metric.labels(name).set(value)
-        log.info("stage %d: eval at step %d: loss %.4f %s", worker.spec.index, round_ * self.every, loss,
+                metrics.eval_metric.labels(name).set(value)
+        log.info("stage %d: eval at step %d: loss %.4f %s", self._place.spec.index, round_ * self.every, loss,
                  " ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))

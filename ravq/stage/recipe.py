@@ -22,13 +22,21 @@ from torch import nn
 
 from ravq.config import TrainingConfig
 from ravq.stage.clip import NormExchange, clip_factor
-from ravq.stage.evaluate import Evaluator
+from ravq.stage.evaluate import Evaluator, Scoring
+from ravq.stage.feed import DataFeed
 from ravq.stage.lr import LRSchedule, ScheduleSpec, lr_lambda
 from ravq.stage.precision import LossScale, autocast_for
-from ravq.stage.types import MicroBatch, Outbound, RecipeOptions
+from ravq.stage.stash import GradientSum
+from ravq.stage.state import OpTimer, Outbox, StagePlace, StageState
+from ravq.stage.stats import StageStats
+from ravq.stage.tensors import Expected
+from ravq.stage.types import MicroBatch, RecipeOptions, StageOptions
 
-StageWorker = Any
-"""``ravq.stage.pipeline.StageWorker`` (the pipeline imports this module, not the other way round)."""
+Step = Callable[[list[int] | None, bool], None]
+"""The stage's optimizer step (``StageWorker``): step(versions of its backwards or None: those summed,
+skip: an fp16 overflow, no update)."""
+Submit = Callable[[Callable[[], None]], None]
+"""Runs work in the compute thread before any further forward or backward (``Scheduler.submit``)."""
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +56,13 @@ def build_optimizer(make_optimizer: Callable[..., torch.optim.Optimizer],
 
 
 def recipe_options(task: Any, training: TrainingConfig, seed: int = 0) -> RecipeOptions:
-    """The recipe a topology's training settings and the task's optional ``lr_lambda`` and ``metrics_fn`` make."""
+    """The recipe a topology's training settings and the task's optional ``lr_lambda`` and ``metrics_fn``
+    make."""
     sched = training.lr_schedule
     total = sched.total_steps or -(-training.steps // training.update_every)
     if sched.kind != "task" and sched.warmup_steps >= total and sched.kind != "constant":
-        raise ValueError(f"training.lr_schedule.warmup_steps: must be below the run's {total} optimizer steps, "
-                         f"got {sched.warmup_steps}")
+        raise ValueError(f"training.lr_schedule.warmup_steps: must be below the run's {total} optimizer "
+                         f"steps, got {sched.warmup_steps}")
     task_lambda = getattr(task, "lr_lambda", None)
     factor = None
     if sched.kind != "constant":
@@ -65,32 +74,47 @@ def recipe_options(task: Any, training: TrainingConfig, seed: int = 0) -> Recipe
                          "eval_batches(micro_batch, seed)")
     return RecipeOptions(precision=training.precision, lr_lambda=factor, clip_grad_norm=training.clip_grad_norm,
                          metrics_fn=metrics_fn if callable(metrics_fn) else None, eval_every=training.eval_every,
-                         eval_count=training.eval_batches, eval_batches=eval_batches if callable(eval_batches) else None,
-                         seed=seed)
+                         eval_count=training.eval_batches,
+                         eval_batches=eval_batches if callable(eval_batches) else None, seed=seed)
+
+
+def expected_at(precision: str, expected: dict[int, Expected]) -> dict[int, Expected]:
+    """The forward tensors a stage expects under ``precision``: with autocast (bf16, fp16) activations
+    arrive in whatever float dtype autocast gave their last op, so their dtype is not checked."""
+    if precision == "fp32":
+        return expected
+    return {src: {name: (shape, None if name[0] == "o" and dtype is not None and dtype.is_floating_point
+                         else dtype)
+                  for name, (shape, dtype) in names.items()}
+            for src, names in expected.items()}
 
 
 class Recipe:
     """One stage's recipe state; every method runs in the compute thread unless it says otherwise."""
 
-    def __init__(self, worker: StageWorker) -> None:
-        opts = worker.options.recipe
+    def __init__(self, options: StageOptions, *, place: StagePlace, state: StageState,
+                 optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
+                 buffers: dict[str, torch.Tensor], grads: GradientSum, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 stats: StageStats, outbox: Outbox, timer: OpTimer, feed: DataFeed | None, step: Step,
+                 submit: Submit) -> None:
+        opts = options.recipe
         self.precision, self.max_norm, self.metrics_fn = opts.precision, opts.clip_grad_norm, opts.metrics_fn
-        self.device = worker.device
+        self.device = place.device
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"training.precision: must be fp32, bf16 or fp16, got {self.precision!r}")
-        if self.precision != "fp32":  # activations arrive in whatever float dtype autocast gave their last op
-            worker._expected_fwd = {src: {name: (shape, None if name[0] == "o" and dtype.is_floating_point else dtype)
-                                          for name, (shape, dtype) in names.items()}
-                                    for src, names in worker._expected_fwd.items()}
-        self.lr = LRSchedule(worker.optimizer, opts.lr_lambda) if opts.lr_lambda is not None else None
+        self._place, self._state, self._optimizer, self._params, self._grads = place, state, optimizer, params, grads
+        self._stats, self._outbox, self._timer, self._feed = stats, outbox, timer, feed
+        self._step, self._submit = step, submit
+        self.lr = LRSchedule(optimizer, opts.lr_lambda) if opts.lr_lambda is not None else None
         self.exchange: NormExchange | None = None
         if self.max_norm is not None or self.precision == "fp16":
-            if not worker.is_first and not worker.spec.producer_stages:
-                raise ValueError(f"training.clip_grad_norm/precision fp16: stage {worker.spec.index} sends no "
-                                 "gradients back (it reads model inputs only), so its gradient norm cannot reach "
-                                 "stage 0; cut the model elsewhere")
-            self.exchange = NormExchange(worker.spec.index, worker.num_stages, 4 * worker.options.max_inflight + 8)
-        self.loss_scale = LossScale() if self.precision == "fp16" and worker.is_last else None
+            if not place.is_first and not place.spec.producer_stages:
+                raise ValueError(f"training.clip_grad_norm/precision fp16: stage {place.spec.index} sends no "
+                                 "gradients back (it reads model inputs only), so its gradient norm cannot "
+                                 "reach stage 0; cut the model elsewhere")
+            self.exchange = NormExchange(place.spec.index, place.num_stages, 4 * options.max_inflight + 8)
+        self._relay_norms = place.is_first and not place.is_last and options.max_inflight > 1
+        self.loss_scale = LossScale() if self.precision == "fp16" and place.is_last else None
         self.grad_norm: float | None = None
         """The global gradient norm of the last step applied here (before clipping)."""
         self.applied: deque[tuple[int, float]] = deque(maxlen=1024)
@@ -99,8 +123,12 @@ class Recipe:
         self._metric_count = 0
         self.train_metrics: dict[str, float] = {}
         """The task's ``metrics_fn`` averaged over the micro-batches of the last step (last stage)."""
-        self.evaluator = Evaluator(opts.eval_every, opts.eval_count, opts.eval_batches, opts.seed)
-        """Evaluation rounds (``ravq.stage.evaluate``); on once ``evaluator.module`` is set."""
+        scoring = Scoring(loss_fn=loss_fn, metrics_fn=self.metrics_fn, autocast=self.autocast,
+                          forward_meta=self.forward_meta)
+        self.evaluator = Evaluator(opts, place=place, state=state, params=params, buffers=buffers,
+                                   scoring=scoring, stats=stats, outbox=outbox, micro_batch=options.micro_batch,
+                                   clock=timer.clock)
+        """Evaluation rounds (``ravq.stage.evaluate``); on once ``evaluator.attach`` gave it a module."""
 
     # ----------------------------------------------------------------- forwards and the loss
     @contextlib.contextmanager
@@ -108,8 +136,7 @@ class Recipe:
         with autocast_for(self.precision, self.device):
             yield
 
-    def after_loss(self, worker: StageWorker, mb: MicroBatch, loss: torch.Tensor, out: Any,
-                   targets: Any) -> torch.Tensor:
+    def after_loss(self, mb: MicroBatch, loss: torch.Tensor, out: Any, targets: Any) -> torch.Tensor:
         """The last stage's loss, scaled for backward (fp16); records the task's training metrics."""
         if self.metrics_fn is not None:
             with torch.no_grad():
@@ -133,79 +160,84 @@ class Recipe:
         assert scale is not None, f"no loss scale for micro-batch {mb}"
         return {n: None if g is None else g / scale for n, g in grads.items()}, scale
 
-    def backward_meta(self, worker: StageWorker, mb: MicroBatch, due: bool, scale: float | None) -> dict[str, Any]:
+    def backward_meta(self, mb: MicroBatch, due: bool, scale: float | None) -> dict[str, Any]:
         """The fields of this micro-batch's backward messages; at the end of a step, holds its gradients
         and adds this stage's squared norm."""
         meta: dict[str, Any] = {} if scale is None else {"ls": scale}
         if self.exchange is not None and due:
-            grads = {n: p.grad for n, p in worker.params.items()}
-            for p in worker.params.values():
+            grads = {n: p.grad for n, p in self._params.items()}
+            for p in self._params.values():
                 p.grad = None
-            meta.update(self.exchange.hold(mb[1], grads, worker._grads.take_versions()))
+            meta.update(self.exchange.hold(mb[1], grads, self._grads.take_versions()))
         return meta
 
-    def step(self, worker: StageWorker) -> None:
-        """A step's backwards are done here (its backward messages sent): step now, or (exchanging norms) once
-        its global norm is known.  Stage 0 knows it now; with micro-batches in flight it also sends the norm on
-        at once, on a message of its own, rather than only on its next forward (see ``send_tail``)."""
+    def step(self) -> None:
+        """A step's backwards are done here (its backward messages sent): step now, or (exchanging norms)
+        once its global norm is known.  Stage 0 knows it now; with micro-batches in flight it also sends
+        the norm on at once, on a message of its own, rather than only on its next forward
+        (see ``send_tail``)."""
         if self.exchange is None:
-            worker._step()
+            self._step(None, False)
             return
-        if worker.is_first and not worker.is_last and worker.options.max_inflight > 1:
-            self.send_tail(worker, worker._first_destinations())
-        self.apply_ready(worker)
+        if self._relay_norms:
+            self.send_tail(self._place.first_destinations())
+        self.apply_ready()
 
-    def apply_ready(self, worker: StageWorker) -> None:
+    def apply_ready(self) -> None:
         """Apply every held step whose global norm is known, in order, scaled by the clipping factor."""
         assert self.exchange is not None
+        params, metrics = self._params, self._stats.metrics
         for step, held, total_sq in self.exchange.ready():
             coef = clip_factor(total_sq, self.max_norm)
             self.applied.append((step, coef))
             finite = math.isfinite(total_sq)
-            partial = {n: p.grad for n, p in worker.params.items()}  # the next step's backwards so far
-            for n, p in worker.params.items():
+            partial = {n: p.grad for n, p in params.items()}  # the next step's backwards so far
+            for n, p in params.items():
                 g = held.grads.get(n)
                 p.grad = None if g is None else (g.mul_(coef) if coef != 1.0 else g)
             self.grad_norm = math.sqrt(total_sq) if finite else math.inf
-            if worker.metrics is not None and finite:
-                worker.metrics.grad_norm.set(self.grad_norm)
-            worker._step(held.versions, skip=not finite)
-            for n, p in worker.params.items():
+            if metrics is not None and finite:
+                metrics.grad_norm.set(self.grad_norm)
+            self._step(held.versions, not finite)
+            for n, p in params.items():
                 p.grad = partial[n]
             if self.loss_scale is not None:
                 self.loss_scale.update(finite)
-                if worker.metrics is not None:
-                    worker.metrics.loss_scale.set(self.loss_scale.scale)
+                if metrics is not None:
+                    metrics.loss_scale.set(self.loss_scale.scale)
 
-    def before_step(self, worker: StageWorker) -> None:
-        """Set the step's learning rates (the schedule's factor of ``worker.version``); publish them and the
-        step's training metrics."""
+    def before_step(self) -> None:
+        """Set the step's learning rates (the schedule's factor of the stage's version); publish them and
+        the step's training metrics."""
         if self.lr is not None:
-            self.lr.apply(worker.version)
-        lr = float(worker.optimizer.param_groups[0]["lr"])
-        worker.stats.recipe["lr"] = lr
-        if worker.metrics is not None:
-            worker.metrics.learning_rate.set(lr)
+            self.lr.apply(self._state.version)
+        lr = float(self._optimizer.param_groups[0]["lr"])
+        report: dict[str, Any] = {"lr": lr}
+        metrics = self._stats.metrics
+        if metrics is not None:
+            metrics.learning_rate.set(lr)
         if self.grad_norm is not None:
-            worker.stats.recipe["grad_norm"] = self.grad_norm if math.isfinite(self.grad_norm) else None
+            report["grad_norm"] = self.grad_norm if math.isfinite(self.grad_norm) else None
         if self._metric_count:
             self.train_metrics = {k: v / self._metric_count for k, v in self._metric_sums.items()}
             self._metric_sums, self._metric_count = {}, 0
-            worker.stats.recipe["train_metrics"] = dict(self.train_metrics)
-            if worker.metrics is not None:
+            report["train_metrics"] = dict(self.train_metrics)
+            if metrics is not None:
                 for name, value in self.train_metrics.items():
-                    worker.metrics.train_metric.labels(name).set(value)
+                    metrics.train_metric.labels(name).set(value)
+        self._stats.record_recipe(report)
 
-    def after_step(self, worker: StageWorker) -> None:
-        """After the optimizer step that made ``worker.version``: stage 0 starts an evaluation round when due."""
-        self.evaluator.after_step(worker, worker._emit)
+    def after_step(self) -> None:
+        """After the optimizer step that made the stage's version: stage 0 starts an evaluation round
+        when due."""
+        self.evaluator.after_step()
 
-    def unfinished(self, worker: StageWorker) -> bool:
+    def unfinished(self) -> bool:
         """Steps wait here for their global norm, or evaluation rounds are owed (the stage is not done)."""
         held = self.exchange is not None and bool(self.exchange.held)
-        return held or self.evaluator.owed(worker.version)
+        return held or self.evaluator.owed(self._state.version)
 
-    def screen(self, worker: StageWorker, kind: str, mb: MicroBatch, meta: dict[str, Any]) -> tuple[str, str | None]:
+    def screen(self, kind: str, mb: MicroBatch, meta: dict[str, Any]) -> tuple[str, str | None]:
         """Event loop, the stage's lock held: (the queue an arrival goes to, None) to queue it, or (kind,
         why it is refused), or (kind, "") when the recipe took it (a tail of norms)."""
         if "eval" in meta or kind == "eval":
@@ -217,50 +249,45 @@ class Recipe:
         bad = self.exchange.check(kind, meta)
         if bad is None and kind == "fwd" and meta.get("tail") is True:
             self.exchange.receive(kind, mb[1], meta)
-            worker.submit(lambda w: w.recipe.on_norms(w, tail=True))
+            self._submit(lambda: self.on_norms(tail=True))
             return kind, ""
         return kind, bad
 
-    def received(self, worker: StageWorker, kind: str, mb: MicroBatch, meta: dict[str, Any]) -> None:
+    def received(self, kind: str, mb: MicroBatch, meta: dict[str, Any]) -> None:
         """Event loop: an arrival was queued; record its norms (and apply the steps they complete)."""
         if self.exchange is not None and self.exchange.receive("bwd" if kind == "bwd" else "fwd", mb[1], meta):
-            worker.submit(lambda w: w.recipe.on_norms(w, tail=False))
+            self._submit(lambda: self.on_norms(tail=False))
 
     def forget_in_flight(self) -> None:
         """A pause dropped the work in flight: what arrived for it is void, and evaluation rounds it cut
         short are not waited for."""
         if self.exchange is not None:
             self.exchange.forget_received()
-        self.evaluator.seen.clear()
-        self.evaluator.rounds_done = 1 << 62
+        self.evaluator.forget_in_flight()
 
     # ----------------------------------------------------------------- messages
     def forward_meta(self) -> dict[str, Any]:
         return {} if self.exchange is None else {"norms": self.exchange.norms_meta()}
 
-    def on_norms(self, worker: StageWorker, tail: bool) -> None:
+    def on_norms(self, tail: bool) -> None:
         """Global norms arrived (control work): apply the steps they complete; relay a tail message.  The
         steps' time counts as busy (inside a backward it would have; waits in the update hook do not)."""
-        t0, worker._waited_in_op = worker.clock(), 0.0
-        self.apply_ready(worker)
-        seconds = max(0.0, worker.clock() - t0 - worker._waited_in_op)
-        worker._waited_in_op = 0.0
-        worker.stats.busy_s += seconds
-        if worker.metrics is not None:
-            worker.metrics.compute_seconds.labels("step").observe(seconds)
-            worker.metrics.busy_seconds.inc(seconds)
-        if tail and not worker.is_last:
-            self.send_tail(worker, worker.spec.consumer_stages)
+        t0 = self._timer.restart()
+        self.apply_ready()
+        self._stats.record_busy("step", self._timer.elapsed(t0))
+        if tail and not self._place.is_last:
+            self.send_tail(self._place.spec.consumer_stages)
 
-    def send_tail(self, worker: StageWorker, dests: list[int]) -> None:
-        """The norms this stage knows, on a message without tensors: stage 0's after each step when micro-batches
-        are in flight (``step``) and after its last step (nothing follows to carry them), relayed by each stage."""
+    def send_tail(self, dests: list[int]) -> None:
+        """The norms this stage knows, on a message without tensors: stage 0's after each step when
+        micro-batches are in flight (``step``) and after its last step (nothing follows to carry them),
+        relayed by each stage."""
         meta = {**self.forward_meta(), "tail": True}
+        position = 0 if self._feed is None else self._feed.position
         for dest in dests:
-            worker._emit(Outbound("fwd", dest, (worker.cluster, worker.data_position), worker.version, {},
-                                worker.generation, meta))
+            self._outbox.send("fwd", dest, position, {}, meta)
 
-    def finish(self, worker: StageWorker) -> None:
+    def finish(self) -> None:
         """End of stage 0's run: send the norms its last forwards could not carry."""
-        if self.exchange is not None and worker.is_first and not worker.is_last:
-            self.send_tail(worker, worker._first_destinations())
+        if self.exchange is not None and self._place.is_first and not self._place.is_last:
+            self.send_tail(self._place.first_destinations())

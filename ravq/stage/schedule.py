@@ -45,6 +45,8 @@ class Schedulable(Protocol):
         """Count ``seconds`` waited between operations for ``reason``."""
 
 
+Control = Callable[[], None]
+"""Work submitted to the compute thread (an averaging round's result, a pause's reset, norms)."""
 Work = tuple[str, Any]
 """("control", fn), ("bwd" | "eval" | "fwd", (micro_batch, parts)) or ("start", None)."""
 
@@ -63,14 +65,14 @@ class Scheduler:
             "fwd": OrderedDict(), "bwd": OrderedDict(), "eval": OrderedDict()}
         self.limit = limit
         """Micro-batches with parts waiting, per direction, beyond which arrivals are refused."""
-        self.control: list[Callable[[Any], None]] = []
+        self.control: list[Control] = []
         self.paused = False
         self.stopping = False
         self.running = False
         """True while the compute thread runs the stage: control work submitted now runs there."""
 
-    def put(self, kind: str, micro_batch: MicroBatch, source: int, tensors: dict[str, torch.Tensor | Packed],
-            expected: Expected | None) -> str | None:
+    def put(self, kind: str, micro_batch: MicroBatch, source: int,
+            tensors: dict[str, torch.Tensor | Packed], expected: Expected | None) -> str | None:
         """Queue ``source``'s part of ``micro_batch`` for ``kind`` ("fwd"/"bwd"), checked against
         ``expected`` (None: the stage expects no such micro-batch; a forward's tensors must be exactly
         those).  None if queued, else why it was refused."""
@@ -101,7 +103,8 @@ class Scheduler:
     def has_ready(self) -> bool:
         """Whether a micro-batch has every part in, in either direction."""
         with self.cond:
-            return any(len(got) == len(self.sources[kind]) for kind in ("bwd", "fwd") for got in self.parts[kind].values())
+            return any(len(got) == len(self.sources[kind])
+                       for kind in ("bwd", "fwd") for got in self.parts[kind].values())
 
     def next(self, stage: Schedulable, should_abort: Callable[[], bool]) -> Work | None:
         """Wait for the next work; None when there is none left (finished, stopped, or giving up)."""
@@ -133,12 +136,12 @@ class Scheduler:
         if reason is not None:
             stage.waited_idle(reason, self.clock() - t0)
 
-    def submit(self, fn: Callable[[Any], None]) -> None:
+    def submit(self, fn: Control) -> None:
         with self.cond:
             self.control.append(fn)
             self.cond.notify()
 
-    def call(self, fn: Callable[[Any], None]) -> bool:
+    def call(self, fn: Control) -> bool:
         """``submit`` if the compute thread runs the stage (True); False if not."""
         with self.cond:
             if not self.running:
@@ -146,7 +149,7 @@ class Scheduler:
             self.submit(fn)
             return True
 
-    def take_control(self) -> list[Callable[[Any], None]]:
+    def take_control(self) -> list[Control]:
         """All control work submitted so far, taken off the queue."""
         with self.cond:
             pending, self.control = self.control, []

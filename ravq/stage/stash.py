@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ravq.cut.modules import set_buffer
 from ravq.stage.delay import GradientExtrapolation
 
 PREDICTION_WINDOW = 64
@@ -127,6 +128,15 @@ class WeightStash:
             optimizer.step()
             self.last_update = None
 
+    def record_staleness(self, staleness: int) -> None:
+        """A backward's staleness (updates between its forward and its update), for ``prediction_steps``."""
+        self.recent_staleness.append(staleness)
+
+    def invalidate(self) -> None:
+        """The live weights changed outside an optimizer step (a tied step): the next forward takes a new
+        snapshot."""
+        self.snapshot = None
+
     def forget(self) -> None:
         """After weights were replaced (catch-up): no cached snapshot, no last update to extrapolate."""
         self.snapshot = None
@@ -169,8 +179,7 @@ def fresh_buffers(module: nn.Module, buffers: dict[str, torch.Tensor], names: It
     unchanged at backward."""
     fresh = {}
     for name in names:
-        owner, _, leaf = name.rpartition(".")
         copy = buffers[name].detach().clone()
-        module.get_submodule(owner)._buffers[leaf] = copy
+        set_buffer(module, name, copy)
         buffers[name] = fresh[name] = copy
     return fresh

@@ -11,7 +11,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ravq.metrics import Metrics
 
 LOSS_WINDOW = 10
 HISTORY = 100_000
@@ -59,12 +62,47 @@ class StageStats:
     update_times: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
     """Wall-clock time of the latest optimizer steps (summary only: shows how long a stage stalled)."""
     completed: list[int] = field(default_factory=list)
+    """Stage 0: data index of each micro-batch finished, in order (the first HISTORY; summary only)."""
     recipe: dict[str, Any] = field(default_factory=dict)
     """What the training recipe reports (``ravq.stage.recipe``): lr, grad_norm, train_metrics, eval_loss,
     eval_loss_first, eval_version, eval_metrics; part of every snapshot."""
-    """Stage 0: data index of each micro-batch finished, in order (the first HISTORY; summary only)."""
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
     """Seconds, monotonic: ``started_at`` is on it, and ``snapshot``'s ``wall_s`` reads it (the worker's)."""
+    metrics: Metrics | None = field(default=None, repr=False, compare=False)
+    """The process's Prometheus metrics the ``record_*`` methods also feed; None: counters only."""
+
+    def report_to(self, metrics: Metrics | None) -> None:
+        """Feed ``metrics`` from now on (None: counters only)."""
+        self.metrics = metrics
+
+    def started(self) -> None:
+        """The stage's first work begins now (``started_at``, once)."""
+        if self.started_at is None:
+            self.started_at = self.clock()
+
+    def restore(self, trained: int) -> None:
+        """Resuming from a checkpoint: ``trained`` micro-batches count as forwards and backwards done."""
+        self.forwards = self.backwards = trained
+
+    def record_forward(self, inflight: int) -> None:
+        """A forward ran; ``inflight`` micro-batches are stashed after it."""
+        self.forwards += 1
+        self.inflight = inflight
+
+    def record_inflight(self, inflight: int) -> None:
+        """``inflight`` micro-batches are stashed now (a backward finished one, a pause dropped them)."""
+        self.inflight = inflight
+
+    def record_busy(self, kind: str, seconds: float) -> None:
+        """Compute outside a forward or backward (``kind`` "step" or "eval") that counts as busy."""
+        self.busy_s += seconds
+        if self.metrics is not None:
+            self.metrics.compute_seconds.labels(kind).observe(seconds)
+            self.metrics.busy_seconds.inc(seconds)
+
+    def record_recipe(self, fields: dict[str, Any]) -> None:
+        """What the training recipe reports (``recipe``), updated."""
+        self.recipe.update(fields)
 
     def snapshot(self) -> dict[str, Any]:
         wall = self.clock() - self.started_at if self.started_at is not None else 0.0
@@ -80,7 +118,7 @@ class StageStats:
             "forward_step_sq_s": self.forward_step_sq_s, **self.recipe,
         }
 
-    def record_compute(self, phase: str, seconds: float, metrics: Any, inflight: int) -> None:
+    def record_compute(self, phase: str, seconds: float, inflight: int) -> None:
         """One forward or backward (``phase``) that computed for ``seconds``; ``inflight`` micro-batches
         are stashed after it."""
         self.busy_s += seconds
@@ -93,17 +131,17 @@ class StageStats:
         else:
             self.backward_s += seconds
             self.backward_sq_s += seconds * seconds
-        if metrics is not None:
+        if (metrics := self.metrics) is not None:
             metrics.compute_seconds.labels(phase).observe(seconds)
             metrics.busy_seconds.inc(seconds)
             metrics.inflight.set(inflight)
 
-    def record_wait(self, reason: str, seconds: float, metrics: Any) -> None:
+    def record_wait(self, reason: str, seconds: float) -> None:
         self.wait_s[reason] = self.wait_s.get(reason, 0.0) + seconds
-        if metrics is not None:
+        if (metrics := self.metrics) is not None:
             metrics.wait_seconds.labels(reason).inc(seconds)
 
-    def record_loss(self, value: float, metrics: Any) -> None:
+    def record_loss(self, value: float) -> None:
         self.loss_last = value
         self.loss_first = value if self.loss_first is None else self.loss_first
         self.loss_sum += value
@@ -112,14 +150,14 @@ class StageStats:
             self.loss_head.append(value)
         self.loss_tail.append(value)
         self.loss_history.append(value)
-        if metrics is not None:
+        if (metrics := self.metrics) is not None:
             metrics.loss.set(value)
             metrics.losses.inc(value)
 
-    def record_backward(self, samples: int, metrics: Any) -> None:
+    def record_backward(self, samples: int) -> None:
         self.backwards += 1
         self.samples += samples
-        if metrics is not None:  # ravq_samples_total: the throughput panels read it
+        if (metrics := self.metrics) is not None:  # ravq_samples_total: the throughput panels read it
             metrics.samples.inc(samples)
 
     def record_completed(self, index: int) -> None:
@@ -127,14 +165,14 @@ class StageStats:
         if len(self.completed) < HISTORY:
             self.completed.append(index)
 
-    def record_staleness(self, staleness: int, metrics: Any) -> None:
+    def record_staleness(self, staleness: int) -> None:
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
-        if metrics is not None:
+        if (metrics := self.metrics) is not None:
             metrics.staleness.observe(staleness)
 
-    def record_update(self, version: int, metrics: Any) -> None:
+    def record_update(self, version: int) -> None:
         self.updates += 1
         self.update_times.append(time.time())
-        if metrics is not None:
+        if (metrics := self.metrics) is not None:
             metrics.version.set(version)

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ravq.cut.tied import TiedGroup
-from ravq.stage.types import Outbound
+from ravq.stage.state import Outbox
 
 GRAD, DELTA, SET, FIN = "g:", "d:", "s:", "fin"
 """Tensor names in a TIED message: prefixes of a contribution's gradient, of an averaging delta (by
@@ -263,57 +263,105 @@ def _call(fn: Callable[[], None]) -> bool:
 
 
 # ----------------------------------------------------------------- the stage's side (``StageWorker``)
-def deliver_tied(worker: Any, micro_batch: tuple[int, int], source: int, tensors: Mapping[str, Any]) -> str | None:
-    """A TIED message arrived (event loop): None if taken (its steps apply in the compute thread), else why not."""
-    tied: TiedExchange | None = worker.tied
-    reason = "unexpected_tied" if tied is None else tied.check(source, tensors)
-    if reason is None:
-        assert tied is not None
-        tied.receive(source, micro_batch[1], tensors)
-        worker.submit(lambda w: apply_tied(w))
-    return reason
+class TiedStep:
+    """The stage's side of its tied weights: sends what its ``TiedExchange`` makes (TIED messages, through
+    the stage's outbox) and applies the tied steps whose parts are in (compute thread, unless it says
+    otherwise)."""
+
+    def __init__(self, exchange: TiedExchange, *, optimizer: torch.optim.Optimizer,
+                 params: dict[str, nn.Parameter], outbox: Outbox, submit: Callable[[Callable[[], None]], None],
+                 before_change: Callable[[], None], changed: Callable[[], None],
+                 waited: Callable[[str, float], None], should_abort: Callable[[], bool],
+                 clock: Callable[[], float]) -> None:
+        self.exchange, self._optimizer, self._params, self._outbox = exchange, optimizer, params, outbox
+        self._submit, self._before_change, self._changed = submit, before_change, changed
+        self._waited, self._should_abort, self._clock = waited, should_abort, clock
+
+    def deliver(self, micro_batch: tuple[int, int], source: int, tensors: Mapping[str, Any]) -> str | None:
+        """A TIED message arrived (event loop): None if taken (its steps apply in the compute thread),
+        else why not."""
+        reason = self.exchange.check(source, tensors)
+        if reason is None:
+            self.exchange.receive(source, micro_batch[1], tensors)
+            self._submit(self.apply)
+        return reason
+
+    def send(self, dest: int, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        self._outbox.send("tied", dest, step, dict(tensors))
+
+    def restart(self) -> None:
+        """Training starts (again): the key holder's copies to the other holders (``TiedExchange.restart``)."""
+        self.exchange.restart(self._optimizer, self.send)
+
+    def contribute(self) -> None:
+        """This step's gradients of the tied copies to the other holders (``TiedExchange.contribute``)."""
+        self.exchange.contribute(self.send)
+
+    def apply(self, wait: Callable[[], bool] = lambda: False) -> None:
+        """Apply the tied steps whose parts are in; while ``wait()``, wait for more (counted as the "tied"
+        wait)."""
+        while True:
+            if self.exchange.apply_ready(self._optimizer, self._params, self._before_change):
+                self._changed()  # forwards from now on run at the new copy
+            if not wait() or self._should_abort():
+                return
+            t0 = self._clock()
+            self.exchange.wait(0.5)
+            self._waited("tied", self._clock() - t0)
+
+    def close(self) -> None:
+        """After training and the last averaging round (a node's end): tell the other holders this stage
+        sends nothing more, and apply what they send until each of them said so; the copies are then
+        bit-identical, the averaging deltas of the last rounds included."""
+        tied = self.exchange
+        for dest in tied.others:
+            self.send(dest, tied.contributed, {FIN: torch.zeros(1)})
+        self.apply(wait=lambda: not (tied.settled() and set(tied.others) <= tied.closed))
+
+    def hand_over(self, sinks: Mapping[str, torch.Tensor]) -> None:
+        """The averaging deltas that landed in ``tied_sinks``'s zeros, added by every holder after the tied
+        step this stage contributed last (here at once, if it applied that step)."""
+        moved = {n: d for n, d in sinks.items() if bool(d.any())}
+        if moved:
+            self.exchange.defer_delta(moved, self.send)
+            self.apply()
 
 
-def send_tied(worker: Any, dest: int, step: int, tensors: dict[str, torch.Tensor]) -> None:
-    worker._emit(Outbound("tied", dest, (worker.cluster, step), worker.version, dict(tensors), worker.generation))
+class TiedHolder(Protocol):
+    """What the node's end and the averager hand the functions below: a stage (``StageWorker``)."""
+
+    @property
+    def tied(self) -> TiedExchange | None: ...
+
+    @property
+    def tied_step(self) -> TiedStep | None: ...
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]: ...
+
+    @property
+    def module(self) -> nn.Module: ...
 
 
-def apply_tied(worker: Any, wait: Callable[[], bool] = lambda: False) -> None:
-    """Compute thread: apply the tied steps whose parts are in; while ``wait()``, wait for more (counted as
-    the "tied" wait)."""
-    tied: TiedExchange = worker.tied
-    while True:
-        if tied.apply_ready(worker.optimizer, worker.params, worker.before_weight_change):
-            worker.forward_weights.snapshot = None  # forwards from now on run at the new copy
-        if not wait() or worker.should_abort():
-            return
-        t0 = worker.clock()
-        tied.wait(0.5)
-        worker.waited("tied", worker.clock() - t0)
-
-
-def close_tied(worker: Any) -> None:
-    """After training and the last averaging round (a node's end): tell the other holders this stage sends
-    nothing more, and apply what they send until each of them said so; the copies are then bit-identical,
-    the averaging deltas of the last rounds included."""
-    tied: TiedExchange = worker.tied
-    for dest in tied.others:
-        send_tied(worker, dest, tied.contributed, {FIN: torch.zeros(1)})
-    apply_tied(worker, wait=lambda: not (tied.settled() and set(tied.others) <= tied.closed))
+def close_tied(worker: TiedHolder) -> None:
+    """``TiedStep.close`` of the worker's tied weights (a node's end)."""
+    assert worker.tied_step is not None
+    worker.tied_step.close()
 
 
 # ----------------------------------------------------------------- averaging (``ravq.average.averager``)
-def held_params(worker: Any) -> dict[str, nn.Parameter]:
+def held_params(worker: TiedHolder) -> dict[str, nn.Parameter]:
     """The stage's parameters under every name it holds them by (a tied weight's key among them)."""
     if getattr(worker, "tied", None) is None:  # (tests average fake stages without a module)
         return dict(worker.params)
     return dict(worker.module.named_parameters(remove_duplicate=False))
 
 
-def tied_sinks(worker: Any, named: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
-                                                                        dict[str, torch.Tensor]]:
-    """``named`` with a zero tensor in place of each tied weight (and its optimizer state), and those zeros:
-    an averaging round's delta lands there, and ``hand_over`` gives it to every holder in step order."""
+def tied_sinks(worker: TiedHolder, named: Mapping[str, torch.Tensor]
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``named`` with a zero tensor in place of each tied weight (and its optimizer state), and those
+    zeros: an averaging round's delta lands there, and ``hand_over`` gives it to every holder in step
+    order."""
     tied: TiedExchange | None = getattr(worker, "tied", None)  # (tests average fake stages without one)
     if tied is None:
         return dict(named), {}
@@ -322,13 +370,11 @@ def tied_sinks(worker: Any, named: Mapping[str, torch.Tensor]) -> tuple[dict[str
     return {**named, **sinks}, sinks
 
 
-def hand_over(worker: Any, sinks: Mapping[str, torch.Tensor]) -> None:
-    """Compute thread: the averaging deltas that landed in ``tied_sinks``'s zeros, added by every holder after
-    the tied step this stage contributed last (here at once, if it applied that step)."""
-    moved = {n: d for n, d in sinks.items() if bool(d.any())}
-    if moved:
-        worker.tied.defer_delta(moved, lambda *a: send_tied(worker, *a))
-        apply_tied(worker)
+def hand_over(worker: TiedHolder, sinks: Mapping[str, torch.Tensor]) -> None:
+    """Compute thread: ``TiedStep.hand_over`` of the worker's tied weights."""
+    if any(bool(d.any()) for d in sinks.values()):
+        assert worker.tied_step is not None
+        worker.tied_step.hand_over(sinks)
 
 
 def tied_meta(tied: TiedExchange | None) -> list[dict[str, Any]]:

@@ -1,0 +1,150 @@
+"""A micro-batch's forward and backward through one stage (compute thread).
+
+``Passes`` runs the stage's module on what arrived, at the stashed weights of the current version
+(``ravq.stage.stash``), hands the outputs or input-gradients to ``emit``, and on the backward sums the
+weight gradients until the stage's update is due; the update itself (``StageWorker``'s step, through
+the recipe: ``ravq.stage.recipe``) follows the backward that completes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ravq.codec.compress import Packed
+from ravq.cut.split import model_output
+from ravq.stage.feed import DataFeed
+from ravq.stage.recipe import Recipe
+from ravq.stage.stash import GradientSum, Stashed, WeightStash
+from ravq.stage.state import Emit, OpTimer, Outbox, StagePlace, StageState
+from ravq.stage.stats import StageStats
+from ravq.stage.tensors import Parts, data_for, gather_inputs, input_grads, output_grads, targets_of, to_device
+from ravq.stage.tied_step import TiedStep
+from ravq.stage.types import MicroBatch, StageOptions
+
+
+class Passes:
+    """Forwards and backwards of one stage's micro-batches."""
+
+    def __init__(self, options: StageOptions, *, place: StagePlace, state: StageState, module: nn.Module,
+                 buffers: dict[str, torch.Tensor], weights: WeightStash, grads: GradientSum,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], recipe: Recipe, stats: StageStats,
+                 outbox: Outbox, timer: OpTimer, feed: DataFeed | None, tied_step: TiedStep | None) -> None:
+        self._predict, self._micro_batch = options.predict_weights, options.micro_batch
+        self._place, self._state, self._module, self._buffers = place, state, module, buffers
+        self._weights, self._grads, self._loss_fn, self._recipe = weights, grads, loss_fn, recipe
+        self._stats, self._outbox, self._timer, self._feed, self._tied_step = stats, outbox, timer, feed, tied_step
+        self._raw_output: Any = None
+
+    def run_module(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run the module on what the stage received and stash the micro-batch; returns its outputs as a
+        tuple (the raw output, e.g. the unsplit model's ModelOutput, is kept for the last stage)."""
+        spec, state = self._place.spec, self._state
+        weights = self._weights.weights(state.version, self._predict)
+        leaves = [x.detach().to(self._place.device).requires_grad_(x.is_floating_point() and ref.stage >= 0)
+                  for x, ref in zip(inputs, spec.received)]
+        with torch.enable_grad(), self._recipe.autocast():
+            args = tuple(leaves[: len(spec.inputs)])
+            out = functional_call(self._module, {**weights, **self._buffers}, args)
+        self._raw_output = out if self._place.is_last else None
+        outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        state.stash[mb] = Stashed(state.version, weights, leaves, outputs)
+        self._stats.record_forward(len(state.stash))
+        return outputs
+
+    def pack(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | Packed]:
+        """Activations or gradients as they leave this stage: compressed unless ``compress`` is none."""
+        return self._outbox.pack(tensors)
+
+    def start(self, emit: Emit) -> None:
+        """Stage 0: the next micro-batch of its data (a dropped one first)."""
+        assert self._feed is not None
+        place = self._place
+        index, (inputs, targets) = self._feed.take()
+        mb = (place.cluster, index)
+        if not place.is_last:
+            self._feed.track(mb, (inputs, targets))
+        inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        parts = {0: {f"x{i}": x for i, x in enumerate(inputs)}}
+        if place.is_last:
+            self._run_last(mb, gather_inputs(place.spec, parts), targets, emit)
+            return
+        data = {dest: data_for(dest, inputs, targets, place.model_input_needs, place.num_stages)
+                for dest in place.first_destinations()}
+        self._forward_and_send(mb, parts, data, emit)
+
+    def forward(self, mb: MicroBatch, parts: Parts, emit: Emit) -> None:
+        """A micro-batch whose parts all arrived: forward it (the last stage: and its backward)."""
+        spec = self._place.spec
+        if self._place.is_last:
+            self._run_last(mb, gather_inputs(spec, parts), targets_of(parts[0]), emit)
+            return
+        self._forward_and_send(mb, parts, {dest: {} for dest in spec.consumer_stages}, emit)
+
+    def _forward_and_send(self, mb: MicroBatch, parts: Parts, data: dict[int, dict[str, torch.Tensor]],
+                          emit: Emit) -> None:
+        """Forward, then send each stage in ``data`` the outputs it reads and its ``data`` (stage 0's
+        model inputs and targets, never compressed)."""
+        spec = self._place.spec
+        t0 = self._timer.clock()
+        outputs = self.run_module(mb, gather_inputs(spec, parts))
+        self._account("forward", t0)
+        for dest, extra in data.items():
+            tensors = {f"o{i}": outputs[i].detach() for i, users in spec.consumers.items() if dest in users}
+            emit(self._outbox.message("fwd", dest, mb, {**self.pack(tensors), **extra},
+                                      self._recipe.forward_meta()))
+
+    def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any, emit: Emit) -> None:
+        clock = self._timer.clock
+        t0 = clock()
+        self.run_module(mb, inputs)
+        stash = self._state.stash[mb]
+        out = model_output(self._place.spec, self._raw_output, stash.inputs)
+        self._raw_output = None
+        targets = to_device(targets, self._place.device)
+        with torch.enable_grad(), self._recipe.autocast():
+            loss = self._loss_fn(out, targets)
+        self._account("forward", t0)
+        self._stats.record_loss(float(loss.detach()))
+        t1 = clock()
+        self.backward_from(mb, stash, [self._recipe.after_loss(mb, loss, out, targets)], [None], emit)
+        self._account("backward", t1)
+
+    def backward(self, mb: MicroBatch, parts: Parts, emit: Emit) -> None:
+        """The gradients of a micro-batch's outputs all arrived: its backward."""
+        t0 = self._timer.clock()
+        stash = self._state.stash[mb]
+        grads = output_grads(parts, stash.outputs, self._place.device)
+        pairs = [(o, g) for o, g in zip(stash.outputs, grads) if g is not None and o.requires_grad]
+        self.backward_from(mb, stash, [o for o, _ in pairs], [g for _, g in pairs], emit)
+        self._account("backward", t0)
+
+    def backward_from(self, mb: MicroBatch, stash: Stashed, roots: list[torch.Tensor],
+                      root_grads: list[torch.Tensor | None], emit: Emit) -> None:
+        """Backward of ``roots`` (weighted by ``root_grads``) at the stashed weights; the input-gradients
+        to their producers; the update, when this backward completes one."""
+        state, stats = self._state, self._stats
+        weight_grads, grad_of = stash.gradients(roots, root_grads)
+        weight_grads, scale = self._recipe.unscale(mb, weight_grads)
+        del state.stash[mb]
+        if self._feed is not None and self._feed.complete(mb):
+            stats.record_completed(mb[1])
+        stats.record_inflight(len(state.stash))
+        due = self._grads.add(weight_grads, stash.version)
+        if due and self._tied_step is not None:  # before the input-gradients: upstream holders need it first
+            self._tied_step.contribute()
+        meta = self._recipe.backward_meta(mb, due, scale)
+        for producer, tensors in input_grads(self._place.spec, stash.inputs, grad_of).items():
+            emit(self._outbox.message("bwd", producer, mb, self.pack(tensors), meta))
+        stats.record_backward(self._micro_batch)
+        state.count_trained()
+        if due:
+            self._recipe.step()
+
+    def _account(self, phase: str, t0: float) -> None:
+        """Count the forward or backward (``phase``) begun at ``t0``, less what it waited."""
+        self._stats.record_compute(phase, self._timer.elapsed(t0), len(self._state.stash))
