@@ -184,7 +184,7 @@ class Node:
         await open_routes(name=self.name, topology=self.topology, membership=self.membership, metrics=self.metrics,
                           links=self.links, ring=ring, names=[self.name] if self.rejoining else everyone,
                           cluster_nodes=cluster.nodes,
-                          peers=peers | (set(worker._first_destinations()) if worker.is_first else set()))
+                          peers=peers | (set(worker.first_destinations()) if worker.is_first else set()))
         self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
         self.startup.mark("connect")
         if not self.rejoining:

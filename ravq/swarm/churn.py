@@ -74,9 +74,8 @@ class Churn:
         """The node's stage is built: from now on pauses, catch-ups and replacements act on these."""
         self.plan, self.cluster = plan, cluster
         self._worker, self._averager, self._links = worker, averager, links
-        worker.generation = self.generation
-        worker.paused = self.phase == "paused"
-        worker.cluster_done = self.stage0_finished
+        worker.join_cluster(generation=self.generation, paused=self.phase == "paused",
+                            cluster_done=self.stage0_finished)
 
     def current_plan(self) -> Plan:
         plan = self.membership.plan or self.plan
@@ -278,5 +277,5 @@ class Churn:
 def _adopt(worker: StageWorker, tensors: dict[str, Any], version: int) -> int:
     """Compute thread: load a holder's copy and take its version with it (the weights' lineage)."""
     loaded = catchup_apply(worker, tensors)
-    worker.version = version
+    worker.adopt_version(version)
     return loaded
