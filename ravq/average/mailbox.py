@@ -51,8 +51,10 @@ def received_piece(meta: Mapping[str, Any], tensors: Mapping[str, Tensor], packe
 class RingAborted(Exception):
     """A ring round that cannot finish: a silent peer, a peer's abort, or a piece that does not fit."""
 
-    def __init__(self, ring_id: int, round_id: int, reason: str, peer: str = "", *, from_peer: bool = False) -> None:
-        super().__init__(f"ring {ring_id} round {round_id} aborted: {reason}" + (f" ({peer})" if peer else ""))
+    def __init__(self, ring_id: int, round_id: int, reason: str, peer: str = "", *,
+                 from_peer: bool = False) -> None:
+        by = f" ({peer})" if peer else ""
+        super().__init__(f"ring {ring_id} round {round_id} aborted: {reason}{by}")
         self.ring_id, self.round_id, self.reason, self.peer = ring_id, round_id, reason, peer
         self.from_peer = from_peer
         """True when a peer's RING_ABORT ended the round; False when this node detected the failure."""
@@ -191,7 +193,7 @@ class Mailbox:
     def open(self, ring_id: int, round_id: int, *, members: Sequence[str], me: str,
              pieces_per_step: list[int]) -> OpenRound:
         """Start receiving a round; messages that arrived early move in, older buffered ones are dropped."""
-        assert ring_id not in self._open, f"ring {ring_id} already has round {self._open[ring_id].round_id} open"
+        assert ring_id not in self._open, f"ring {ring_id}: round {self._open[ring_id].round_id} is open"
         assert not self._is_stale(ring_id, round_id), f"ring {ring_id} round {round_id} is not newer"
         rank = members.index(me)
         rnd = OpenRound(ring_id, round_id, members[rank - 1], frozenset(members) - {me}, pieces_per_step)

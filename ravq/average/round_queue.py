@@ -90,8 +90,9 @@ class RoundQueue:
                                                   for s in segments})
                 else:
                     result = await average_segments(
-                        snapshots, segments, me=self.me, round_id=round_id, link=self.link, mailbox=self.mailbox,
-                        piece_bytes=self.piece_bytes, timeout_s=self.timeout_s, compression=self.compression)
+                        snapshots, segments, me=self.me, round_id=round_id, link=self.link,
+                        mailbox=self.mailbox, piece_bytes=self.piece_bytes, timeout_s=self.timeout_s,
+                        compression=self.compression)
                 self._account(round_id, result)
                 done.set_result(result)
             finally:
@@ -105,14 +106,15 @@ class RoundQueue:
             reasons = {e.reason for e in result.aborted.values()}
             for reason in reasons:
                 self.metrics.allreduce_aborts.labels(reason[:32]).inc()
-            log.warning("%s: averaging round %d aborted on %d ring(s) (%s); training goes on", self.me, round_id,
-                        len(result.aborted), ", ".join(sorted(reasons)))
+            log.warning("%s: averaging round %d aborted on %d ring(s) (%s); training goes on", self.me,
+                        round_id, len(result.aborted), ", ".join(sorted(reasons)))
         else:
             self.completed += 1
             epoch = round_id // ROUNDS_PER_EPOCH
             if epoch != self._timed_epoch:  # the first round of an epoch: what its links and start-up cost
                 self._timed_epoch = epoch
-                log.info("%s: first averaging round of plan epoch %d took %.2fs", self.me, epoch, result.seconds)
+                log.info("%s: first averaging round of plan epoch %d took %.2fs", self.me, epoch,
+                         result.seconds)
             else:
                 log.debug("%s: averaging round %d took %.2fs", self.me, round_id, result.seconds)
             self.seconds_total += result.seconds

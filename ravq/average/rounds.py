@@ -55,7 +55,7 @@ async def average_segments(flats: Mapping[int, Tensor], segments: Sequence[Segme
 
     async def one(seg: Segment) -> None:
         flat = flats[seg.ring_id]
-        assert flat.numel() == seg.numel, f"ring {seg.ring_id}: {flat.numel()} elements, plan says {seg.numel}"
+        assert flat.numel() == seg.numel, f"ring {seg.ring_id}: {flat.numel()} elements, not {seg.numel}"
         try:
             if compression is not None:
                 result.averaged[seg.ring_id] = await compression.average(
@@ -68,9 +68,10 @@ async def average_segments(flats: Mapping[int, Tensor], segments: Sequence[Segme
         except RingAborted as err:
             result.aborted[seg.ring_id] = err
         else:
-            per_element = compression.wire_bytes_per_element if compression is not None else flat.element_size()
-            result.bytes_sent[seg.ring_id] = int(ring_bytes_sent(seg.numel, 1, len(seg.ring), seg.ring.index(me))
-                                                 * per_element)
+            per_element = (compression.wire_bytes_per_element if compression is not None
+                           else flat.element_size())
+            elements = ring_bytes_sent(seg.numel, 1, len(seg.ring), seg.ring.index(me))
+            result.bytes_sent[seg.ring_id] = int(elements * per_element)
 
     async with asyncio.TaskGroup() as tg:
         for seg in segments:

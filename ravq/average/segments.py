@@ -53,7 +53,8 @@ def param_name_of(name: str) -> str:
     return name.split(OPTIM_SEP, 1)[0]
 
 
-def plan_segments(names: Sequence[str], numels: Sequence[int], owners_per_cluster: Sequence[Mapping[str, str]],
+def plan_segments(names: Sequence[str], numels: Sequence[int],
+                  owners_per_cluster: Sequence[Mapping[str, str]],
                   excluded_clusters: Sequence[int] = ()) -> list[Segment]:
     """Split ``names`` (in model order) into segments, one ring each.
 
@@ -112,7 +113,8 @@ def unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
             t.copy_(part)
 
 
-def apply_average_delta(live_tensors: Sequence[Tensor], snapshot_flat: Tensor, averaged_flat: Tensor) -> Tensor:
+def apply_average_delta(live_tensors: Sequence[Tensor], snapshot_flat: Tensor,
+                        averaged_flat: Tensor) -> Tensor:
     """Add (averaged - snapshot) to the live tensors in place; returns that difference (flat).
 
     Averaging runs on a snapshot taken at version v while the stage keeps training; applying the

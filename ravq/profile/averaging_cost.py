@@ -68,13 +68,14 @@ def _ring_topology(topology: Topology, name: str) -> Topology:
     Micro-batches of ``MICRO_BATCH``: a round's cost does not depend on them, and two copies training
     the topology's micro-batches took the testbed's 450 MB PCs out of memory."""
     me = topology.node(name)
-    nodes = [me.model_copy(update={"name": m, "host": "127.0.0.1", "bind_host": None, "ring_port": 0,
-                                   "reachable": True, "cluster": None, "stage": None}) for m in _members(name)]
+    member = {"host": "127.0.0.1", "bind_host": None, "ring_port": 0, "reachable": True, "cluster": None,
+              "stage": None}
+    nodes = [me.model_copy(update={"name": m, **member}) for m in _members(name)]
     t = topology.training
     training = t.model_copy(update={
-        "micro_batch": min(MICRO_BATCH, t.micro_batch), "sync_every": 1, "averaging_lead": max(1, t.averaging_lead),
-        "overlap_averaging": True, "average_optimizer_state": False, "eval_every": 0, "checkpoint_every": 0,
-        "max_inflight": 1})
+        "micro_batch": min(MICRO_BATCH, t.micro_batch), "sync_every": 1,
+        "averaging_lead": max(1, t.averaging_lead), "overlap_averaging": True,
+        "average_optimizer_state": False, "eval_every": 0, "checkpoint_every": 0, "max_inflight": 1})
     return topology.model_copy(update={"nodes": nodes, "training": training, "relays": []})
 
 
@@ -138,7 +139,7 @@ async def _round_cpu_s(task: Any, topology: Topology, name: str, config: StageCo
                               compute_timer=threads[i].averaging) for i, m in enumerate(members)]
         loops = []
         for a in averagers:
-            a.worker.on_update = a.on_update
+            a.worker.subscribe_updates(a.on_update)
             loops += [group.create_task(f()) for f in (a.serve, a.run_rounds, a.send_skips)]
         for port in ports:
             port.connect({m: True for m in members})
@@ -162,7 +163,8 @@ async def _round_cpu_s(task: Any, topology: Topology, name: str, config: StageCo
     return max(0.0, cpu - training_s) / rounds / MEMBERS
 
 
-def measure_averaging_cpu(topology: Topology, name: str, task: Any, config: StageCostConfig | None = None) -> float:
+def measure_averaging_cpu(topology: Topology, name: str, task: Any,
+                          config: StageCostConfig | None = None) -> float:
     """CPU seconds of one member's part of one averaging round of the task's whole model in a ring of two,
     as a node runs it (see the module's doc).  torch runs one thread meanwhile, so that the compute
     threads' own CPU time is all their training (a pool's threads would count as averaging)."""

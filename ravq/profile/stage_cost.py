@@ -114,8 +114,9 @@ def _float_bytes(tensors: dict[str, Any]) -> int:
 def _workers(task: Any, topology: Topology, name: str, stages: int, steps: int,
              max_inflight: int | None, micro_batch: int | None) -> tuple[list[StageWorker], int]:
     me = topology.node(name)
-    training = topology.training.model_copy(update={"steps": steps, "eval_every": 0, "max_inflight": max_inflight,
-                                                    "micro_batch": micro_batch or topology.training.micro_batch})
+    micro_batch = micro_batch or topology.training.micro_batch
+    training = topology.training.model_copy(update={"steps": steps, "eval_every": 0,
+                                                    "max_inflight": max_inflight, "micro_batch": micro_batch})
     cuts = even_cuts(candidate_cuts(build_meta_model(task, 0).model, task), stages) if stages > 1 else []
     built = [build_stage(task, training, seed=0, cuts=cuts, stage=i, cluster=0, clusters=1, device=me.device,
                          metrics=Metrics(f"{name}.{i}")) for i in range(stages)]
@@ -123,9 +124,10 @@ def _workers(task: Any, topology: Topology, name: str, stages: int, steps: int,
 
 
 def _single_cpu_s(task: Any, topology: Topology, name: str, config: StageCostConfig) -> float:
-    (worker,), _ = _workers(task, topology, name, 1, config.warmup + config.micro_batches, 1, config.micro_batch)
+    steps = config.warmup + config.micro_batches
+    (worker,), _ = _workers(task, topology, name, 1, steps, 1, config.micro_batch)
     window = _Window(config.warmup)
-    worker.on_update = window.on_update
+    worker.subscribe_updates(window.on_update)
     worker.run(lambda out: None)
     return window.per_micro_batch()
 
@@ -140,7 +142,7 @@ async def _pipeline_cpu_s(task: Any, topology: Topology, name: str,
                                   max_message_bytes=2 * largest + CHUNK_BYTES)
     limits = DecodeLimits(max_tensor_bytes=2 * largest)
     window = _Window(config.warmup)
-    workers[-1].on_update = window.on_update
+    workers[-1].subscribe_updates(window.on_update)
     sent = {"fwd": 0, "bwd": 0}
     loop = asyncio.get_running_loop()
     async with zmq_session(options) as (ctx, group):
@@ -155,8 +157,9 @@ async def _pipeline_cpu_s(task: Any, topology: Topology, name: str,
                 out = await queues[i].get()
                 tensors = {n: t for n, t in out.tensors.items() if not isinstance(t, Packed)}
                 packed = {n: t for n, t in out.tensors.items() if isinstance(t, Packed)}
-                await outlinks[i].send(Message(type=_KINDS[out.kind], sender=name, micro_batch=out.micro_batch,
-                                               version=out.version, meta={**out.meta, "gen": out.generation},
+                await outlinks[i].send(Message(type=_KINDS[out.kind], sender=name,
+                                               micro_batch=out.micro_batch, version=out.version,
+                                               meta={**out.meta, "gen": out.generation},
                                                tensors=tensors, packed=packed))
 
         async def read_loop(i: int) -> None:  # as ravq.node.pipeline_links.StageLinks.read_loop
@@ -164,7 +167,8 @@ async def _pipeline_cpu_s(task: Any, topology: Topology, name: str,
                 _, msg = await inboxes[i].recv()
                 kind = next(k for k, t in _KINDS.items() if t == msg.type)
                 assert msg.micro_batch is not None
-                reason = workers[i].deliver(kind, msg.micro_batch, 1 - i, {**msg.tensors, **msg.packed}, msg.meta)
+                payload = {**msg.tensors, **msg.packed}
+                reason = workers[i].deliver(kind, msg.micro_batch, 1 - i, payload, msg.meta)
                 if reason is not None:
                     raise RuntimeError(f"profile: the two-stage pipeline dropped a message: {reason}")
                 workers[i].queue_depths()
@@ -191,7 +195,8 @@ async def _pipeline_cpu_s(task: Any, topology: Topology, name: str,
     return window.per_micro_batch(), sent["fwd"], sent["bwd"]
 
 
-def measure_stage_cpu(topology: Topology, name: str, task: Any, config: StageCostConfig | None = None) -> StageCpu:
+def measure_stage_cpu(topology: Topology, name: str, task: Any,
+                      config: StageCostConfig | None = None) -> StageCpu:
     """CPU seconds per micro-batch of the task's model run as a node runs a pipeline of two stages (see
     the module's doc) and as one stage, and the float32 bytes crossing the cut each way."""
     config = config or StageCostConfig()
@@ -205,8 +210,8 @@ def measure_stage_cpu(topology: Topology, name: str, task: Any, config: StageCos
             cpu, act, grad = asyncio.run(_pipeline_cpu_s(task, topology, name, config))
             pipelines.append(cpu)
     pipeline, single = statistics.fmean(pipelines), statistics.fmean(singles)
-    log.info("profile: %s as two stages %.3g ms of CPU per micro-batch (runs %s), as one %.3g ms (runs %s)", name,
-             pipeline * 1e3, _ms(pipelines), single * 1e3, _ms(singles))
+    log.info("profile: %s as two stages %.3g ms of CPU per micro-batch (runs %s), as one %.3g ms (runs %s)",
+             name, pipeline * 1e3, _ms(pipelines), single * 1e3, _ms(singles))
     return StageCpu(pipeline_cpu_s=pipeline, single_cpu_s=single, act_bytes=act, grad_bytes=grad)
 
 
