@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,7 +174,7 @@ async def _pipeline_cpu_s(task: Any, topology: Topology, name: str,
                     raise RuntimeError(f"profile: the two-stage pipeline dropped a message: {reason}")
                 workers[i].queue_depths()
 
-        def emit_from(i: int) -> Any:
+        def emit_from(i: int) -> Callable[[Outbound], None]:
             def emit(out: Outbound) -> None:
                 if out.micro_batch[1] == config.warmup:  # one micro-batch's bytes each way
                     sent[out.kind] = _float_bytes(out.tensors)

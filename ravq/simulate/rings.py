@@ -2,7 +2,7 @@
 
 A ring (the holders of a run of blocks, one per cluster) does reduce-scatter then all-gather, 2(C-1)
 steps; at step t a member sends chunk (rank - t) mod C to its successor in pieces of ``piece_bytes``,
-piece j of step t leaving once piece j of step t-1 has arrived (``ravq.average.ring._RingRun``).  A
+piece j of step t leaving once piece j of step t-1 has arrived (``ravq.average.ring.RingRun``).  A
 member starts when its node starts that round; a ring with no progress for ``ring_timeout_s`` aborts.
 """
 
