@@ -39,7 +39,8 @@ class Arrivals:
                 expected = state.expected_fwd.get(source, {}) if known else None
             else:
                 stash = state.stash.get(micro_batch)
-                expected = None if stash is None else expected_backward(self._place.spec, stash.outputs, source)
+                spec = self._place.spec
+                expected = None if stash is None else expected_backward(spec, stash.outputs, source)
             reason = self._sched.put(kind, micro_batch, source, tensors, expected)
             if reason is None:
                 self._recipe.received(kind, micro_batch, meta)

@@ -52,14 +52,15 @@ class BuiltStage:
 def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[int], stage: int, cluster: int,
                 clusters: int, device: str, metrics: Metrics) -> BuiltStage:
     example = example_args(task, training.micro_batch)
-    model, specs, in_specs = _traced(task, seed, example, cuts, stage, device, cache_dir(training.checkpoint_dir),
-                                     training.init_from)
+    model, specs, in_specs = _traced(task, seed, example, cuts, stage, device,
+                                     cache_dir(training.checkpoint_dir), training.init_from)
     options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
                            extrapolate_gradients=training.extrapolate_gradients,
                            inflight_warmup_steps=training.inflight_warmup_steps,
-                           compress=Format(training.compress.pipeline), int8_block=training.compress.int8_block,
+                           compress=Format(training.compress.pipeline),
+                           int8_block=training.compress.int8_block,
                            recipe=recipe_options(task, training, seed))
     batches = iter(task.train_batches(training.micro_batch, cluster, clusters, seed)) if stage == 0 else None
     _, target_example = next(iter(task.train_batches(training.micro_batch, 0, 1, seed)))
@@ -68,8 +69,10 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
                          model_input_needs=model_input_needs(specs), input_specs=in_specs[stage],
                          target_example=target_example)
     if training.eval_every:  # an eval-mode graph of this stage, sharing its weights (ravq.stage.evaluate)
-        worker.recipe.evaluator.attach(evaluate.eval_stage_module(task, seed, example, cuts, stage, worker.module))
-    return BuiltStage(worker=worker, model=model, stage_names=[list(s.module.state_dict().keys()) for s in specs],
+        eval_module = evaluate.eval_stage_module(task, seed, example, cuts, stage, worker.module)
+        worker.recipe.evaluator.attach(eval_module)
+    stage_names = [list(s.module.state_dict().keys()) for s in specs]
+    return BuiltStage(worker=worker, model=model, stage_names=stage_names,
                       largest_frame=largest_inbound_frame(specs, in_specs, stage, target_example))
 
 
@@ -98,8 +101,9 @@ def _traced(task: Any, seed: int, example: tuple[Any, ...], cuts: list[str], sta
     t0 = time.monotonic()
     report = materialize(specs[stage].module, task, seed, pretrained=init_from)
     retarget_device(specs[stage].module, "meta", device)
-    log.info("stage %d: %d tensors made real in %.1fs%s", stage, report.names, time.monotonic() - t0,
-             f" ({len(report.loaded)} from {init_from or 'the pretrained checkpoint'})" if report.loaded else "")
+    origin = init_from or "the pretrained checkpoint"
+    source = f" ({len(report.loaded)} from {origin})" if report.loaded else ""
+    log.info("stage %d: %d tensors made real in %.1fs%s", stage, report.names, time.monotonic() - t0, source)
     return model, specs, in_specs
 
 
@@ -113,8 +117,8 @@ def resume(worker: StageWorker, root: str, *, cluster: int, stage: int, update_e
         log.info("%s: no checkpoint to resume from (%s); starting from the seed", name, err)
         return None
     worker.module.load_state_dict(ckpt.model)
-    checkpoint.restore_optimizer(worker.optimizer, checkpoint.optimizer_names(worker.optimizer, worker.params),
-                                 ckpt.optimizer["tensors"], ckpt.optimizer["rest"])
+    names = checkpoint.optimizer_names(worker.optimizer, worker.params)
+    checkpoint.restore_optimizer(worker.optimizer, names, ckpt.optimizer["tensors"], ckpt.optimizer["rest"])
     version = ckpt.meta["version"]
     # count the micro-batches already trained towards training.steps
     worker.restore(version=version, trained=ckpt.meta.get("trained", version * update_every),

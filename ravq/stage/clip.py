@@ -69,7 +69,8 @@ class HeldStep:
 def squared_norm(grads: dict[str, torch.Tensor | None]) -> float:
     """Sum of squares of every gradient (inf/nan when one overflowed): each tensor's norm in float32, as
     ``clip_grad_norm_`` takes it, summed in float64, with one device sync."""
-    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads.values() if g is not None]
+    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
+             for g in grads.values() if g is not None]
     return float(torch.stack(norms).double().square().sum()) if norms else 0.0
 
 
@@ -85,7 +86,8 @@ def _parse_sq(value: Any, num_stages: int) -> dict[int, float] | None:
         return None
     out = {}
     for key, sq in value.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < num_stages) or type(sq) not in (int, float):
+        stage_ok = isinstance(key, str) and key.isdigit() and int(key) < num_stages
+        if not stage_ok or type(sq) not in (int, float):
             return None
         out[int(key)] = _unwire(float(sq))
     return out
@@ -96,7 +98,8 @@ def _parse_norms(value: Any) -> list[tuple[int, float]] | None:
         return None
     out = []
     for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and type(item[1]) in (int, float)):
+        pair = isinstance(item, list) and len(item) == 2
+        if not (pair and type(item[0]) is int and type(item[1]) in (int, float)):
             return None
         out.append((item[0], _unwire(float(item[1]))))
     return out

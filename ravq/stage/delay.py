@@ -1,4 +1,5 @@
-"""Delay compensation: a stale update extrapolates its gradient along the change since the stage's last update.
+"""Delay compensation: a stale update extrapolates its gradient along the change since the stage's last
+update.
 
 With ``max_inflight`` above 1 a stage's gradient was taken at weights a few updates old (its staleness
 ``s``; weight stashing makes it the exact gradient *there*).  Adam with one step of delay is unstable
@@ -12,8 +13,9 @@ The compensation is optimistic extrapolation (as in Optimistic Adam): the optimi
 ``g + k * s * (g - g_prev)`` instead of ``g``, where ``g_prev`` is the gradient of the stage's previous
 update, ``k`` is ``training.extrapolate_gradients`` and ``s`` the stage's mean staleness over its recent
 backwards (not the update's own: when two forwards share a version their staleness alternates 0, 1, and
-extrapolating only the stale one from a gradient at the same weights did not help; the mean did).  The difference of consecutive gradients says
-where the gradient is heading as the weights move, so the stale gradient is carried forward towards
+extrapolating only the stale one from a gradient at the same weights did not help; the mean did).  The
+difference of consecutive gradients says where the gradient is heading as the weights move, so the
+stale gradient is carried forward towards
 the weights it is applied to, and a growing oscillation is damped rather than fed.  An update with no
 staleness is left alone, so ``max_inflight: 1`` still trains exactly like one process.
 """
@@ -49,5 +51,6 @@ class GradientExtrapolation:
                 self.previous[name] = raw
 
     def forget(self) -> None:
-        """After weights were replaced (catch-up): the last gradient no longer says where the next one heads."""
+        """After weights were replaced (catch-up): the last gradient no longer says where the next one
+        heads."""
         self.previous.clear()

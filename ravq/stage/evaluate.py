@@ -85,7 +85,8 @@ class Evaluator:
     """One stage's side of evaluation (compute thread only)."""
 
     def __init__(self, options: RecipeOptions, *, place: StagePlace, state: StageState,
-                 params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor], scoring: Scoring, stats: StageStats, outbox: Outbox, micro_batch: int,
+                 params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor], scoring: Scoring,
+                 stats: StageStats, outbox: Outbox, micro_batch: int,
                  clock: Callable[[], float]) -> None:
         self.every, self.count, self.batches = options.eval_every, options.eval_count, options.eval_batches
         self.seed, self._micro_batch = options.seed, micro_batch
@@ -174,7 +175,8 @@ class Evaluator:
         self._stats.record_busy("eval", self._clock() - t0)
         return out
 
-    def _forward_and_send(self, mb: MicroBatch, parts: Parts, data: dict[int, dict[str, torch.Tensor]]) -> None:
+    def _forward_and_send(self, mb: MicroBatch, parts: Parts,
+                          data: dict[int, dict[str, torch.Tensor]]) -> None:
         spec = self._place.spec
         out = self._forward(gather_inputs(spec, parts))
         outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ravq.cut.split import StageSpec
 from ravq.net.options import CONTROL_FRAME_BYTES
 
 MARGIN = 2
@@ -22,13 +23,13 @@ def _nbytes(shape: Any, dtype: Any) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def largest_inbound_frame(specs: list[Any], input_specs: list[list[tuple[Any, Any]]], stage: int,
+def largest_inbound_frame(specs: list[StageSpec], input_specs: list[list[tuple[Any, Any]]], stage: int,
                           target_example: Any = None) -> int:
     """Bytes of the largest tensor frame ``stage`` can receive on its pipeline link.
 
     ``specs`` are the cluster's StageSpecs, ``input_specs`` every stage's (shape, dtype) inputs from
-    ``ravq.cut.split.stage_input_specs``; a stage's output gradient has the shape of the consumer input it feeds, and a tied weight's gradient (a
-TIED message) that of the weight."""
+    ``ravq.cut.split.stage_input_specs``; a stage's output gradient has the shape of the consumer input
+    it feeds, and a tied weight's gradient (a TIED message) that of the weight."""
     sizes = [_nbytes(shape, dtype) for shape, dtype in input_specs[stage]]
     for s, spec in enumerate(specs):
         sizes += [_nbytes(shape, dtype)

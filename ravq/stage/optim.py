@@ -43,7 +43,8 @@ class ClusterAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled_weight_decay: bool = False,
                  clusters: int = 1) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"ClusterAdam: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
+            raise ValueError(f"ClusterAdam: lr, eps and weight_decay must be >= 0 "
+                             f"(got {lr}, {eps}, {weight_decay})")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"ClusterAdam: betas must lie in [0, 1) (got {betas})")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
@@ -89,7 +90,8 @@ class ClusterAdam(torch.optim.Optimizer):
                 if self.clusters == 1:  # Adam's own arithmetic, to the bit
                     denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
                 else:
-                    denom = global_second_moment(exp_avg / bias1, exp_avg_sq / bias2, self.clusters).sqrt_().add_(eps)
+                    second = global_second_moment(exp_avg / bias1, exp_avg_sq / bias2, self.clusters)
+                    denom = second.sqrt_().add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-lr / bias1)
         return loss
 

@@ -22,7 +22,15 @@ from ravq.stage.recipe import Recipe
 from ravq.stage.stash import GradientSum, Stashed, WeightStash
 from ravq.stage.state import Emit, OpTimer, Outbox, StagePlace, StageState
 from ravq.stage.stats import StageStats
-from ravq.stage.tensors import Parts, data_for, gather_inputs, input_grads, output_grads, targets_of, to_device
+from ravq.stage.tensors import (
+    Parts,
+    data_for,
+    gather_inputs,
+    input_grads,
+    output_grads,
+    targets_of,
+    to_device,
+)
 from ravq.stage.tied_step import TiedStep
 from ravq.stage.types import MicroBatch, StageOptions
 
@@ -37,7 +45,8 @@ class Passes:
         self._predict, self._micro_batch = options.predict_weights, options.micro_batch
         self._place, self._state, self._module, self._buffers = place, state, module, buffers
         self._weights, self._grads, self._loss_fn, self._recipe = weights, grads, loss_fn, recipe
-        self._stats, self._outbox, self._timer, self._feed, self._tied_step = stats, outbox, timer, feed, tied_step
+        self._stats, self._outbox, self._timer = stats, outbox, timer
+        self._feed, self._tied_step = feed, tied_step
         self._raw_output: Any = None
 
     def run_module(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

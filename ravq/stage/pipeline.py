@@ -56,18 +56,25 @@ class StageWorker:
     """One stage's torch state and schedule.  All methods but ``deliver``/``stop`` run in the
     compute thread."""
 
-    def __init__(self, spec: StageSpec, num_stages: int, optimizer_factory: Callable[..., torch.optim.Optimizer],
+    def __init__(self, spec: StageSpec, num_stages: int,
+                 optimizer_factory: Callable[..., torch.optim.Optimizer],
                  loss_fn: Callable[[Any, Any], torch.Tensor], options: StageOptions,
                  device: torch.device | str = "cpu", batches: Iterator[Batch] | None = None,
                  cluster: int = 0, metrics: Metrics | None = None,
                  model_input_needs: dict[int, list[int]] | None = None,
                  input_specs: list[tuple[torch.Size, torch.dtype]] | None = None,
                  target_example: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.options, self.clock, self.loss_fn = options, clock, loss_fn
-        """``clock``: seconds, monotonic; every duration the stage counts is read off it."""
-        self.place = StagePlace(spec=spec, num_stages=num_stages, cluster=cluster, device=torch.device(device),
-                                model_input_needs=model_input_needs or {})
-        self.module = spec.module.to(self.place.device)
+        self.options, self.loss_fn = options, loss_fn
+        self.clock = clock
+        """Seconds, monotonic: every duration the stage counts (compute, waits, wall) is read off it."""
+        needs = model_input_needs or {}
+        self.place = place = StagePlace(spec=spec, num_stages=num_stages, cluster=cluster,
+                                        device=torch.device(device), model_input_needs=needs)
+        # the place's fields under the names callers use
+        self.spec, self.num_stages, self.cluster, self.device = spec, num_stages, cluster, place.device
+        self.is_first, self.is_last = place.is_first, place.is_last
+        self.model_input_needs = place.model_input_needs
+        self.module = spec.module.to(self.device)
         self.params: dict[str, nn.Parameter] = dict(self.module.named_parameters())
         self.buffers: dict[str, torch.Tensor] = dict(self.module.named_buffers())
         self.optimizer = build_optimizer(optimizer_factory, self.params)
@@ -76,7 +83,8 @@ class StageWorker:
         expected = expected_forward(spec, num_stages, input_specs, target_example)
         self.state = StageState(expected_fwd=expected_at(options.recipe.precision, expected))
         self.stats = StageStats(clock=clock, metrics=metrics)
-        self.forward_weights = WeightStash(self.params, options.extrapolate_gradients * (options.max_inflight > 1))
+        extrapolate = options.extrapolate_gradients * (options.max_inflight > 1)
+        self.forward_weights = WeightStash(self.params, extrapolate)
         self._grads = GradientSum(self.params, options.update_every)
         self._sched = Scheduler(forward_sources(spec, num_stages), spec.consumer_stages,
                                 4 * options.max_inflight + 4, clock)
@@ -86,12 +94,14 @@ class StageWorker:
         self._update_hooks: list[UpdateHook] = []
         self.should_abort: Callable[[], bool] = lambda: False
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
-        self._raw_output: Any = None
-        self.tied = TiedExchange(spec.index, spec.tied, dict(self.module.named_parameters(remove_duplicate=False)),
-                                 options.max_inflight) if spec.tied else None  # copies of tied weights
+        every_name = dict(self.module.named_parameters(remove_duplicate=False))
+        tied = TiedExchange(spec.index, spec.tied, every_name, options.max_inflight) if spec.tied else None
+        self.tied = tied
+        """This stage's copies of tied weights (``ravq.stage.tied_step``), or None."""
         self.tied_step = None if self.tied is None else TiedStep(
-            self.tied, optimizer=self.optimizer, params=self.params, outbox=self.outbox, submit=self._sched.submit,
-            before_change=self.before_weight_change, changed=self.forward_weights.invalidate, waited=self.waited,
+            self.tied, optimizer=self.optimizer, params=self.params, outbox=self.outbox,
+            submit=self._sched.submit, before_change=self.before_weight_change,
+            changed=self.forward_weights.invalidate, waited=self.waited,
             should_abort=lambda: self.should_abort(), clock=clock)
         self.recipe = Recipe(options, place=self.place, state=self.state, optimizer=self.optimizer,
                              params=self.params, buffers=self.buffers, grads=self._grads, loss_fn=loss_fn,
@@ -99,21 +109,13 @@ class StageWorker:
                              step=self._step, submit=self._sched.submit)
         """LR schedule, precision, clipping, evaluation, metrics (``ravq.stage.recipe``)."""
         self._arrivals = Arrivals(self.place, self.state, self._sched, self.recipe)
-        self.passes = Passes(options, place=self.place, state=self.state, module=self.module, buffers=self.buffers,
-                             weights=self.forward_weights, grads=self._grads, loss_fn=loss_fn, recipe=self.recipe,
-                             stats=self.stats, outbox=self.outbox, timer=self._timer, feed=self._feed,
-                             tied_step=self.tied_step)
+        self.passes = Passes(options, place=self.place, state=self.state, module=self.module,
+                             buffers=self.buffers, weights=self.forward_weights, grads=self._grads,
+                             loss_fn=loss_fn, recipe=self.recipe, stats=self.stats, outbox=self.outbox,
+                             timer=self._timer, feed=self._feed, tied_step=self.tied_step)
         """A micro-batch's forward and backward (``ravq.stage.passes``)."""
 
     # ----------------------------------------------------------------- what the stage is and holds
-    spec = property(lambda self: self.place.spec)
-    num_stages = property(lambda self: self.place.num_stages)
-    cluster = property(lambda self: self.place.cluster)
-    device = property(lambda self: self.place.device)
-    is_first = property(lambda self: self.place.is_first)
-    is_last = property(lambda self: self.place.is_last)
-    model_input_needs = property(lambda self: self.place.model_input_needs)
-
     @property
     def version(self) -> int:
         """Optimizer steps applied to the weights (or the version of the copy they were loaded from)."""
@@ -330,7 +332,8 @@ class StageWorker:
             self.forward_weights.record_staleness(staleness)
         self.recipe.before_step()
         if not skip:
-            self.forward_weights.step(self.optimizer, self.options.predict_weights, in_flight=bool(self.state.stash))
+            in_flight = bool(self.state.stash)
+            self.forward_weights.step(self.optimizer, self.options.predict_weights, in_flight=in_flight)
         self.optimizer.zero_grad(set_to_none=True)
         self.state.count_step()
         if self.tied_step is not None:

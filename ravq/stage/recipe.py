@@ -72,9 +72,10 @@ def recipe_options(task: Any, training: TrainingConfig, seed: int = 0) -> Recipe
     if training.eval_every and not callable(eval_batches):
         raise ValueError(f"training.eval_every: {training.eval_every} needs the task to define "
                          "eval_batches(micro_batch, seed)")
-    return RecipeOptions(precision=training.precision, lr_lambda=factor, clip_grad_norm=training.clip_grad_norm,
-                         metrics_fn=metrics_fn if callable(metrics_fn) else None, eval_every=training.eval_every,
-                         eval_count=training.eval_batches,
+    return RecipeOptions(precision=training.precision, lr_lambda=factor,
+                         clip_grad_norm=training.clip_grad_norm,
+                         metrics_fn=metrics_fn if callable(metrics_fn) else None,
+                         eval_every=training.eval_every, eval_count=training.eval_batches,
                          eval_batches=eval_batches if callable(eval_batches) else None, seed=seed)
 
 
@@ -94,7 +95,8 @@ class Recipe:
 
     def __init__(self, options: StageOptions, *, place: StagePlace, state: StageState,
                  optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
-                 buffers: dict[str, torch.Tensor], grads: GradientSum, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 buffers: dict[str, torch.Tensor], grads: GradientSum,
+                 loss_fn: Callable[[Any, Any], torch.Tensor],
                  stats: StageStats, outbox: Outbox, timer: OpTimer, feed: DataFeed | None, step: Step,
                  submit: Submit) -> None:
         opts = options.recipe
@@ -102,7 +104,8 @@ class Recipe:
         self.device = place.device
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"training.precision: must be fp32, bf16 or fp16, got {self.precision!r}")
-        self._place, self._state, self._optimizer, self._params, self._grads = place, state, optimizer, params, grads
+        self._place, self._state, self._optimizer = place, state, optimizer
+        self._params, self._grads = params, grads
         self._stats, self._outbox, self._timer, self._feed = stats, outbox, timer, feed
         self._step, self._submit = step, submit
         self.lr = LRSchedule(optimizer, opts.lr_lambda) if opts.lr_lambda is not None else None
@@ -126,8 +129,8 @@ class Recipe:
         scoring = Scoring(loss_fn=loss_fn, metrics_fn=self.metrics_fn, autocast=self.autocast,
                           forward_meta=self.forward_meta)
         self.evaluator = Evaluator(opts, place=place, state=state, params=params, buffers=buffers,
-                                   scoring=scoring, stats=stats, outbox=outbox, micro_batch=options.micro_batch,
-                                   clock=timer.clock)
+                                   scoring=scoring, stats=stats, outbox=outbox,
+                                   micro_batch=options.micro_batch, clock=timer.clock)
         """Evaluation rounds (``ravq.stage.evaluate``); on once ``evaluator.attach`` gave it a module."""
 
     # ----------------------------------------------------------------- forwards and the loss
@@ -255,7 +258,8 @@ class Recipe:
 
     def received(self, kind: str, mb: MicroBatch, meta: dict[str, Any]) -> None:
         """Event loop: an arrival was queued; record its norms (and apply the steps they complete)."""
-        if self.exchange is not None and self.exchange.receive("bwd" if kind == "bwd" else "fwd", mb[1], meta):
+        direction = "bwd" if kind == "bwd" else "fwd"
+        if self.exchange is not None and self.exchange.receive(direction, mb[1], meta):
             self._submit(lambda: self.on_norms(tail=False))
 
     def forget_in_flight(self) -> None:

@@ -2,9 +2,10 @@
 
 A forward runs on a snapshot of the weights of the current version, taken once per version and shared
 by every micro-batch that used it (``WeightStash``): the live weights themselves until they are about to
-change, then a copy for the micro-batches still in flight (none with one micro-batch in flight).  Each micro-batch keeps that snapshot with its
-inputs and outputs (``Stashed``) until its backward, so the gradient of micro-batch m is the gradient
-at exactly the weights its forward saw, however many updates happen in between.  Stage 0's credits
+change, then a copy for the micro-batches still in flight (none with one micro-batch in flight).  Each
+micro-batch keeps that snapshot with its inputs and outputs (``Stashed``) until its backward, so the
+gradient of micro-batch m is the gradient at exactly the weights its forward saw, however many updates
+happen in between.  Stage 0's credits
 bound the micro-batches in flight, so they bound the stashed memory too.  The gradients of the
 weights are summed into the live parameters (``GradientSum``) until the stage's next update.
 """
@@ -81,7 +82,8 @@ class WeightStash:
             ahead = self.prediction_steps(predict)
             with torch.no_grad():
                 if ahead > 0 and self.last_update is not None:
-                    copies = {n: torch.add(p.detach(), self.last_update[n], alpha=ahead).requires_grad_(p.requires_grad)
+                    last = self.last_update
+                    copies = {n: torch.add(p.detach(), last[n], alpha=ahead).requires_grad_(p.requires_grad)
                               for n, p in self.params.items()}
                     self.aliased = False
                 else:  # the live weights' storage, until they are about to change (``before_change``);
@@ -172,7 +174,8 @@ class GradientSum:
         return versions
 
 
-def fresh_buffers(module: nn.Module, buffers: dict[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
+def fresh_buffers(module: nn.Module, buffers: dict[str, torch.Tensor],
+                  names: Iterable[str]) -> dict[str, torch.Tensor]:
     """Give these buffers of ``module`` new storage (a copy, also put in ``buffers``) and return them, so
     that changing them in place (an averaging round's delta) never reaches the forwards in flight:
     autograd saved the old tensors (BatchNorm saves its running statistics) and checks they are

@@ -39,7 +39,8 @@ def forward_sources(spec: StageSpec, num_stages: int) -> list[int]:
     return sorted(sources)
 
 
-def expected_forward(spec: StageSpec, num_stages: int, input_specs: list[tuple[torch.Size, torch.dtype]] | None,
+def expected_forward(spec: StageSpec, num_stages: int,
+                     input_specs: list[tuple[torch.Size, torch.dtype]] | None,
                      target_example: Any) -> dict[int, Expected]:
     """Source stage -> what its FORWARD messages hold; empty without ``input_specs`` (nothing checked)."""
     expected: dict[int, Expected] = {s: {} for s in forward_sources(spec, num_stages)}
@@ -50,14 +51,16 @@ def expected_forward(spec: StageSpec, num_stages: int, input_specs: list[tuple[t
         expected.setdefault(max(ref.stage, 0), {})[name] = shape_dtype
     if spec.index == num_stages - 1 and spec.index != 0 and target_example is not None:
         targets = target_example if isinstance(target_example, (tuple, list)) else (target_example,)
-        names = ["t"] if not isinstance(target_example, (tuple, list)) else [f"t{i}" for i in range(len(targets))]
+        several = isinstance(target_example, (tuple, list))
+        names = [f"t{i}" for i in range(len(targets))] if several else ["t"]
         expected[0].update({n: (t.shape, t.dtype) for n, t in zip(names, targets)})
     return expected
 
 
 def expected_backward(spec: StageSpec, outputs: tuple[torch.Tensor, ...], source: int) -> Expected:
     """What a BACKWARD message from ``source`` may hold: gradients for the outputs it reads."""
-    return {f"g{i}": (outputs[i].shape, outputs[i].dtype) for i, users in spec.consumers.items() if source in users}
+    return {f"g{i}": (outputs[i].shape, outputs[i].dtype)
+            for i, users in spec.consumers.items() if source in users}
 
 
 def check_tensors(tensors: dict[str, torch.Tensor | Packed], expected: Expected, exact: bool) -> str | None:
@@ -70,7 +73,8 @@ def check_tensors(tensors: dict[str, torch.Tensor | Packed], expected: Expected,
             return "unexpected_tensors"
         if isinstance(t, Packed) and name[0] not in "og":  # model inputs and targets go uncompressed
             return "unexpected_tensors"
-        if t.shape != want[0] or (t.dtype != want[1] if want[1] is not None else t.dtype not in AUTOCAST_DTYPES):
+        dtype_ok = t.dtype == want[1] if want[1] is not None else t.dtype in AUTOCAST_DTYPES
+        if t.shape != want[0] or not dtype_ok:
             return "bad_tensor_shape"
     return None
 
@@ -113,7 +117,8 @@ def to_device(value: Any, device: torch.device) -> Any:
     return type(value)(v.to(device) for v in value)
 
 
-def output_grads(parts: Parts, outputs: tuple[torch.Tensor, ...], device: torch.device) -> list[torch.Tensor | None]:
+def output_grads(parts: Parts, outputs: tuple[torch.Tensor, ...],
+                 device: torch.device) -> list[torch.Tensor | None]:
     """The gradient for each output, summed over the stages that read it (None: no reader sent one)."""
     grads: list[torch.Tensor | None] = [None] * len(outputs)
     for tensors in parts.values():

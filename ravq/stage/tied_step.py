@@ -134,7 +134,8 @@ class TiedExchange:
                 continue
             p = self.param[g.key]
             state = {k: v for k, v in optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
-            tensors = {f"{SET}{g.key}": p.detach(), **{f"{SET}{g.key}{SEP}{k}": v.detach() for k, v in state.items()}}
+            tensors = {f"{SET}{g.key}": p.detach(),
+                       **{f"{SET}{g.key}{SEP}{k}": v.detach() for k, v in state.items()}}
             for dest in g.holders:
                 if dest != self.stage:
                     send(dest, 0, tensors)
@@ -153,7 +154,8 @@ class TiedExchange:
             self._grads[(self.stage, step)] = own
             self.contributed = step
         for dest in self.others:
-            send(dest, step, {f"{GRAD}{g.key}": own[g.key].detach() for g in self.groups if dest in g.holders})
+            send(dest, step, {f"{GRAD}{g.key}": own[g.key].detach()
+                              for g in self.groups if dest in g.holders})
 
     def defer_delta(self, deltas: Mapping[str, torch.Tensor], send: Send) -> None:
         """The primary's averaging deltas (by averaged name): every holder adds them after the tied step this
@@ -216,8 +218,8 @@ class TiedExchange:
 
     def _step(self, g: TiedGroup, parts: list[torch.Tensor], optimizer: torch.optim.Optimizer,
               params: Mapping[str, nn.Parameter]) -> None:
-        """Tied step ``applied + 1`` of group ``g``: the holders' gradients summed in holder order, through the
-        stage's optimizer with every other parameter's gradient held aside."""
+        """Tied step ``applied + 1`` of group ``g``: the holders' gradients summed in holder order, through
+        the stage's optimizer with every other parameter's gradient held aside."""
         p = self.param[g.key]
         total = parts[0].detach().to(p.device).clone()
         for part in parts[1:]:
@@ -238,7 +240,8 @@ class TiedExchange:
                     del self._grads[(h, step)]
             self.applied[g.key] = step
 
-    def _take_copy(self, key: str, copy: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def _take_copy(self, key: str, copy: Mapping[str, torch.Tensor],
+                   optimizer: torch.optim.Optimizer) -> None:
         p = self.param[key]
         with torch.no_grad():
             p.copy_(copy[key])
@@ -248,7 +251,8 @@ class TiedExchange:
                                   for k, t in fields.items()}
         self.synced[key] = True
 
-    def _add_delta(self, key: str, delta: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def _add_delta(self, key: str, delta: Mapping[str, torch.Tensor],
+                   optimizer: torch.optim.Optimizer) -> None:
         p = self.param[key]
         with torch.no_grad():
             for name, d in sorted(delta.items()):
@@ -269,7 +273,8 @@ class TiedStep:
     otherwise)."""
 
     def __init__(self, exchange: TiedExchange, *, optimizer: torch.optim.Optimizer,
-                 params: dict[str, nn.Parameter], outbox: Outbox, submit: Callable[[Callable[[], None]], None],
+                 params: dict[str, nn.Parameter], outbox: Outbox,
+                 submit: Callable[[Callable[[], None]], None],
                  before_change: Callable[[], None], changed: Callable[[], None],
                  waited: Callable[[str, float], None], should_abort: Callable[[], bool],
                  clock: Callable[[], float]) -> None:
@@ -290,7 +295,8 @@ class TiedStep:
         self._outbox.send("tied", dest, step, dict(tensors))
 
     def restart(self) -> None:
-        """Training starts (again): the key holder's copies to the other holders (``TiedExchange.restart``)."""
+        """Training starts (again): the key holder's copies to the other holders
+        (``TiedExchange.restart``)."""
         self.exchange.restart(self._optimizer, self.send)
 
     def contribute(self) -> None:

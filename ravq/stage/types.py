@@ -73,8 +73,8 @@ class StageOptions:
     """Stage 0 keeps one micro-batch in flight (trains synchronously) until its version reaches this many
     optimizer steps, then up to ``max_inflight`` (``ravq.config.TrainingConfig.inflight_warmup_steps``)."""
     compress: Format = Format.NONE
-    """How activations and gradients leave this stage (``ravq.codec.compress``); model inputs and targets never
-    are compressed, and what arrives compressed is restored to the dtype this stage expects."""
+    """How activations and gradients leave this stage (``ravq.codec.compress``); model inputs and targets
+    never are compressed, and what arrives compressed is restored to the dtype this stage expects."""
     int8_block: int = DEFAULT_BLOCK
     recipe: RecipeOptions = field(default_factory=RecipeOptions)
 
