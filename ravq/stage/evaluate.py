@@ -3,7 +3,7 @@ micro-batches, without touching weights, stashes or credits.
 
 Why a second graph: the stages are graphs traced from the model in training mode, and tracing bakes
 the mode in (dropout is a ``dropout(x, p, train=True)`` call, BatchNorm a batch-statistics op), so
-``stage.module.eval()`` changes nothing.  ``eval_stage_modules`` traces a freshly built model in eval mode
+``stage.module.eval()`` changes nothing.  ``eval_stage_module`` traces a freshly built model in eval mode
 with the same cuts and points its parameters and buffers at the training stage's tensors (no second
 copy of the weights); a forward passes the stage's live weights and buffers by name anyway.
 

@@ -38,10 +38,7 @@ from ravq.stage.schedule import Scheduler
 from ravq.stage.stash import GradientSum, WeightStash, fresh_buffers
 from ravq.stage.state import Emit, OpTimer, Outbox, StagePlace, StageState
 from ravq.stage.stats import StageStats
-from ravq.stage.tensors import (
-    expected_forward,
-    forward_sources,
-)
+from ravq.stage.tensors import expected_forward, forward_sources
 from ravq.stage.tied_step import TiedExchange, TiedStep
 from ravq.stage.types import MicroBatch, StageOptions
 
