@@ -156,6 +156,11 @@ class NormExchange:
             self.totals.popitem(last=False)
 
     # ----------------------------------------------------------------- the compute thread
+    def set_scale(self, index: int, scale: float) -> None:
+        """The last stage scaled micro-batch ``index``'s loss by ``scale`` (fp16)."""
+        with self.lock:
+            self.scales[index] = scale
+
     def scale_of(self, index: int) -> float | None:
         with self.lock:
             return self.scales.pop(index, None)

@@ -149,8 +149,7 @@ class Recipe:
         if self.loss_scale is None:
             return loss
         assert self.exchange is not None
-        with self.exchange.lock:
-            self.exchange.scales[mb[1]] = self.loss_scale.scale
+        self.exchange.set_scale(mb[1], self.loss_scale.scale)
         return loss * self.loss_scale.scale
 
     # ----------------------------------------------------------------- backwards and steps
