@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ravq.config import Plan
+from ravq.net.protocol import NODE_PHASES, Heartbeat
 
 log = logging.getLogger(__name__)
 
 NODE_STATES = ("missing", "up", "lost", "left", "done")
-PHASES = ("starting", "training", "paused", "catching_up", "finishing", "standby", "leaving")
+PHASES = NODE_PHASES
 """What a node says it is doing (in its heartbeats); ``ravq status`` shows it for nodes that are up."""
 CLUSTER_STATES = ("starting", "training", "paused", "recovering", "done")
 
@@ -150,30 +151,22 @@ class Book:
         m.checkpoints, m.lost_at = None, None
         return True
 
-    def heartbeat(self, node: str, meta: dict[str, Any], now: float) -> bool:
+    def heartbeat(self, node: str, beat: Heartbeat, now: float) -> bool:
         """A heartbeat with the node's own view; True when the book changed."""
         m = self.members.get(node)
         if m is None:
             m = self.members[node] = Member(last_seen=now)
         changed = False
-        incarnation = meta.get("incarnation")
         c = self.cluster_of(node)
-        if m.incarnation is not None and incarnation is not None and incarnation != m.incarnation:
-            changed |= self.register(node, str(incarnation), now)  # restarted and its REGISTER went missing
-        m.last_seen, m.incarnation = now, (str(incarnation) if incarnation is not None else m.incarnation)
-        stats = meta.get("stats")
-        m.stats = stats if isinstance(stats, dict) else {}
-        phase = str(meta.get("phase", m.phase))[:16]
-        changed |= phase != m.phase
-        m.phase = phase
-        m.gen, m.ready = _int(meta.get("gen"), m.gen), _int(meta.get("ready"), m.ready)
-        m.trained = _int(meta.get("trained"), m.trained)
-        m.stage_bytes = _int(meta.get("stage_bytes"), m.stage_bytes)
-        m.memory_bytes = _int(meta.get("memory_bytes"), m.memory_bytes)
-        checkpoints = meta.get("checkpoints")
-        if isinstance(checkpoints, list) and checkpoints != m.checkpoints:
-            m.checkpoints, changed = checkpoints[:8], True
-        new_state = "left" if meta.get("left") else "done" if meta.get("done") else "up"
+        if m.incarnation is not None and beat.incarnation != m.incarnation:
+            changed |= self.register(node, beat.incarnation, now)  # restarted and its REGISTER went missing
+        m.last_seen, m.incarnation, m.stats = now, beat.incarnation, beat.stats
+        changed |= beat.phase != m.phase
+        m.phase, m.gen, m.ready, m.trained = beat.phase, beat.generation, beat.ready, beat.trained
+        m.stage_bytes, m.memory_bytes = beat.stage_bytes, beat.memory_bytes
+        if beat.checkpoints is not None and beat.checkpoints != m.checkpoints:
+            m.checkpoints, changed = beat.checkpoints[:8], True
+        new_state = "left" if beat.left else "done" if beat.done else "up"
         if m.state != new_state:
             if m.state == "lost":
                 log.info("node %s is back", node)
@@ -182,7 +175,7 @@ class Book:
             if new_state == "left":
                 changed |= self._left(node, m, c, now)
         if c is not None:
-            changed |= self._note(c, node, m, meta.get("kept"))
+            changed |= self._note(c, node, m, beat.kept)
             changed |= self._adopt(c, m, now)
         return changed
 
@@ -194,10 +187,10 @@ class Book:
             self._disrupt(c, f"{node} left", now)
         return True
 
-    def _note(self, c: int, node: str, m: Member, kept: Any) -> bool:
+    def _note(self, c: int, node: str, m: Member, kept: str | None) -> bool:
         """A member of the current generation kept its own weights (no holder was fresher): say so."""
         cs = self.clusters[c]
-        if not isinstance(kept, str) or not kept or m.gen != cs.generation:
+        if not kept or m.gen != cs.generation:
             return False
         note = f"{node} {kept[:160]}"
         if note in cs.note:

@@ -27,10 +27,11 @@ from brokers.run import open_run, save_run
 from ravq.config import Plan, RelayConfig, Topology
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions, endpoint
+from ravq.net.protocol import Heartbeat, ReachRequest, Register
 from ravq.net.pubsub import Publisher
 from ravq.net.relay import Relay
 from ravq.net.transport import Inbox
-from ravq.net.wire import DecodeLimits, Message, MsgType
+from ravq.net.wire import DecodeLimits, Message, MsgType, WireError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ BROKER = "broker"
 SILENCE_UPDATES = 4
 """Silence updates per heartbeat interval (``Broker._publish_silence``): a live member never reads more
 silent than its heartbeat interval plus a quarter of it (and the network's delay)."""
+
+_NODE_MESSAGES: dict[MsgType, type[Register] | type[Heartbeat] | type[ReachRequest]] = {
+    MsgType.REGISTER: Register, MsgType.HEARTBEAT: Heartbeat, MsgType.REACH_REQ: ReachRequest}
+"""The node -> broker control messages with a typed body (``ravq.net.protocol``)."""
 
 
 class Broker:
@@ -136,30 +141,48 @@ class Broker:
             self.metrics.bad_messages.labels("broker", "unknown_node").inc()
             return
         now = self.clock()
-        if msg.type == MsgType.REGISTER:
-            incarnation = msg.meta.get("incarnation")
-            self.book.register(node, str(incarnation) if incarnation is not None else None, now)
-            self.reach.forget(node)
-            self.book.check(now)
-            log.info("node %s registered", node)
-            await self._publish(pub, "member", {"node": node, "member_state": "up"})
-            await self._reply_snapshot(inbox, identity, node)
-        elif msg.type == MsgType.HEARTBEAT:
-            if self.book.heartbeat(node, msg.meta, now) | self.book.check(now):
-                self._observe_recoveries()
-                await self._publish(pub, "member", {"node": node, "member_state": self.members[node].state})
-        elif msg.type == MsgType.REACH_REQ:
-            if node not in self.known:
-                self.metrics.bad_messages.labels("broker", "unknown_node").inc()
-            elif self.reach.wants(node) and self._tg is not None and self._ctx is not None:
-                ports = msg.meta.get("ports")
-                ports = [str(p) for p in ports][:4] if isinstance(ports, list) else []
-                self._tg.create_task(self._check_reach(pub, node, ports))
-        elif msg.type == MsgType.SNAPSHOT_REQ:
+        decoder = _NODE_MESSAGES.get(msg.type)
+        try:
+            request = decoder.from_meta(msg.meta) if decoder is not None else None
+        except WireError as err:  # a control message of another shape: dropped, never guessed at
+            self.metrics.bad_messages.labels("broker", err.reason).inc()
+            return
+        if isinstance(request, Register):
+            await self._register(inbox, pub, identity, node, request, now)
+        elif isinstance(request, Heartbeat):
+            await self._heartbeat(pub, node, request, now)
+        elif isinstance(request, ReachRequest):
+            self._reach_request(pub, node, request)
+        else:
+            await self._answer(inbox, identity, node, msg.type, now)
+
+    async def _register(self, inbox: Inbox, pub: Publisher, identity: bytes, node: str, register: Register,
+                        now: float) -> None:
+        self.book.register(node, register.incarnation, now)
+        self.reach.forget(node)
+        self.book.check(now)
+        log.info("node %s registered", node)
+        await self._publish(pub, "member", {"node": node, "member_state": "up"})
+        await self._reply_snapshot(inbox, identity, node)
+
+    async def _heartbeat(self, pub: Publisher, node: str, beat: Heartbeat, now: float) -> None:
+        if self.book.heartbeat(node, beat, now) | self.book.check(now):
+            self._observe_recoveries()
+            await self._publish(pub, "member", {"node": node, "member_state": self.members[node].state})
+
+    def _reach_request(self, pub: Publisher, node: str, request: ReachRequest) -> None:
+        if node not in self.known:
+            self.metrics.bad_messages.labels("broker", "unknown_node").inc()
+        elif self.reach.wants(node) and self._tg is not None and self._ctx is not None:
+            self._tg.create_task(self._check_reach(pub, node, request.ports[:4]))
+
+    async def _answer(self, inbox: Inbox, identity: bytes, node: str, kind: MsgType, now: float) -> None:
+        """SNAPSHOT_REQ and STATUS_REQ."""
+        if kind == MsgType.SNAPSHOT_REQ:
             if node in self.members and self.members[node].state == "up":  # a node polling at start is alive
                 self.members[node].last_seen = now
             await self._reply_snapshot(inbox, identity, node)
-        elif msg.type == MsgType.STATUS_REQ:
+        elif kind == MsgType.STATUS_REQ:
             status = {"seq": self.seq, "plan": self.plan.model_dump(), "run_id": self.run_id,
                       "reach": self.reach.public(), "reach_tried": dict(self.reach.tried),
                       "clusters": [cs.public() for cs in self.book.clusters],

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from brokers.book import Book
 from ravq.config import ClusterPlan, Plan
+from ravq.net.protocol import Heartbeat
 
 PLAN = Plan(clusters=[ClusterPlan(nodes=["a0", "a1"], cuts=["l3"]), ClusterPlan(nodes=["b0", "b1"], cuts=["l3"])])
 LOST_S = 5.0
 
 
 def _beat(book: Book, node: str, now: float, **meta: object) -> bool:
-    return book.heartbeat(node, {"incarnation": f"i-{node}", "phase": "training", "gen": 0, **meta}, now)
+    beat = {"incarnation": f"i-{node}", "phase": "training", "generation": 0, **meta}
+    return book.heartbeat(node, Heartbeat(**beat), now)  # type: ignore[arg-type]
 
 
 def _started() -> Book:
@@ -76,10 +78,10 @@ def test_a_silent_node_is_lost_its_cluster_pauses_recovers_and_trains_again() ->
     _beat(book, "b1", 8.0)  # back (a freeze ends): everyone up, so the cluster recovers
     book.check(8.0)
     assert book.clusters[1].state == "recovering" and book.clusters[1].catchup  # cluster 0 trains
-    _beat(book, "b0", 8.5, gen=1, ready=1, trained=300, phase="paused")
+    _beat(book, "b0", 8.5, generation=1, ready=1, trained=300, phase="paused")
     book.check(8.5)
     assert book.clusters[1].state == "recovering"  # b1 not ready yet
-    _beat(book, "b1", 9.0, gen=1, ready=1, phase="paused")
+    _beat(book, "b1", 9.0, generation=1, ready=1, phase="paused")
     book.check(9.0)
     cs = book.clusters[1]
     assert cs.state == "training" and cs.trained == 300 and book.excluded() == []
@@ -100,12 +102,12 @@ def test_a_restarted_node_is_noticed_even_while_it_was_still_up() -> None:
 def test_a_restarted_broker_rebuilds_from_heartbeats_and_marks_missing_nodes_lost() -> None:
     book = Book(PLAN, lost_s=LOST_S, now=100.0)  # a new broker: nobody registered with it
     for n in ("a0", "a1", "b0"):
-        _beat(book, n, 100.5, gen=2, trained=50)
+        _beat(book, n, 100.5, generation=2, trained=50)
     book.check(101.0)
     assert book.clusters[0].state == "training" and book.clusters[0].generation == 2
     assert book.clusters[1].state == "training" and book.excluded() == []
     for n in ("a0", "a1", "b0"):
-        _beat(book, n, 104.0, gen=2)
+        _beat(book, n, 104.0, generation=2)
     book.check(105.5)  # b1 never heard from: lost after lost_s
     assert book.members["b1"].state == "lost"
     assert book.clusters[1].state == "paused" and book.clusters[1].generation == 3 and book.excluded() == [1]
@@ -114,7 +116,7 @@ def test_a_restarted_broker_rebuilds_from_heartbeats_and_marks_missing_nodes_los
 def test_a_node_restarted_while_the_broker_was_down_is_noticed() -> None:
     book = Book(PLAN, lost_s=LOST_S, now=100.0)
     book.register("b1", "fresh", 100.2)  # a fresh process registers before b0's first heartbeat
-    _beat(book, "b0", 100.5, gen=0, trained=80)
+    _beat(book, "b0", 100.5, generation=0, trained=80)
     assert book.clusters[1].state == "paused" and book.clusters[1].generation == 1
 
 
@@ -123,14 +125,15 @@ def test_a_standby_whose_memory_fits_takes_a_lost_nodes_stage_after_replace_s() 
     for n in ("a0", "a1", "b0", "b1"):
         book.register(n, f"i-{n}", 0.0)
         _beat(book, n, 1.0, stage_bytes=4 << 30)
-    for n, memory in (("small", 1 << 30), ("big", 8 << 30)):
+    memory = {"small": 1 << 30, "big": 8 << 30}  # a standby says its memory in every heartbeat
+    for n in memory:
         book.register(n, f"i-{n}", 0.0)
-        book.heartbeat(n, {"incarnation": f"i-{n}", "phase": "standby", "memory_bytes": memory}, 1.0)
+        book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="standby", memory_bytes=memory[n]), 1.0)
     book.check(1.0)
     for t in range(2, 45):
         for n in ("a0", "a1", "b0", "small", "big"):
-            book.heartbeat(n, {"incarnation": f"i-{n}", "phase": "standby" if n in ("small", "big") else "paused",
-                               "gen": 0}, float(t))
+            book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", generation=0, memory_bytes=memory.get(n, 0),
+                                        phase="standby" if n in memory else "paused"), float(t))
         book.check(float(t))
         if t < 36:  # lost at ~6 s, replaced 30 s later
             assert book.plan.clusters[1].nodes == ["b0", "b1"], t
@@ -148,7 +151,8 @@ def test_when_no_standby_fits_the_cluster_stays_paused_and_says_why() -> None:
     for t in range(2, 25):
         for n in ("a0", "a1", "b0"):
             _beat(book, n, float(t))
-        book.heartbeat("small", {"incarnation": "i-small", "phase": "standby", "memory_bytes": 1 << 30}, float(t))
+        book.heartbeat("small", Heartbeat(incarnation="i-small", phase="standby", memory_bytes=1 << 30),
+                       float(t))
         book.check(float(t))
     assert book.clusters[1].state == "paused" and book.plan.clusters[1].nodes == ["b0", "b1"]
     assert "no standby has 4.00 GiB" in book.clusters[1].reason and "small 1.00 GiB" in book.clusters[1].reason
@@ -165,7 +169,7 @@ def test_a_recovering_cluster_catches_up_from_the_freshest_training_cluster() ->
         _beat(book, n, 1.0, stats={"version": versions[n]})
     book.check(1.0)
     book.register("a1", "i-a1-new", 2.0)  # a1 restarted: cluster 0 pauses, and recovers once a1 beats
-    _beat(book, "a1", 2.5, phase="paused", gen=1)
+    _beat(book, "a1", 2.5, phase="paused", generation=1)
     book.check(2.5)
     cs = book.clusters[0]
     assert cs.state == "recovering" and cs.catchup and cs.source == 2  # c (69) is further on than b (20)
@@ -173,7 +177,7 @@ def test_a_recovering_cluster_catches_up_from_the_freshest_training_cluster() ->
     for n in ("b0", "b1", "c0", "c1"):  # the others pause too: nobody to catch up from
         book.register(n, f"i-{n}-new", 3.0)
     book.register("a0", "i-a0-new", 3.0)
-    _beat(book, "a0", 3.5, phase="paused", gen=2)
-    _beat(book, "a1", 3.5, phase="paused", gen=2)
+    _beat(book, "a0", 3.5, phase="paused", generation=2)
+    _beat(book, "a1", 3.5, phase="paused", generation=2)
     book.check(3.5)
     assert book.clusters[0].state == "recovering" and not book.clusters[0].catchup and book.clusters[0].source is None

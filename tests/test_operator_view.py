@@ -22,6 +22,7 @@ from ravq.config import ClusterPlan, Plan, parse_topology
 from ravq.metrics import ABORT_REASONS, Metrics
 from ravq.net.connections import ConnectionMonitor
 from ravq.net.options import SocketOptions
+from ravq.net.protocol import Heartbeat
 from ravq.net.security import AUTH_FAILURES, Curve, keygen, load_secret
 from ravq.net.transport import Inbox, request
 from ravq.net.wire import WIRE_REASONS, DecodeLimits, Message, MsgType
@@ -142,7 +143,8 @@ def test_the_broker_names_the_lost_node_and_what_its_paused_cluster_waits_for() 
         book.register(n, f"i-{n}", 0.0)
     for t in (1.0, 3.0, 5.0, 7.0):
         for n in ("a0", "a1", "b0") if t > 1.0 else ("a0", "a1", "b0", "b1"):
-            book.heartbeat(n, {"incarnation": f"i-{n}", "phase": "training", "gen": book.clusters[0].generation}, t)
+            book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="training",
+                                        generation=book.clusters[0].generation), t)
         book.check(t)
     broker._count_members()
     assert waiting_for(book) == {(1, "b1"): "lost"}
@@ -154,8 +156,8 @@ def test_the_broker_names_the_lost_node_and_what_its_paused_cluster_waits_for() 
     assert metrics.registry.get_sample_value("ravq_cluster_waiting_for",
                                              {"cluster": "1", "member": "b1", "why": "lost"}) == 1.0
     # b1 is back: the cluster recovers and waits for the members not ready yet, by what they do
-    book.heartbeat("b1", {"incarnation": "i-b1", "phase": "paused", "gen": 1}, 8.0)
-    book.heartbeat("b0", {"incarnation": "i-b0", "phase": "catching_up", "gen": 1}, 8.0)
+    book.heartbeat("b1", Heartbeat(incarnation="i-b1", phase="paused", generation=1), 8.0)
+    book.heartbeat("b0", Heartbeat(incarnation="i-b0", phase="catching_up", generation=1), 8.0)
     book.check(8.0)
     assert book.clusters[1].state == "recovering"
     broker._count_members()
@@ -163,7 +165,7 @@ def test_the_broker_names_the_lost_node_and_what_its_paused_cluster_waits_for() 
     assert metrics.registry.get_sample_value("ravq_cluster_waiting_for",
                                              {"cluster": "1", "member": "b1", "why": "lost"}) is None
     for n in ("b0", "b1"):
-        book.heartbeat(n, {"incarnation": f"i-{n}", "phase": "paused", "gen": 1, "ready": 1}, 9.0)
+        book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="paused", generation=1, ready=1), 9.0)
     book.check(9.0)
     broker._count_members()
     assert book.clusters[1].state == "training" and waiting_for(book) == {}

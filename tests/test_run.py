@@ -13,6 +13,7 @@ from brokers.book import Book
 from brokers.run import RUN_FILE, open_run, save_run
 from ravq.config import ClusterPlan, ConfigError, Plan
 from ravq.metrics import Metrics
+from ravq.net.protocol import Heartbeat
 from ravq.persist import checkpoint
 from ravq.persist.checkpoint import CheckpointError, save_stage
 from ravq.persist.export import export_cluster
@@ -148,7 +149,7 @@ def _started(**kw: float) -> Book:
     for n in ("a0", "a1", "b0", "b1"):
         book.register(n, f"i-{n}", 0.0)
     for n in ("a0", "a1", "b0", "b1"):
-        book.heartbeat(n, {"incarnation": f"i-{n}", "phase": "training", "gen": 0}, 1.0)
+        book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="training", generation=0), 1.0)
     book.check(1.0)
     return book
 
@@ -156,13 +157,13 @@ def _started(**kw: float) -> Book:
 def test_a_node_that_leaves_pauses_its_cluster_at_once_and_rejoins_when_back() -> None:
     book = _started()
     # the leave arrives at t=1.2: the cluster pauses in that very heartbeat, not lost_s later
-    assert book.heartbeat("b1", {"incarnation": "i-b1", "phase": "leaving", "gen": 0, "left": True}, 1.2)
+    assert book.heartbeat("b1", Heartbeat(incarnation="i-b1", phase="leaving", generation=0, left=True), 1.2)
     assert book.members["b1"].state == "left" and book.clusters[1].state == "paused"
     assert book.clusters[1].reason == "b1 left" and book.excluded() == [1]
     assert book.clusters[0].state == "training"
     for n in ("a0", "a1", "b0"):
-        book.heartbeat(n, {"incarnation": f"i-{n}", "phase": "paused" if n == "b0" else "training",
-                           "gen": 1 if n == "b0" else 0}, 59.0)
+        book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="paused" if n == "b0" else "training",
+                                    generation=1 if n == "b0" else 0), 59.0)
     book.check(60.0)  # silent since, but it said goodbye: left, never lost
     assert book.members["b1"].state == "left"
     book.register("b1", "i-b1-new", 61.0)  # it comes back (a new process)
@@ -175,22 +176,24 @@ def test_a_standby_takes_the_stage_of_a_node_that_left() -> None:
     book = _started(replace_s=3.0)
     book.standbys.append("spare")
     book.register("spare", "i-spare", 1.0)
-    book.heartbeat("spare", {"incarnation": "i-spare", "phase": "standby", "memory_bytes": 1 << 30}, 1.0)
-    book.heartbeat("b1", {"incarnation": "i-b1", "phase": "leaving", "gen": 0, "left": True}, 1.5)
+    book.heartbeat("spare", Heartbeat(incarnation="i-spare", phase="standby", memory_bytes=1 << 30), 1.0)
+    book.heartbeat("b1", Heartbeat(incarnation="i-b1", phase="leaving", generation=0, left=True), 1.5)
     book.check(2.0)
     assert book.plan.clusters[1].nodes == ["b0", "b1"]  # it may come back within replace_s
     for n in ("a0", "a1", "b0", "spare"):
-        book.heartbeat(n, {"incarnation": f"i-{n}", "phase": "standby" if n == "spare" else "training"}, 4.6)
+        book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="standby" if n == "spare" else "training"),
+                       4.6)
     book.check(4.6)
     assert book.plan.clusters[1].nodes == ["b0", "spare"] and "spare replaces b1" in book.clusters[1].reason
 
 
 def test_a_stage_that_kept_its_own_weights_is_in_its_clusters_status() -> None:
     book = _started()
-    book.heartbeat("b1", {"incarnation": "i-b1", "left": True}, 2.0)
+    book.heartbeat("b1", Heartbeat(incarnation="i-b1", left=True), 2.0)
     book.register("b1", "i-b1-new", 3.0)
     book.check(3.0)
     gen = book.clusters[1].generation
     kept = "kept its own weights (version 130): no holder is fresher (a1 at 45)"
-    book.heartbeat("b1", {"incarnation": "i-b1-new", "phase": "paused", "gen": gen, "ready": gen, "kept": kept}, 4.0)
+    book.heartbeat("b1", Heartbeat(incarnation="i-b1-new", phase="paused", generation=gen, ready=gen, kept=kept),
+                   4.0)
     assert book.clusters[1].public()["note"] == f"b1 {kept}"

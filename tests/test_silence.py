@@ -24,10 +24,12 @@ from ravq.metrics import Metrics
 from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits, Message
 from ravq.swarm.membership import Membership, beat_on_cadence
+from ravq.swarm.report import Progress
 from tests.swarm import local_topology
 from tests.virtual_time import now, run_virtual
 
 INTERVAL_S = 0.4
+STARTING = Progress(generation=0, phase="starting", ready=-1, trained=0, stage_bytes=0)
 
 
 def _topology() -> Topology:
@@ -108,12 +110,12 @@ async def _max_silence(watch_s: float) -> tuple[float, int]:
             m.changed.clear()
             await m.changed.wait()
             await asyncio.sleep(0.02)
-            await m.heartbeat({}, done=False)
+            await m.heartbeat(STARTING, {}, done=False)
             beats += 1
 
     async def keep_alive(m: Membership) -> None:
         while True:
-            await m.heartbeat({}, done=False)
+            await m.heartbeat(STARTING, {}, done=False)
             await asyncio.sleep(INTERVAL_S / 2)
 
     worst = 0.0

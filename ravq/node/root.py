@@ -55,6 +55,7 @@ from ravq.stage.types import Outbound
 from ravq.swarm import resume
 from ravq.swarm.churn import Churn
 from ravq.swarm.membership import Membership, beat_on_cadence
+from ravq.swarm.report import Progress
 from ravq.tuning import cpu_budget, peak_rss_bytes, usable_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -97,14 +98,15 @@ class Node:
                                    max_tensor_bytes=self.sock_opts.max_message_bytes)
         self.ctx = zmq.asyncio.Context(io_threads=io_threads(self.sock_opts, cpu_budget()))
         self.membership = Membership(self.ctx, topology, name, metrics, self.limits, self.sock_opts)
-        self.churn = Churn(name=name, topology=topology, metrics=metrics, membership=self.membership, fail=self.fail)
+        self.churn = Churn(name=name, topology=topology, metrics=metrics, membership=self.membership,
+                           report=self.membership.report, fail=self.fail)
         self.links: StageLinks | None = None
         self.worker: StageWorker | None = None
         self.cluster = self.stage = -1
         self.averager: Averager | None = None
         self.failure: str | None = None
         self.stopping = Stopping(name=name, drain_s=topology.timeouts.drain_s, churn=self.churn,
-                                 membership=self.membership)
+                                 report=self.membership.report)
         self._force = self.stopping.force
         self.run_id: str | None = None  # the run this stage's weights belong to: the broker's (brokers.run)
         self.rejoining = False
@@ -144,9 +146,9 @@ class Node:
         self.rejoining = self.churn.rejoin_if_running(self.membership.cluster_state(self.cluster))
         root, agreeing = self.topology.training.checkpoint_dir, None
         if root:  # refuse another run's checkpoints before the slow part; tell the cluster what we hold
-            held = self.membership.report["checkpoints"] = resume.check_run(
-                root, cluster=self.cluster, stage=self.stage, run_id=self.run_id,
-                explicit=self.membership.run_explicit, name=self.name)
+            held = resume.check_run(root, cluster=self.cluster, stage=self.stage, run_id=self.run_id,
+                                    explicit=self.membership.run_explicit, name=self.name)
+            self.membership.report.checkpoints(held)
             self.churn.beat_now.set()
             self._resuming_at = held[0]["version"] if held else 0  # exported (and reported) from now on
             self.metrics.version.set(self._resuming_at)
@@ -315,14 +317,13 @@ class Node:
         (``ravq.swarm.membership.beat_on_cadence``)."""
 
         async def beat() -> None:
-            worker = self.worker
-            self.membership.report.update({
-                "gen": self.churn.generation, "phase": self.churn.phase, "ready": self.churn.ready,
-                "trained": (worker.trained if worker is not None else 0),
-                "stage_bytes": self._stage_bytes})
-            await self.membership.heartbeat(self.stats(), done=False)
+            await self.membership.heartbeat(self._progress(), self.stats(), done=False)
 
         await beat_on_cadence(beat, self.topology.timeouts.heartbeat_interval_s, self.churn.beat_now)
+
+    def _progress(self) -> Progress:
+        return Progress(generation=self.churn.generation, phase=self.churn.phase, ready=self.churn.ready,
+                        trained=self.worker.trained if self.worker is not None else 0, stage_bytes=self._stage_bytes)
 
     # ------------------------------------------------------------------ shutdown
     def _save_checkpoint(self) -> None:
@@ -357,7 +358,7 @@ class Node:
         saved = time.monotonic() - t0
         if self.worker is not None:
             with contextlib.suppress(Exception):
-                await self.membership.heartbeat(self.stats(), done=self.stopping.done)
+                await self.membership.heartbeat(self._progress(), self.stats(), done=self.stopping.done)
         if self.options.summary_path:
             st = self.worker.stats if self.worker else None
             final = {**self.stats(), "loss_history": st.loss_history if st else [],

@@ -18,14 +18,14 @@ import logging
 
 from ravq.stage.pipeline import StageWorker
 from ravq.swarm.churn import Churn
-from ravq.swarm.membership import Membership
+from ravq.swarm.report import NodeReport
 
 log = logging.getLogger(__name__)
 
 
 class Stopping:
-    def __init__(self, *, name: str, drain_s: float, churn: Churn, membership: Membership) -> None:
-        self.name, self.drain_s, self.churn, self.membership = name, drain_s, churn, membership
+    def __init__(self, *, name: str, drain_s: float, churn: Churn, report: NodeReport) -> None:
+        self.name, self.drain_s, self.churn, self.report = name, drain_s, churn, report
         self.force = asyncio.Event()
         """Set to end the node now (a second signal, drain_s after the first, a failure)."""
         self.draining = False
@@ -65,7 +65,7 @@ class Stopping:
             self.force.set()
             return
         self.leaving = True
-        self.membership.report["left"] = True
+        self.report.left()
         self.churn.leave()
         log.info("%s: leaving the run at step %d (%d micro-batch(es) in flight are redone by its cluster): a "
                  "final checkpoint, then exit; send again to force", self.name, worker.version, worker.stats.inflight)

@@ -28,6 +28,7 @@ from ravq.metrics import Metrics
 from ravq.persist.lineage import older
 from ravq.stage.pipeline import StageWorker
 from ravq.swarm.membership import Membership
+from ravq.swarm.report import NodeReport
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,10 @@ PHASES = ("starting", "standby", "training", "paused", "catching_up", "finishing
 
 class Churn:
     def __init__(self, *, name: str, topology: Topology, metrics: Metrics, membership: Membership,
-                 fail: Callable[[str], None]) -> None:
+                 report: NodeReport, fail: Callable[[str], None]) -> None:
         self.name, self.topology, self.metrics, self.membership = name, topology, metrics, membership
+        self.report = report
+        """What this node tells the broker (it stands by, it kept its own weights)."""
         self._fail = fail
         """Ends the node with a reason (``Node.fail``): this node was replaced, or waited too long."""
         self.generation = 0
@@ -116,7 +119,7 @@ class Churn:
     async def standby(self, memory_bytes: int) -> Plan:
         """Not in the plan: wait as a standby until the broker hands this node a lost node's stage."""
         self.set_phase("standby")
-        self.membership.report["memory_bytes"] = memory_bytes
+        self.report.standing_by(memory_bytes)
         log.info("%s: not in the plan; standing by (%.1f GiB usable) to replace a lost node", self.name,
                  memory_bytes / 2**30)
         while True:
@@ -188,7 +191,7 @@ class Churn:
         assert worker is not None
         log.warning("%s: cluster %d paused (generation %d): %s", self.name, self.cluster, generation, reason)
         self.generation = generation  # from now on messages of the old generation are dropped
-        self.membership.report.pop("kept", None)  # what this stage kept was said of the previous generation
+        self.report.forget_kept()  # what this stage kept was said of the previous generation
         self.paused_since = self.paused_since or time.monotonic()
         self.set_phase("paused")
         self.metrics.pauses.inc()
@@ -237,7 +240,7 @@ class Churn:
             refused = older(own, holders)
             if refused is not None:  # weights only move forward: never replace newer state with older
                 kept = f"kept its own weights (version {own['version']}): {refused}"
-                self.membership.report["kept"] = kept
+                self.report.kept(kept)
                 log.warning("%s: %s", self.name, kept)
                 return
             version = min(int(h["version"]) for h in holders.values())
@@ -248,7 +251,7 @@ class Churn:
                      own["version"], version)
         except (CatchupError, TimeoutError) as err:
             kept = f"kept its own weights (version {self._worker.version if self._worker else 0}): catch-up failed"
-            self.membership.report["kept"] = kept
+            self.report.kept(kept)
             log.warning("%s: catch-up from peers failed (%s); %s", self.name, err, kept)
         finally:
             self.set_phase("paused")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,9 +24,11 @@ import zmq.asyncio
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions, endpoint
+from ravq.net.protocol import ReachRequest, Register
 from ravq.net.pubsub import Subscriber
 from ravq.net.transport import Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
+from ravq.swarm.report import NodeReport, Progress
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,12 @@ class Membership:
         self.clusters: list[dict[str, Any]] = []
         """Per cluster: state (starting, training, paused, recovering, done), generation, trained, catchup."""
         self.changed = asyncio.Event()
-        self.node_incarnation = os.urandom(8).hex()
-        """This process's id: a restarted node has a new one, so the broker knows it lost its state."""
         self.reach: dict[str, str] = {}
         """The broker's reachability verdicts: node -> ``reachable`` or ``behind_nat`` (issue #24)."""
         self.reach_ports: list[str] | None = None
         """The ports this node asked the broker to dial back (``wait_reach``); None before it asked."""
-        self.report: dict[str, Any] = {}
-        """What every heartbeat tells the broker besides statistics (generation, phase, ready, trained)."""
+        self.report = NodeReport()
+        """What every heartbeat tells the broker besides its progress and statistics."""
 
     def _apply_state(self, meta: dict[str, Any]) -> None:
         state = meta.get("state") or {}
@@ -129,7 +128,7 @@ class Membership:
         return {"state": "starting", "generation": 0, "trained": 0, "catchup": False, "reason": ""}
 
     async def _request(self, kind: MsgType, timeout_s: float) -> Message:
-        meta = {"incarnation": self.node_incarnation} if kind == MsgType.REGISTER else {}
+        meta = Register(incarnation=self.report.incarnation).meta() if kind == MsgType.REGISTER else {}
         await self.link.send(Message(type=kind, sender=self.name, meta=meta))
         while True:
             reply = await self.link.recv(timeout_s)
@@ -176,7 +175,7 @@ class Membership:
         self.reach_ports = ports
         while True:
             if self.name not in self.reach:
-                await self.link.send(Message(type=MsgType.REACH_REQ, sender=self.name, meta={"ports": ports}))
+                await self._ask_reach(ports)
             missing = [n for n in names if n not in self.reach]
             if not missing:
                 return {n: v == "reachable" for n, v in self.reach.items()}
@@ -214,14 +213,17 @@ class Membership:
             except (KeyError, ValueError):
                 self.metrics.bad_messages.labels("broker", "bad_state").inc()
 
-    async def heartbeat(self, stats: dict[str, Any], done: bool) -> None:
+    async def _ask_reach(self, ports: list[str]) -> None:
+        await self.link.send(Message(type=MsgType.REACH_REQ, sender=self.name, meta=ReachRequest(ports=ports).meta()))
+
+    async def heartbeat(self, progress: Progress, stats: dict[str, Any], *, done: bool) -> None:
         """A heartbeat; and the reachability request again while the broker's state has no verdict on this node
         after it asked: a restarted broker knows none, and a whole cluster that restarts with it waits at
         its first start for every member's verdict (it stayed ``starting`` until ``connect_s``)."""
-        await self.link.send(Message(type=MsgType.HEARTBEAT, sender=self.name, meta={
-            "stats": stats, "done": done, "incarnation": self.node_incarnation, **self.report}))
+        beat = self.report.heartbeat(progress, stats, done=done)
+        await self.link.send(Message(type=MsgType.HEARTBEAT, sender=self.name, meta=beat.meta()))
         if self.reach_ports is not None and self.name not in self.reach:
-            await self.link.send(Message(type=MsgType.REACH_REQ, sender=self.name, meta={"ports": self.reach_ports}))
+            await self._ask_reach(self.reach_ports)
 
     def close(self) -> None:
         self.sub.close()
