@@ -1,6 +1,6 @@
 """A node's pipeline links: the ROUTER it binds and a DEALER to each stage of its cluster it sends to.
 
-Owns the sockets of the pipeline (DESIGN.md, sockets set 1) and which peer is which stage.  It turns
+Owns the sockets of the pipeline (docs/design.md, sockets set 1) and which peer is which stage.  It turns
 the compute thread's ``Outbound`` work into FORWARD/BACKWARD messages (and TIED ones between the stages
 holding copies of a tied weight, ``ravq.stage.tied_step``) and hands what arrives to the
 stage, dropping (and counting) whatever belongs to another generation of the cluster or to nobody.
@@ -40,8 +40,10 @@ class StageLinks:
         self.inbox: Inbox | None = None
         self.outbound: asyncio.Queue[Outbound] = asyncio.Queue()
         """What the compute thread produced, in order; ``send_loop`` sends it."""
+        self._loop = asyncio.get_running_loop()
+        """The event loop these links live on (``emit`` hands work to it from the compute thread)."""
         self.reach: dict[str, bool] = {}
-        """Who can be dialled (``ravq.config.routes``); set before ``open``."""
+        """Who can be dialled (``ravq.config.routes``), as ``open`` was told."""
         self._links: Links | None = None
 
     def bind(self) -> None:
@@ -50,15 +52,17 @@ class StageLinks:
         bind = config.bind_host or config.host
         self.inbox = Inbox.bind(self.ctx, endpoint(bind, config.pipeline_port), "pipeline", self.metrics,
                                 self.limits, self.sock_opts, me=self.name)
-        self._links = Links(ctx=self.ctx, inbox=self.inbox, me=self.name, socket="pipeline", metrics=self.metrics,
-                            limits=self.limits, opts=self.sock_opts,
+        self._links = Links(ctx=self.ctx, inbox=self.inbox, me=self.name, socket="pipeline",
+                            metrics=self.metrics, limits=self.limits, opts=self.sock_opts,
                             port_of={n.name: (n.host, n.pipeline_port) for n in self.topology.nodes})
 
-    def open(self, cluster_nodes: Sequence[str], peers: Iterable[int]) -> None:
+    def open(self, cluster_nodes: Sequence[str], peers: Iterable[int], *, reach: dict[str, bool]) -> None:
         """Link to the stages ``peers`` of the cluster (and to stage 0, which may send here: a peer
-        behind NAT or a relay must be dialled even by a stage that only receives from it)."""
+        behind NAT or a relay must be dialled even by a stage that only receives from it); ``reach``:
+        who can be dialled."""
         if self.inbox is None:
             self.bind()
+        self.reach = dict(reach)
         self.stage_of = {n: i for i, n in enumerate(cluster_nodes)}
         me = self.stage_of.get(self.name, -1)
         for s in sorted(set(peers) - {me}):
@@ -85,6 +89,14 @@ class StageLinks:
                 if self._links is not None:
                     self._links.forget(link.peer)
                 self.outlinks[s] = self._connect(cluster_nodes[s])
+
+    def emit(self, out: Outbound) -> None:
+        """The compute thread's hand-off: ``out`` joins the send queue on the links' event loop."""
+        self._loop.call_soon_threadsafe(self.outbound.put_nowait, out)
+
+    async def drained(self) -> None:
+        """Return once everything emitted so far has been sent (or dropped as of another generation)."""
+        await self.outbound.join()
 
     async def send_loop(self) -> None:
         while True:

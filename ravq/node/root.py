@@ -50,12 +50,11 @@ from ravq.persist import checkpoint
 from ravq.stage.build import BuiltStage, build_stage, save
 from ravq.stage.frames import derived_max_message_bytes
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.tied_step import close_tied
-from ravq.stage.types import Outbound
 from ravq.swarm import resume
 from ravq.swarm.churn import Churn
 from ravq.swarm.membership import Membership, beat_on_cadence
 from ravq.swarm.report import Progress
+from ravq.swarm.session import TrainingSession
 from ravq.tuning import cpu_budget, peak_rss_bytes, usable_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -104,6 +103,7 @@ class Node:
         self.worker: StageWorker | None = None
         self.cluster = self.stage = -1
         self.averager: Averager | None = None
+        self.session: TrainingSession | None = None
         self.failure: str | None = None
         self.stopping = Stopping(name=name, drain_s=topology.timeouts.drain_s, churn=self.churn,
                                  report=self.membership.report)
@@ -188,6 +188,14 @@ class Node:
                           cluster_nodes=cluster.nodes,
                           peers=peers | (set(worker.first_destinations()) if worker.is_first else set()))
         self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
+        if self.averager is not None:  # after each optimizer step: the averaging round, then the checkpoint
+            worker.subscribe_updates(self.averager.on_update)
+        worker.subscribe_updates(self._after_update)
+        t = self.topology.timeouts
+        self.session = TrainingSession(name=self.name, worker=worker, outbox=self.links, ending=self.stopping,
+                                       averager=self.averager, set_phase=self.churn.set_phase,
+                                       disrupted=self.membership.disrupted,
+                                       final_round_s=t.give_up_s or max(t.connect_s, 3600.0))
         self.startup.mark("connect")
         if not self.rejoining:
             await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
@@ -204,12 +212,13 @@ class Node:
         return usable_memory_bytes(self.config.device)
 
     def _derive_limits(self, largest_frame: int) -> None:
-        """Data sockets accept frames up to what this stage can legitimately receive (ravq.stage.frames)."""
+        """Data sockets accept frames up to what this stage can legitimately receive (ravq.stage.frames);
+        the broker's sockets, open already, keep the control messages' limit."""
         if self.topology.limits.max_message_bytes is not None:
             return
         ring = self.topology.training.ring_chunk_bytes  # also with one cluster: a re-plan may add rings
         limit = derived_max_message_bytes(largest_frame, ring)
-        self.sock_opts.max_message_bytes = limit
+        self.sock_opts = dataclasses.replace(self.sock_opts, max_message_bytes=limit)  # the data sockets'
         self.limits = dataclasses.replace(self.limits, max_tensor_bytes=limit)
         log.info("%s: limits.max_message_bytes %d (2x the largest frame this stage receives, %d bytes)",
                  self.name, limit, max(largest_frame, ring))
@@ -245,7 +254,7 @@ class Node:
         tg.create_task(self.links.read_loop(self.worker))
         tg.create_task(self.links.send_loop())
         tg.create_task(self.membership.follow())
-        tg.create_task(self._compute(loop))
+        tg.create_task(self._compute())
         tg.create_task(self._force_exit_watch())
         tg.create_task(self.churn.follow_cluster())
         tg.create_task(self.churn.watch_paused())
@@ -271,41 +280,13 @@ class Node:
         await self._force.wait()
         raise _Finished
 
-    async def _compute(self, loop: asyncio.AbstractEventLoop) -> None:
-        worker, links = self.worker, self.links
-        assert worker is not None and links is not None
-
-        def emit(out: Outbound) -> None:
-            loop.call_soon_threadsafe(links.outbound.put_nowait, out)
-
-        worker.on_update = self._after_update
-        await asyncio.to_thread(worker.run, emit, self.stopping.should_abort)
-        if self.stopping.leaving:  # nothing to wait for: the cluster pauses and redoes what was in flight
-            log.info("%s: left the run at step %d", self.name, worker.version)
-            raise _Finished
-        self.stopping.trained_out = not self._force.is_set()
-        if not self.stopping.draining and not self._force.is_set():
-            self.churn.set_phase("finishing")
-        if self.averager is not None and not self._force.is_set():
-            await self.averager.drain()
-            await asyncio.to_thread(worker.run_pending)
-            if not self.stopping.draining and any(c.get("generation", 0) > 0 for c in self.membership.clusters):
-                # a cluster was disrupted: clusters ended at different step counts; agree once more
-                t = self.topology.timeouts
-                await self.averager.final_round(t.give_up_s or max(t.connect_s, 3600.0))
-        if worker.tied is not None and not self._force.is_set():  # the last rounds' deltas reach every copy
-            await asyncio.to_thread(close_tied, worker)
-        await links.outbound.join()
-        if self.stopping.draining and not self._force.is_set():
-            log.info("%s: drained at step %d", self.name, worker.version)
-        elif not self._force.is_set():
-            log.info("%s: training done at step %d (%d micro-batches)", self.name, worker.version, worker.stats.backwards)
+    async def _compute(self) -> None:
+        assert self.session is not None
+        await self.session.run()
         raise _Finished
 
     def _after_update(self, worker: StageWorker) -> None:
-        """After each optimizer step, in the compute thread: averaging round, periodic checkpoint."""
-        if self.averager is not None:
-            self.averager.on_update(worker)
+        """After each optimizer step (and its averaging round), in the compute thread: periodic checkpoint."""
         every, root = self.topology.training.checkpoint_every, self.topology.training.checkpoint_dir
         if every and root and worker.version % every == 0 and not worker.paused:
             t0 = time.monotonic()

@@ -26,7 +26,6 @@ async def open_routes(*, name: str, topology: Topology, membership: Membership, 
     metrics.node_reachable.labels(name).set(float(reach.get(name, True)))
     log.info("%s: %s (%s)", name, "reachable" if reach.get(name, True) else "behind NAT: dialling out",
              membership.reach.get(name, "declared"))
-    links.reach = reach
-    links.open(cluster_nodes, peers)
+    links.open(cluster_nodes, peers, reach=reach)
     if ring is not None:
         ring.connect(reach)

@@ -35,6 +35,15 @@ class Stopping:
         self.trained_out = False
         """The stage finished its training (the compute thread ended by itself)."""
 
+    @property
+    def forced(self) -> bool:
+        """The node ends now, waiting for nothing."""
+        return self.force.is_set()
+
+    def training_ended(self) -> None:
+        """The compute thread ended by itself: unless forced meanwhile, the stage's training is over."""
+        self.trained_out = not self.force.is_set()
+
     def should_abort(self) -> bool:
         """The compute thread stops at its next operation (and stops holding back for a round)."""
         return self.force.is_set() or self.leaving
@@ -68,11 +77,12 @@ class Stopping:
         self.report.left()
         self.churn.leave()
         log.info("%s: leaving the run at step %d (%d micro-batch(es) in flight are redone by its cluster): a "
-                 "final checkpoint, then exit; send again to force", self.name, worker.version, worker.stats.inflight)
+                 "final checkpoint, then exit; send again to force", self.name, worker.version,
+                 worker.stats.inflight)
         worker.stop()
 
     def _drain_expired(self, worker: StageWorker) -> None:
         if not self.force.is_set():
-            log.warning("%s: stop limit of %.0fs (timeouts.drain_s) reached with %d micro-batch(es) in flight; "
-                        "forcing exit", self.name, self.drain_s, worker.stats.inflight)
+            log.warning("%s: stop limit of %.0fs (timeouts.drain_s) reached with %d micro-batch(es) in "
+                        "flight; forcing exit", self.name, self.drain_s, worker.stats.inflight)
         self.force.set()

@@ -127,6 +127,10 @@ class Membership:
             return self.clusters[cluster]
         return {"state": "starting", "generation": 0, "trained": 0, "catchup": False, "reason": ""}
 
+    def disrupted(self) -> bool:
+        """Whether a cluster of the run was ever disrupted (its generation rose), as the broker last said."""
+        return any(isinstance(c, dict) and c.get("generation", 0) > 0 for c in self.clusters)
+
     async def _request(self, kind: MsgType, timeout_s: float) -> Message:
         meta = Register(incarnation=self.report.incarnation).meta() if kind == MsgType.REGISTER else {}
         await self.link.send(Message(type=kind, sender=self.name, meta=meta))
