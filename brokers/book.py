@@ -136,6 +136,13 @@ class Book:
         return max(training, key=lambda i: (lowest(i), -i))
 
     # ------------------------------------------------------------------ events
+    def exclude_idle(self) -> None:
+        """The plan's excluded clusters follow ``excluded``; each change is a new plan epoch."""
+        excluded = self.excluded()
+        if excluded != list(self.plan.excluded):
+            self.plan = self.plan.model_copy(update={"excluded": excluded, "epoch": self.plan.epoch + 1})
+            log.info("rings now exclude clusters %s", excluded or "none")
+
     def register(self, node: str, incarnation: str | None, now: float) -> bool:
         """A node (re)started; True when the book changed."""
         m = self.members.setdefault(node, Member(last_seen=now))

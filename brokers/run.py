@@ -36,7 +36,8 @@ class Run:
     base: Plan
     """The plan the run started with (clusters and cut points)."""
     plan: Plan
-    """The current plan (standbys that took over stages), with its epoch."""
+    """The current plan (standbys that took over stages), with its epoch, as saved; while the broker runs,
+    its book owns the plan (``brokers.book.Book.plan``) and the broker saves each new one here."""
     created_at: float
 
     def to_json(self) -> dict[str, Any]:

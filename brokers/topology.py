@@ -66,15 +66,19 @@ class Broker:
         """Names this training run; every checkpoint carries it, so no node loads another run's stage and
         `ravq export` never merges stages of different runs."""
         # Ring round ids start from the plan epoch, so epochs grow across broker restarts too (brokers.run).
-        self.plan = self.the_run.plan
-        in_plan = {n for c in self.plan.clusters for n in c.nodes}
-        self.book = Book(self.plan, lost_s=self.heartbeat_timeout_s, now=clock(),
+        in_plan = {n for c in self.the_run.plan.clusters for n in c.nodes}
+        self.book = Book(self.the_run.plan, lost_s=self.heartbeat_timeout_s, now=clock(),
                          replace_s=topology.timeouts.replace_s,
                          standbys=[n.name for n in topology.nodes if n.name not in in_plan])
         self._stop = asyncio.Event()
         self.reach = Reachability(topology, metrics, opts.curve)
         self._tg: asyncio.TaskGroup | None = None
         self._ctx: zmq.asyncio.Context | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """The plan now: the book owns it (standbys take stages, rings leave out clusters that do not train)."""
+        return self.book.plan
 
     @property
     def members(self) -> dict[str, Member]:
@@ -99,18 +103,12 @@ class Broker:
         self._count_members()
 
     def _sync_plan(self) -> None:
-        """Keep the plan's excluded clusters equal to those the book says do not train (the book may
-        also have changed the plan: a standby took a lost node's stage)."""
-        before = self.plan
-        if self.book.plan is not self.plan:
-            self.plan = self.book.plan
-        excluded = self.book.excluded()
-        if excluded != list(self.plan.excluded):
-            self.plan = self.plan.model_copy(update={"excluded": excluded, "epoch": self.plan.epoch + 1})
-            self.book.plan = self.plan
-            log.info("rings now exclude clusters %s", excluded or "none")
-        if self.plan is not before:  # the run's membership and epoch survive a restart of this broker
-            self.the_run.plan = self.plan
+        """The rings leave out the clusters that do not train (``Book.exclude_idle``); a plan the book
+        changed (that, or a standby took a lost node's stage) is saved with the run: its membership and
+        epoch survive a restart of this broker."""
+        self.book.exclude_idle()
+        if self.book.plan is not self.the_run.plan:
+            self.the_run = dataclasses.replace(self.the_run, plan=self.book.plan)
             save_run(self.state_dir, self.the_run)
 
     def _count_members(self) -> None:
