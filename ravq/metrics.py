@@ -25,8 +25,8 @@ from prometheus_client.utils import floatToGoString
 _LATENCY_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 _COMPUTE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
-ABORT_REASONS = ("timeout", "send_timeout", "bad_piece", "base_mismatch", "peer_abort", "peer_moved_on", "skipped",
-                 "plan_changed")
+ABORT_REASONS = ("timeout", "send_timeout", "bad_piece", "base_mismatch", "peer_abort", "peer_moved_on",
+                 "skipped", "plan_changed")
 """Why an averaging round aborts (``ravq.average``): ``ravq_allreduce_aborts_total{reason}`` exists at 0 for
 each from the start, so a dashboard's ``increase()`` counts the first abort (a labelled counter born at its
 first increment would hide it)."""
@@ -187,23 +187,24 @@ class Metrics:
             "ravq_payload_wire_bytes_total", "Tensor bytes on the wire (compressed: payload and scales), "
             "by compression format (none: plain tensors)", payload, registry=r)
         self.payload_logical_bytes = HopCounter(
-            "ravq_payload_logical_bytes_total", "Bytes of the uncompressed tensors those wire bytes stand for",
-            payload, registry=r)
+            "ravq_payload_logical_bytes_total",
+            "Bytes of the uncompressed tensors those wire bytes stand for", payload, registry=r)
         self.bad_messages = Counter("ravq_bad_messages_total", "Malformed messages dropped",
                                     ["socket", "reason"], registry=r)
         self.auth_failures = Counter("ravq_auth_failures_total", "Connections refused by authentication",
                                      ["socket", "reason"], registry=r)
         self.connections_dropped = Counter(
             "ravq_connections_dropped_total",
-            "Inbound connections that failed their handshake or closed (peer gone, or dropped by ZeroMQ for a frame "
-            "over limits.max_message_bytes)", ["socket", "reason"], registry=r)
+            "Inbound connections that failed their handshake or closed (peer gone, or dropped by ZeroMQ "
+            "for a frame over limits.max_message_bytes)", ["socket", "reason"], registry=r)
         self.peer_timeouts = Counter("ravq_peer_timeouts_total", "Waits on a peer that timed out",
                                      ["peer", "what"], registry=r)
         # --- the stage
         self.compute_seconds = Histogram("ravq_stage_compute_seconds", "Stage compute time per phase",
                                          ["phase"], buckets=_COMPUTE_BUCKETS, registry=r)
         self.busy_seconds = Counter("ravq_stage_busy_seconds_total",
-                                    "Time computing forward and backward (waits inside them excluded)", registry=r)
+                                    "Time computing forward and backward (waits inside them excluded)",
+                                    registry=r)
         self.wait_seconds = Counter("ravq_stage_wait_seconds_total",
                                     "Time the stage waited instead of computing, by reason (input, credits, "
                                     "averaging, checkpoint)", ["reason"], registry=r)
@@ -213,25 +214,30 @@ class Metrics:
         self.staleness = Histogram("ravq_staleness", "Version at update minus version used by forward",
                                    buckets=_STALENESS_BUCKETS, registry=r)
         self.version = Gauge("ravq_weight_version", "Optimizer steps applied by this stage", registry=r)
-        self.samples = Counter("ravq_samples_total", "Samples whose backward this stage finished", registry=r)
+        self.samples = Counter("ravq_samples_total", "Samples whose backward this stage finished",
+                               registry=r)
         self.loss = Gauge("ravq_loss", "Loss of the latest micro-batch (last stage only)", registry=r)
-        self.losses = Counter("ravq_loss_sum_total", "Sum of micro-batch losses (last stage only)", registry=r)
+        self.losses = Counter("ravq_loss_sum_total", "Sum of micro-batch losses (last stage only)",
+                              registry=r)
         self.learning_rate = Gauge("ravq_learning_rate", "Learning rate of the stage's latest optimizer step "
                                    "(first parameter group; training.lr_schedule)", registry=r)
         self.grad_norm = Gauge("ravq_grad_norm", "Global gradient norm of the latest step, before clipping "
                                "(when training.clip_grad_norm or fp16 exchanges norms)", registry=r)
         self.loss_scale = Gauge("ravq_loss_scale", "fp16 dynamic loss scale (last stage only)", registry=r)
-        self.train_metric = Gauge("ravq_train_metric", "The task's metrics_fn on training micro-batches, mean of the "
-                                  "latest step (last stage only)", ["name"], registry=r)
-        self.eval_loss = Gauge("ravq_eval_loss", "Mean loss of the latest evaluation (last stage only)", registry=r)
+        self.train_metric = Gauge("ravq_train_metric", "The task's metrics_fn on training micro-batches, "
+                                  "mean of the latest step (last stage only)", ["name"], registry=r)
+        self.eval_loss = Gauge("ravq_eval_loss", "Mean loss of the latest evaluation (last stage only)",
+                               registry=r)
         self.eval_metric = Gauge("ravq_eval_metric", "The task's metrics_fn, mean of the latest evaluation "
                                  "(last stage only)", ["name"], registry=r)
-        self.evaluations = Counter("ravq_evaluations_total", "Evaluations finished (last stage only)", registry=r)
+        self.evaluations = Counter("ravq_evaluations_total", "Evaluations finished (last stage only)",
+                                   registry=r)
         self.checkpoints = Counter("ravq_checkpoints_total", "Checkpoints written", registry=r)
         self.checkpoint_seconds = Histogram("ravq_checkpoint_seconds", "Time to write one checkpoint",
                                             buckets=_COMPUTE_BUCKETS, registry=r)
         # --- all-reduce
-        self.allreduce_rounds = Counter("ravq_allreduce_rounds_total", "Completed averaging rounds", registry=r)
+        self.allreduce_rounds = Counter("ravq_allreduce_rounds_total", "Completed averaging rounds",
+                                        registry=r)
         self.allreduce_seconds = Histogram("ravq_allreduce_seconds", "Time of one averaging round",
                                            buckets=_LATENCY_BUCKETS, registry=r)
         self.allreduce_aborts = Counter("ravq_allreduce_aborts_total", "Averaging rounds aborted",
@@ -241,51 +247,58 @@ class Metrics:
         self.peer_timeouts.labels("pipeline", "give_up")  # the node's one (ravq.swarm.churn)
         self.allreduce_bytes = Counter("ravq_allreduce_bytes_total", "Segment bytes sent in rings",
                                        ["ring"], registry=r)
-        self.process_info = Gauge("ravq_process_info", "1: this process's role and, for a node, its cluster and "
-                                  "stage in the current plan (dashboards join on it)", ["role", "cluster", "stage"],
-                                  registry=r)
+        self.process_info = Gauge("ravq_process_info", "1: this process's role and, for a node, its cluster "
+                                  "and stage in the current plan (dashboards join on it)",
+                                  ["role", "cluster", "stage"], registry=r)
         # --- broker
         self.broker_nodes = Gauge("ravq_broker_nodes", "Nodes known to the broker by state: up, lost, done",
                                   ["state"], registry=r)
         self.broker_seq = Gauge("ravq_broker_sequence", "Sequence number of the latest update", registry=r)
         self.broker_member_state = Gauge(
-            "ravq_broker_member_state", "1 for the state each node is in as the broker sees it (missing, up, lost, "
-            "done): names the node that is down", ["member", "state"], registry=r)
+            "ravq_broker_member_state", "1 for the state each node is in as the broker sees it (missing, up, "
+            "lost, done): names the node that is down", ["member", "state"], registry=r)
         self.cluster_waiting_for = Gauge(
-            "ravq_cluster_waiting_for", "1 for each member a cluster that does not train waits for, and why (the "
-            "member's state: lost, missing; or what it does: paused, catching_up, starting...)",
+            "ravq_cluster_waiting_for", "1 for each member a cluster that does not train waits for, and why "
+            "(the member's state: lost, missing; or what it does: paused, catching_up, starting...)",
             ["cluster", "member", "why"], registry=r)
-        self.broker_requests = Counter("ravq_broker_requests_total", "Requests answered", ["type"], registry=r)
+        self.broker_requests = Counter("ravq_broker_requests_total", "Requests answered", ["type"],
+                                       registry=r)
         # --- churn
         self.broker_phases = Gauge("ravq_broker_node_phases", "Nodes up, by what they say they do "
                                    "(training, paused, catching_up, standby, ...)", ["phase"], registry=r)
         self.cluster_state = Gauge("ravq_cluster_state", "1 for the state each cluster is in "
-                                   "(starting, training, paused, recovering, done)", ["cluster", "state"], registry=r)
+                                   "(starting, training, paused, recovering, done)", ["cluster", "state"],
+                                   registry=r)
         self.recovery_seconds = Histogram("ravq_recovery_seconds", "Seconds from a cluster's disruption "
                                           "(member lost or restarted) to training again",
                                           buckets=(1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300), registry=r)
         self.node_phase = Gauge("ravq_node_phase", "1 for what this node does now (training, paused, "
                                 "catching_up, standby)", ["phase"], registry=r)
-        self.pauses = Counter("ravq_pauses_total", "Times this node's cluster paused (a member lost or restarted)",
-                              registry=r)
-        self.dropped_micro_batches = Counter("ravq_dropped_micro_batches_total",
-                                            "In-flight micro-batches dropped at a pause (stage 0 trains them again)",
-                                            registry=r)
-        self.pause_seconds = Histogram("ravq_pause_seconds", "Seconds this node's cluster was paused, per pause",
+        self.pauses = Counter("ravq_pauses_total",
+                              "Times this node's cluster paused (a member lost or restarted)", registry=r)
+        self.dropped_micro_batches = Counter(
+            "ravq_dropped_micro_batches_total",
+            "In-flight micro-batches dropped at a pause (stage 0 trains them again)", registry=r)
+        self.pause_seconds = Histogram("ravq_pause_seconds",
+                                       "Seconds this node's cluster was paused, per pause",
                                        buckets=(1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 300), registry=r)
         self.catchup_seconds = Histogram("ravq_catchup_seconds", "Time to load a stage from live peers",
                                          buckets=_LATENCY_BUCKETS, registry=r)
         # NAT traversal (issue #24): reachability, link routes, relays
         self.node_reachable = Gauge("ravq_node_reachable", "1: others can dial this node; 0: behind NAT "
-                                    "(measured by the broker's dial-back, or declared)", ["member"], registry=r)
-        self.link_routes = Gauge("ravq_link_route", "Route of this node's link to a peer: 0 direct, 1 the peer "
-                                 "dials in, 2 this node dials out, 3 through a relay", ["socket", "peer"], registry=r)
+                                    "(measured by the broker's dial-back, or declared)", ["member"],
+                                    registry=r)
+        self.link_routes = Gauge("ravq_link_route", "Route of this node's link to a peer: 0 direct, 1 the "
+                                 "peer dials in, 2 this node dials out, 3 through a relay",
+                                 ["socket", "peer"], registry=r)
         self.relayed_bytes = HopCounter("ravq_relayed_bytes_total", "Bytes a relay forwarded, per link",
                                         ["source", "destination"], registry=r)
-        self.relayed_messages = HopCounter("ravq_relayed_messages_total", "Messages a relay forwarded, per link",
-                                           ["source", "destination"], registry=r)
-        self.relay_dropped = Counter("ravq_relay_dropped_total", "Messages a relay dropped (unknown_destination, "
-                                     "unknown_source, queue_full, malformed)", ["reason"], registry=r)
+        self.relayed_messages = HopCounter("ravq_relayed_messages_total",
+                                           "Messages a relay forwarded, per link", ["source", "destination"],
+                                           registry=r)
+        self.relay_dropped = Counter("ravq_relay_dropped_total", "Messages a relay dropped "
+                                     "(unknown_destination, unknown_source, queue_full, malformed)",
+                                     ["reason"], registry=r)
         self.relay_queued_bytes = Gauge("ravq_relay_queued_bytes", "Bytes a relay holds for one destination",
                                         ["destination"], registry=r)
 
