@@ -30,7 +30,9 @@ def check_device(topology: Topology, name: str) -> None:
             raise ConfigError(f"{where}: {device!r} for {name}, but this PC has {torch.cuda.device_count()} "
                               "CUDA device(s)")
     elif device == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"{where}: 'mps' for {name}, but torch finds no Apple GPU on this PC; set device: cpu")
+        raise ConfigError(
+            f"{where}: 'mps' for {name}, but torch finds no Apple GPU on this PC; set device: cpu"
+        )
 
 
 def override_warnings(topology: Topology, plan: Plan, profiles: list[Any]) -> list[str]:
@@ -50,10 +52,20 @@ def override_warnings(topology: Topology, plan: Plan, profiles: list[Any]) -> li
         parts = []
         for field in fields:
             value = getattr(node, field)
-            others = [getattr(p, field) for p in profiles if p.name != name] if field != "bandwidth_bytes_per_s" else []
-            ratio = f", {value / max(others):.3g}x the largest other node's" if others and max(others) > 0 else ""
+            others = (
+                [getattr(p, field) for p in profiles if p.name != name]
+                if field != "bandwidth_bytes_per_s"
+                else []
+            )
+            ratio = (
+                f", {value / max(others):.3g}x the largest other node's" if others and max(others) > 0 else ""
+            )
             parts.append(f"{field}: {value:g}{ratio}")
         details.append(f"{name} ({'; '.join(parts)})")
-    return [(f"the plan leaves {len(idle)} node(s) idle ({', '.join(idle)}) while the topology overrides measured "
-            f"values of {', '.join(details)}: check that these overrides describe those PCs (an override copied "
-            "from an example makes a node look faster or bigger than it is)")]
+    return [
+        (
+            f"the plan leaves {len(idle)} node(s) idle ({', '.join(idle)}) while the topology overrides "
+            f"measured values of {', '.join(details)}: check that these overrides describe those PCs "
+            "(an override copied from an example makes a node look faster or bigger than it is)"
+        )
+    ]

@@ -87,8 +87,12 @@ def _cgroup_cpu_quota(root: Path, self_cgroup: Path) -> float | None:
                     limits.append(int(quota) / int(period))
         elif "cpu" in controllers.split(","):  # cgroup v1
             for base in (root / "cpu,cpuacct", root / "cpu"):
-                quota_text = _read(base / path.lstrip("/") / "cpu.cfs_quota_us") or _read(base / "cpu.cfs_quota_us")
-                period_text = _read(base / path.lstrip("/") / "cpu.cfs_period_us") or _read(base / "cpu.cfs_period_us")
+                quota_text = _read(base / path.lstrip("/") / "cpu.cfs_quota_us") or _read(
+                    base / "cpu.cfs_quota_us"
+                )
+                period_text = _read(base / path.lstrip("/") / "cpu.cfs_period_us") or _read(
+                    base / "cpu.cfs_period_us"
+                )
                 if quota_text and period_text and int(quota_text) > 0:
                     limits.append(int(quota_text) / int(period_text))
                     break
@@ -146,7 +150,9 @@ def usable_memory_bytes(device: str = "cpu", meminfo: str = "/proc/meminfo",
     return int(min(available, limited if limited is not None else available) * (1 - MEMORY_HEADROOM))
 
 
-def cgroup_memory_free(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+def cgroup_memory_free(
+    cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
+) -> int | None:
     """Limit less usage of this process's memory cgroup (v1 ``memory.limit_in_bytes`` or v2
     ``memory.max``), or None when it has no limit or no such file can be read."""
     try:
@@ -156,10 +162,17 @@ def cgroup_memory_free(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
-            group, limit_file, usage_file = Path(cgroup_root, "memory", path.lstrip("/")), "memory.limit_in_bytes", \
-                "memory.usage_in_bytes"
+            group, limit_file, usage_file = (
+                Path(cgroup_root, "memory", path.lstrip("/")),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
         elif controllers == "":
-            group, limit_file, usage_file = Path(cgroup_root, path.lstrip("/")), "memory.max", "memory.current"
+            group, limit_file, usage_file = (
+                Path(cgroup_root, path.lstrip("/")),
+                "memory.max",
+                "memory.current",
+            )
         else:
             continue
         try:

@@ -49,24 +49,40 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=DEFAULT_TASK, help="importable task module")
     p.add_argument("--max-inflight", type=int, default=None, help="default: number of stages")
     p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--sync-every", type=int, default=SYNC_EVERY, help="optimizer steps between averaging rounds")
+    p.add_argument(
+        "--sync-every", type=int, default=SYNC_EVERY, help="optimizer steps between averaging rounds"
+    )
     p.add_argument("--update-every", type=int, default=1)
     p.add_argument("--outer-lr", type=float, default=1.0, help="step size of each average (1: plain average)")
     p.add_argument("--predict-weights", type=float, default=PREDICT_WEIGHTS,
                    help="weight prediction horizon, in multiples of a stage's staleness (0: off)")
     p.add_argument("--extrapolate-gradients", type=float, default=EXTRAPOLATE_GRADIENTS,
                    help="delay compensation of stale updates, in multiples of their staleness (0: off)")
-    p.add_argument("--inflight-warmup-steps", type=int, default=INFLIGHT_WARMUP_STEPS,
-                   help="optimizer steps trained with one micro-batch in flight before the pipeline opens (0: none)")
-    p.add_argument("--average-optimizer-state", action="store_true", help="average optimizer state (Adam moments) too")
-    p.add_argument("--compress-pipeline", choices=["none", "bf16", "fp16", "int8"], default="none",
-                   help="activations and gradients on pipeline links (default none: on loopback bytes are free "
-                        "and compressing only costs CPU; a topology's default is int8)")
+    p.add_argument(
+        "--inflight-warmup-steps",
+        type=int,
+        default=INFLIGHT_WARMUP_STEPS,
+        help="optimizer steps trained with one micro-batch in flight before the pipeline opens (0: none)",
+    )
+    p.add_argument(
+        "--average-optimizer-state", action="store_true", help="average optimizer state (Adam moments) too"
+    )
+    p.add_argument(
+        "--compress-pipeline",
+        choices=["none", "bf16", "fp16", "int8"],
+        default="none",
+        help="activations and gradients on pipeline links (default none: on loopback bytes are free "
+        "and compressing only costs CPU; a topology's default is int8)",
+    )
     p.add_argument("--compress-ring", choices=["none", "bf16", "int8"], default="none",
                    help="all-reduce pieces on ring links, with error feedback (default none, as above)")
-    p.add_argument("--eval-every", type=int, default=None,
-                   help="optimizer steps between evaluations on held-out data (default: 6 rounds per run when "
-                        "the task has eval_batches; 0: none)")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="optimizer steps between evaluations on held-out data (default: 6 rounds per run when "
+        "the task has eval_batches; 0: none)",
+    )
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast precision")
     p.add_argument("--clip-grad-norm", type=float, default=None, help="clip each step to this global norm")
     p.add_argument("--lr-schedule", choices=["constant", "warmup", "cosine", "linear"], default="constant")
@@ -75,17 +91,25 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, help="write a JSON report here")
-    p.add_argument("--run-dir", default=None, help="where logs, topology and summaries go (default: a temp dir)")
+    p.add_argument(
+        "--run-dir", default=None, help="where logs, topology and summaries go (default: a temp dir)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per node process")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="give up when no node makes progress for this many seconds (0: never); a long run that "
-                        "keeps training is never stopped")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="give up when no node makes progress for this many seconds (0: never); a long run that "
+        "keeps training is never stopped",
+    )
     p.add_argument("--no-curve", action="store_true", help="plaintext sockets (default: fresh CURVE keys)")
     p.add_argument("--quiet", action="store_true", help="no live display")
     p.add_argument("--topology", default=None,
                    help="run this local topology (127.0.0.1 hosts) instead of making one; training options "
                         "then come from the file")
-    p.add_argument("--plan", default=None, help="with --topology: a plan from `ravq plan` (only its nodes start)")
+    p.add_argument(
+        "--plan", default=None, help="with --topology: a plan from `ravq plan` (only its nodes start)"
+    )
 
 
 def free_ports(count: int) -> list[int]:
@@ -133,8 +157,12 @@ def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, A
         "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
     }
     training["compress"] = {"pipeline": args.compress_pipeline, "ring": args.compress_ring}
-    training.update(precision=args.precision, clip_grad_norm=args.clip_grad_norm, eval_every=_eval_every(args),
-                    lr_schedule={"kind": args.lr_schedule, "warmup_steps": args.warmup_steps})
+    training.update(
+        precision=args.precision,
+        clip_grad_norm=args.clip_grad_norm,
+        eval_every=_eval_every(args),
+        lr_schedule={"kind": args.lr_schedule, "warmup_steps": args.warmup_steps},
+    )
     return {"task": args.task, "seed": args.seed, "training": training,
             "timeouts": {"connect_s": 120.0, "ring_step_s": 30.0, "drain_s": 15.0},
             "broker": {"host": "127.0.0.1", "pub_port": next(ports), "router_port": next(ports),
@@ -174,8 +202,11 @@ class Swarm:
         plan = ["--plan", plan_path] if plan_path else []
         for node in topology["nodes"]:  # all ports before the first child: a taken one fails the demo at once
             self._listeners.hold(ports_of(self._served, node["name"]))
-        # every demo is a new run: checkpoints an earlier demo left in --checkpoint-dir are set aside, not loaded
-        self.broker = self._start("broker", ["broker", "--topology", str(topo_path), "--new-run", *plan, *keys])
+        # every demo is a new run: checkpoints an earlier demo left in --checkpoint-dir are set aside,
+        # not loaded
+        self.broker = self._start(
+            "broker", ["broker", "--topology", str(topo_path), "--new-run", *plan, *keys]
+        )
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
         for node in topology["nodes"]:
             name = node["name"]
@@ -231,7 +262,9 @@ def run_demo(args: argparse.Namespace) -> int:
     listeners = Listeners()  # the ports a made topology names, held from the moment they are chosen
     if args.topology:
         if args.compress_pipeline != "none" or args.compress_ring != "none":
-            raise ConfigError("--compress-pipeline/--compress-ring: with --topology, set training.compress in the file")
+            raise ConfigError(
+                "--compress-pipeline/--compress-ring: with --topology, set training.compress in the file"
+            )
         data, topo_path, key_dir = _user_topology(args)
         shape = f"topology {args.topology}" + (f", plan {args.plan}" if args.plan else "")
     else:
@@ -245,7 +278,10 @@ def run_demo(args: argparse.Namespace) -> int:
         shape = f"{args.clusters} cluster(s) x {args.stages} stage(s), task {args.task}"
     topology = parse_topology(data)
     view = LiveView(topology, quiet=args.quiet, key_dir=key_dir)
-    print(f"ravq demo: {shape}, {topology.training.steps} micro-batches per cluster; logs in {run_dir}", flush=True)
+    print(
+        f"ravq demo: {shape}, {topology.training.steps} micro-batches per cluster; logs in {run_dir}",
+        flush=True,
+    )
     t0 = time.monotonic()
     try:
         swarm = Swarm(run_dir, topo_path, data, args.threads, key_dir, args.plan, listeners)
@@ -288,7 +324,9 @@ def _user_topology(args: argparse.Namespace) -> tuple[dict[str, Any], Path, Path
     if args.plan:
         planned = {n for c in load_plan(args.plan).clusters for n in c.nodes}
         data["nodes"] = [n for n in data["nodes"] if n["name"] in planned]
-    key_dir = Path(topology.security.key_dir) if topology.security.curve and topology.security.key_dir else None
+    key_dir = (
+        Path(topology.security.key_dir) if topology.security.curve and topology.security.key_dir else None
+    )
     return data, Path(args.topology), key_dir
 
 

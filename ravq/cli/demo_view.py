@@ -39,8 +39,15 @@ class RateMeter:
 class LiveView:
     """Polls the broker and shows per-node progress; a plain line every few seconds when not a TTY."""
 
-    def __init__(self, topology: Topology, quiet: bool, key_dir: Path | None, *,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        quiet: bool,
+        key_dir: Path | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.topology, self.quiet, self.key_dir = topology, quiet, key_dir
         self.clock, self.sleep = clock, sleep
         """What polls are timed and paced with (tests pass a virtual pair)."""
@@ -104,7 +111,8 @@ class LiveView:
     def _line(self, status: dict[str, Any]) -> str:
         steps, rate, loss = self._progress(status)
         loss_text = f"{loss:.3f}" if loss is not None else "-"
-        return f"[{self.clock() - self.started:6.1f}s] steps {steps}/{self.steps}  {rate:7.1f} samples/s  loss {loss_text}"
+        elapsed_s = self.clock() - self.started
+        return f"[{elapsed_s:6.1f}s] steps {steps}/{self.steps}  {rate:7.1f} samples/s  loss {loss_text}"
 
     def _table(self, status: dict[str, Any] | None) -> Table:
         steps, rate, loss = self._progress(status)
@@ -113,10 +121,16 @@ class LiveView:
         for col in ("node", "state", "cluster/stage", "version", "busy", "staleness", "in flight", "loss"):
             table.add_column(col, justify="right")
         for name, st, state in self._rows(status):
-            table.add_row(name, state, f"{st.get('cluster', '-')}/{st.get('stage', '-')}", str(st.get("version", "-")),
-                          f"{st.get('busy_fraction', 0):.2f}", f"{st.get('staleness_mean', 0):.2f}",
-                          str(st.get("inflight", "-")),
-                          f"{st['loss_recent']:.3f}" if st.get("loss_recent") is not None else "")
+            table.add_row(
+                name,
+                state,
+                f"{st.get('cluster', '-')}/{st.get('stage', '-')}",
+                str(st.get("version", "-")),
+                f"{st.get('busy_fraction', 0):.2f}",
+                f"{st.get('staleness_mean', 0):.2f}",
+                str(st.get("inflight", "-")),
+                f"{st['loss_recent']:.3f}" if st.get("loss_recent") is not None else "",
+            )
         return table
 
     def print_summary(self, report: dict[str, Any]) -> None:
@@ -124,9 +138,11 @@ class LiveView:
         def loss(value: float | None) -> str:
             return "-" if value is None else f"{value:.3f}"
 
-        c.print(f"\n[bold]ravq demo finished[/bold] in {report['wall_seconds']:.1f}s: {report['steps']} steps, "
-                f"{report['samples_per_second']:.1f} samples/s; loss {loss(report['initial_loss'])} -> "
-                f"{loss(report['final_loss'])}")
+        c.print(
+            f"\n[bold]ravq demo finished[/bold] in {report['wall_seconds']:.1f}s: {report['steps']} steps, "
+            f"{report['samples_per_second']:.1f} samples/s; loss {loss(report['initial_loss'])} -> "
+            f"{loss(report['final_loss'])}"
+        )
         table = Table()
         for col in ("node", "cluster", "stage", "busy", "staleness", "sent MB", "received MB"):
             table.add_column(col, justify="right")
@@ -142,7 +158,8 @@ class LiveView:
             c.print("validation loss (held-out data, eval mode) at step: "
                     + " -> ".join(f"{loss:.3f}@{step}" for step, loss in shown))
         if report.get("allreduce_rounds"):
-            c.print(f"all-reduce: {report['allreduce_rounds']} rounds, mean {report['allreduce_seconds_mean']:.3f}s")
+            rounds, mean_s = report["allreduce_rounds"], report["allreduce_seconds_mean"]
+            c.print(f"all-reduce: {rounds} rounds, mean {mean_s:.3f}s")
 
 
 def _work_done(status: dict[str, Any] | None) -> int:

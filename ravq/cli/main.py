@@ -29,8 +29,10 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
     """The plan to run: a planner's file when given, else the topology's clusters split evenly."""
     if plan_path:
         if not Path(plan_path).exists():
-            raise ConfigError(f"--plan {plan_path}: file not found; make it with `ravq plan --topology TOPOLOGY "
-                              f"--profiles DIR --out {plan_path}` (deploy/README.md, step 4)")
+            raise ConfigError(
+                f"--plan {plan_path}: file not found; make it with `ravq plan --topology TOPOLOGY "
+                f"--profiles DIR --out {plan_path}` (deploy/README.md, step 4)"
+            )
         plan = load_plan(plan_path)
         names = {n.name for n in topology.nodes}
         for cluster in plan.clusters:
@@ -63,7 +65,9 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
             even_cuts(candidates, len(nodes))
         except ValueError as err:
             raise ConfigError(f"nodes: a cluster of {len(nodes)} nodes: {err}") from None
-    return Plan(clusters=[ClusterPlan(nodes=nodes, cuts=even_cuts(candidates, len(nodes))) for nodes in ordered])
+    return Plan(
+        clusters=[ClusterPlan(nodes=nodes, cuts=even_cuts(candidates, len(nodes))) for nodes in ordered]
+    )
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
@@ -83,7 +87,9 @@ def cmd_broker(args: argparse.Namespace) -> int:
     metrics.set_role("broker")
     listen.name_ports(topology, "broker")
     if topology.broker.metrics_port is not None:
-        listen.serve_metrics(metrics, topology.broker.metrics_port, topology.broker.bind_host or topology.broker.host)
+        listen.serve_metrics(
+            metrics, topology.broker.metrics_port, topology.broker.bind_host or topology.broker.host
+        )
     tune_process()
     install_uvloop()
     try:
@@ -169,8 +175,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(str(err)) from None
     kind = "a transformers directory (from_pretrained)" if info["format"] == "transformers" else \
         "a safetensors state_dict (load_state_dict(strict=True))"
-    print(f"wrote {args.out}: {kind}; cluster {info['cluster']}, run {info['run_id']}, {info['stages']} stages, "
-          f"{info['tensors']} tensors, stage versions {info['versions']}")
+    print(
+        f"wrote {args.out}: {kind}; cluster {info['cluster']}, run {info['run_id']}, "
+        f"{info['stages']} stages, {info['tensors']} tensors, stage versions {info['versions']}"
+    )
     return 0
 
 
@@ -181,8 +189,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         status = asyncio.run(fetch_status(topology, args.timeout, args.key_dir, args.name))
     except TimeoutError:
-        print(f"ravq status: the broker at {topology.broker.host}:{topology.broker.router_port} did not answer "
-              f"within {args.timeout:.0f}s", file=sys.stderr)
+        print(
+            f"ravq status: the broker at {topology.broker.host}:{topology.broker.router_port} did not answer "
+            f"within {args.timeout:.0f}s",
+            file=sys.stderr,
+        )
         return 1
     except ValueError as err:  # a key file that is missing, unreadable or not the listed one
         raise ConfigError(f"{err} (with CURVE, ravq status uses a key pair on this PC: --key-dir DIR "
@@ -282,15 +293,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     e.add_argument("--cluster", type=int, default=0)
     e.add_argument("--run-id", help="export this run (default: the run of the newest checkpoint)")
-    e.add_argument("--topology", help="the run's topology: checks the export against the task's model, and writes "
-                                      "a transformers model as a from_pretrained directory")
+    e.add_argument(
+        "--topology",
+        help="the run's topology: checks the export against the task's model, and writes "
+        "a transformers model as a from_pretrained directory",
+    )
     e.set_defaults(func=cmd_export)
 
     s = sub.add_parser("status", help="ask the broker for membership and live statistics")
     s.add_argument("--topology", required=True)
     s.add_argument("--timeout", type=float, default=5.0)
     s.add_argument("--json", action="store_true")
-    s.add_argument("--key-dir", help="with CURVE: directory holding this PC's key pair (default: security.key_dir)")
+    s.add_argument(
+        "--key-dir", help="with CURVE: directory holding this PC's key pair (default: security.key_dir)"
+    )
     s.add_argument("--name", help="with CURVE: whose key pair to use (default: the broker's if its secret is "
                                   "in the key directory, else the first node's that is)")
     s.set_defaults(func=cmd_status)
@@ -304,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keygen", help="make a CURVE key pair for a node or the broker")
     k.add_argument("name")
     k.add_argument("--key-dir", default=".")
-    k.add_argument("--owner", help="user that runs ravq on this PC (e.g. ravq): it owns the pair (needs root)")
+    k.add_argument(
+        "--owner", help="user that runs ravq on this PC (e.g. ravq): it owns the pair (needs root)"
+    )
     k.set_defaults(func=cmd_keygen)
 
     pr = sub.add_parser("profile", help="measure this node and its links")
@@ -321,8 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--simulate", action="store_true",
                     help="rank the planner's best candidates by simulated samples/s (ravq simulate)")
     pl.add_argument("--candidates", type=int, default=4, help="with --simulate: candidates simulated")
-    pl.add_argument("--sim-steps", type=int, help="with --simulate: micro-batches per cluster (default: training.steps)")
-    pl.add_argument("--host-cores", type=float, help="with --simulate: nodes on one host address share this many cores")
+    pl.add_argument(
+        "--sim-steps", type=int, help="with --simulate: micro-batches per cluster (default: training.steps)"
+    )
+    pl.add_argument(
+        "--host-cores", type=float, help="with --simulate: nodes on one host address share this many cores"
+    )
     pl.set_defaults(func=cmd_plan)
 
     sc = sub.add_parser("scrape-config", help="print the Prometheus scrape config of a topology")
@@ -337,8 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--steps", type=int, help="micro-batches per cluster (default: training.steps)")
     sm.add_argument("--churn", type=float, default=0.0, help="failures per node per hour (exponential)")
     sm.add_argument("--json", help="write the results as JSON here")
-    sm.add_argument("--host-cores", type=float,
-                    help="nodes on the same host address share this many cores (default: each node its own PC)")
+    sm.add_argument(
+        "--host-cores",
+        type=float,
+        help="nodes on the same host address share this many cores (default: each node its own PC)",
+    )
     sm.add_argument("--jitter", type=float, default=0.0, help="coefficient of variation of compute times")
     sm.add_argument("--seed", type=int, default=0)
     sm.set_defaults(func=cmd_simulate)

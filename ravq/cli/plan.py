@@ -26,8 +26,9 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
     try:
         topology = load_topology(topology_path)
         # standbys wait outside the plan: neither planned nor profiled
-        nodes = load_profiles(topology.model_copy(update={"nodes": [n for n in topology.nodes if not n.standby]}),
-                              profiles_dir)
+        nodes = load_profiles(
+            topology.model_copy(update={"nodes": [n for n in topology.nodes if not n.standby]}), profiles_dir
+        )
         task = resolve_task_module(topology.task)
     except ConfigError as err:
         print(f"error: {err}")

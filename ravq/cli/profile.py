@@ -15,7 +15,11 @@ def compute_confidence(measurement: Measurement) -> str:
         return "from matmuls only (the task's model did not run)"
     n, spread = len(measurement.flops_windows), measurement.flops_spread
     verdict = "steady" if spread <= 0.1 else "unsteady: other work on this PC? profile again when it is idle"
-    cpu = "" if measurement.cpu_share is None else f"; it got {measurement.cpu_share:.2f} CPU seconds per second"
+    cpu = (
+        ""
+        if measurement.cpu_share is None
+        else f"; it got {measurement.cpu_share:.2f} CPU seconds per second"
+    )
     return f"median of {n} windows, which were within {spread:.0%} of each other ({verdict}){cpu}"
 
 
@@ -39,9 +43,15 @@ def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s
             f"{size_text(size)} {seconds * 1e3:.3g} ms" for size, seconds in measurement.message_s))
     if measurement.averaging_s:
         nbytes, seconds = measurement.averaging_s
-        print(f"  averaging: {seconds * 1e3:.3g} ms per round of {size_text(int(nbytes))} in a ring of two as a node "
-              f"runs it ({measurement.averaging_cpu_s[1] * 1e3:.3g} ms of CPU"
-              + (f"; the bare ring {measurement.ring_cpu_s[1] * 1e3:.3g} ms)" if measurement.ring_cpu_s else ")"))
+        print(
+            f"  averaging: {seconds * 1e3:.3g} ms per round of {size_text(int(nbytes))} in a ring of two "
+            f"as a node runs it ({measurement.averaging_cpu_s[1] * 1e3:.3g} ms of CPU"
+            + (
+                f"; the bare ring {measurement.ring_cpu_s[1] * 1e3:.3g} ms)"
+                if measurement.ring_cpu_s
+                else ")"
+            )
+        )
     elif measurement.ring_s:
         nbytes, seconds = measurement.ring_s
         print(f"  averaging: {seconds * 1e3:.3g} ms per round of {size_text(int(nbytes))} in a ring of two "
@@ -50,9 +60,12 @@ def profile_main(topology_path: str, name: str, out_dir: str = ".", peers_wait_s
         print(f"  loss stage: {measurement.loss_s * 1e3:.3g} ms more per micro-batch "
               f"({measurement.loss_cpu_s * 1e3:.3g} ms of CPU: loss forward and backward, metrics)")
     if measurement.pipeline_cpu_s:
-        print(f"  pipeline stage: {measurement.stage_s * 1e3:.3g} ms more per micro-batch "
-              f"({measurement.stage_cpu_s * 1e3:.3g} ms of CPU: the model as two stages over this node's sockets "
-              f"{measurement.pipeline_cpu_s * 1e3:.3g} ms, as one {measurement.single_cpu_s * 1e3:.3g} ms)")
+        print(
+            f"  pipeline stage: {measurement.stage_s * 1e3:.3g} ms more per micro-batch "
+            f"({measurement.stage_cpu_s * 1e3:.3g} ms of CPU: the model as two stages over this node's "
+            f"sockets {measurement.pipeline_cpu_s * 1e3:.3g} ms, "
+            f"as one {measurement.single_cpu_s * 1e3:.3g} ms)"
+        )
     for peer in sorted(measurement.bandwidth_bytes_per_s):
         print(f"  -> {peer}: {measurement.bandwidth_bytes_per_s[peer] * 8 / 1e6:.4g} Mbit/s, "
               f"{measurement.latency_s[peer] * 1e3:.3g} ms")

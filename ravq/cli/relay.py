@@ -46,10 +46,22 @@ async def run_relay(topology: Topology, name: str, opts: SocketOptions, metrics:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    relay = Relay(ctx, endpoint(config.bind_host or config.host, config.port), [n.name for n in topology.nodes],
-                  metrics, opts, name=name, queue_bytes=config.queue_bytes)
-    log.info("relay %s up on port %d for %d nodes (at most %d bytes queued per destination)", name, config.port,
-             len(topology.nodes), config.queue_bytes)
+    relay = Relay(
+        ctx,
+        endpoint(config.bind_host or config.host, config.port),
+        [n.name for n in topology.nodes],
+        metrics,
+        opts,
+        name=name,
+        queue_bytes=config.queue_bytes,
+    )
+    log.info(
+        "relay %s up on port %d for %d nodes (at most %d bytes queued per destination)",
+        name,
+        config.port,
+        len(topology.nodes),
+        config.queue_bytes,
+    )
     try:
         async with asyncio.TaskGroup() as tg:
             serving = tg.create_task(relay.serve())

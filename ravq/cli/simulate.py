@@ -27,16 +27,29 @@ def settings_for(topology: Topology, *, steps: int | None = None, churn_per_hour
     if not jitter >= 0:
         raise ConfigError(f"--jitter: must be >= 0, got {jitter}")
     wire = Wire.of(t.compress.pipeline, t.compress.ring, t.compress.int8_block, t.average_optimizer_state)
-    return Settings(steps=steps or t.steps, micro_batch=t.micro_batch, max_inflight=t.max_inflight,
-                    inflight_warmup_steps=t.inflight_warmup_steps,
-                    update_every=t.update_every, sync_every=t.sync_every, overlap_averaging=t.overlap_averaging,
-                    averaging_lead=t.averaging_lead, piece_bytes=t.ring_chunk_bytes,
-                    ring_timeout_s=topology.timeouts.ring_step_s, churn_per_hour=churn_per_hour, jitter=jitter,
-                    seed=seed, state_factor=wire.state,
-                    pipeline_wire=wire.pipeline, ring_wire=wire.ring)
+    return Settings(
+        steps=steps or t.steps,
+        micro_batch=t.micro_batch,
+        max_inflight=t.max_inflight,
+        inflight_warmup_steps=t.inflight_warmup_steps,
+        update_every=t.update_every,
+        sync_every=t.sync_every,
+        overlap_averaging=t.overlap_averaging,
+        averaging_lead=t.averaging_lead,
+        piece_bytes=t.ring_chunk_bytes,
+        ring_timeout_s=topology.timeouts.ring_step_s,
+        churn_per_hour=churn_per_hour,
+        jitter=jitter,
+        seed=seed,
+        state_factor=wire.state,
+        pipeline_wire=wire.pipeline,
+        ring_wire=wire.ring,
+    )
 
 
-def host_sharing(topology: Topology, plan: Plan, cores: float | None) -> tuple[dict[str, str], dict[str, float]]:
+def host_sharing(
+    topology: Topology, plan: Plan, cores: float | None
+) -> tuple[dict[str, str], dict[str, float]]:
     """With ``cores``: planned nodes on the same host address share that many cores."""
     if cores is None:
         return {}, {}
@@ -83,14 +96,18 @@ def simulate_main(topology_path: str, profiles_dir: str, plan_path: str, *, step
     try:
         topology, nodes, blocks = _inputs(topology_path, profiles_dir)
         plan = load_plan(plan_path)
-        settings = settings_for(topology, steps=steps, churn_per_hour=churn_per_hour, jitter=jitter, seed=seed)
+        settings = settings_for(
+            topology, steps=steps, churn_per_hour=churn_per_hour, jitter=jitter, seed=seed
+        )
         result = run_simulation(topology, plan, nodes, blocks, settings, host_cores)
     except (ConfigError, PlanError) as err:
         print(f"error: {err}")
         return 2
     print(result.format())
     if json_path:
-        Path(json_path).write_text(json.dumps({"plan": plan.model_dump(mode="json"), **result.to_json()}, indent=1))
+        Path(json_path).write_text(
+            json.dumps({"plan": plan.model_dump(mode="json"), **result.to_json()}, indent=1)
+        )
         print(f"wrote {json_path}")
     return 0
 
@@ -128,7 +145,10 @@ def plan_simulate_main(topology_path: str, profiles_dir: str, out_path: str, *, 
               f"{result.busy_fraction_mean:>5.2f}")
     best_rate, _, best, explanation, _ = rows[0]
     print(explanation.format())
-    print(f"chosen by simulation: {best_rate:.4g} samples/s simulated ({settings.steps} micro-batches per cluster)")
+    print(
+        f"chosen by simulation: {best_rate:.4g} samples/s simulated "
+        f"({settings.steps} micro-batches per cluster)"
+    )
     best = best.model_copy(update={"predicted_samples_per_s": best_rate})
     Path(out_path).write_text(yaml.safe_dump({"plan": best.model_dump(mode="json")}, sort_keys=False))
     print(f"wrote {out_path}")

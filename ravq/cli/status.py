@@ -50,11 +50,20 @@ async def fetch_status(topology: Topology, timeout_s: float, key_dir: str | None
     name, key_dir = status_identity(topology, key_dir, name)
     ctx = zmq.asyncio.Context()
     metrics = Metrics()
-    opts = socket_options_for(topology, name, key_dir, metrics) if topology.security.curve else SocketOptions()
+    opts = (
+        socket_options_for(topology, name, key_dir, metrics) if topology.security.curve else SocketOptions()
+    )
     try:
         b = topology.broker
-        reply = await request(ctx, endpoint(b.host, b.router_port), Message(type=MsgType.STATUS_REQ, sender=name),
-                              timeout_s, metrics, DecodeLimits(), opts)
+        reply = await request(
+            ctx,
+            endpoint(b.host, b.router_port),
+            Message(type=MsgType.STATUS_REQ, sender=name),
+            timeout_s,
+            metrics,
+            DecodeLimits(),
+            opts,
+        )
         return reply.meta
     finally:
         if opts.monitor is not None:
@@ -86,8 +95,10 @@ def format_status(status: dict[str, Any]) -> str:
         why = f": {cs['reason']}" if cs.get("reason") else ""
         why += f" [{cs['note']}]" if cs.get("note") else ""
         lines.append(f"cluster {c}: {cs.get('state')} (generation {cs.get('generation', 0)}){why}")
-    lines.append(f"{'node':<16}{'state':<12}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}"
-                 f"{'val':>8}  waiting")
+    lines.append(
+        f"{'node':<16}{'state':<12}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}"
+        f"{'val':>8}  waiting"
+    )
     for name, m in sorted(status.get("members", {}).items()):
         st = m.get("stats") or {}
         where = f"{st.get('cluster', '?')}/{st.get('stage', '?')}"

@@ -20,7 +20,9 @@ class ClusterPlan(StrictModel):
     @model_validator(mode="after")
     def _shape(self) -> ClusterPlan:
         if len(self.cuts) != len(self.nodes) - 1:
-            raise ValueError(f"cuts: {len(self.nodes)} stages need {len(self.nodes) - 1} cuts, got {len(self.cuts)}")
+            raise ValueError(
+                f"cuts: {len(self.nodes)} stages need {len(self.nodes) - 1} cuts, got {len(self.cuts)}"
+            )
         return self
 
 

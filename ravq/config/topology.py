@@ -30,7 +30,8 @@ EXTRAPOLATE_GRADIENTS = 2.0
 """Default delay compensation (ravq.stage.delay; measured in docs/convergence.md)."""
 
 INFLIGHT_WARMUP_STEPS = 20
-"""Default optimizer steps a cluster trains synchronously before it opens its pipeline (docs/convergence.md)."""
+"""Default optimizer steps a cluster trains synchronously before it opens its pipeline
+(docs/convergence.md)."""
 
 
 class CompressConfig(UserModel):
@@ -329,7 +330,9 @@ class Topology(UserModel):
             _claim(endpoints, (self.broker.host, self.broker.relay_port), "broker.relay_port")
         for i, relay in enumerate(self.relays):
             if relay.name in names or relay.name == "broker":
-                raise ValueError(f"relays[{i}].name: {relay.name!r} is already the name of a node or the broker")
+                raise ValueError(
+                    f"relays[{i}].name: {relay.name!r} is already the name of a node or the broker"
+                )
             names.add(relay.name)
             for field in ("port", "metrics_port"):
                 if getattr(relay, field) is not None:

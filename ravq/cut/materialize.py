@@ -123,8 +123,13 @@ def _real_tensors(source: Blueprint, wanted: set[str], task: Any, seed: int,
     if pretrained:
         _load_checkpoint(pretrained, model, {key: groups[key] for key in needed}, real, report)
     loaded = set(report.loaded)
-    untouched = [groups[key][0] for key in needed if not loaded & set(groups[key])
-                 and real[groups[key][0]].is_floating_point() and bool(torch.isnan(real[groups[key][0]]).any())]
+    untouched = [
+        groups[key][0]
+        for key in needed
+        if not loaded & set(groups[key])
+        and real[groups[key][0]].is_floating_point()
+        and bool(torch.isnan(real[groups[key][0]]).any())
+    ]
     if untouched:
         _from_constructor(task, seed, untouched, real)
         report.from_constructor = untouched
@@ -169,7 +174,9 @@ def _initialise(model: nn.Module, owners: set[str], task: Any, seed: int) -> Non
             if hf is not None:
                 hf_init_weights(hf, module)
             else:
-                reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+                reset = getattr(module, "reset_parameters", None) or getattr(
+                    module, "_reset_parameters", None
+                )
                 if callable(reset):
                     reset()
             if custom is not None:
@@ -180,9 +187,12 @@ def _initialise(model: nn.Module, owners: set[str], task: Any, seed: int) -> Non
 
 
 def _from_constructor(task: Any, seed: int, names: list[str], real: dict[str, torch.Tensor]) -> None:
-    log.warning("no initialiser sets %s (no reset_parameters(), no task init_weights()): building the whole model "
-                "once to take the constructor's values; give the module a reset_parameters() or the task an "
-                "init_weights(module, name) so that no PC needs the whole model", ", ".join(names[:5]))
+    log.warning(
+        "no initialiser sets %s (no reset_parameters(), no task init_weights()): building the whole model "
+        "once to take the constructor's values; give the module a reset_parameters() or the task an "
+        "init_weights(module, name) so that no PC needs the whole model",
+        ", ".join(names[:5]),
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         whole = task.build_model()
@@ -206,8 +216,10 @@ def checkpoint_files(path: str) -> dict[str, Path]:
     else:
         raise MaterializeError(f"pretrained: {path} does not exist")
     if not files:
-        raise MaterializeError(f"pretrained: no .safetensors file in {path} (ravq reads safetensors only, never "
-                               "pickle: save with save_pretrained(..., safe_serialization=True))")
+        raise MaterializeError(
+            f"pretrained: no .safetensors file in {path} (ravq reads safetensors only, never "
+            "pickle: save with save_pretrained(..., safe_serialization=True))"
+        )
     from safetensors import safe_open
 
     where: dict[str, Path] = {}
@@ -238,8 +250,10 @@ def _load_checkpoint(path: str, model: nn.Module, groups: dict[int, list[str]], 
                 for name, key in pairs:
                     stored = f.get_slice(key)
                     if list(stored.get_shape()) != list(real[name].shape):
-                        raise MaterializeError(f"pretrained: {key} in {file} has shape {stored.get_shape()}, the "
-                                               f"model's {name} {list(real[name].shape)}")
+                        raise MaterializeError(
+                            f"pretrained: {key} in {file} has shape {stored.get_shape()}, the "
+                            f"model's {name} {list(real[name].shape)}"
+                        )
                     real[name].copy_(f.get_tensor(key))
                     report.loaded.append(name)
     if report.missing:

@@ -44,11 +44,41 @@ def _param_to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> 
     return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
 
-_VALUE_OPS = frozenset({
-    "normal_", "uniform_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
-    "kaiming_normal_", "orthogonal_", "sparse_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-    "exponential_", "log_normal_", "cauchy_", "geometric_", "random_", "bernoulli_",
-    "fill_", "zero_", "copy_", "erfinv_", "mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "clamp_max_"})
+_VALUE_OPS = frozenset(
+    {
+        "normal_",
+        "uniform_",
+        "trunc_normal_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "orthogonal_",
+        "sparse_",
+        "constant_",
+        "ones_",
+        "zeros_",
+        "eye_",
+        "dirac_",
+        "exponential_",
+        "log_normal_",
+        "cauchy_",
+        "geometric_",
+        "random_",
+        "bernoulli_",
+        "fill_",
+        "zero_",
+        "copy_",
+        "erfinv_",
+        "mul_",
+        "add_",
+        "sub_",
+        "div_",
+        "clamp_",
+        "clamp_min_",
+        "clamp_max_",
+    }
+)
 """In-place ops that only set values (what initialisers do): nothing to do on a meta tensor."""
 
 
@@ -61,7 +91,11 @@ class SkipMetaInPlace(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor")  # nn.init passes its tensor by keyword
-        if getattr(func, "__name__", "") in _VALUE_OPS and isinstance(target, torch.Tensor) and target.is_meta:
+        if (
+            getattr(func, "__name__", "") in _VALUE_OPS
+            and isinstance(target, torch.Tensor)
+            and target.is_meta
+        ):
             return target
         return func(*args, **kwargs)
 
@@ -85,8 +119,11 @@ def build_meta_model(task: Any, seed: int) -> Blueprint:
             handle.remove()
     if not isinstance(model, nn.Module):
         raise TypeError(f"the task's build_model() returned {type(model).__name__}, not a torch.nn.Module")
-    buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers(remove_duplicate=False)
-               if not b.is_meta}
+    buffers = {
+        name: b.detach().to("cpu", copy=True)
+        for name, b in model.named_buffers(remove_duplicate=False)
+        if not b.is_meta
+    }
     with torch.no_grad():
         model.to("meta")  # parameters registered outside __setattr__ (rare) and every buffer
     model.train()
@@ -131,8 +168,9 @@ def shape_pass(modules: list[nn.Module], example_args: tuple[Any, ...]) -> Itera
 
 
 def retarget_device(module: nn.Module, old: torch.device | str, new: torch.device | str) -> int:
-    """Rewrite the ``device`` that tracing baked into a stage graph's ops (``torch.arange(t, device=x.device)``
-    traced on ``meta`` makes meta tensors) from ``old`` to ``new``; returns how many ops changed."""
+    """Rewrite the ``device`` that tracing baked into a stage graph's ops
+    (``torch.arange(t, device=x.device)`` traced on ``meta`` makes meta tensors) from ``old`` to ``new``;
+    returns how many ops changed."""
     old, new = torch.device(old), torch.device(new)
 
     swapped = [0]

@@ -31,7 +31,8 @@ from ravq.cut.tied import TiedGroup, settle_ties, tie_groups
 
 @dataclass(frozen=True, slots=True)
 class InputRef:
-    """One positional input of a stage: model input ``index`` (stage == -1) or output ``index`` of ``stage``."""
+    """One positional input of a stage: model input ``index`` (stage == -1) or output ``index`` of
+    ``stage``."""
 
     stage: int
     index: int
@@ -118,9 +119,11 @@ def candidate_cuts(model: nn.Module, task: Any = None) -> list[str]:
 def even_cuts(candidates: list[str], num_stages: int) -> list[str]:
     """``num_stages - 1`` cuts spread evenly over the candidates."""
     if not 1 <= num_stages <= len(candidates) + 1:
-        raise ValueError(f"stages: {num_stages} stages need {num_stages - 1} cut point(s) and the model offers "
-                         f"{len(candidates)}; give the task a split_points() listing more module names where a "
-                         "stage may begin (e.g. every block of a ModuleList), or plan fewer stages")
+        raise ValueError(
+            f"stages: {num_stages} stages need {num_stages - 1} cut point(s) and the model offers "
+            f"{len(candidates)}; give the task a split_points() listing more module names where a "
+            "stage may begin (e.g. every block of a ModuleList), or plan fewer stages"
+        )
     slots = len(candidates) + 1
     return [candidates[round(i * slots / num_stages) - 1] for i in range(1, num_stages)]
 
@@ -149,7 +152,8 @@ def split_model(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]
             raise ValueError(f"cuts: {cut!r} is not a module of the model")
     if not cuts:
         return [_whole_model_stage(model, example_args)]
-    # imported here: torch's pipelining, export and dynamo take seconds to import, and a cached split needs none
+    # imported here: torch's pipelining, export and dynamo take seconds to import, and a cached split
+    # needs none
     from ravq.cut.trace import split_pipe
 
     groups = tie_groups(model)
@@ -191,8 +195,10 @@ def _attach_output(last: StageSpec, graph: fx.Graph, leaves: list[Any], out_spec
     returned = graph.output_node().args[0]
     returned = list(returned) if isinstance(returned, (tuple, list)) else [returned]
     if len(returned) != len(leaves):
-        raise SplitError(f"the traced model returns {len(returned)} values where it returns {len(leaves)} when run; "
-                         "return tensors in a tuple, dict, namedtuple or ModelOutput")
+        raise SplitError(
+            f"the traced model returns {len(returned)} values where it returns {len(leaves)} when run; "
+            "return tensors in a tuple, dict, namedtuple or ModelOutput"
+        )
     out: list[InputRef | Constant] = []
     for node, leaf in zip(returned, leaves):
         if not isinstance(node, fx.Node):
@@ -218,12 +224,16 @@ def _output_structure(model: nn.Module, example_args: tuple[Any, ...]) -> tuple[
         where = f"output{pytree.keystr(path)}" if path else "output"
         kind = type(leaf).__name__
         if "Cache" in kind:
-            raise SplitError(f"the model's {where} is a {kind}, not a tensor: stages hand each other and loss_fn "
-                             "tensors only; build or call the model with use_cache=False (a key/value cache is "
-                             "for generation, not training)")
-        raise SplitError(f"the model's {where} is a {kind}, which torch's pytree does not know: return tensors in "
-                         "a tuple, dict, namedtuple or transformers ModelOutput, or register the class "
-                         f"(torch.utils._pytree.register_dataclass({kind}) for a dataclass)")
+            raise SplitError(
+                f"the model's {where} is a {kind}, not a tensor: stages hand each other and loss_fn "
+                "tensors only; build or call the model with use_cache=False (a key/value cache is "
+                "for generation, not training)"
+            )
+        raise SplitError(
+            f"the model's {where} is a {kind}, which torch's pytree does not know: return tensors in "
+            "a tuple, dict, namedtuple or transformers ModelOutput, or register the class "
+            f"(torch.utils._pytree.register_dataclass({kind}) for a dataclass)"
+        )
     return [leaf for _, leaf in with_paths], spec
 
 
@@ -238,10 +248,13 @@ def _tracer_advice(err: BaseException) -> str:
     where = _user_frames(root)
     if len(text) > 600:
         text = text[:600] + " ..."
-    return (f"torch's tracer cannot capture the model as one graph ({type(root).__name__}: {text})"
-            + (f" [in your code: {where}]" if where else "") + ". Typical fixes: "
-            "use_cache=False (transformers), no data-dependent Python control flow in forward, return tensors "
-            "in a tuple/dict/ModelOutput; or give the task split_points() that avoid the failing module")
+    return (
+        f"torch's tracer cannot capture the model as one graph ({type(root).__name__}: {text})"
+        + (f" [in your code: {where}]" if where else "")
+        + ". Typical fixes: "
+        "use_cache=False (transformers), no data-dependent Python control flow in forward, return tensors "
+        "in a tuple/dict/ModelOutput; or give the task split_points() that avoid the failing module"
+    )
 
 
 def _user_frames(err: BaseException) -> str:
@@ -251,7 +264,9 @@ def _user_frames(err: BaseException) -> str:
     import traceback
 
     def outside(path: str) -> bool:
-        return not any(part in path for part in ("/torch/", "/site-packages/torch", "/lib/python3", "<frozen"))
+        return not any(
+            part in path for part in ("/torch/", "/site-packages/torch", "/lib/python3", "<frozen")
+        )
 
     named = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\s*\n\s*(.*)', str(err))
     frames = [f"{path}:{line} in {func}: {code.strip()}" for path, line, func, code in named if outside(path)]
@@ -263,7 +278,8 @@ def _user_frames(err: BaseException) -> str:
 
 def _mark_non_persistent(model: nn.Module, specs: list[StageSpec]) -> None:
     """The tracer makes every buffer persistent; give back the model's non-persistent ones (e.g. rotary
-    embeddings' ``inv_freq``) their kind: on the stages that use them, never saved, checkpointed or averaged."""
+    embeddings' ``inv_freq``) their kind: on the stages that use them, never saved, checkpointed or
+    averaged."""
     wanted = {f"{prefix}.{b}" if prefix else b for prefix, mod in model.named_modules()
               for b in non_persistent_buffers(mod)}
     for spec in specs:
@@ -294,10 +310,13 @@ def _check_names(model: nn.Module, specs: list[StageSpec]) -> None:
     parts = [f"{k} is used by stages {v}" for k, v in list(shared.items())[:5]]
     parts += [f"{k} is in no stage" for k in missing[:5]]
     parts += [f"{k} is not a name of the unsplit model" for k in extra[:5]]
-    raise SplitError("cannot split the model so that each persistent buffer lives in one stage: "
-                     + "; ".join(parts) + ". Cut elsewhere (the task's split_points()) so each buffer is used by one "
-                     "stage, or make a buffer that is a constant non-persistent "
-                     "(register_buffer(..., persistent=False)); weights read by several stages are tied copies")
+    raise SplitError(
+        "cannot split the model so that each persistent buffer lives in one stage: "
+        + "; ".join(parts)
+        + ". Cut elsewhere (the task's split_points()) so each buffer is used by one "
+        "stage, or make a buffer that is a constant non-persistent "
+        "(register_buffer(..., persistent=False)); weights read by several stages are tied copies"
+    )
 
 
 @contextlib.contextmanager

@@ -131,17 +131,30 @@ def write(path: Path, key: str, specs: list[StageSpec], in_specs: list[list[Tens
 
 
 def _spec_entry(spec: StageSpec) -> dict[str, Any]:
-    leaves = None if spec.output_leaves is None else [
-        {"value": _constant(leaf.value)} if isinstance(leaf, Constant) else _ref(leaf) for leaf in spec.output_leaves]
+    leaves = (
+        None
+        if spec.output_leaves is None
+        else [
+            {"value": _constant(leaf.value)} if isinstance(leaf, Constant) else _ref(leaf)
+            for leaf in spec.output_leaves
+        ]
+    )
     try:
         out_spec = None if spec.output_spec is None else pytree.treespec_dumps(spec.output_spec)
     except Exception as err:
         raise CacheMiss(f"the model's output structure cannot be written: {err}") from err
-    return {"index": spec.index, "inputs": [_ref(r) for r in spec.inputs], "num_outputs": spec.num_outputs,
-            "returns_tuple": spec.returns_tuple, "consumers": {str(k): v for k, v in spec.consumers.items()},
-            "loss_inputs": [_ref(r) for r in spec.loss_inputs], "output_leaves": leaves, "output_spec": out_spec,
-            "tied": [{"key": g.key, "names": list(g.names), "holders": list(g.holders)} for g in spec.tied],
-            "module": _module_entry(spec.module)}
+    return {
+        "index": spec.index,
+        "inputs": [_ref(r) for r in spec.inputs],
+        "num_outputs": spec.num_outputs,
+        "returns_tuple": spec.returns_tuple,
+        "consumers": {str(k): v for k, v in spec.consumers.items()},
+        "loss_inputs": [_ref(r) for r in spec.loss_inputs],
+        "output_leaves": leaves,
+        "output_spec": out_spec,
+        "tied": [{"key": g.key, "names": list(g.names), "holders": list(g.holders)} for g in spec.tied],
+        "module": _module_entry(spec.module),
+    }
 
 
 def _ref(ref: InputRef) -> list[int]:
@@ -157,7 +170,8 @@ def _constant(value: Any) -> Any:
 def _module_entry(module: nn.Module) -> dict[str, Any]:
     modules, tensors, first_name = [], [], {}
     for path, sub in module.named_modules(remove_duplicate=False):
-        graph = getattr(getattr(sub, "graph_module", None) or sub, "graph", None)  # InterpreterModule: graph_module
+        holder = getattr(sub, "graph_module", None) or sub  # an InterpreterModule keeps it in graph_module
+        graph = getattr(holder, "graph", None)
         if not isinstance(graph, fx.Graph) and type(sub) is not nn.Module:
             raise CacheMiss(f"module {path or '(stage)'} is a {type(sub).__name__}, not a graph")
         entry: dict[str, Any] = {"path": path, "children": child_names(sub),
@@ -171,8 +185,16 @@ def _module_entry(module: nn.Module) -> dict[str, Any]:
                     raise CacheMiss(f"{path}.{leaf} is None")
                 name = f"{path}.{leaf}" if path else leaf
                 alias = first_name.setdefault(id(t), name)
-                tensors.append({"name": name, "kind": kind, "shape": list(t.shape), "dtype": str(t.dtype),
-                                "requires_grad": bool(t.requires_grad), "alias": None if alias == name else alias})
+                tensors.append(
+                    {
+                        "name": name,
+                        "kind": kind,
+                        "shape": list(t.shape),
+                        "dtype": str(t.dtype),
+                        "requires_grad": bool(t.requires_grad),
+                        "alias": None if alias == name else alias,
+                    }
+                )
     return {"modules": modules, "tensors": tensors}
 
 
@@ -220,13 +242,20 @@ def _dtype(name: str) -> torch.dtype:
 def _spec(e: dict[str, Any]) -> StageSpec:
     leaves = None if e["output_leaves"] is None else [
         Constant(x["value"]) if isinstance(x, dict) else InputRef(*x) for x in e["output_leaves"]]
-    return StageSpec(index=e["index"], module=_module(e["module"]), inputs=[InputRef(*r) for r in e["inputs"]],
-                     num_outputs=e["num_outputs"], returns_tuple=e["returns_tuple"],
-                     consumers={int(k): list(v) for k, v in e["consumers"].items()},
-                     loss_inputs=[InputRef(*r) for r in e["loss_inputs"]], output_leaves=leaves,
-                     output_spec=None if e["output_spec"] is None else pytree.treespec_loads(e["output_spec"]),
-                     tied=[TiedGroup(key=g["key"], names=tuple(g["names"]), holders=tuple(g["holders"]))
-                           for g in e["tied"]])
+    return StageSpec(
+        index=e["index"],
+        module=_module(e["module"]),
+        inputs=[InputRef(*r) for r in e["inputs"]],
+        num_outputs=e["num_outputs"],
+        returns_tuple=e["returns_tuple"],
+        consumers={int(k): list(v) for k, v in e["consumers"].items()},
+        loss_inputs=[InputRef(*r) for r in e["loss_inputs"]],
+        output_leaves=leaves,
+        output_spec=None if e["output_spec"] is None else pytree.treespec_loads(e["output_spec"]),
+        tied=[
+            TiedGroup(key=g["key"], names=tuple(g["names"]), holders=tuple(g["holders"])) for g in e["tied"]
+        ],
+    )
 
 
 class _KeepModules(fx.Tracer):
@@ -245,7 +274,9 @@ def _module(e: dict[str, Any]) -> nn.Module:
             tensors[t["name"]] = tensors[t["alias"]]
             continue
         value = torch.empty(t["shape"], dtype=_dtype(t["dtype"]), device="meta")
-        tensors[t["name"]] = nn.Parameter(value, requires_grad=t["requires_grad"]) if t["kind"] == "param" else value
+        tensors[t["name"]] = (
+            nn.Parameter(value, requires_grad=t["requires_grad"]) if t["kind"] == "param" else value
+        )
     built: dict[str, nn.Module] = {}
     for m in sorted(e["modules"], key=lambda m: -(m["path"].count(".") + bool(m["path"]))):  # deepest first
         path = m["path"]

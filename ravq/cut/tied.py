@@ -29,7 +29,8 @@ class TiedGroup:
     """One tied weight as one stage holds it."""
 
     key: str
-    """The group's first name in the unsplit model (what ``named_parameters()`` reports; averaged under it)."""
+    """The group's first name in the unsplit model (what ``named_parameters()`` reports; averaged under
+    it)."""
     names: tuple[str, ...]
     """The names this stage holds it under (one tensor), the one it trains first."""
     holders: tuple[int, ...]
@@ -70,7 +71,9 @@ def read_names(module: nn.Module) -> set[str]:
     return read
 
 
-def settle_ties(model: nn.Module, modules: list[nn.Module], groups: list[list[str]]) -> dict[int, list[TiedGroup]]:
+def settle_ties(
+    model: nn.Module, modules: list[nn.Module], groups: list[list[str]]
+) -> dict[int, list[TiedGroup]]:
     """Make each stage hold the tied weights its graph reads, one tensor per group, and nothing else of them;
     returns stage index -> the groups it shares with other stages.  ``groups``: ``tie_groups(model)`` taken
     before the split.  Also gives stage 0 every weight and persistent buffer that no stage holds."""

@@ -26,7 +26,8 @@ _WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 
 
 def split_pipe(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]) -> Pipe:
-    """``torch.distributed.pipelining.pipeline`` cut before each module in ``cuts``, no-grad regions inlined."""
+    """``torch.distributed.pipelining.pipeline`` cut before each module in ``cuts``, no-grad regions
+    inlined."""
     trace = pipe_export_trace()
 
     def traced(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
@@ -60,7 +61,9 @@ def inline_no_grad_regions(gm: fx.GraphModule) -> int:
             result = graph.graph_copy(body.graph, dict(zip(placeholders, inputs)))
         outputs = list(result) if isinstance(result, (tuple, list)) else [result]
         for user in list(node.users):
-            assert user.target is operator.getitem, f"unexpected use of a no-grad region: {user.format_node()}"
+            assert user.target is operator.getitem, (
+                f"unexpected use of a no-grad region: {user.format_node()}"
+            )
             user.replace_all_uses_with(outputs[user.args[1]])  # type: ignore[index]
             graph.erase_node(user)
         graph.erase_node(node)

@@ -29,8 +29,14 @@ log = logging.getLogger(__name__)
 # Failed handshakes a server's monitor reports.  A ZAP denial also raises
 # EVENT_HANDSHAKE_FAILED_AUTH; it is not counted again because the ZAP handler already counted it.
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-_MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-              | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
+_MONITORED = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | HANDSHAKE_FAILED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_MONITOR_STOPPED
+)
 MAX_WARNED = 256
 """Distinct (socket, reason, endpoint) a process logs at WARNING; later ones only at DEBUG."""
 

@@ -19,8 +19,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 REACHABLE, BEHIND_NAT = "reachable", "behind_nat"
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
+_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 async def dial_back(ctx: zmq.asyncio.Context, addr: str, timeout_s: float, curve: Any = None,

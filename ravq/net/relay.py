@@ -3,7 +3,8 @@
 Neither node can be dialled, so both dial the relay's ROUTER (``ravq.net.routed``: their own ROUTER
 connects with the relay's name as routing id, CURVE with the relay's listed key), once per socket kind,
 as ``node#pipeline`` or ``node#ring``.  A node sends ``[destination#kind, header, tensors...]``; the
-relay hands ``[source, header, tensors...]`` to the destination's connection of the same kind.  ``source`` is the routing id of the connection the frames came on, checked
+relay hands ``[source, header, tensors...]`` to the destination's connection of the same kind.
+``source`` is the routing id of the connection the frames came on, checked
 under CURVE against the key ZAP admitted it with, never a name the sender typed: a relay cannot be
 used to pose as another node.  The relay never decodes a message: it moves ZeroMQ's own frames
 (``copy=False``: no copies beyond ZeroMQ's) and only counts their bytes.

@@ -147,8 +147,16 @@ class Links:
         self.metrics.link_routes.labels(self.socket, peer).set(_ROUTE_CODE[route.kind])
         self.routes[peer] = f"relay:{route.relay.name}" if route.relay is not None else route.kind
         if route.kind == DIRECT:
-            return Outlink.connect(self.ctx, endpoint(*self.port_of[peer]), self.socket, peer, self.metrics, self.limits,
-                                   self.opts, identity=self.me)
+            return Outlink.connect(
+                self.ctx,
+                endpoint(*self.port_of[peer]),
+                self.socket,
+                peer,
+                self.metrics,
+                self.limits,
+                self.opts,
+                identity=self.me,
+            )
         link: RoutedLink
         if route.kind == ACCEPT:
             link = RoutedLink(self.inbox, peer, self.metrics)

@@ -106,8 +106,10 @@ def _user_ids(user: str) -> tuple[int, int]:
     try:
         entry = pwd.getpwnam(user)
     except KeyError:
-        raise ValueError(f"--owner: no user named {user!r} on this PC (create it first: "
-                         f"`useradd --system --home-dir /var/lib/ravq --shell /usr/sbin/nologin {user}`)") from None
+        raise ValueError(
+            f"--owner: no user named {user!r} on this PC (create it first: "
+            f"`useradd --system --home-dir /var/lib/ravq --shell /usr/sbin/nologin {user}`)"
+        ) from None
     return entry.pw_uid, entry.pw_gid
 
 
@@ -147,7 +149,9 @@ def load_secret(name: str, key_dir: str | Path) -> tuple[str, str]:
                            f"(mode {stat.S_IMODE(st.st_mode):04o}); run `chmod 600 {secret_path}`"
                            + ("" if st.st_uid == me else f" and `chown {_who(me)}: {secret_path}`"))
     if st.st_uid != me and me != 0:
-        raise KeyFileError(f"{secret_path}: owned by {_who(st.st_uid)}, not by {_who(me)} who runs ravq; {fix}")
+        raise KeyFileError(
+            f"{secret_path}: owned by {_who(st.st_uid)}, not by {_who(me)} who runs ravq; {fix}"
+        )
     secret = _read_key(secret_path)
     return zmq.curve_public(secret.encode("ascii")).decode("ascii"), secret
 
@@ -241,7 +245,9 @@ class Curve(ConnectionMonitor):
         if key_dir is None:
             raise ValueError("security.key_dir: required when security.curve is true")
         if any(n.name == BROKER for n in topo.nodes):
-            raise ValueError(f"nodes: no node may be named {BROKER!r} with security.curve (the broker's key is)")
+            raise ValueError(
+                f"nodes: no node may be named {BROKER!r} with security.curve (the broker's key is)"
+            )
         peers = ({n.name: n.public_key for n in topo.nodes} | {BROKER: topo.broker.public_key}
                  | {r.name: r.public_key for r in getattr(topo, "relays", [])})
         missing = [p for p, k in peers.items() if k is None]
@@ -300,7 +306,9 @@ class Curve(ConnectionMonitor):
             zap.bind(ZAP_ENDPOINT)
         except zmq.ZMQError as err:
             zap.close()
-            raise RuntimeError(f"cannot bind the ZAP handler ({err}); use one Curve per zmq context") from None
+            raise RuntimeError(
+                f"cannot bind the ZAP handler ({err}); use one Curve per zmq context"
+            ) from None
         self._zap[id(ctx)] = zap
         self._adopt(zap, "")
 
@@ -345,7 +353,9 @@ class Curve(ConnectionMonitor):
             log.debug("%s: refused a connection (%s) at %s", socket, reason, where)
             return
         self._warned.add(key)
-        log.warning("%s: refused a connection (%s) at %s; further ones are only counted", socket, reason, where)
+        log.warning(
+            "%s: refused a connection (%s) at %s; further ones are only counted", socket, reason, where
+        )
 
 
 def socket_options_for(topo: Any, name: str, key_dir: str | Path | None, metrics: Metrics) -> SocketOptions:

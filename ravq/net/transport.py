@@ -110,7 +110,10 @@ class Inbox:
         user = _user_id(frame)
         if user is not None:
             return user == expected
-        return identity.decode(errors="replace") in self.dialled and identity.decode(errors="replace") == expected
+        return (
+            identity.decode(errors="replace") in self.dialled
+            and identity.decode(errors="replace") == expected
+        )
 
     async def readable(self, timeout_s: float) -> bool:
         """Whether a message (perhaps a malformed one) arrives within ``timeout_s``."""

@@ -327,7 +327,8 @@ def decode(frames: Sequence[Any], limits: DecodeLimits = DecodeLimits()) -> Mess
 class _PackedFrames:
     name: str
     format: str
-    """A ``ravq.codec.compress.Format`` value (that module, and torch, load only once such a frame arrives)."""
+    """A ``ravq.codec.compress.Format`` value (that module, and torch, load only once such a frame
+    arrives)."""
     data: memoryview
     dtype: str
     shape: list[int]
@@ -380,7 +381,9 @@ def _packed_frames(name: str, d: dict[str, Any], kind: Any, dtype: str, shape: l
     raise WireError("bad_codec", f"kind: {str(kind)[:32]}")
 
 
-def _check_scales(q8: _PackedFrames, kind: Any, name: str, shape: list[int], dtype: str, buf: memoryview) -> None:
+def _check_scales(
+    q8: _PackedFrames, kind: Any, name: str, shape: list[int], dtype: str, buf: memoryview
+) -> None:
     """The frame after a q8 frame: its scales, one finite, non-negative float32 per block."""
     numel = len(q8.data)
     if (kind != "q8_scale" or name != q8.name or dtype != "float32"

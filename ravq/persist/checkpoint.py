@@ -100,8 +100,10 @@ def _sha256(path: Path) -> str:
 def _tensor_file_id(path: Path) -> str | None:
     """The checkpoint id in a safetensors file's metadata (None: missing, torn or not ours)."""
     if path.exists() and not os.access(path, os.R_OK):
-        raise CheckpointError(f"{path}: permission denied (owner uid {path.stat().st_uid}, mode "
-                              f"{path.stat().st_mode & 0o777:04o}); make it readable by the user running ravq")
+        raise CheckpointError(
+            f"{path}: permission denied (owner uid {path.stat().st_uid}, mode "
+            f"{path.stat().st_mode & 0o777:04o}); make it readable by the user running ravq"
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             return (f.metadata() or {}).get("checkpoint_id")
@@ -174,16 +176,30 @@ def save_stage(root: str | Path, *, cluster: int, stage: int, num_stages: int, n
     tmp_dir.mkdir(exist_ok=True)
     tmp_tensors, tmp_meta = tmp_dir / files.tensors.name, tmp_dir / files.meta.name
     try:
-        write_safetensors(tmp_tensors, [entry(k, v) for k, v in tensors.items()],
-                          metadata={"format": str(FORMAT), "checkpoint_id": checkpoint_id, "run_id": run_id or ""})
+        write_safetensors(
+            tmp_tensors,
+            [entry(k, v) for k, v in tensors.items()],
+            metadata={"format": str(FORMAT), "checkpoint_id": checkpoint_id, "run_id": run_id or ""},
+        )
         os.chmod(tmp_tensors, 0o666 & ~_umask())  # safetensors makes it 0600; the JSON follows the umask
         _fsync(tmp_tensors)
         meta = {
-            "format": FORMAT, "checkpoint_id": checkpoint_id, "run_id": run_id, "node": node, "cluster": cluster,
-            "stage": stage, "num_stages": num_stages, "cluster_nodes": cluster_nodes, "version": version,
-            "data_position": data_position, "written_at": time.time(),
-            "tensor_bytes": tmp_tensors.stat().st_size, "tensor_sha256": _sha256(tmp_tensors),
-            "optimizer": opt_rest, "parameter_names": names, **(extra or {}),
+            "format": FORMAT,
+            "checkpoint_id": checkpoint_id,
+            "run_id": run_id,
+            "node": node,
+            "cluster": cluster,
+            "stage": stage,
+            "num_stages": num_stages,
+            "cluster_nodes": cluster_nodes,
+            "version": version,
+            "data_position": data_position,
+            "written_at": time.time(),
+            "tensor_bytes": tmp_tensors.stat().st_size,
+            "tensor_sha256": _sha256(tmp_tensors),
+            "optimizer": opt_rest,
+            "parameter_names": names,
+            **(extra or {}),
         }
         tmp_meta.write_text(json.dumps(meta, indent=1, default=float))
         _fsync(tmp_meta)
@@ -220,7 +236,9 @@ def remove_temp_files(root: str | Path, cluster: int, stage: int) -> list[Path]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     if removed:
-        log.info("removed %d temporary file(s) of an interrupted checkpoint save in %s", len(removed), directory)
+        log.info(
+            "removed %d temporary file(s) of an interrupted checkpoint save in %s", len(removed), directory
+        )
     return removed
 
 
@@ -288,7 +306,9 @@ def select_stage(root: str | Path, cluster: int, stage: int, run_id: str | None 
     metas = [m for m in _candidates(files) if (run_id is None or m.get("run_id") == run_id)
              and (version is None or m.get("version") == version)]
     if not metas:
-        run = (f" of run {run_id}" if run_id else "") + (f" at version {version}" if version is not None else "")
+        run = (f" of run {run_id}" if run_id else "") + (
+            f" at version {version}" if version is not None else ""
+        )
         raise FileNotFoundError(f"no checkpoint{run} for cluster {cluster} stage {stage} in {root}")
     problems = []
     for meta in metas:
@@ -300,7 +320,9 @@ def select_stage(root: str | Path, cluster: int, stage: int, run_id: str | None 
             log.warning("cluster %d stage %d: newest checkpoint unusable (%s); using version %s",
                         cluster, stage, "; ".join(problems), meta.get("version"))
         return meta, path
-    raise CheckpointError(f"cluster {cluster} stage {stage} in {root}: no usable checkpoint ({'; '.join(problems)})")
+    raise CheckpointError(
+        f"cluster {cluster} stage {stage} in {root}: no usable checkpoint ({'; '.join(problems)})"
+    )
 
 
 def load_stage(root: str | Path, cluster: int, stage: int, run_id: str | None = None,

@@ -76,8 +76,15 @@ def export_cluster(root: str | Path, out: str | Path, cluster: int = 0, run_id: 
             tmp.replace(target)
         finally:
             tmp.unlink(missing_ok=True)
-    return {"cluster": cluster, "stages": len(paths), "tensors": len(entries), "run_id": run_id, "bytes": size,
-            "versions": [m["version"] for m in metas], "format": "transformers" if hf else "state_dict"}
+    return {
+        "cluster": cluster,
+        "stages": len(paths),
+        "tensors": len(entries),
+        "run_id": run_id,
+        "bytes": size,
+        "versions": [m["version"] for m in metas],
+        "format": "transformers" if hf else "state_dict",
+    }
 
 
 def _stages(root: Path, cluster: int, run_id: str | None) -> tuple[list[dict[str, Any]], list[Path]]:
@@ -104,9 +111,11 @@ def _stages(root: Path, cluster: int, run_id: str | None) -> tuple[list[dict[str
         what = ", ".join(f"stage {s}" + (f" (node {nodes[s]})" if nodes and s < len(nodes) else "")
                          + (f" [only run(s) {', '.join(sorted(other_runs[s]))}]" if s in other_runs else "")
                          for s in missing)
-        raise CheckpointError(f"{cdir}: cluster {cluster} has {num_stages} stages; run {run_id} lacks {what}. "
-                              f"Copy each missing stage's {cdir.name}/stageN.* from the PC that trained it "
-                              "(or pass --run-id)")
+        raise CheckpointError(
+            f"{cdir}: cluster {cluster} has {num_stages} stages; run {run_id} lacks {what}. "
+            f"Copy each missing stage's {cdir.name}/stageN.* from the PC that trained it "
+            "(or pass --run-id)"
+        )
     chosen = _coexisting(root, cluster, run_id, chosen)
     return [chosen[s][0] for s in range(num_stages)], [chosen[s][1] for s in range(num_stages)]
 
@@ -126,7 +135,10 @@ def _coexisting(root: Path, cluster: int, run_id: str | None,
         raise CheckpointError(f"{root / f'cluster{cluster}'}: the stages of run {run_id} hold versions that "
                               f"never coexisted ({lineage.describe(points)}); export each stage's own PC's "
                               "newest checkpoints together, or train on until every stage saves again")
-    return {s: select_stage(root, cluster, s, run_id, metas[i][choice[i]]["version"]) for i, s in enumerate(stages)}
+    return {
+        s: select_stage(root, cluster, s, run_id, metas[i][choice[i]]["version"])
+        for i, s in enumerate(stages)
+    }
 
 
 def _sources(paths: list[Path]) -> dict[str, list[_Source]]:
@@ -189,9 +201,13 @@ def _check_tied(sources: dict[str, list[_Source]], opened: dict[int, Any]) -> No
     """A tensor several stages hold (a tied weight) must be the same in each: export writes one."""
     for name, held in sources.items():
         for other in held[1:]:
-            if not torch.equal(opened[held[0].stage].get_tensor(held[0].key), opened[other.stage].get_tensor(other.key)):
-                raise CheckpointError(f"{name}: stages {held[0].stage} and {other.stage} hold different values of "
-                                      "this tied tensor (checkpoints of different steps?)")
+            if not torch.equal(
+                opened[held[0].stage].get_tensor(held[0].key), opened[other.stage].get_tensor(other.key)
+            ):
+                raise CheckpointError(
+                    f"{name}: stages {held[0].stage} and {other.stage} hold different values of "
+                    "this tied tensor (checkpoints of different steps?)"
+                )
 
 
 def _entry(name: str, source: _Source, opened: dict[int, Any]) -> Entry:

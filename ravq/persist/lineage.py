@@ -64,8 +64,10 @@ def consistent_choice(candidates: Sequence[Sequence[Point]]) -> list[int] | None
 
 def describe(candidates: Sequence[Sequence[Point]]) -> str:
     """One line naming each stage's checkpoints: "stage 0: v80 (trained 80), v40 (trained 40); ..."."""
-    return "; ".join(f"stage {s}: " + (", ".join(f"v{p.version} (trained {p.trained})" for p in points) or "none")
-                     for s, points in enumerate(candidates))
+    return "; ".join(
+        f"stage {s}: " + (", ".join(f"v{p.version} (trained {p.trained})" for p in points) or "none")
+        for s, points in enumerate(candidates)
+    )
 
 
 def older(own: Mapping[str, Any], holders: Mapping[str, Mapping[str, Any]]) -> str | None:
@@ -76,7 +78,8 @@ def older(own: Mapping[str, Any], holders: Mapping[str, Mapping[str, Any]]) -> s
         return "no holder said what its copy is"
     foreign = sorted(n for n, r in runs.items() if r != own.get("run_id"))
     if foreign:
-        return f"holder(s) {', '.join(foreign)} are of another run ({runs[foreign[0]]}, this is {own.get('run_id')})"
+        other, this = runs[foreign[0]], own.get("run_id")
+        return f"holder(s) {', '.join(foreign)} are of another run ({other}, this is {this})"
     versions = {n: h.get("version") for n, h in holders.items()}
     if not all(isinstance(v, int) for v in versions.values()):
         return "a holder did not say its version"

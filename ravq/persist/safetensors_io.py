@@ -42,14 +42,20 @@ def entry(name: str, tensor: torch.Tensor) -> Entry:
     return Entry(name, tuple(tensor.shape), tensor.dtype, lambda: tensor)
 
 
-def write_safetensors(path: str | Path, entries: Sequence[Entry], metadata: dict[str, str] | None = None) -> int:
+def write_safetensors(
+    path: str | Path, entries: Sequence[Entry], metadata: dict[str, str] | None = None
+) -> int:
     """Write ``entries`` to ``path`` (replacing it); returns the bytes written."""
     header: dict[str, object] = {"__metadata__": dict(metadata or {})} if metadata else {}
     offset = 0
     for e in entries:
         if e.dtype not in DTYPES:
             raise ValueError(f"{e.name}: dtype {e.dtype} has no safetensors name")
-        header[e.name] = {"dtype": DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {
+            "dtype": DTYPES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does it

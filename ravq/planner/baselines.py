@@ -172,14 +172,21 @@ def _layout_chunks(p: Problem, members: tuple[int, ...],
     perms = np.array(list(itertools.permutations(members)), dtype=int)
     per_chunk = max(1, chunk // len(cuts))
     for lo in range(0, len(perms), per_chunk):
-        o = perms[lo:lo + per_chunk]                                         # (orders, k)
-        t = (work[None] / p.flops[o][:, None, :] + p.message[o[:, None, :], s[None]] + p.message[o[:, None, :], e[None]]
-             + p.pipelined[o][:, None, :] * p.piece[s, e][None])
+        o = perms[lo:lo + per_chunk]  # (orders, k)
+        t = (
+            work[None] / p.flops[o][:, None, :]
+            + p.message[o[:, None, :], s[None]]
+            + p.message[o[:, None, :], e[None]]
+            + p.pipelined[o][:, None, :] * p.piece[s, e][None]
+        )
         fits = (memory[None] <= p.mem[o][:, None, :]).all(axis=2)
         worst, cycle = t.max(axis=2), t.sum(axis=2)
         if k > 1:
             a, b = o[:, :-1], o[:, 1:]
-            transfer = act[None] * p.fwd_s_per_byte[a, b][:, None, :] + grad[None] * p.bwd_s_per_byte[a, b][:, None, :]
+            transfer = (
+                act[None] * p.fwd_s_per_byte[a, b][:, None, :]
+                + grad[None] * p.bwd_s_per_byte[a, b][:, None, :]
+            )
             worst = np.maximum(worst, (transfer + p.lat[a, b][:, None, :]).max(axis=2))
             cycle = cycle + (transfer + 2 * p.lat[a, b][:, None, :]).sum(axis=2)
         rate = np.minimum(1.0 / np.maximum(worst, 1e-12), p.inflight_for(k) / np.maximum(cycle, 1e-12))
@@ -211,7 +218,9 @@ def _best_for_partition(p: Problem, clusters: list[tuple[int, ...]]) -> tuple[fl
         fronts.append(front)
     best, best_layouts = 0.0, []
     for threshold in sorted({t for front in fronts for t, _, _ in front}):
-        chosen = [max((f for f in front if f[0] <= threshold), key=lambda f: f[1], default=None) for front in fronts]
+        chosen = [
+            max((f for f in front if f[0] <= threshold), key=lambda f: f[1], default=None) for front in fronts
+        ]
         if any(c is None for c in chosen):
             continue
         value = p.samples_per_s([c[1] for c in chosen if c], threshold)

@@ -20,8 +20,9 @@ Per micro-batch (DESIGN.md, "Planner and profiler"):
   the ``sync_every`` steps between rounds (``Problem.averaging_cpu_s``).  On the testbed's quarter-core
   PCs, six one-stage clusters averaging every 2 steps, the event loop and ZeroMQ's I/O thread took 11%
   of the process's CPU; charged the bare ring's 4-5 ms per round they ran at 0.83 of the prediction,
-  charged rounds as a node runs them (3-4x that) at 1.01 (issue #26, docs/testbed.md).  When ``max_inflight`` is None every stage of a k-stage cluster
-  stashes k micro-batches (the pipeline's default); each block's ``inflight_bytes`` scales with that.
+  charged rounds as a node runs them (3-4x that) at 1.01 (issue #26, docs/testbed.md).  When
+  ``max_inflight`` is None every stage of a k-stage cluster stashes k micro-batches (the pipeline's
+  default); each block's ``inflight_bytes`` scales with that.
 - The link from stage a to stage b (cut before block e) carries the activations crossing the cut one way
   and their gradients back: act/bw(a->b) + grad/bw(b->a) + latency(a, b) seconds, counting the bytes
   as ``training.compress.pipeline`` packs them (``Wire``: int8 sends about a quarter of float32's).
@@ -148,8 +149,16 @@ def coarsen(blocks: Sequence[BlockProfile], groups: int) -> list[BlockProfile]:
         run, last = blocks[lo:hi], blocks[hi - 1]
         inflight = sum(b.inflight_bytes for b in run)
         static = sum(b.memory_bytes - b.max_inflight * b.inflight_bytes for b in run)
-        merged.append(BlockProfile(
-            name=run[0].name, param_bytes=sum(b.param_bytes for b in run), fwd_flops=sum(b.fwd_flops for b in run),
-            bwd_flops=sum(b.bwd_flops for b in run), act_bytes_out=last.act_bytes_out,
-            grad_bytes_out=last.grad_bytes_out, memory_bytes=static + inflight, inflight_bytes=inflight))
+        merged.append(
+            BlockProfile(
+                name=run[0].name,
+                param_bytes=sum(b.param_bytes for b in run),
+                fwd_flops=sum(b.fwd_flops for b in run),
+                bwd_flops=sum(b.bwd_flops for b in run),
+                act_bytes_out=last.act_bytes_out,
+                grad_bytes_out=last.grad_bytes_out,
+                memory_bytes=static + inflight,
+                inflight_bytes=inflight,
+            )
+        )
     return merged

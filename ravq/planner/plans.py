@@ -30,10 +30,20 @@ def training_settings(training: TrainingConfig) -> dict[str, Any]:
                             training.average_optimizer_state)}
 
 
-def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int,
-              sync_every: int, max_clusters: int | None = None, max_inflight: int | None = None,
-              overlap_averaging: bool = False, averaging_lead: int | None = None, wire: Wire | None = None, allow_idle: bool = True,
-              effort: float = 1.0) -> tuple[Plan, Explanation]:
+def make_plan(
+    nodes: Sequence[NodeProfile],
+    blocks: Sequence[BlockProfile],
+    *,
+    micro_batch: int,
+    sync_every: int,
+    max_clusters: int | None = None,
+    max_inflight: int | None = None,
+    overlap_averaging: bool = False,
+    averaging_lead: int | None = None,
+    wire: Wire | None = None,
+    allow_idle: bool = True,
+    effort: float = 1.0,
+) -> tuple[Plan, Explanation]:
     """Clusters, node order and cuts maximising predicted samples/s; every stage fits its node's memory.
 
     ``max_inflight`` None: a k-stage cluster keeps k micro-batches in flight.  ``allow_idle``: nodes may be
@@ -41,30 +51,65 @@ def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, m
     scales the search budget (about one second at 1.0).  Deterministic.  Raises PlanError, saying how
     much memory is missing, when nothing fits.
     """
-    p, search, results, usable, idle = _search(nodes, blocks, micro_batch=micro_batch, sync_every=sync_every,
-                                               max_clusters=max_clusters, max_inflight=max_inflight,
-                                               overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire,
-                                               allow_idle=allow_idle, effort=effort)
+    p, search, results, usable, idle = _search(
+        nodes,
+        blocks,
+        micro_batch=micro_batch,
+        sync_every=sync_every,
+        max_clusters=max_clusters,
+        max_inflight=max_inflight,
+        overlap_averaging=overlap_averaging,
+        averaging_lead=averaging_lead,
+        wire=wire,
+        allow_idle=allow_idle,
+        effort=effort,
+    )
     return _explained(p, search, results, usable, idle, 1)[0]
 
 
-def plan_candidates(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, count: int, micro_batch: int,
-                    sync_every: int, max_clusters: int | None = None, max_inflight: int | None = None,
-                    overlap_averaging: bool = False, averaging_lead: int | None = None, wire: Wire | None = None, allow_idle: bool = True,
-                    effort: float = 1.0) -> list[tuple[Plan, Explanation]]:
+def plan_candidates(
+    nodes: Sequence[NodeProfile],
+    blocks: Sequence[BlockProfile],
+    *,
+    count: int,
+    micro_batch: int,
+    sync_every: int,
+    max_clusters: int | None = None,
+    max_inflight: int | None = None,
+    overlap_averaging: bool = False,
+    averaging_lead: int | None = None,
+    wire: Wire | None = None,
+    allow_idle: bool = True,
+    effort: float = 1.0,
+) -> list[tuple[Plan, Explanation]]:
     """The ``count`` best distinct plans the search found, best predicted first (the first is
     ``make_plan``'s); for judging them another way, e.g. by simulation (``ravq plan --simulate``)."""
     if count < 1:
         raise PlanError(f"count: must be >= 1, got {count}")
-    p, search, results, usable, idle = _search(nodes, blocks, micro_batch=micro_batch, sync_every=sync_every,
-                                               max_clusters=max_clusters, max_inflight=max_inflight,
-                                               overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire,
-                                               allow_idle=allow_idle, effort=effort)
+    p, search, results, usable, idle = _search(
+        nodes,
+        blocks,
+        micro_batch=micro_batch,
+        sync_every=sync_every,
+        max_clusters=max_clusters,
+        max_inflight=max_inflight,
+        overlap_averaging=overlap_averaging,
+        averaging_lead=averaging_lead,
+        wire=wire,
+        allow_idle=allow_idle,
+        effort=effort,
+    )
     return _explained(p, search, results, usable, idle, count)
 
 
-def _explained(p: Problem, search: Search, results: list[tuple[float, list[tuple[int, ...]]]], usable: list[int],
-               idle: dict[int, str], count: int) -> list[tuple[Plan, Explanation]]:
+def _explained(
+    p: Problem,
+    search: Search,
+    results: list[tuple[float, list[tuple[int, ...]]]],
+    usable: list[int],
+    idle: dict[int, str],
+    count: int,
+) -> list[tuple[Plan, Explanation]]:
     ranked = sorted(results, key=lambda r: (r[0], [(-len(c), c) for c in r[1]]), reverse=True)
     if not ranked or ranked[0][0] <= 0:
         raise memory_error(p)
@@ -84,10 +129,20 @@ def _explained(p: Problem, search: Search, results: list[tuple[float, list[tuple
     return out
 
 
-def _search(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int, sync_every: int,
-            max_clusters: int | None, max_inflight: int | None, overlap_averaging: bool,
-            averaging_lead: int | None, allow_idle: bool, effort: float, wire: Wire | None = None
-            ) -> tuple[Problem, Search, list[tuple[float, list[tuple[int, ...]]]], list[int], dict[int, str]]:
+def _search(
+    nodes: Sequence[NodeProfile],
+    blocks: Sequence[BlockProfile],
+    *,
+    micro_batch: int,
+    sync_every: int,
+    max_clusters: int | None,
+    max_inflight: int | None,
+    overlap_averaging: bool,
+    averaging_lead: int | None,
+    allow_idle: bool,
+    effort: float,
+    wire: Wire | None = None,
+) -> tuple[Problem, Search, list[tuple[float, list[tuple[int, ...]]]], list[int], dict[int, str]]:
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
                  overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
     usable, idle = _usable_nodes(p)
@@ -99,7 +154,9 @@ def _search(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, mic
         coarse = Problem(nodes, coarsen(blocks, _COARSE_BLOCKS), max_inflight=max_inflight,
                           micro_batch=micro_batch, sync_every=sync_every, overlap_averaging=overlap_averaging,
                           averaging_lead=averaging_lead, wire=wire)
-        rough = Search(coarse, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort)
+        rough = Search(
+            coarse, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort
+        )
         found = [c for v, c in explore(rough) if v > 0] or [rough.fill(usable)]
         search = Search(p, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort,
                          hints=rough.known_orders())
@@ -122,9 +179,18 @@ def _usable_nodes(p: Problem) -> tuple[list[int], dict[int, str]]:
                f"{p.mem[i] / GIB:.3g} GiB available)" for i in range(p.n) if p.mem[i] < smallest}
     return usable, idle
 
-def cut_plan(clusters: Sequence[Sequence[str]], nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
-             micro_batch: int, sync_every: int, max_inflight: int | None = None,
-             overlap_averaging: bool = False, averaging_lead: int | None = None, wire: Wire | None = None) -> tuple[Plan, Explanation]:
+def cut_plan(
+    clusters: Sequence[Sequence[str]],
+    nodes: Sequence[NodeProfile],
+    blocks: Sequence[BlockProfile],
+    *,
+    micro_batch: int,
+    sync_every: int,
+    max_inflight: int | None = None,
+    overlap_averaging: bool = False,
+    averaging_lead: int | None = None,
+    wire: Wire | None = None,
+) -> tuple[Plan, Explanation]:
     """The best cuts for clusters and stage orders the user fixed (node names in stage order)."""
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
                  overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
@@ -138,25 +204,39 @@ def cut_plan(clusters: Sequence[Sequence[str]], nodes: Sequence[NodeProfile], bl
         bottleneck, bounds = p.partition(order)
         if not bounds:
             need, have = p.model_memory(len(order)), float(p.mem[list(order)].sum())
-            raise PlanError(f"cluster {c} ({', '.join(names)}): its blocks do not fit in its nodes' memory in this "
-                            f"order: the model needs {size_text(need)}, the nodes have {size_text(have)}"
-                            + (f": {size_text(need - have)} missing" if need > have else ""))
+            raise PlanError(
+                f"cluster {c} ({', '.join(names)}): its blocks do not fit in its nodes' memory in this "
+                f"order: the model needs {size_text(need)}, the nodes have {size_text(have)}"
+                + (f": {size_text(need - have)} missing" if need > have else "")
+            )
         layouts.append(Layout(order=order, bounds=tuple(bounds), bottleneck=bottleneck))
     used = {i for lay in layouts for i in lay.order}
     return explain(p, layouts, {i: "not in any cluster of the topology" for i in range(p.n) if i not in used})
 
 
-def evaluate_plan(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
-                  micro_batch: int, sync_every: int, max_inflight: int | None = None,
-                  overlap_averaging: bool = False, averaging_lead: int | None = None, wire: Wire | None = None) -> Explanation:
-    """The cost model's verdict on any plan (hand-written, even or Ravnest's); PlanError if it does not fit."""
+def evaluate_plan(
+    plan: Plan,
+    nodes: Sequence[NodeProfile],
+    blocks: Sequence[BlockProfile],
+    *,
+    micro_batch: int,
+    sync_every: int,
+    max_inflight: int | None = None,
+    overlap_averaging: bool = False,
+    averaging_lead: int | None = None,
+    wire: Wire | None = None,
+) -> Explanation:
+    """The cost model's verdict on any plan (hand-written, even or Ravnest's); PlanError if it does not
+    fit."""
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
                  overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
     index = {name: i for i, name in enumerate(p.names)}
     block_index = {b.name: i for i, b in enumerate(blocks)}
     layouts = []
     for c, cluster in enumerate(plan.clusters):
-        missing = [n for n in cluster.nodes if n not in index] + [b for b in cluster.cuts if b not in block_index]
+        missing = [n for n in cluster.nodes if n not in index] + [
+            b for b in cluster.cuts if b not in block_index
+        ]
         if missing:
             raise PlanError(f"clusters[{c}]: no profile for {missing[0]!r}")
         bounds = (0, *(block_index[b] for b in cluster.cuts), p.B)

@@ -37,7 +37,8 @@ class Problem:
         self.max_inflight, self.micro_batch, self.sync_every = max_inflight, micro_batch, sync_every
         self.overlap_averaging = overlap_averaging
         self.averaging_lead = sync_every if averaging_lead is None else min(averaging_lead, sync_every)
-        """Steps a stage trains past a round's snapshot before it waits for the round (overlapped averaging)."""
+        """Steps a stage trains past a round's snapshot before it waits for the round (overlapped
+        averaging)."""
         self.flops = np.array([n.flops for n in nodes], dtype=float)
         self.mem = np.array([n.memory_bytes for n in nodes], dtype=float)
         bw = np.array([[_lookup(nodes, a, b, "bandwidth_bytes_per_s") for b in range(self.n)]
@@ -64,7 +65,8 @@ class Problem:
                                               + message_seconds(node.message_s, self.grad[c])) / 2
                                              for c in range(1, self.B)]
         self.message[:, self.B] = [n.loss_s for n in nodes]
-        """...and at c = B, the loss stage's extra work (``NodeProfile.loss_s``): the stage ending there pays it."""
+        """...and at c = B, the loss stage's extra work (``NodeProfile.loss_s``): the stage ending there
+        pays it."""
         self.pipelined = np.array([n.pipeline_stage_s for n in nodes], dtype=float)
         """Seconds per micro-batch a stage of a pipeline costs a node beyond FLOPs, messages and loss
         (``NodeProfile.pipeline_stage_s``): every stage but a whole copy, blocks [0, B), pays it."""
@@ -77,8 +79,9 @@ class Problem:
         self.grad[1:self.B] *= self.wire.pipeline
         self.work_span = _spans(np.array([b.fwd_flops + b.bwd_flops for b in blocks], dtype=float))
         self.param_span = _spans(self.param)
-        self.static_span = _spans(np.array([b.memory_bytes - b.max_inflight * b.inflight_bytes for b in blocks],
-                                           dtype=float))
+        self.static_span = _spans(
+            np.array([b.memory_bytes - b.max_inflight * b.inflight_bytes for b in blocks], dtype=float)
+        )
         self.inflight_span = _spans(np.array([b.inflight_bytes for b in blocks], dtype=float))
         self._mem_span: dict[int, np.ndarray] = {}
         self._times: dict[tuple[int, int], np.ndarray] = {}
@@ -114,8 +117,12 @@ class Problem:
         key = (node, self.inflight_for(stages))
         t = self._times.get(key)
         if t is None:
-            seconds = (self.work_span / self.flops[node] + self.message[node][:, None] + self.message[node][None, :]
-                       + self.pipelined[node] * self.piece)
+            seconds = (
+                self.work_span / self.flops[node]
+                + self.message[node][:, None]
+                + self.message[node][None, :]
+                + self.pipelined[node] * self.piece
+            )
             t = np.where(self.mem_span(stages) <= self.mem[node], seconds, INF)
             if len(self._times) >= self.TIMES_CACHED:
                 del self._times[next(iter(self._times))]
@@ -169,7 +176,9 @@ class Problem:
                     break
         return best
 
-    def _min_cycle(self, order: Sequence[int], limit: float, caps: np.ndarray | None) -> tuple[float, list[int]]:
+    def _min_cycle(
+        self, order: Sequence[int], limit: float, caps: np.ndarray | None
+    ) -> tuple[float, list[int]]:
         """Shortest cycle (every stage's time plus every link's time with its latency both ways) over
         cuts whose stage and link times are all within ``limit``; its bounds (empty: none)."""
         k = len(order)
@@ -205,7 +214,8 @@ class Problem:
     def _dp(self, order: Sequence[int], limit: float, caps: np.ndarray | None,
             want_bounds: bool) -> tuple[float, list[int]]:
         k = len(order)
-        best = self._capped(order[0], k, caps)[0]    # best[e]: bottleneck so far, current stage ending before e
+        # best[e]: bottleneck so far, current stage ending before e
+        best = self._capped(order[0], k, caps)[0]
         args = []
         for j in range(1, k):
             self.ops += 1
@@ -289,8 +299,12 @@ class Problem:
         spread over the ``sync_every`` steps between rounds."""
         if clusters < 2:
             return 0.0
-        return float(self.ring_cpu[node] * 2 * (clusters - 1) / clusters * self.wire.state * self.param_span[s, e]
-                     ) / self.sync_every
+        return (
+            float(
+                self.ring_cpu[node] * 2 * (clusters - 1) / clusters * self.wire.state * self.param_span[s, e]
+            )
+            / self.sync_every
+        )
 
     def samples_per_s(self, rates: Sequence[float], averaging_s: float) -> float:
         """micro_batch * C * S / (the slowest cluster's period of S steps): see ravq.planner.cost."""

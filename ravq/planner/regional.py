@@ -36,9 +36,14 @@ def regional_plan(nodes: Sequence[NodeProfile], regions: Sequence[str], blocks: 
     subset of all the regions' clusters the cost model scores highest (``best_subset``)."""
     if len(regions) != len(nodes):
         raise ValueError(f"regions: one per node, got {len(regions)} for {len(nodes)} nodes")
-    settings: dict[str, Any] = {"micro_batch": micro_batch, "sync_every": sync_every, "max_inflight": max_inflight,
-                                "overlap_averaging": overlap_averaging, "averaging_lead": averaging_lead,
-                                "wire": wire}
+    settings: dict[str, Any] = {
+        "micro_batch": micro_batch,
+        "sync_every": sync_every,
+        "max_inflight": max_inflight,
+        "overlap_averaging": overlap_averaging,
+        "averaging_lead": averaging_lead,
+        "wire": wire,
+    }
     parts: list[list[ClusterPlan]] = []
     for region in dict.fromkeys(regions):
         members = [n for n, r in zip(nodes, regions) if r == region]

@@ -40,7 +40,9 @@ def plan_links(plan: Plan) -> list[tuple[str, str, str]]:
     return out
 
 
-def relayed_links(plan: Plan, behind_nat: set[str], points: Sequence[RelayPoint]) -> list[tuple[str, str, str, str]]:
+def relayed_links(
+    plan: Plan, behind_nat: set[str], points: Sequence[RelayPoint]
+) -> list[tuple[str, str, str, str]]:
     """(kind, a, b, relay) of every link of ``plan`` between two nodes behind NAT."""
     return [(kind, a, b, relay_for(a, b, list(points)).name) for kind, a, b in plan_links(plan)
             if a in behind_nat and b in behind_nat]
@@ -79,9 +81,12 @@ def behind_nat_of(topology: Topology, reach: Mapping[str, bool] | None = None) -
     return declared | {n for n, ok in (reach or {}).items() if not ok}
 
 
-def plan_with_relays(topology: Topology, nodes: Sequence[NodeProfile],
-                     make: Callable[[Sequence[NodeProfile]], tuple[Plan, T]],
-                     reach: Mapping[str, bool] | None = None) -> tuple[Plan, T, list[tuple[str, str, str, str]]]:
+def plan_with_relays(
+    topology: Topology,
+    nodes: Sequence[NodeProfile],
+    make: Callable[[Sequence[NodeProfile]], tuple[Plan, T]],
+    reach: Mapping[str, bool] | None = None,
+) -> tuple[Plan, T, list[tuple[str, str, str, str]]]:
     """``make(profiles)`` on profiles priced for the relays the plan uses; returns the plan, what ``make``
     returned beside it and the plan's relayed links."""
     behind, points = behind_nat_of(topology, reach), relays(topology)

@@ -51,16 +51,18 @@ def memory_error(p: Problem) -> PlanError:
     if blocks[big] > p.mem[largest]:
         return PlanError(
             f"no plan fits in memory: block {p.blocks[big].name!r} alone needs {blocks[big] / GIB:.3g} GiB "
-            f"(parameters, gradients, optimizer state, stashes) but the largest node, {p.names[largest]}, has "
-            f"{p.mem[largest] / GIB:.3g} GiB: {(blocks[big] - p.mem[largest]) / GIB:.3g} GiB missing")
+            f"(parameters, gradients, optimizer state, stashes) but the largest node, {p.names[largest]}, "
+            f"has {p.mem[largest] / GIB:.3g} GiB: {(blocks[big] - p.mem[largest]) / GIB:.3g} GiB missing"
+        )
     mems = np.sort(p.mem)[::-1]
     shortfall = min(p.model_memory(k) - float(mems[:k].sum()) for k in range(1, p.n + 1))
     if shortfall > 0:
         return PlanError(
-            f"no plan fits in memory: the model needs at least {p.model_memory(1) / GIB:.3g} GiB (parameters, "
-            f"gradients, optimizer state, stashes for in-flight micro-batches) and the nodes have "
-            f"{p.mem.sum() / GIB:.3g} GiB in all, less than any pipeline of them needs: "
-            f"{size_text(shortfall)} missing")
+            f"no plan fits in memory: the model needs at least {p.model_memory(1) / GIB:.3g} GiB "
+            f"(parameters, gradients, optimizer state, stashes for in-flight micro-batches) and the nodes "
+            f"have {p.mem.sum() / GIB:.3g} GiB in all, less than any pipeline of them needs: "
+            f"{size_text(shortfall)} missing"
+        )
     extra = min(_packing_shortfall(p, k) for k in range(1, p.n + 1))
     return PlanError(
         f"no plan fits in memory: the nodes have {p.mem.sum() / GIB:.3g} GiB in all but the blocks cannot be "

@@ -154,7 +154,9 @@ class Search:
         seeds = [nodes[0]]
         nearest = p.bw_sym[:, nodes[0]].copy()          # fastest link of each node to a seed
         while len(seeds) < count:
-            seeds.append(min((i for i in nodes if i not in seeds), key=lambda i: (_bucket(nearest[i]), -p.mem[i])))
+            seeds.append(
+                min((i for i in nodes if i not in seeds), key=lambda i: (_bucket(nearest[i]), -p.mem[i]))
+            )
             nearest = np.maximum(nearest, p.bw_sym[:, seeds[-1]])
         clusters = [[s] for s in seeds]
         slowest = p.bw_sym[:, seeds].copy()             # slowest link of each node into each cluster
@@ -195,8 +197,10 @@ class Search:
         """One cluster grown from the pool's nodes, fastest first (well-linked before poorly linked), each
         inserted at its best position; the best prefix is kept."""
         p = self.p
-        linked = {i: _bucket(float(np.median(p.bw_sym[i, [j for j in pool if j != i]]))) if len(pool) > 1 else 0
-                  for i in pool}
+        linked = {
+            i: _bucket(float(np.median(p.bw_sym[i, [j for j in pool if j != i]]))) if len(pool) > 1 else 0
+            for i in pool
+        }
         order: tuple[int, ...] = ()
         best, best_set = 0.0, tuple[int, ...]()
         for x in sorted(pool, key=lambda i: (-linked[i], -p.flops[i], i)):
@@ -250,7 +254,9 @@ class Search:
         p = self.p
         src = next((c for c in clusters if x in c), None)
         few = len(self.usable) <= 12
-        others = sorted((c for c in clusters if c is not src), key=lambda c: (-_bucket(p.bw_sym[x, list(c)].min()), c))
+        others = sorted(
+            (c for c in clusters if c is not src), key=lambda c: (-_bucket(p.bw_sym[x, list(c)].min()), c)
+        )
         left = tuple(i for i in src if i != x) if src else ()
         if src is not None and left and (lay := self.layout(src)) is not None:
             self.offer(tuple(i for i in lay.order if i != x))

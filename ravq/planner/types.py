@@ -11,8 +11,9 @@ GIB = float(1 << 30)
 
 @dataclass(frozen=True, slots=True)
 class Wire:
-    """Bytes that cross a link per float32 byte, as ``training.compress`` packs them (``ravq.codec.compress``):
-    pipeline messages (activations and gradients) and ring pieces.  1.0: uncompressed."""
+    """Bytes that cross a link per float32 byte, as ``training.compress`` packs them
+    (``ravq.codec.compress``): pipeline messages (activations and gradients) and ring pieces.
+    1.0: uncompressed."""
 
     pipeline: float = 1.0
     ring: float = 1.0
@@ -21,7 +22,9 @@ class Wire:
     ``training.average_optimizer_state`` also averages the optimizer's moments (its bytes and its CPU)."""
 
     @classmethod
-    def of(cls, pipeline: str, ring: str, int8_block: int = 128, average_optimizer_state: bool = False) -> Wire:
+    def of(
+        cls, pipeline: str, ring: str, int8_block: int = 128, average_optimizer_state: bool = False
+    ) -> Wire:
         return cls(pipeline=wire_fraction(pipeline, int8_block), ring=wire_fraction(ring, int8_block),
                    state=ADAM_STATE if average_optimizer_state else 1.0)
 

@@ -2,9 +2,9 @@
 
 The model is built on ``meta`` and cut at every candidate cut (``ravq.cut.split.split_model``, torch's
 pipelining tracer); each piece is a block, given real weights only while it is measured, so profiling
-never holds more than one block.  One real micro-batch (the task's first training batch) runs through the blocks one
-by one, each block forward and backward under torch's ``FlopCounterMode``, each block's inputs detached
-so its backward is counted alone.  Per block:
+never holds more than one block.  One real micro-batch (the task's first training batch) runs through
+the blocks one by one, each block forward and backward under torch's ``FlopCounterMode``, each block's
+inputs detached so its backward is counted alone.  Per block:
 
 - ``param_bytes``: its parameters and floating-point buffers;
 - ``act_bytes_out``: every tensor crossing a cut right after the block (outputs of this and earlier
@@ -41,8 +41,15 @@ class _Measured:
     optimizer_bytes: int
 
 
-def profile_blocks(task: Any, micro_batch: int, *, max_inflight: int = 1, optimizer_state_factor: float | None = None,
-                   cuts: Sequence[str] | None = None, seed: int = 0) -> list[BlockProfile]:
+def profile_blocks(
+    task: Any,
+    micro_batch: int,
+    *,
+    max_inflight: int = 1,
+    optimizer_state_factor: float | None = None,
+    cuts: Sequence[str] | None = None,
+    seed: int = 0,
+) -> list[BlockProfile]:
     """One BlockProfile per candidate block of the task's model, in model order."""
     if micro_batch < 1 or max_inflight < 1:
         raise ValueError(f"micro_batch and max_inflight must be >= 1, got {micro_batch} and {max_inflight}")
@@ -55,11 +62,15 @@ def profile_blocks(task: Any, micro_batch: int, *, max_inflight: int = 1, optimi
     outputs: list[tuple[torch.Tensor, ...]] = []
     measured = []
     for spec in specs:
-        args = [inputs[ref.index] if ref.stage < 0 else outputs[ref.stage][ref.index] for ref in spec.received]
+        args = [
+            inputs[ref.index] if ref.stage < 0 else outputs[ref.stage][ref.index] for ref in spec.received
+        ]
         loss = task.loss_fn if spec.index == len(specs) - 1 else None
         materialize(spec.module, task, seed)
         retarget_device(spec.module, "meta", "cpu")
-        m = _measure(spec, args, loss, targets, task.make_optimizer if optimizer_state_factor is None else None)
+        m = _measure(
+            spec, args, loss, targets, task.make_optimizer if optimizer_state_factor is None else None
+        )
         spec.module.to("meta")
         outputs.append(tuple(o.detach() for o in m.outputs if isinstance(o, torch.Tensor)))
         measured.append(m)
@@ -70,7 +81,9 @@ def profile_blocks(task: Any, micro_batch: int, *, max_inflight: int = 1, optimi
         crossing = _crossing(specs, inputs, outputs, after=i)
         state = _state_bytes(spec.module)
         grads = sum(_nbytes(p) for p in spec.module.parameters() if p.requires_grad)
-        optimizer = m.optimizer_bytes if optimizer_state_factor is None else int(optimizer_state_factor * grads)
+        optimizer = (
+            m.optimizer_bytes if optimizer_state_factor is None else int(optimizer_state_factor * grads)
+        )
         stashed_inputs = sum(_nbytes(inputs[r.index] if r.stage < 0 else outputs[r.stage][r.index])
                              for r in spec.received)
         inflight = m.saved_bytes + stashed_inputs + state
@@ -97,7 +110,9 @@ def _state_bytes(module: nn.Module) -> int:
             + sum(_nbytes(b) for b in module.buffers() if b.is_floating_point()))
 
 
-def _measure(spec: StageSpec, args: list[torch.Tensor], loss_fn: Any, targets: Any, make_optimizer: Any) -> _Measured:
+def _measure(
+    spec: StageSpec, args: list[torch.Tensor], loss_fn: Any, targets: Any, make_optimizer: Any
+) -> _Measured:
     """Forward and backward of one block, each under a FLOP counter; saved activations; optimizer state."""
     module = spec.module
     leaves = [a.detach().requires_grad_(a.is_floating_point() and ref.stage >= 0)
@@ -125,12 +140,18 @@ def _measure(spec: StageSpec, args: list[torch.Tensor], loss_fn: Any, targets: A
                                                       for r in roots], allow_unused=True)
         else:
             grads = ()
-    return _Measured(outputs=out, fwd_flops=float(fwd.get_total_flops()), bwd_flops=float(bwd.get_total_flops()),
-                     saved_bytes=sum(saved.values()),
-                     optimizer_bytes=_optimizer_bytes(make_optimizer, names, params, grads) if make_optimizer else 0)
+    return _Measured(
+        outputs=out,
+        fwd_flops=float(fwd.get_total_flops()),
+        bwd_flops=float(bwd.get_total_flops()),
+        saved_bytes=sum(saved.values()),
+        optimizer_bytes=_optimizer_bytes(make_optimizer, names, params, grads) if make_optimizer else 0,
+    )
 
 
-def _optimizer_bytes(make_optimizer: Any, names: list[str], params: list[nn.Parameter], grads: Sequence[Any]) -> int:
+def _optimizer_bytes(
+    make_optimizer: Any, names: list[str], params: list[nn.Parameter], grads: Sequence[Any]
+) -> int:
     """State the task's optimizer keeps for these parameters after one step (on copies; a
     ``make_optimizer(named_params)`` gets their names)."""
     if not params:
@@ -144,8 +165,12 @@ def _optimizer_bytes(make_optimizer: Any, names: list[str], params: list[nn.Para
                if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def _crossing(specs: list[StageSpec], inputs: tuple[torch.Tensor, ...], outputs: list[tuple[torch.Tensor, ...]],
-              after: int) -> list[torch.Tensor]:
+def _crossing(
+    specs: list[StageSpec],
+    inputs: tuple[torch.Tensor, ...],
+    outputs: list[tuple[torch.Tensor, ...]],
+    after: int,
+) -> list[torch.Tensor]:
     """Tensors made at or before block ``after`` (or model inputs) that a later block reads."""
     refs = {(ref.stage, ref.index) for spec in specs[after + 1:] for ref in spec.received
             if ref.stage <= after}

@@ -4,7 +4,8 @@ FLOP/s of matmuls and of training steps of the task's own model (its forward + b
 counted with the same ``FlopCounterMode`` as the model profile, over the time of forward, backward and
 optimizer step), measured in several windows so that two runs on the same PC agree
 (``measure_compute``), and the memory a stage may use: the device's free memory, or on a CPU the
-available memory capped by the memory cgroup's limit, less some headroom (``ravq.tuning.usable_memory_bytes``).
+available memory capped by the memory cgroup's limit, less some headroom
+(``ravq.tuning.usable_memory_bytes``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def _training_step(task: Any, micro_batch: int, device: str,
     torch.manual_seed(0)
     params, forward, with_loss = timed_step(task, micro_batch, device, usable_memory_bytes(device) // 2)
     # a make_optimizer(named_params) gets placeholder names here: only the optimizer's cost is measured
-    update = build_optimizer(task.make_optimizer, {str(i): p for i, p in enumerate(params)}) if optimizer else None
+    update = (
+        build_optimizer(task.make_optimizer, {str(i): p for i, p in enumerate(params)}) if optimizer else None
+    )
 
     def forward_backward() -> None:
         for p in params:
@@ -113,8 +116,16 @@ class ComputeSample:
     """Whether the timed step computed the task's loss (the whole model, or a largest block that is last)."""
 
 
-def measure_compute(task: Any, micro_batch: int, device: str = "cpu", *, window_s: float = 1.2,
-                    windows: int = 5, warmup_s: float = 0.3, window_steps: int = WINDOW_STEPS) -> ComputeSample:
+def measure_compute(
+    task: Any,
+    micro_batch: int,
+    device: str = "cpu",
+    *,
+    window_s: float = 1.2,
+    windows: int = 5,
+    warmup_s: float = 0.3,
+    window_steps: int = WINDOW_STEPS,
+) -> ComputeSample:
     """``measure_model_flops`` done so that two runs on the same PC agree: a warm-up (first calls,
     allocator, lazy initialisation) that is not counted, then ``windows`` windows of ``window_s`` and
     at least ``window_steps`` training steps each, and the median window kept.  On a slow PC a step

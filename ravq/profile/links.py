@@ -129,8 +129,11 @@ async def serve_probes(ctx: zmq.asyncio.Context, bind_addr: str, name: str, *, s
     ``stop`` is set; the names of peers that say they are done with us are added to ``finished``.  A
     ``reserve`` is granted when ``gate`` (always, without one) lets the peer hold this node, and a
     ``release`` ends that.  Replies to this node's own probes on ``routed`` links go to those links."""
-    inbox = bound if bound is not None else Inbox.bind(ctx, bind_addr, "probe", metrics or Metrics(name), limits,
-                                                         options)
+    inbox = (
+        bound
+        if bound is not None
+        else Inbox.bind(ctx, bind_addr, "probe", metrics or Metrics(name), limits, options)
+    )
     try:
         while not stop.is_set():
             if not await inbox.readable(0.1):
@@ -190,8 +193,11 @@ class ProbeClient:
     async def _send(self, kind: str, nbytes: int = 0) -> int:
         self._seq += 1
         tensors = {"payload": self._payload[:nbytes]} if nbytes else {}
-        await self.link.send(Message(type=MsgType.PROBE, sender=self.name, meta={"kind": kind, "seq": self._seq},
-                                     tensors=tensors))
+        await self.link.send(
+            Message(
+                type=MsgType.PROBE, sender=self.name, meta={"kind": kind, "seq": self._seq}, tensors=tensors
+            )
+        )
         return self._seq
 
     async def _ack(self, seqs: set[int], timeout_s: float) -> int:
@@ -276,12 +282,20 @@ class ProbeClient:
             pass
 
 
-async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: Mapping[str, str | ProbeLink], *, wait_s: float,
-                        config: ProbeConfig, metrics: Metrics | None = None,
-                        options: SocketOptions = _OPTIONS, gate: LinkGate | None = None) -> dict[str, Link]:
-    """Measure the link to each peer (name -> probe address, or a link made already) in turn; a peer silent for ``wait_s`` is
-    skipped with a warning.  With ``gate`` (the one ``serve_probes`` uses) each measurement waits
-    until neither end takes part in another."""
+async def measure_links(
+    ctx: zmq.asyncio.Context,
+    name: str,
+    peers: Mapping[str, str | ProbeLink],
+    *,
+    wait_s: float,
+    config: ProbeConfig,
+    metrics: Metrics | None = None,
+    options: SocketOptions = _OPTIONS,
+    gate: LinkGate | None = None,
+) -> dict[str, Link]:
+    """Measure the link to each peer (name -> probe address, or a link made already) in turn; a peer
+    silent for ``wait_s`` is skipped with a warning.  With ``gate`` (the one ``serve_probes`` uses) each
+    measurement waits until neither end takes part in another."""
     links: dict[str, Link] = {}
     deadline = time.monotonic() + wait_s
     for peer, addr in sorted(peers.items()):
@@ -289,7 +303,9 @@ async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: Mapping[str,
                   else ProbeClient.connect(ctx, addr, name, peer, config, metrics, options))
         try:
             if not await client.wait_ready(max(0.0, deadline - time.monotonic())):
-                log.warning("profile: %s did not answer probes within %.0f s; link not measured", peer, wait_s)
+                log.warning(
+                    "profile: %s did not answer probes within %.0f s; link not measured", peer, wait_s
+                )
                 continue
             reserved = gate is None or await client.reserve(gate)
             if not reserved:
@@ -311,7 +327,9 @@ async def measure_links(ctx: zmq.asyncio.Context, name: str, peers: Mapping[str,
     return links
 
 
-async def profile_links(topology: Topology, name: str, *, wait_s: float, config: ProbeConfig) -> dict[str, Link]:
+async def profile_links(
+    topology: Topology, name: str, *, wait_s: float, config: ProbeConfig
+) -> dict[str, Link]:
     """Serve probes on this node's pipeline port while measuring every peer; keep serving until every
     peer said it is done with us (or ``wait_s`` ran out).  Sockets use CURVE when the topology asks."""
     me = topology.node(name)
@@ -323,11 +341,12 @@ async def profile_links(topology: Topology, name: str, *, wait_s: float, config:
     stop, finished = asyncio.Event(), set[str]()
     gate = LinkGate(lease_s=config.reply_timeout_s)
     async with zmq_session(options) as (ctx, group):
-        inbox = Inbox.bind(ctx, endpoint(me.bind_host or me.host, me.pipeline_port), "probe", metrics, _LIMITS,
-                           options, me=name)
+        bind_addr = endpoint(me.bind_host or me.host, me.pipeline_port)
+        inbox = Inbox.bind(ctx, bind_addr, "probe", metrics, _LIMITS, options, me=name)
         probe_links, routed = _probe_links(ctx, topology, name, inbox, metrics, options)
-        group.create_task(serve_probes(ctx, "", name, stop=stop, finished=finished, metrics=metrics, options=options,
-                                       gate=gate, bound=inbox, routed=routed))
+        serving = serve_probes(ctx, "", name, stop=stop, finished=finished, metrics=metrics, options=options,
+                               gate=gate, bound=inbox, routed=routed)
+        group.create_task(serving)
         try:
             links = await measure_links(ctx, name, probe_links, wait_s=wait_s, config=config, metrics=metrics,
                                         options=options, gate=gate)
@@ -344,8 +363,16 @@ def _probe_links(ctx: zmq.asyncio.Context, topology: Topology, name: str, inbox:
     """Each peer's probe address (both reachable), or a link over this node's probe ROUTER where one
     end is declared behind NAT (``ravq.config.routes``; through a relay when both are).  Opened at once:
     a node behind NAT dials its peers before anyone probes it, so their probes reach it too."""
-    factory = Links(ctx=ctx, inbox=inbox, me=name, socket="probe", metrics=metrics, limits=_LIMITS, opts=options,
-                    port_of={n.name: (n.host, n.pipeline_port) for n in topology.nodes})
+    factory = Links(
+        ctx=ctx,
+        inbox=inbox,
+        me=name,
+        socket="probe",
+        metrics=metrics,
+        limits=_LIMITS,
+        opts=options,
+        port_of={n.name: (n.host, n.pipeline_port) for n in topology.nodes},
+    )
     reach, points = declared_reach(topology), relays(topology)
     out: dict[str, str | ProbeLink] = {}
     for node in topology.nodes:

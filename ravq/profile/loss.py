@@ -34,7 +34,10 @@ def _output_like(task: Any, micro_batch: int, inputs: tuple[torch.Tensor, ...], 
         with torch.no_grad():
             out = model(*(x.to("meta") for x in inputs))
     except (RuntimeError, NotImplementedError):
-        if 4 * sum(p.numel() * p.element_size() for p in model.parameters()) > usable_memory_bytes(device) // 2:
+        if (
+            4 * sum(p.numel() * p.element_size() for p in model.parameters())
+            > usable_memory_bytes(device) // 2
+        ):
             raise
         real_model = build_task_model(task, 0).to(device)
         with torch.no_grad():
@@ -62,7 +65,9 @@ def measure_loss(task: Any, micro_batch: int, device: str = "cpu", *, cpu_s: flo
     try:
         out = _output_like(task, micro_batch, inputs, device)
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
-        log.warning("profile: the model's output could not be shaped on meta (%s); the loss is not timed", err)
+        log.warning(
+            "profile: the model's output could not be shaped on meta (%s); the loss is not timed", err
+        )
         return 0.0
     leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     metrics_fn = getattr(task, "metrics_fn", None)
@@ -83,7 +88,9 @@ def measure_loss(task: Any, micro_batch: int, device: str = "cpu", *, cpu_s: flo
     try:
         step()  # first calls and allocations are not counted
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
-        log.warning("profile: the task's loss could not be timed on an output shaped as the model's (%s)", err)
+        log.warning(
+            "profile: the task's loss could not be timed on an output shaped as the model's (%s)", err
+        )
         return 0.0
     count, cpu0 = 0, time.process_time()
     while time.process_time() - cpu0 < cpu_s or count < min_steps:

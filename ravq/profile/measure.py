@@ -75,7 +75,8 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     me = topology.node(name)
     task = resolve_task_module(topology.task)
     if cpu_budget() < torch.get_num_threads():
-        torch.set_num_threads(cpu_budget())  # as ravq.node does: torch sizes its pool by the cores, not the quota
+        # as a node does: torch sizes its pool by the cores, not the quota
+        torch.set_num_threads(cpu_budget())
     links = asyncio.run(profile_links(topology, name, wait_s=wait_s, config=config or ProbeConfig()))
     matmul = measure_matmul_flops(me.device, seconds=0.5)
     sample: ComputeSample | None
@@ -128,21 +129,35 @@ def _stage_cpu(topology: Topology, name: str, task: object, config: StageCostCon
     if 2 * step_bytes > usable:
         micro_batch = int(FIT_SHARE * micro_batch * usable / (2 * step_bytes))
     if 4 * model_param_bytes(task) > usable // 2 or micro_batch < 1:
-        log.info("profile: the model is too large to time as two stages here (%.0f MB a training step, %.0f MB "
-                 "usable); no per-stage cost measured", step_bytes / 1e6, usable / 1e6)
+        log.info(
+            "profile: the model is too large to time as two stages here (%.0f MB a training step, %.0f MB "
+            "usable); no per-stage cost measured",
+            step_bytes / 1e6,
+            usable / 1e6,
+        )
         return None
     if micro_batch < topology.training.micro_batch:
-        log.info("profile: two stages timed at %d samples a micro-batch (%.0f MB a training step of %d, %.0f MB "
-                 "usable)", micro_batch, step_bytes / 1e6, topology.training.micro_batch, usable / 1e6)
+        log.info(
+            "profile: two stages timed at %d samples a micro-batch (%.0f MB a training step of %d, %.0f MB "
+            "usable)",
+            micro_batch,
+            step_bytes / 1e6,
+            topology.training.micro_batch,
+            usable / 1e6,
+        )
         config = dataclasses.replace(config, micro_batch=micro_batch)
     try:
         return measure_stage_cpu(topology, name, task, config)
     except Exception as err:  # noqa: BLE001 - the task's code in a pipeline: the profile goes on without it
-        log.warning("profile: the model could not be timed as two stages (%s); no per-stage cost measured", err)
+        log.warning(
+            "profile: the model could not be timed as two stages (%s); no per-stage cost measured", err
+        )
         return None
 
 
-def _averaging_cpu(topology: Topology, name: str, task: object, config: StageCostConfig | None) -> float | None:
+def _averaging_cpu(
+    topology: Topology, name: str, task: object, config: StageCostConfig | None
+) -> float | None:
     """``measure_averaging_cpu``, or None (the planner then charges the bare ring, ``measure_ring``) when two
     copies of the model do not fit in half of the usable memory, or when the rounds fail."""
     if MEMORY_FACTOR * model_param_bytes(task) > usable_memory_bytes(topology.node(name).device) // 2:
@@ -151,8 +166,11 @@ def _averaging_cpu(topology: Topology, name: str, task: object, config: StageCos
     try:
         return measure_averaging_cpu(topology, name, task, config)
     except Exception as err:  # noqa: BLE001 - the task's code averaging: the profile goes on without it
-        log.warning("profile: averaging rounds could not be timed as a node runs them (%s); charging the bare "
-                    "ring's CPU", err)
+        log.warning(
+            "profile: averaging rounds could not be timed as a node runs them (%s); charging the bare "
+            "ring's CPU",
+            err,
+        )
         return None
 
 

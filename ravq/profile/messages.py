@@ -53,8 +53,17 @@ async def _message_cpu_s(inbox: Inbox, outlink: Outlink, name: str, tensor: torc
         for i in range(count):
             packed = compress.pack(tensor, fmt, block)
             plain, squeezed = ({}, {"o0": packed}) if isinstance(packed, Packed) else ({"o0": packed}, {})
-            await outlink.send(Message(type=MsgType.FORWARD, sender=name, micro_batch=(0, first + i), version=0,
-                                       meta={"gen": 0}, tensors=plain, packed=squeezed))
+            await outlink.send(
+                Message(
+                    type=MsgType.FORWARD,
+                    sender=name,
+                    micro_batch=(0, first + i),
+                    version=0,
+                    meta={"gen": 0},
+                    tensors=plain,
+                    packed=squeezed,
+                )
+            )
         for _ in range(count):
             _, msg = await inbox.recv()
             got: torch.Tensor | Packed = msg.packed["o0"] if "o0" in msg.packed else msg.tensors["o0"]
@@ -119,7 +128,8 @@ async def _serve_ring(inbox: Inbox, mailbox: Mailbox) -> None:
 
 async def _measure_ring(topology: Topology, name: str, nbytes: int, cpu_s: float, min_rounds: int,
                         size: int = 2) -> float:
-    """CPU seconds per member per round (see ``measure_ring``), with ``size`` members, each sending to the next."""
+    """CPU seconds per member per round (see ``measure_ring``), with ``size`` members, each sending to
+    the next."""
     training = topology.training
     metrics = Metrics(name)
     options = dataclasses.replace(socket_options_for(topology, name, None, metrics), linger_ms=0,
@@ -136,12 +146,19 @@ async def _measure_ring(topology: Topology, name: str, nbytes: int, cpu_s: float
         addresses = {m: inbox.sock.getsockopt_string(zmq.LAST_ENDPOINT) for m, inbox in inboxes.items()}
         mailboxes = {m: Mailbox() for m in members}
         # both members are this node as far as CURVE knows (its own key pairs, as its ring uses them)
-        outlinks = {m: {members[(i + 1) % size]: Outlink.connect(ctx, addresses[members[(i + 1) % size]], name, name,
-                                                                 metrics, limits, options)}
-                    for i, m in enumerate(members)}
+        outlinks = {
+            m: {
+                members[(i + 1) % size]: Outlink.connect(
+                    ctx, addresses[members[(i + 1) % size]], name, name, metrics, limits, options
+                )
+            }
+            for i, m in enumerate(members)
+        }
         links = {m: RingLinks(m, outlinks[m]) for m in members}
-        compression = {m: RingCompression(fmt, training.compress.int8_block) if fmt is not Format.NONE else None
-                       for m in members}
+        compression = {
+            m: RingCompression(fmt, training.compress.int8_block) if fmt is not Format.NONE else None
+            for m in members
+        }
         flats = {m: torch.randn(numel) for m in members}
         readers = [group.create_task(_serve_ring(inboxes[m], mailboxes[m])) for m in members]
 

@@ -106,11 +106,19 @@ def load_profiles(topology: Topology, profiles_dir: str | Path) -> list[NodeProf
             bandwidth = {peer: node.bandwidth_bytes_per_s for peer in names if peer != node.name}
         flops = node.flops if node.flops is not None else m.flops if m else 0.0
         memory = node.memory_bytes if node.memory_bytes is not None else m.memory_bytes if m else 0
-        profiles.append(NodeProfile(name=node.name, flops=flops, memory_bytes=memory, bandwidth_bytes_per_s=bandwidth,
-                                    latency_s=dict(m.latency_s) if m else {},
-                                    message_s=message_table(m) if m else (),
-                                    ring_s_per_byte=ring_s_per_byte(m) if m else 0.0,
-                                    loss_s=m.loss_s if m else 0.0, pipeline_stage_s=m.stage_s if m else 0.0))
+        profiles.append(
+            NodeProfile(
+                name=node.name,
+                flops=flops,
+                memory_bytes=memory,
+                bandwidth_bytes_per_s=bandwidth,
+                latency_s=dict(m.latency_s) if m else {},
+                message_s=message_table(m) if m else (),
+                ring_s_per_byte=ring_s_per_byte(m) if m else 0.0,
+                loss_s=m.loss_s if m else 0.0,
+                pipeline_stage_s=m.stage_s if m else 0.0,
+            )
+        )
     return profiles
 
 

@@ -68,19 +68,27 @@ class SimResult:
     def format(self) -> str:
         lines = [f"{'cluster':>7} {'nodes':>5} {'samples':>8} {'wall s':>9} {'samples/s':>10}"]
         for c in self.clusters:
-            lines.append(f"{c.cluster:>7} {len(c.nodes):>5} {c.samples:>8} {c.wall_s:>9.3f} {c.samples_per_s:>10.2f}")
+            lines.append(
+                f"{c.cluster:>7} {len(c.nodes):>5} {c.samples:>8} {c.wall_s:>9.3f} {c.samples_per_s:>10.2f}"
+            )
         lines.append("")
-        lines.append(f"{'node':<14} {'cl':>3} {'st':>3} {'busy':>5} {'avg wait s':>10} {'stale':>6} "
-                     f"{'uplink MB/s':>11} {'link util':>9} {'rounds':>6} {'allreduce s':>11} {'failures':>8}")
+        lines.append(
+            f"{'node':<14} {'cl':>3} {'st':>3} {'busy':>5} {'avg wait s':>10} {'stale':>6} "
+            f"{'uplink MB/s':>11} {'link util':>9} {'rounds':>6} {'allreduce s':>11} {'failures':>8}"
+        )
         for n in self.nodes:
-            lines.append(f"{n.name[:14]:<14} {n.cluster:>3} {n.stage:>3} {n.busy_fraction:>5.2f} "
-                         f"{n.averaging_wait_s:>10.3f} {n.staleness_mean:>6.2f} {n.uplink_bytes_per_s / 1e6:>11.3g} "
-                         f"{n.link_utilisation:>9.3f} {n.allreduce_rounds:>6} {n.allreduce_seconds_mean:>11.4f} "
-                         f"{n.failures:>8}")
+            lines.append(
+                f"{n.name[:14]:<14} {n.cluster:>3} {n.stage:>3} {n.busy_fraction:>5.2f} "
+                f"{n.averaging_wait_s:>10.3f} {n.staleness_mean:>6.2f} {n.uplink_bytes_per_s / 1e6:>11.3g} "
+                f"{n.link_utilisation:>9.3f} {n.allreduce_rounds:>6} {n.allreduce_seconds_mean:>11.4f} "
+                f"{n.failures:>8}"
+            )
         lines.append("")
-        lines.append(f"simulated: {self.samples_per_s:.4g} samples/s ({self.samples} samples in {self.wall_s:.4g} s), "
-                     f"busy {self.busy_fraction_mean:.2f} on average, all-reduce round "
-                     f"{self.allreduce_seconds_mean:.4g} s on average ({self.events} events)")
+        lines.append(
+            f"simulated: {self.samples_per_s:.4g} samples/s ({self.samples} samples in {self.wall_s:.4g} s), "
+            f"busy {self.busy_fraction_mean:.2f} on average, all-reduce round "
+            f"{self.allreduce_seconds_mean:.4g} s on average ({self.events} events)"
+        )
         return "\n".join(lines)
 
 
@@ -108,17 +116,32 @@ def collect(sim: Simulation) -> SimResult:
             own = max(0.0, n.end - (n.first_work or 0.0))
             sent = n.pipe_bytes + n.ring_bytes
             cap = sim.world.network.uplink[n.name]
-            nodes.append(NodeResult(
-                name=n.name, cluster=n.cluster, stage=n.stage, busy_s=n.busy_s, wall_s=own,
-                busy_fraction=n.busy_s / own if own > 0 else 0.0, averaging_wait_s=n.wait_s,
-                staleness_mean=n.staleness_sum / n.backwards_total if n.backwards_total else 0.0,
-                staleness_max=n.staleness_max, updates=n.updates, version=n.version, forwards=n.forwards_total,
-                backwards=n.backwards_total, uplink_bytes_per_s=sent / wall if wall > 0 else 0.0,
-                link_utilisation=sent / (cap * wall) if wall > 0 and math.isfinite(cap) else 0.0,
-                pipe_bytes=n.pipe_bytes, ring_bytes=n.ring_bytes, allreduce_rounds=n.rounds_done,
-                allreduce_aborts=n.rounds_aborted,
-                allreduce_seconds_mean=n.round_s_sum / n.rounds_done if n.rounds_done else 0.0,
-                failures=n.failures, down_s=n.down_s))
+            nodes.append(
+                NodeResult(
+                    name=n.name,
+                    cluster=n.cluster,
+                    stage=n.stage,
+                    busy_s=n.busy_s,
+                    wall_s=own,
+                    busy_fraction=n.busy_s / own if own > 0 else 0.0,
+                    averaging_wait_s=n.wait_s,
+                    staleness_mean=n.staleness_sum / n.backwards_total if n.backwards_total else 0.0,
+                    staleness_max=n.staleness_max,
+                    updates=n.updates,
+                    version=n.version,
+                    forwards=n.forwards_total,
+                    backwards=n.backwards_total,
+                    uplink_bytes_per_s=sent / wall if wall > 0 else 0.0,
+                    link_utilisation=sent / (cap * wall) if wall > 0 and math.isfinite(cap) else 0.0,
+                    pipe_bytes=n.pipe_bytes,
+                    ring_bytes=n.ring_bytes,
+                    allreduce_rounds=n.rounds_done,
+                    allreduce_aborts=n.rounds_aborted,
+                    allreduce_seconds_mean=n.round_s_sum / n.rounds_done if n.rounds_done else 0.0,
+                    failures=n.failures,
+                    down_s=n.down_s,
+                )
+            )
     clusters = []
     total = 0
     for c, stages in enumerate(sim.clusters):

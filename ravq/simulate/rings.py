@@ -93,7 +93,9 @@ class Ring:
     def _send(self, r: int, t: int, j: int) -> None:
         k = (r - t) % self.size
         succ = (r + 1) % self.size
-        self.sim.ring_send(self.members[r], self.members[succ], self._piece_bytes(k), self._arrive, succ, t, j)
+        self.sim.ring_send(
+            self.members[r], self.members[succ], self._piece_bytes(k), self._arrive, succ, t, j
+        )
 
     def _arrive(self, r: int, t: int, j: int) -> None:
         if self.aborted or r in self.finished:

@@ -88,14 +88,18 @@ class Simulation:
         conn = self._conns.get(key)
         if conn is None:
             net = self.world.network
-            conn = self._conns[key] = Connection(self.q, self.uplinks[a], net.bandwidth(a, b), net.latency(a, b))
+            conn = self._conns[key] = Connection(
+                self.q, self.uplinks[a], net.bandwidth(a, b), net.latency(a, b)
+            )
         return conn
 
     def ring_send(self, src: Node, dst: Node, nbytes: float, arrive: Callable[..., None], *args: Any) -> None:
         src.ring_bytes += nbytes
         self._conn(src.name, dst.name, "ring").send(nbytes, arrive, *args)
 
-    def _pipe_send(self, src: Node, dst: Node, nbytes: float, arrive: Callable[..., None], *args: Any) -> None:
+    def _pipe_send(
+        self, src: Node, dst: Node, nbytes: float, arrive: Callable[..., None], *args: Any
+    ) -> None:
         src.pipe_bytes += nbytes
         self._conn(src.name, dst.name, "pipe").send(nbytes, arrive, *args)
 
@@ -168,7 +172,11 @@ class Simulation:
         self._after_backward(node)
 
     def _after_backward(self, node: Node) -> None:
-        if node.stage == 0 and node.backwards >= self.settings.steps and self.cluster_done_at[node.cluster] is None:
+        if (
+            node.stage == 0
+            and node.backwards >= self.settings.steps
+            and self.cluster_done_at[node.cluster] is None
+        ):
             self.cluster_done_at[node.cluster] = self.q.now
         self._dispatch(node)
 

@@ -55,7 +55,8 @@ class Settings:
     max_inflight: int | None = None
     """Micro-batches in flight per cluster; None: its number of stages."""
     inflight_warmup_steps: int = 0
-    """Stage 0 keeps one micro-batch in flight until its version reaches this (training.inflight_warmup_steps)."""
+    """Stage 0 keeps one micro-batch in flight until its version reaches this
+    (training.inflight_warmup_steps)."""
     update_every: int = 1
     sync_every: int = 10
     overlap_averaging: bool = True
@@ -98,7 +99,9 @@ class Settings:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("pipeline_wire", "ring_wire"):
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name}: wire bytes per float32 byte must be in (0, 1], got {getattr(self, name)}")
+                raise ValueError(
+                    f"{name}: wire bytes per float32 byte must be in (0, 1], got {getattr(self, name)}"
+                )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -148,8 +151,10 @@ def plan_bounds(plan: Plan, blocks: Sequence[BlockProfile]) -> list[tuple[int, .
     for c, cluster in enumerate(plan.clusters):
         unknown = [cut for cut in cluster.cuts if cut not in index]
         if unknown:
-            raise ValueError(f"plan.clusters[{c}].cuts: {unknown[0]!r} is not a block of the model "
-                             f"(blocks: {', '.join(b.name for b in blocks[:8])}{', ...' if len(blocks) > 8 else ''})")
+            raise ValueError(
+                f"plan.clusters[{c}].cuts: {unknown[0]!r} is not a block of the model "
+                f"(blocks: {', '.join(b.name for b in blocks[:8])}{', ...' if len(blocks) > 8 else ''})"
+            )
         bounds = (0, *(index[cut] for cut in cluster.cuts), len(blocks))
         if any(a >= b for a, b in itertools.pairwise(bounds)) or len(bounds) != len(cluster.nodes) + 1:
             raise ValueError(f"plan.clusters[{c}]: {len(cluster.nodes)} nodes need {len(cluster.nodes) - 1} "
@@ -185,13 +190,22 @@ def stage_message_s(node: NodeProfile, blocks: Sequence[BlockProfile], s: int, e
     return total
 
 
-def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], settings: Settings, *,
-                stage_times: Mapping[str, tuple[float, float]] | None = None,
-                stage_cv: Mapping[str, float] | None = None, hosts: Mapping[str, str] | None = None,
-                host_cores: Mapping[str, float] | None = None, uplink: Mapping[str, float] | None = None,
-                start_at: Mapping[str, float] | None = None) -> World:
+def build_world(
+    plan: Plan,
+    nodes: Sequence[NodeProfile],
+    blocks: Sequence[BlockProfile],
+    settings: Settings,
+    *,
+    stage_times: Mapping[str, tuple[float, float]] | None = None,
+    stage_cv: Mapping[str, float] | None = None,
+    hosts: Mapping[str, str] | None = None,
+    host_cores: Mapping[str, float] | None = None,
+    uplink: Mapping[str, float] | None = None,
+    start_at: Mapping[str, float] | None = None,
+) -> World:
     """The world of ``plan`` on these profiles.  ``stage_times``: node -> (forward s, backward s) measured,
-    instead of block FLOPs over the node's FLOP/s; ``stage_cv``: node -> measured spread of its compute times.  ``hosts``/``host_cores``: nodes that share cores."""
+    instead of block FLOPs over the node's FLOP/s; ``stage_cv``: node -> measured spread of its compute
+    times.  ``hosts``/``host_cores``: nodes that share cores."""
     if not plan.clusters:
         raise ValueError("plan: no clusters")
     by_name = {n.name: n for n in nodes}
@@ -215,10 +229,17 @@ def build_world(plan: Plan, nodes: Sequence[NodeProfile], blocks: Sequence[Block
             bwd = sum(b.bwd_flops for b in blocks[s:e])
             if stage_times and name in stage_times:
                 fwd_s, bwd_s = stage_times[name]
-            else:  # FLOPs, and the CPU time of messages, the loss and averaging rounds split between the passes
+            else:
+                # FLOPs, and the CPU time of messages, the loss and averaging rounds split between the passes
                 overhead = stage_message_s(by_name[name], blocks, s, e) + stage_averaging_s(
-                    by_name[name], blocks, s, e, len(plan.clusters), settings.sync_every * settings.update_every,
-                    settings.state_factor)
+                    by_name[name],
+                    blocks,
+                    s,
+                    e,
+                    len(plan.clusters),
+                    settings.sync_every * settings.update_every,
+                    settings.state_factor,
+                )
                 fwd_s = fwd / by_name[name].flops + overhead / 2
                 bwd_s = bwd / by_name[name].flops + overhead / 2
             last = e == len(blocks)

@@ -44,14 +44,20 @@ UPLINKS_MBIT = ((20.0, 0.3), (100.0, 0.4), (1000.0, 0.3))
 """Access upload speeds (Mbit/s) and their shares."""
 
 
-def link_table(path: Path = DATA) -> tuple[list[str], dict[tuple[str, str], tuple[float, float]], tuple[float, float]]:
+def link_table(
+    path: Path = DATA,
+) -> tuple[list[str], dict[tuple[str, str], tuple[float, float]], tuple[float, float]]:
     """(regions of DT-FM's worldwide case, {(a, b): (one-way s, bytes/s)} both ways, within-region pair)."""
     data = json.loads(path.read_text())
     pairs: dict[tuple[str, str], tuple[float, float]] = {}
     for a, b, delay_ms, gbps in data["pairs"]:
         pairs[a, b] = pairs[b, a] = (delay_ms / 1e3, gbps * 1e9 / 8)
     inside = data["within_region"]
-    return list(data["worldwide_regions"]), pairs, (inside["delay_ms"] / 1e3, inside["bandwidth_gbps"] * 1e9 / 8)
+    return (
+        list(data["worldwide_regions"]),
+        pairs,
+        (inside["delay_ms"] / 1e3, inside["bandwidth_gbps"] * 1e9 / 8),
+    )
 
 
 def worldwide_nodes(count: int, seed: int = 0) -> tuple[list[NodeProfile], list[str]]:
@@ -115,8 +121,14 @@ def naive_plan(nodes: list[NodeProfile], blocks: list[BlockProfile], max_infligh
         for k in range(1, min(B, len(nodes) - i) + 1):
             bounds = [round(j * B / k) for j in range(k + 1)]
             inflight = max_inflight or k
-            fits = all(sum(b.memory_bytes - b.max_inflight * b.inflight_bytes + inflight * b.inflight_bytes
-                           for b in blocks[bounds[j]:bounds[j + 1]]) <= nodes[i + j].memory_bytes for j in range(k))
+            fits = all(
+                sum(
+                    b.memory_bytes - b.max_inflight * b.inflight_bytes + inflight * b.inflight_bytes
+                    for b in blocks[bounds[j] : bounds[j + 1]]
+                )
+                <= nodes[i + j].memory_bytes
+                for j in range(k)
+            )
             if fits:
                 clusters.append(ClusterPlan(nodes=[n.name for n in nodes[i:i + k]],
                                             cuts=[blocks[b].name for b in bounds[1:-1]]))

@@ -28,9 +28,16 @@ from ravq.tasks.charlm import VOCAB, corpus, training_end, windows
 CONTEXT = 64
 
 
-def make_task(kind: str = "llama", *, layers: int = 4, hidden: int = 64, heads: int = 4, context: int = CONTEXT,
-              lr: float = 3e-3, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
-              ) -> SimpleNamespace:
+def make_task(
+    kind: str = "llama",
+    *,
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    context: int = CONTEXT,
+    lr: float = 3e-3,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+) -> SimpleNamespace:
     """A task object for ``kind`` "llama" or "gpt2" of the given size (the task interface of DESIGN.md)."""
     if kind not in ("llama", "gpt2"):
         raise ValueError(f"kind: {kind!r} is not 'llama' or 'gpt2'")
@@ -57,9 +64,16 @@ def make_task(kind: str = "llama", *, layers: int = 4, hidden: int = 64, heads: 
         """Held-out windows: the end of the corpus no training batch reads (``ravq.tasks.charlm``)."""
         return _held_out(micro_batch, seed, context)
 
-    return SimpleNamespace(build_model=build_model, example_inputs=example_inputs, loss_fn=loss_fn,
-                           train_batches=train_batches, make_optimizer=make_optimizer, split_points=split_points,
-                           eval_batches=eval_batches, metrics_fn=metrics_fn)
+    return SimpleNamespace(
+        build_model=build_model,
+        example_inputs=example_inputs,
+        loss_fn=loss_fn,
+        train_batches=train_batches,
+        make_optimizer=make_optimizer,
+        split_points=split_points,
+        eval_batches=eval_batches,
+        metrics_fn=metrics_fn,
+    )
 
 
 def loss_fn(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -74,9 +88,15 @@ def _build(kind: str, *, layers: int, hidden: int, heads: int, context: int) -> 
     common: dict[str, Any] = {"vocab_size": VOCAB, "use_cache": False,
                               "bos_token_id": 0, "eos_token_id": 0}
     if kind == "llama":
-        llama = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                                         max_position_embeddings=context, **common)
+        llama = transformers.LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 2),
+            max_position_embeddings=context,
+            **common,
+        )
         return transformers.LlamaForCausalLM(llama)
     gpt2 = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=context,
                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
@@ -90,7 +110,9 @@ def _windows(micro_batch: int, shard: int, num_shards: int, seed: int,
     return windows(micro_batch, shard * span, (shard + 1) * span, seed * 1_000_003 + shard, context)
 
 
-def _held_out(micro_batch: int, seed: int, context: int) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
+def _held_out(
+    micro_batch: int, seed: int, context: int
+) -> Iterator[tuple[tuple[torch.Tensor], torch.Tensor]]:
     return windows(micro_batch, training_end(), len(corpus()), 7_777_777 + seed, context)
 
 
