@@ -5,7 +5,7 @@ sockets, no torch.  Read in this order:
 
 - ``types``: the profiles the planner takes and the reports it gives;
 - ``problem``: the profiles as arrays, and the exact dynamic programme that cuts one cluster's pipeline;
-- ``cost``: the cost model (DESIGN.md, "Planner and profiler"): what a layout of clusters achieves;
+- ``cost``: the cost model (docs/design.md, "Planner and profiler"): what a layout of clusters achieves;
 - ``search``: the deterministic search over clusters and node orders behind ``make_plan``;
 - ``plans``: the entry points (``make_plan``, ``cut_plan``, ``evaluate_plan``, ``even_plan``);
 - ``regional``: plans for many PCs, region by region, and the best subset of the regions' clusters;

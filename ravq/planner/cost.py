@@ -1,6 +1,6 @@
 """The cost model: how fast a layout of clusters trains, on the arrays of ``ravq.planner.problem``.
 
-Per micro-batch (DESIGN.md, "Planner and profiler"):
+Per micro-batch (docs/design.md, "Planner and profiler"):
 
 - A stage on node n holding blocks [s, e) computes for sum(fwd + bwd FLOPs) / n.flops seconds and needs
   sum(memory_bytes) bytes, a hard limit.  Its messages take CPU time too (``NodeProfile.message_s``,

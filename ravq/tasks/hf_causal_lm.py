@@ -38,7 +38,8 @@ def make_task(
     lr: float = 3e-3,
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> SimpleNamespace:
-    """A task object for ``kind`` "llama" or "gpt2" of the given size (the task interface of DESIGN.md)."""
+    """A task object for ``kind`` "llama" or "gpt2" of the given size (the task interface:
+    docs/design.md, "User-facing surface")."""
     if kind not in ("llama", "gpt2"):
         raise ValueError(f"kind: {kind!r} is not 'llama' or 'gpt2'")
 
