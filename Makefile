@@ -30,9 +30,11 @@ system-deps:
 	    || echo "could not install$$missing; the tests that need them will be skipped"; \
 	fi
 
-# lint-imports checks the layers and import circles (pyproject.toml's import-linter contracts) first.
+# lint-imports checks the layers and import circles (pyproject.toml's import-linter contracts) first,
+# then ruff checks the code (pyproject.toml's [tool.ruff]: private members, line length).
 test: $(STAMP) system-deps
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check ravq brokers
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 $(ARGS)
 
 bench: $(STAMP)
