@@ -54,6 +54,7 @@ from ravq.swarm import resume
 from ravq.swarm.churn import Churn
 from ravq.swarm.membership import Membership, beat_on_cadence
 from ravq.swarm.report import Progress
+from ravq.swarm.standing import Standing, stand_by
 from ravq.swarm.session import TrainingSession
 from ravq.tuning import cpu_budget, peak_rss_bytes, usable_memory_bytes
 
@@ -97,15 +98,15 @@ class Node:
                                    max_tensor_bytes=self.sock_opts.max_message_bytes)
         self.ctx = zmq.asyncio.Context(io_threads=io_threads(self.sock_opts, cpu_budget()))
         self.membership = Membership(self.ctx, topology, name, metrics, self.limits, self.sock_opts)
-        self.churn = Churn(name=name, topology=topology, metrics=metrics, membership=self.membership,
-                           report=self.membership.report, fail=self.fail)
+        self.standing = Standing(name=name, metrics=metrics)
+        self.churn: Churn | None = None
         self.links: StageLinks | None = None
         self.worker: StageWorker | None = None
         self.cluster = self.stage = -1
         self.averager: Averager | None = None
         self.session: TrainingSession | None = None
         self.failure: str | None = None
-        self.stopping = Stopping(name=name, drain_s=topology.timeouts.drain_s, churn=self.churn,
+        self.stopping = Stopping(name=name, drain_s=topology.timeouts.drain_s, standing=self.standing,
                                  report=self.membership.report)
         self._force = self.stopping.force
         self.run_id: str | None = None  # the run this stage's weights belong to: the broker's (brokers.run)
@@ -139,17 +140,18 @@ class Node:
                         "checkpoint of the broker's run (a new run: `ravq broker --new-run`)", self.name)
         tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
         if not any(self.name in c.nodes for c in plan.clusters):
-            plan = await self.churn.standby(self._memory_bytes())
+            plan = await stand_by(name=self.name, standing=self.standing, report=self.membership.report,
+                                  memory_bytes=self._memory_bytes(), poll=self.membership.poll_snapshot,
+                                  interval_s=self.topology.timeouts.heartbeat_interval_s)
         self.cluster, self.stage = plan.locate(self.name)
-        self.churn.cluster = self.cluster
         self.metrics.set_role("node", self.cluster, self.stage)
-        self.rejoining = self.churn.rejoin_if_running(self.membership.cluster_state(self.cluster))
+        self.rejoining = self._rejoin_if_running()
         root, agreeing = self.topology.training.checkpoint_dir, None
         if root:  # refuse another run's checkpoints before the slow part; tell the cluster what we hold
             held = resume.check_run(root, cluster=self.cluster, stage=self.stage, run_id=self.run_id,
                                     explicit=self.membership.run_explicit, name=self.name)
             self.membership.report.checkpoints(held)
-            self.churn.beat_now.set()
+            self.standing.beat_now.set()
             self._resuming_at = held[0]["version"] if held else 0  # exported (and reported) from now on
             self.metrics.version.set(self._resuming_at)
             if not self.rejoining:  # the whole cluster starts: it resumes from one consistent point of the run
@@ -161,7 +163,7 @@ class Node:
             await asyncio.to_thread(self._load, built.worker, await agreeing)
         elif not self.rejoining:
             await self.membership.poll_snapshot()  # the broker's state now, not as this node registered
-        self.rejoining = self.rejoining or self.churn.rejoin_if_running(self.membership.cluster_state(self.cluster))
+        self.rejoining = self.rejoining or self._rejoin_if_running()
         self.worker = worker = built.worker
         self.startup.mark("build")
         self._derive_limits(built.largest_frame)
@@ -169,7 +171,7 @@ class Node:
         self._stage_bytes = weights * (3 + worker.options.max_inflight)
         cluster = plan.clusters[self.cluster]
         self.links = StageLinks(ctx=self.ctx, topology=self.topology, name=self.name, metrics=self.metrics,
-                                limits=self.limits, sock_opts=self.sock_opts, generation=lambda: self.churn.generation)
+                                limits=self.limits, sock_opts=self.sock_opts, generation=lambda: self.standing.generation)
         peers = set(worker.spec.consumer_stages) | set(worker.spec.producer_stages)
         peers |= {h for group in worker.spec.tied for h in group.holders if h != self.stage}  # tied copies' holders
         self.links.bind()
@@ -178,7 +180,7 @@ class Node:
             assert self._owners is not None  # computed with the stage, in the build thread
             ring = RingPort(self.ctx, self.topology, self.name, ring_peers(self._owners, self.name), self.metrics,
                             self.limits, self.sock_opts)
-            self.averager = Averager(topology=self.topology, plan=self.churn.current_plan, me=self.name,
+            self.averager = Averager(topology=self.topology, plan=self.membership.current_plan, me=self.name,
                                      cluster=self.cluster, worker=worker, model=built.model, task=self.task,
                                      metrics=self.metrics, port=ring, owners=self._owners,
                                      silent_s=self.membership.silent_s, run_id=self.run_id)
@@ -187,24 +189,29 @@ class Node:
                           links=self.links, ring=ring, names=[self.name] if self.rejoining else everyone,
                           cluster_nodes=cluster.nodes,
                           peers=peers | (set(worker.first_destinations()) if worker.is_first else set()))
-        self.churn.attach(plan=plan, cluster=self.cluster, worker=worker, averager=self.averager, links=self.links)
+        self.churn = Churn(name=self.name, topology=self.topology, metrics=self.metrics, broker=self.membership,
+                           report=self.membership.report, standing=self.standing, cluster=self.cluster, linked=plan,
+                           worker=worker, averager=self.averager, links=self.links, fail=self.fail)
         if self.averager is not None:  # after each optimizer step: the averaging round, then the checkpoint
             worker.subscribe_updates(self.averager.on_update)
         worker.subscribe_updates(self._after_update)
         t = self.topology.timeouts
         self.session = TrainingSession(name=self.name, worker=worker, outbox=self.links, ending=self.stopping,
-                                       averager=self.averager, set_phase=self.churn.set_phase,
+                                       averager=self.averager, set_phase=self.standing.set_phase,
                                        disrupted=self.membership.disrupted,
                                        final_round_s=t.give_up_s or max(t.connect_s, 3600.0))
         self.startup.mark("connect")
         if not self.rejoining:
             await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
-            self.churn.set_phase("training")
+            self.standing.set_phase("training")
         compress = self.topology.training.compress
         log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)", self.name,
                  self.cluster, self.stage, len(cluster.nodes), sum(p.numel() for p in worker.params.values()),
                  compress.pipeline, compress.ring)
         log.info("%s: %s", self.name, self.startup.line())
+
+    def _rejoin_if_running(self) -> bool:
+        return self.standing.rejoin_if_running(self.membership.cluster_state(self.cluster), self.cluster)
 
     def _memory_bytes(self) -> int:
         if self.config.memory_bytes is not None:
@@ -256,6 +263,7 @@ class Node:
         tg.create_task(self.membership.follow())
         tg.create_task(self._compute())
         tg.create_task(self._force_exit_watch())
+        assert self.churn is not None
         tg.create_task(self.churn.follow_cluster())
         tg.create_task(self.churn.watch_paused())
         tg.create_task(log_progress(self.name, self.worker, self.stats, self.topology.training.log_every,
@@ -294,17 +302,17 @@ class Node:
             worker.waited("checkpoint", time.monotonic() - t0)
 
     async def _heartbeats(self) -> None:
-        """A heartbeat every interval on a fixed cadence, and one at once when ``churn.beat_now`` is set
+        """A heartbeat every interval on a fixed cadence, and one at once when ``standing.beat_now`` is set
         (``ravq.swarm.membership.beat_on_cadence``)."""
 
         async def beat() -> None:
             await self.membership.heartbeat(self._progress(), self.stats(), done=False)
 
-        await beat_on_cadence(beat, self.topology.timeouts.heartbeat_interval_s, self.churn.beat_now)
+        await beat_on_cadence(beat, self.topology.timeouts.heartbeat_interval_s, self.standing.beat_now)
 
     def _progress(self) -> Progress:
-        return Progress(generation=self.churn.generation, phase=self.churn.phase, ready=self.churn.ready,
-                        trained=self.worker.trained if self.worker is not None else 0, stage_bytes=self._stage_bytes)
+        return self.standing.progress(trained=self.worker.trained if self.worker is not None else 0,
+                                      stage_bytes=self._stage_bytes)
 
     # ------------------------------------------------------------------ shutdown
     def _save_checkpoint(self) -> None:
@@ -312,9 +320,10 @@ class Node:
         worker, root = self.worker, self.topology.training.checkpoint_dir
         assert worker is not None and root is not None
         t0 = time.monotonic()
-        plan = self.churn.current_plan()
+        plan = self.membership.current_plan()
         rounds = self.averager.queue.completed if self.averager is not None else 0
-        extra = resume.lineage(worker, self.run_id, caught_up_from=self.churn.caught_up_from, epoch=plan.epoch,
+        caught_up_from = self.churn.caught_up_from if self.churn is not None else None
+        extra = resume.lineage(worker, self.run_id, caught_up_from=caught_up_from, epoch=plan.epoch,
                                clusters_in_rings=len(plan.clusters) - len(plan.excluded), rounds=rounds)
         save(worker, root, cluster=self.cluster, stage=self.stage, node=self.name, run_id=self.run_id,
              cluster_nodes=list(plan.clusters[self.cluster].nodes), extra=extra)
@@ -326,8 +335,8 @@ class Node:
         snap = worker.stats.snapshot() if worker is not None else {}
         ring = self.averager.stats() if self.averager is not None else {}
         return {**snap, **ring, **self.metrics.totals(_TOTALS), "name": self.name, "failure": self.failure,
-                "cluster": self.cluster, "stage": self.stage, "phase": self.churn.phase,
-                "generation": self.churn.generation,
+                "cluster": self.cluster, "stage": self.stage, "phase": self.standing.phase,
+                "generation": self.standing.generation,
                 "version": worker.version if worker else self._resuming_at, "trained": worker.trained if worker else 0,
                 "routes": {"pipeline": self.links.routes if self.links else {},
                            "ring": self.averager.port.routes if self.averager else {}}}

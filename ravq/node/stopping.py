@@ -17,15 +17,15 @@ import asyncio
 import logging
 
 from ravq.stage.pipeline import StageWorker
-from ravq.swarm.churn import Churn
 from ravq.swarm.report import NodeReport
+from ravq.swarm.standing import Standing
 
 log = logging.getLogger(__name__)
 
 
 class Stopping:
-    def __init__(self, *, name: str, drain_s: float, churn: Churn, report: NodeReport) -> None:
-        self.name, self.drain_s, self.churn, self.report = name, drain_s, churn, report
+    def __init__(self, *, name: str, drain_s: float, standing: Standing, report: NodeReport) -> None:
+        self.name, self.drain_s, self.standing, self.report = name, drain_s, standing, report
         self.force = asyncio.Event()
         """Set to end the node now (a second signal, drain_s after the first, a failure)."""
         self.draining = False
@@ -75,7 +75,7 @@ class Stopping:
             return
         self.leaving = True
         self.report.left()
-        self.churn.leave()
+        self.standing.leave()
         log.info("%s: leaving the run at step %d (%d micro-batch(es) in flight are redone by its cluster): a "
                  "final checkpoint, then exit; send again to force", self.name, worker.version,
                  worker.stats.inflight)

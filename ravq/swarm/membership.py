@@ -127,6 +127,11 @@ class Membership:
             return self.clusters[cluster]
         return {"state": "starting", "generation": 0, "trained": 0, "catchup": False, "reason": ""}
 
+    def current_plan(self) -> Plan:
+        """The broker's plan now (this node joined: it has one)."""
+        assert self.plan is not None
+        return self.plan
+
     def disrupted(self) -> bool:
         """Whether a cluster of the run was ever disrupted (its generation rose), as the broker last said."""
         return any(isinstance(c, dict) and c.get("generation", 0) > 0 for c in self.clusters)
