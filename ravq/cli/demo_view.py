@@ -8,7 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.live import Live
@@ -16,6 +16,14 @@ from rich.table import Table
 
 from ravq.cli.status import status_once
 from ravq.config import Topology
+
+
+class Followed(Protocol):
+    """What the view asks of the demo's processes (``ravq.cli.demo.Swarm``)."""
+
+    def running(self) -> list[str]: ...
+
+    def failed(self) -> list[str]: ...
 
 
 class RateMeter:
@@ -58,7 +66,7 @@ class LiveView:
         self.steps = topology.training.steps * max(1, len({n.cluster for n in topology.nodes}))
         self.rate = RateMeter()
 
-    def follow(self, swarm: Any, stall_s: float) -> bool:
+    def follow(self, swarm: Followed, stall_s: float) -> bool:
         """Until every node exits; False if one failed, or if no node made progress for ``stall_s``
         seconds (0: wait forever).  A long healthy run is never cut short: only a stalled one is."""
 

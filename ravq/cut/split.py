@@ -128,7 +128,7 @@ def even_cuts(candidates: list[str], num_stages: int) -> list[str]:
     return [candidates[round(i * slots / num_stages) - 1] for i in range(1, num_stages)]
 
 
-def _source(node: Any, stage_of: dict[fx.Node, int], input_index: dict[fx.Node, int]) -> InputRef:
+def _source(node: object, stage_of: dict[fx.Node, int], input_index: dict[fx.Node, int]) -> InputRef:
     if not isinstance(node, fx.Node):
         raise SplitError(f"unsupported value crossing a stage cut: {node!r}")
     if node.op == "placeholder":

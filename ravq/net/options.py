@@ -8,11 +8,32 @@ Plain data without ZeroMQ, so the layers that must not import it (a stage's fram
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 CONTROL_FRAME_BYTES = 1 << 20
 """ZMQ_MAXMSGSIZE of sockets that carry no tensors (broker, status) unless limits.max_message_bytes is set.
 A node raises its data sockets' limit to what its stage can legitimately receive (ravq.stage.frames)."""
+
+
+class SocketGuard(Protocol):
+    """What sockets ask of ``SocketOptions.curve``: a ``ravq.net.security.Curve`` (named by this Protocol
+    because this module stays free of ZeroMQ and of the modules that import it).  ``sock``: a ZeroMQ
+    socket."""
+
+    def make_server(self, sock: Any, name: str, *, count_closed: bool = True) -> None: ...
+
+    def make_client(self, sock: Any, peer: str) -> None: ...
+
+
+class SocketWatch(Protocol):
+    """What sockets and their process ask of ``SocketOptions.monitor``: a
+    ``ravq.net.connections.ConnectionMonitor`` (the Curve, with CURVE).  ``sock``: a ZeroMQ socket."""
+
+    def watch(self, sock: Any, name: str, *, count_closed: bool = True) -> None: ...
+
+    async def serve(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -25,11 +46,11 @@ class SocketOptions:
     """High-water mark: a second guard behind credit-based flow control."""
     linger_ms: int = 1000
     """How long close() may wait to flush queued messages."""
-    curve: Any = None
+    curve: SocketGuard | None = None
     """A ``ravq.net.security.Curve`` (keys and ZAP authenticator) or None for plaintext."""
-    monitor: Any = None
-    """A ``ravq.net.security.ConnectionMonitor`` that counts failed and dropped connections of server sockets
-    (the Curve, with CURVE); None: not watched."""
+    monitor: SocketWatch | None = None
+    """A ``ravq.net.connections.ConnectionMonitor`` that counts failed and dropped connections of server
+    sockets (the Curve, with CURVE); None: not watched."""
     copy_threshold_bytes: int = 64 << 10
     """Frames smaller than this are copied into ZeroMQ; larger ones are sent without a copy.
 

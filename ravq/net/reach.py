@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
+
+if TYPE_CHECKING:
+    from ravq.net.security import Curve
 
 REACHABLE, BEHIND_NAT = "reachable", "behind_nat"
 _EVENTS = (
@@ -27,7 +30,7 @@ _EVENTS = (
 )
 
 
-async def dial_back(ctx: zmq.asyncio.Context, addr: str, timeout_s: float, curve: Any = None,
+async def dial_back(ctx: zmq.asyncio.Context, addr: str, timeout_s: float, curve: Curve | None = None,
                     peer: str = "") -> bool:
     """Whether a ZeroMQ handshake with ``addr`` succeeds within ``timeout_s`` (``curve``: this process's
     ``Curve``, pinning ``peer``'s listed key)."""

@@ -36,6 +36,7 @@ from ravq.metrics import Metrics
 from ravq.net.connections import MAX_WARNED, ConnectionMonitor
 
 if TYPE_CHECKING:
+    from ravq.config import Topology
     from ravq.net.options import SocketOptions
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class Curve(ConnectionMonitor):
         self._zap: dict[int, zmq.asyncio.Socket] = {}  # id(context) -> bound ZAP socket
 
     @classmethod
-    def from_topology(cls, topo: Any, name: str, key_dir: str | Path | None, metrics: Metrics) -> Curve:
+    def from_topology(cls, topo: Topology, name: str, key_dir: str | Path | None, metrics: Metrics) -> Curve:
         """The Curve of node ``name`` (or of the broker, ``name="broker"``) in topology ``topo``.
 
         ``key_dir`` defaults to ``topo.security.key_dir``; the secret there must belong to the public
@@ -358,7 +359,8 @@ class Curve(ConnectionMonitor):
         )
 
 
-def socket_options_for(topo: Any, name: str, key_dir: str | Path | None, metrics: Metrics) -> SocketOptions:
+def socket_options_for(topo: Topology, name: str, key_dir: str | Path | None,
+                       metrics: Metrics) -> SocketOptions:
     """Socket options of process ``name`` (a node or "broker"): CURVE when the topology asks for it."""
     from ravq.net.options import CONTROL_FRAME_BYTES, SocketOptions  # not at import: keygen needs no sockets
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ravq.simulate.training import Simulation
+from ravq.simulate.world import World
 
 
 @dataclass(kw_only=True, slots=True)
@@ -159,7 +160,7 @@ def collect(sim: Simulation) -> SimResult:
         clusters=clusters, nodes=nodes, events=sim.q.events, settings=asdict(s))
 
 
-def simulate(world: Any, until: float = math.inf) -> SimResult:
+def simulate(world: World, until: float = math.inf) -> SimResult:
     """Run ``world`` (a ``World``) to the end (or ``until`` simulated seconds) and collect the results."""
     sim = Simulation(world)
     sim.run(until)

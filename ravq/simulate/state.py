@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from ravq.simulate.world import StageSpec
 
@@ -35,7 +34,7 @@ class Node:
     last: bool
     epoch: int = 0
     busy: bool = False
-    blocked: Any = None
+    blocked: NodeRound | str | None = None
     """What the compute thread waits for: a NodeRound, "queue", or None."""
     blocked_since: float = 0.0
     fwd_queue: deque[int] = field(default_factory=deque)
