@@ -13,6 +13,14 @@ from ravq.stage.pipeline import StageWorker
 
 log = logging.getLogger("ravq.node")  # the node's own lines, as they always were
 
+TOTALS = {"pauses": ("ravq_pauses_total", {}), "bytes_sent": ("ravq_bytes_sent_total", {}),
+          "bytes_received": ("ravq_bytes_received_total", {}),
+          "bad_messages": ("ravq_bad_messages_total", {}),
+          "ring_bytes_sent": ("ravq_bytes_sent_total", {"socket": "ring"}),
+          "payload_wire_bytes_sent": ("ravq_payload_wire_bytes_total", {"direction": "sent"}),
+          "payload_logical_bytes_sent": ("ravq_payload_logical_bytes_total", {"direction": "sent"})}
+"""The metric totals a node's statistics carry (``ravq.node.root.Node.stats``), read in one pass."""
+
 
 async def log_progress(name: str, worker: StageWorker, stats: Callable[[], dict[str, Any]], every: int,
                        steps: int) -> None:
@@ -25,10 +33,11 @@ async def log_progress(name: str, worker: StageWorker, stats: Callable[[], dict[
         st, now = stats(), time.monotonic()
         rate = (st["samples"] - last_samples) / max(now - last_t, 1e-9)
         last_t, last_samples = now, st["samples"]
-        loss = f"loss {st['loss_recent']:.4f}" if st.get("loss_recent") is not None else "no loss (not last stage)"
+        recent = st.get("loss_recent")
+        loss = f"loss {recent:.4f}" if recent is not None else "no loss (not last stage)"
         ring = (f"; averaging {st['allreduce_rounds']} rounds, {st['allreduce_aborts']} aborted, "
                 f"{st['averaging_waits']} waits ({st['averaging_wait_seconds']:.1f}s)"
                 if "allreduce_rounds" in st else "")
-        log.info("%s: step %d, micro-batch %d/%d, %s, %.1f samples/s, staleness %.2f (max %d), busy %.0f%%, "
-                 "%d in flight%s", name, worker.version, st["trained"], steps, loss,
-                 rate, st["staleness_mean"], st["staleness_max"], 100 * st["busy_fraction"], st["inflight"], ring)
+        log.info("%s: step %d, micro-batch %d/%d, %s, %.1f samples/s, staleness %.2f (max %d), "
+                 "busy %.0f%%, %d in flight%s", name, worker.version, st["trained"], steps, loss, rate,
+                 st["staleness_mean"], st["staleness_max"], 100 * st["busy_fraction"], st["inflight"], ring)

@@ -1,19 +1,13 @@
-"""One node's lifecycle: create -> run -> shutdown.
+"""One node's lifecycle: create -> run -> shutdown.  This module only composes the parts.
 
-``create`` joins the broker (snapshot + subscription, clone pattern), learns this node's cluster and
-stage from the plan, builds its stage and binds its sockets.  ``run`` owns every task in one
-TaskGroup: socket readers, the sender, heartbeats, averaging and the compute thread (the only place
-torch trains).  ``shutdown`` writes the final checkpoint and summary and closes every socket.
-
-Churn: the node follows its cluster's state as the broker publishes it (``brokers.book``).  When a
-member is lost or restarts, the cluster's generation rises: the node pauses (its stage drops the work
-in flight and keeps weights and optimizer), and once every member is up again it catches up (from
-live holders in other clusters when the broker says so) and reports ready; when all are ready the
-broker lets the cluster train again.  A node exits only on a signal, at the end of training, or after
-``timeouts.give_up_s`` paused.  A node that starts while its cluster is not starting (it restarted)
-loads its checkpoint, if any, and joins through the same recovery.  ``ravq.swarm.churn.Churn`` owns that
-state; this module only composes the parts.  Every stage resumes from its run's checkpoints
-(``ravq.swarm.resume``); a signal while the run goes on is a leave (``ravq.node.stopping``).
+``create`` joins the broker (``ravq.swarm.membership``), learns this node's cluster and stage from the
+plan (standing by until it has one), builds its stage and then, in dependency order, its pipeline links,
+ring sockets and averager, churn (``ravq.swarm.churn``: pause, catch up, resume) and the training
+session (``ravq.swarm.session``).  ``run`` owns every task in one TaskGroup: socket readers, the sender,
+heartbeats, averaging and the compute thread (the only place torch trains).  ``shutdown`` writes the
+final checkpoint (``ravq.node.checkpoints``) and summary and closes every socket.  A node exits only on
+a signal (a leave while the run goes on: ``ravq.node.stopping``), at the end of training, or after
+``timeouts.give_up_s`` paused; every stage resumes from its run's checkpoints (``ravq.swarm.resume``).
 """
 
 from __future__ import annotations
@@ -41,31 +35,25 @@ from ravq.net.listen import serve_metrics
 from ravq.net.options import io_threads
 from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits
+from ravq.node.checkpoints import StageCheckpoints
 from ravq.node.pipeline_links import StageLinks
-from ravq.node.progress import log_progress
+from ravq.node.progress import TOTALS, log_progress
 from ravq.node.ring_port import RingPort
 from ravq.node.routes import open_routes
 from ravq.node.stopping import Stopping
 from ravq.persist import checkpoint
-from ravq.stage.build import BuiltStage, build_stage, save
+from ravq.stage.build import BuiltStage, build_stage
 from ravq.stage.frames import derived_max_message_bytes
 from ravq.stage.pipeline import StageWorker
 from ravq.swarm import resume
 from ravq.swarm.churn import Churn
 from ravq.swarm.membership import Membership, beat_on_cadence
 from ravq.swarm.report import Progress
-from ravq.swarm.standing import Standing, stand_by
 from ravq.swarm.session import TrainingSession
+from ravq.swarm.standing import Standing, stand_by
 from ravq.tuning import cpu_budget, peak_rss_bytes, usable_memory_bytes
 
 log = logging.getLogger(__name__)
-
-
-_TOTALS = {"pauses": ("ravq_pauses_total", {}), "bytes_sent": ("ravq_bytes_sent_total", {}),  # Node.stats, one pass
-           "bytes_received": ("ravq_bytes_received_total", {}), "bad_messages": ("ravq_bad_messages_total", {}),
-           "ring_bytes_sent": ("ravq_bytes_sent_total", {"socket": "ring"}),
-           "payload_wire_bytes_sent": ("ravq_payload_wire_bytes_total", {"direction": "sent"}),
-           "payload_logical_bytes_sent": ("ravq_payload_logical_bytes_total", {"direction": "sent"})}
 
 
 class _Finished(Exception):
@@ -105,6 +93,7 @@ class Node:
         self.cluster = self.stage = -1
         self.averager: Averager | None = None
         self.session: TrainingSession | None = None
+        self.checkpoints: StageCheckpoints | None = None
         self.failure: str | None = None
         self.stopping = Stopping(name=name, drain_s=topology.timeouts.drain_s, standing=self.standing,
                                  report=self.membership.report)
@@ -124,20 +113,50 @@ class Node:
 
     # ------------------------------------------------------------------ create
     async def create(self, tg: asyncio.TaskGroup) -> None:
+        """Join, learn this node's stage, build it and its sockets, and wait for the cluster."""
         self.startup.mark("imports")
+        self._set_threads()
+        if self.config.metrics_port is not None:
+            serve_metrics(self.metrics, self.config.metrics_port, self.config.bind_host or self.config.host)
+        plan = await self._join(tg)
+        agreeing = self._check_checkpoints(tg, plan)
+        self.startup.mark("checkpoints")
+        built = await in_daemon_thread(self._build_stage, plan)  # a stop need not wait for the tracer
+        if agreeing is not None:  # it returns once every member reported to the broker: its state is current
+            await asyncio.to_thread(self._load, built.worker, await agreeing)
+        elif not self.rejoining:
+            await self.membership.poll_snapshot()  # the broker's state now, not as this node registered
+        self.rejoining = self.rejoining or self._rejoin_if_running()
+        self.worker = built.worker
+        self.checkpoints = self._checkpoints()
+        self.startup.mark("build")
+        everyone = await self._wire(built, plan)
+        self.startup.mark("connect")
+        if not self.rejoining:
+            await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
+            self.standing.set_phase("training")
+        compress, nodes = self.topology.training.compress, len(plan.clusters[self.cluster].nodes)
+        parameters = sum(p.numel() for p in built.worker.params.values())
+        log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)",
+                 self.name, self.cluster, self.stage, nodes, parameters, compress.pipeline, compress.ring)
+        log.info("%s: %s", self.name, self.startup.line())
+
+    def _set_threads(self) -> None:
         threads = self.options.threads or cpu_budget()
         if self.options.threads or threads < torch.get_num_threads():
             torch.set_num_threads(threads)  # torch alone sizes its pool by the cores, not the cgroup quota
         log.info("%s: torch uses %d thread(s)%s", self.name, torch.get_num_threads(),
                  "" if self.options.threads else " (CPU affinity and cgroup quota)")
-        if self.config.metrics_port is not None:
-            serve_metrics(self.metrics, self.config.metrics_port, self.config.bind_host or self.config.host)
+
+    async def _join(self, tg: asyncio.TaskGroup) -> Plan:
+        """Register with the broker, start the heartbeats, stand by until the plan has this node; the plan."""
         plan = await self.membership.join()
         self.run_id = self.membership.run_id
         self.startup.mark("join")
         if self.topology.training.resume is not None:
-            log.warning("%s: training.resume is deprecated and ignored: a node always resumes from the newest "
-                        "checkpoint of the broker's run (a new run: `ravq broker --new-run`)", self.name)
+            log.warning("%s: training.resume is deprecated and ignored: a node always resumes from the "
+                        "newest checkpoint of the broker's run (a new run: `ravq broker --new-run`)",
+                        self.name)
         tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
         if not any(self.name in c.nodes for c in plan.clusters):
             plan = await stand_by(name=self.name, standing=self.standing, report=self.membership.report,
@@ -146,69 +165,76 @@ class Node:
         self.cluster, self.stage = plan.locate(self.name)
         self.metrics.set_role("node", self.cluster, self.stage)
         self.rejoining = self._rejoin_if_running()
-        root, agreeing = self.topology.training.checkpoint_dir, None
-        if root:  # refuse another run's checkpoints before the slow part; tell the cluster what we hold
-            held = resume.check_run(root, cluster=self.cluster, stage=self.stage, run_id=self.run_id,
-                                    explicit=self.membership.run_explicit, name=self.name)
-            self.membership.report.checkpoints(held)
-            self.standing.beat_now.set()
-            self._resuming_at = held[0]["version"] if held else 0  # exported (and reported) from now on
-            self.metrics.version.set(self._resuming_at)
-            if not self.rejoining:  # the whole cluster starts: it resumes from one consistent point of the run
-                agreeing = tg.create_task(resume.agree(self.membership, plan.clusters[self.cluster].nodes, self.name,
-                                                       self.topology.timeouts.connect_s))
-        self.startup.mark("checkpoints")
-        built = await in_daemon_thread(self._build_stage, plan)  # a stop meanwhile need not wait for the tracer
-        if agreeing is not None:  # it returns once every member reported to the broker: its state is current
-            await asyncio.to_thread(self._load, built.worker, await agreeing)
-        elif not self.rejoining:
-            await self.membership.poll_snapshot()  # the broker's state now, not as this node registered
-        self.rejoining = self.rejoining or self._rejoin_if_running()
-        self.worker = worker = built.worker
-        self.startup.mark("build")
+        return plan
+
+    def _check_checkpoints(self, tg: asyncio.TaskGroup, plan: Plan) -> asyncio.Task[int | None] | None:
+        """Refuse another run's checkpoints before the slow part and tell the cluster what this stage
+        holds; a cluster that starts as a whole agrees on one consistent point (the task returns it)."""
+        root = self.topology.training.checkpoint_dir
+        if not root:
+            return None
+        held = resume.check_run(root, cluster=self.cluster, stage=self.stage, run_id=self.run_id,
+                                explicit=self.membership.run_explicit, name=self.name)
+        self.membership.report.checkpoints(held)
+        self.standing.beat_now.set()
+        self._resuming_at = held[0]["version"] if held else 0  # exported (and reported) from now on
+        self.metrics.version.set(self._resuming_at)
+        if self.rejoining:
+            return None
+        return tg.create_task(resume.agree(self.membership, plan.clusters[self.cluster].nodes, self.name,
+                                           self.topology.timeouts.connect_s))
+
+    async def _wire(self, built: BuiltStage, plan: Plan) -> list[str]:
+        """The stage's sockets, averager, churn and session, in that order; whom the node waits for."""
+        worker = built.worker
         self._derive_limits(built.largest_frame)
         weights = sum(t.numel() * t.element_size() for t in {**worker.params, **worker.buffers}.values())
         self._stage_bytes = weights * (3 + worker.options.max_inflight)
         cluster = plan.clusters[self.cluster]
-        self.links = StageLinks(ctx=self.ctx, topology=self.topology, name=self.name, metrics=self.metrics,
-                                limits=self.limits, sock_opts=self.sock_opts, generation=lambda: self.standing.generation)
+        self.links = links = StageLinks(ctx=self.ctx, topology=self.topology, name=self.name,
+                                        metrics=self.metrics, limits=self.limits, sock_opts=self.sock_opts,
+                                        generation=lambda: self.standing.generation)
         peers = set(worker.spec.consumer_stages) | set(worker.spec.producer_stages)
-        peers |= {h for group in worker.spec.tied for h in group.holders if h != self.stage}  # tied copies' holders
-        self.links.bind()
+        peers |= {h for group in worker.spec.tied for h in group.holders if h != self.stage}  # tied copies
+        links.bind()
         ring: RingPort | None = None
         if len(plan.clusters) > 1:  # the ring sockets, then the averager they serve
             assert self._owners is not None  # computed with the stage, in the build thread
-            ring = RingPort(self.ctx, self.topology, self.name, ring_peers(self._owners, self.name), self.metrics,
-                            self.limits, self.sock_opts)
+            ring = RingPort(self.ctx, self.topology, self.name, ring_peers(self._owners, self.name),
+                            self.metrics, self.limits, self.sock_opts)
             self.averager = Averager(topology=self.topology, plan=self.membership.current_plan, me=self.name,
                                      cluster=self.cluster, worker=worker, model=built.model, task=self.task,
                                      metrics=self.metrics, port=ring, owners=self._owners,
                                      silent_s=self.membership.silent_s, run_id=self.run_id)
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
-        await open_routes(name=self.name, topology=self.topology, membership=self.membership, metrics=self.metrics,
-                          links=self.links, ring=ring, names=[self.name] if self.rejoining else everyone,
-                          cluster_nodes=cluster.nodes,
+        await open_routes(name=self.name, topology=self.topology, membership=self.membership,
+                          metrics=self.metrics, links=links, ring=ring,
+                          names=[self.name] if self.rejoining else everyone, cluster_nodes=cluster.nodes,
                           peers=peers | (set(worker.first_destinations()) if worker.is_first else set()))
-        self.churn = Churn(name=self.name, topology=self.topology, metrics=self.metrics, broker=self.membership,
-                           report=self.membership.report, standing=self.standing, cluster=self.cluster, linked=plan,
-                           worker=worker, averager=self.averager, links=self.links, fail=self.fail)
+        self.churn = Churn(name=self.name, topology=self.topology, metrics=self.metrics,
+                           broker=self.membership, report=self.membership.report, standing=self.standing,
+                           cluster=self.cluster, linked=plan, worker=worker, averager=self.averager,
+                           links=links, fail=self.fail)
         if self.averager is not None:  # after each optimizer step: the averaging round, then the checkpoint
             worker.subscribe_updates(self.averager.on_update)
-        worker.subscribe_updates(self._after_update)
+        if self.checkpoints is not None:
+            worker.subscribe_updates(self.checkpoints.on_update)
         t = self.topology.timeouts
-        self.session = TrainingSession(name=self.name, worker=worker, outbox=self.links, ending=self.stopping,
+        self.session = TrainingSession(name=self.name, worker=worker, outbox=links, ending=self.stopping,
                                        averager=self.averager, set_phase=self.standing.set_phase,
                                        disrupted=self.membership.disrupted,
                                        final_round_s=t.give_up_s or max(t.connect_s, 3600.0))
-        self.startup.mark("connect")
-        if not self.rejoining:
-            await self.membership.wait_for(everyone, self.topology.timeouts.connect_s)
-            self.standing.set_phase("training")
-        compress = self.topology.training.compress
-        log.info("%s: cluster %d stage %d/%d ready (%d parameters; compression: pipeline %s, ring %s)", self.name,
-                 self.cluster, self.stage, len(cluster.nodes), sum(p.numel() for p in worker.params.values()),
-                 compress.pipeline, compress.ring)
-        log.info("%s: %s", self.name, self.startup.line())
+        return everyone
+
+    def _checkpoints(self) -> StageCheckpoints | None:
+        root = self.topology.training.checkpoint_dir
+        if not root:
+            return None
+        return StageCheckpoints(
+            root=root, every=self.topology.training.checkpoint_every, name=self.name, cluster=self.cluster,
+            stage=self.stage, run_id=self.run_id, metrics=self.metrics, plan=self.membership.current_plan,
+            rounds=lambda: self.averager.queue.completed if self.averager is not None else 0,
+            caught_up_from=lambda: self.churn.caught_up_from if self.churn is not None else None)
 
     def _rejoin_if_running(self) -> bool:
         return self.standing.rejoin_if_running(self.membership.cluster_state(self.cluster), self.cluster)
@@ -232,7 +258,8 @@ class Node:
 
     def _build_stage(self, plan: Plan) -> BuiltStage:
         training = self.topology.training
-        built = build_stage(self.task, training, seed=self.topology.seed, cuts=list(plan.clusters[self.cluster].cuts),
+        cuts = list(plan.clusters[self.cluster].cuts)
+        built = build_stage(self.task, training, seed=self.topology.seed, cuts=cuts,
                             stage=self.stage, cluster=self.cluster, clusters=len(plan.clusters),
                             device=self.config.device, metrics=self.metrics)
         if len(plan.clusters) > 1:  # traces the other clusters' cuts: here, not on the event loop
@@ -262,7 +289,7 @@ class Node:
         tg.create_task(self.links.send_loop())
         tg.create_task(self.membership.follow())
         tg.create_task(self._compute())
-        tg.create_task(self._force_exit_watch())
+        tg.create_task(self.until_forced())
         assert self.churn is not None
         tg.create_task(self.churn.follow_cluster())
         tg.create_task(self.churn.watch_paused())
@@ -284,7 +311,8 @@ class Node:
             log.info("%s: %s while starting: stopping before training", self.name, sig.name)
         self._force.set()
 
-    async def _force_exit_watch(self) -> None:
+    async def until_forced(self) -> None:
+        """End the TaskGroup (``_Finished``) once the node is forced out: a signal, a failure."""
         await self._force.wait()
         raise _Finished
 
@@ -292,14 +320,6 @@ class Node:
         assert self.session is not None
         await self.session.run()
         raise _Finished
-
-    def _after_update(self, worker: StageWorker) -> None:
-        """After each optimizer step (and its averaging round), in the compute thread: periodic checkpoint."""
-        every, root = self.topology.training.checkpoint_every, self.topology.training.checkpoint_dir
-        if every and root and worker.version % every == 0 and not worker.paused:
-            t0 = time.monotonic()
-            self._save_checkpoint()
-            worker.waited("checkpoint", time.monotonic() - t0)
 
     async def _heartbeats(self) -> None:
         """A heartbeat every interval on a fixed cadence, and one at once when ``standing.beat_now`` is set
@@ -315,36 +335,22 @@ class Node:
                                       stage_bytes=self._stage_bytes)
 
     # ------------------------------------------------------------------ shutdown
-    def _save_checkpoint(self) -> None:
-        """Runs in the compute thread (from on_update) or after it ended."""
-        worker, root = self.worker, self.topology.training.checkpoint_dir
-        assert worker is not None and root is not None
-        t0 = time.monotonic()
-        plan = self.membership.current_plan()
-        rounds = self.averager.queue.completed if self.averager is not None else 0
-        caught_up_from = self.churn.caught_up_from if self.churn is not None else None
-        extra = resume.lineage(worker, self.run_id, caught_up_from=caught_up_from, epoch=plan.epoch,
-                               clusters_in_rings=len(plan.clusters) - len(plan.excluded), rounds=rounds)
-        save(worker, root, cluster=self.cluster, stage=self.stage, node=self.name, run_id=self.run_id,
-             cluster_nodes=list(plan.clusters[self.cluster].nodes), extra=extra)
-        self.metrics.checkpoints.inc()
-        self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
-
     def stats(self) -> dict[str, Any]:
         worker = self.worker
         snap = worker.stats.snapshot() if worker is not None else {}
         ring = self.averager.stats() if self.averager is not None else {}
-        return {**snap, **ring, **self.metrics.totals(_TOTALS), "name": self.name, "failure": self.failure,
+        return {**snap, **ring, **self.metrics.totals(TOTALS), "name": self.name, "failure": self.failure,
                 "cluster": self.cluster, "stage": self.stage, "phase": self.standing.phase,
                 "generation": self.standing.generation,
-                "version": worker.version if worker else self._resuming_at, "trained": worker.trained if worker else 0,
+                "version": worker.version if worker else self._resuming_at,
+                "trained": worker.trained if worker else 0,
                 "routes": {"pipeline": self.links.routes if self.links else {},
                            "ring": self.averager.port.routes if self.averager else {}}}
 
     async def shutdown(self) -> None:
         t0 = time.monotonic()
-        if self.worker is not None and self.topology.training.checkpoint_dir:
-            await asyncio.to_thread(self._save_checkpoint)
+        if self.worker is not None and self.checkpoints is not None:
+            await asyncio.to_thread(self.checkpoints.save, self.worker)
         saved = time.monotonic() - t0
         if self.worker is not None:
             with contextlib.suppress(Exception):
@@ -352,7 +358,8 @@ class Node:
         if self.options.summary_path:
             st = self.worker.stats if self.worker else None
             final = {**self.stats(), "loss_history": st.loss_history if st else [],
-                     "update_times": list(st.update_times) if st else [], "completed": st.completed if st else [],
+                     "update_times": list(st.update_times) if st else [],
+                     "completed": st.completed if st else [],
                      "final_round": bool(self.averager and self.averager.final_done),
                      "ended": self.stopping.ended(self.failure), "peak_rss_bytes": peak_rss_bytes()}
             Path(self.options.summary_path).write_text(json.dumps(final))
@@ -364,8 +371,8 @@ class Node:
         if self.sock_opts.monitor is not None:
             self.sock_opts.monitor.close()
         self.ctx.term()
-        log.info("%s: %s; shut down in %.2fs (final checkpoint %.2fs)", self.name, self.stopping.ended(self.failure),
-                 time.monotonic() - t0, saved)
+        log.info("%s: %s; shut down in %.2fs (final checkpoint %.2fs)", self.name,
+                 self.stopping.ended(self.failure), time.monotonic() - t0, saved)
 
 
 async def run_node(topology: Topology, name: str, options: NodeOptions) -> str | None:
@@ -379,7 +386,7 @@ async def run_node(topology: Topology, name: str, options: NodeOptions) -> str |
         async with asyncio.TaskGroup() as tg:
             if node.sock_opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
                 tg.create_task(node.sock_opts.monitor.serve())
-            starting = tg.create_task(node._force_exit_watch())  # a signal or failure now ends create()
+            starting = tg.create_task(node.until_forced())  # a signal or failure now ends create()
             await node.create(tg)
             starting.cancel()
             node.start(tg)
