@@ -62,10 +62,6 @@ def override_warnings(topology: Topology, plan: Plan, profiles: list[Any]) -> li
             )
             parts.append(f"{field}: {value:g}{ratio}")
         details.append(f"{name} ({'; '.join(parts)})")
-    return [
-        (
-            f"the plan leaves {len(idle)} node(s) idle ({', '.join(idle)}) while the topology overrides "
-            f"measured values of {', '.join(details)}: check that these overrides describe those PCs "
-            "(an override copied from an example makes a node look faster or bigger than it is)"
-        )
-    ]
+    return [(f"the plan leaves {len(idle)} node(s) idle ({', '.join(idle)}) while the topology overrides "
+             f"measured values of {', '.join(details)}: check that these overrides describe those PCs "
+             "(an override copied from an example makes a node look faster or bigger than it is)")]

@@ -44,41 +44,11 @@ def _param_to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> 
     return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
 
-_VALUE_OPS = frozenset(
-    {
-        "normal_",
-        "uniform_",
-        "trunc_normal_",
-        "xavier_uniform_",
-        "xavier_normal_",
-        "kaiming_uniform_",
-        "kaiming_normal_",
-        "orthogonal_",
-        "sparse_",
-        "constant_",
-        "ones_",
-        "zeros_",
-        "eye_",
-        "dirac_",
-        "exponential_",
-        "log_normal_",
-        "cauchy_",
-        "geometric_",
-        "random_",
-        "bernoulli_",
-        "fill_",
-        "zero_",
-        "copy_",
-        "erfinv_",
-        "mul_",
-        "add_",
-        "sub_",
-        "div_",
-        "clamp_",
-        "clamp_min_",
-        "clamp_max_",
-    }
-)
+_VALUE_OPS = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+    "kaiming_normal_", "orthogonal_", "sparse_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "exponential_", "log_normal_", "cauchy_", "geometric_", "random_", "bernoulli_", "fill_", "zero_",
+    "copy_", "erfinv_", "mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "clamp_max_"})
 """In-place ops that only set values (what initialisers do): nothing to do on a meta tensor."""
 
 

@@ -12,17 +12,5 @@ from ravq.simulate.report import ClusterResult, NodeResult, SimResult, collect, 
 from ravq.simulate.training import Simulation
 from ravq.simulate.world import SegmentSpec, Settings, StageSpec, World, build_world, ring_segments
 
-__all__ = [
-    "ClusterResult",
-    "NodeResult",
-    "SegmentSpec",
-    "Settings",
-    "SimResult",
-    "Simulation",
-    "StageSpec",
-    "World",
-    "build_world",
-    "collect",
-    "ring_segments",
-    "simulate",
-]
+__all__ = ["ClusterResult", "NodeResult", "SegmentSpec", "Settings", "SimResult", "Simulation", "StageSpec",
+           "World", "build_world", "collect", "ring_segments", "simulate"]
