@@ -23,7 +23,7 @@ from ravq.config import Topology, parse_topology
 from ravq.metrics import Metrics
 from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits, Message
-from ravq.swarm.membership import Membership, beat_on_cadence
+from ravq.node.membership import Membership, beat_on_cadence
 from ravq.swarm.report import Progress
 from tests.swarm import local_topology
 from tests.virtual_time import now, run_virtual

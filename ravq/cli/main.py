@@ -134,7 +134,7 @@ def _run_node(args: argparse.Namespace) -> int:
     check_device(topology, args.name)
     tune_process()  # before the node allocates its buffers and ZeroMQ its first frames
     install_uvloop()
-    from ravq.swarm.membership import BrokerUnavailable
+    from ravq.node.membership import BrokerUnavailable
 
     options = NodeOptions(summary_path=args.summary, threads=args.threads, key_dir=args.key_dir)
     try:

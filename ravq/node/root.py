@@ -1,6 +1,6 @@
 """One node's lifecycle: create -> run -> shutdown.  This module only composes the parts.
 
-``create`` joins the broker (``ravq.swarm.membership``), learns this node's cluster and stage from the
+``create`` joins the broker (``ravq.node.membership``), learns this node's cluster and stage from the
 plan (standing by until it has one), builds its stage and then, in dependency order, its pipeline links,
 ring sockets and averager, churn (``ravq.swarm.churn``: pause, catch up, resume) and the training
 session (``ravq.swarm.session``).  ``run`` owns every task in one TaskGroup: socket readers, the sender,
@@ -36,6 +36,7 @@ from ravq.net.options import io_threads
 from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits
 from ravq.node.checkpoints import StageCheckpoints
+from ravq.node.membership import Membership, beat_on_cadence
 from ravq.node.pipeline_links import StageLinks
 from ravq.node.progress import TOTALS, log_progress
 from ravq.node.ring_port import RingPort
@@ -47,7 +48,6 @@ from ravq.stage.frames import derived_max_message_bytes
 from ravq.stage.pipeline import StageWorker
 from ravq.swarm import resume
 from ravq.swarm.churn import Churn
-from ravq.swarm.membership import Membership, beat_on_cadence
 from ravq.swarm.report import Progress
 from ravq.swarm.session import TrainingSession
 from ravq.swarm.standing import Standing, stand_by
@@ -71,7 +71,7 @@ class NodeOptions:
 
 
 class Node:
-    """The composition root of one node: membership (``ravq.swarm.membership``), churn
+    """The composition root of one node: membership (``ravq.node.membership``), churn
     (``ravq.swarm.churn``), the pipeline links (``ravq.node.pipeline_links``), the stage
     (``ravq.stage``) and averaging (``ravq.average``), each owning its own state."""
 
@@ -323,7 +323,7 @@ class Node:
 
     async def _heartbeats(self) -> None:
         """A heartbeat every interval on a fixed cadence, and one at once when ``standing.beat_now`` is set
-        (``ravq.swarm.membership.beat_on_cadence``)."""
+        (``ravq.node.membership.beat_on_cadence``)."""
 
         async def beat() -> None:
             await self.membership.heartbeat(self._progress(), self.stats(), done=False)

@@ -8,9 +8,9 @@ import logging
 from ravq.config import Topology
 from ravq.config.routes import declared_reach
 from ravq.metrics import Metrics
+from ravq.node.membership import Membership
 from ravq.node.pipeline_links import StageLinks
 from ravq.node.ring_port import RingPort
-from ravq.swarm.membership import Membership
 
 log = logging.getLogger("ravq.node")  # the node's own lines
 

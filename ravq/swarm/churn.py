@@ -41,7 +41,7 @@ class PipelineLinks(Protocol):
 
 
 class BrokerView(Protocol):
-    """The broker's state as the node follows it (``ravq.swarm.membership.Membership``)."""
+    """The broker's state as the node follows it (``ravq.swarm.membership.MembershipState``)."""
 
     @property
     def plan(self) -> Plan | None:

@@ -19,17 +19,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
+from ravq.config import Plan
 from ravq.metrics import Metrics
 from ravq.persist import checkpoint
 from ravq.persist.checkpoint import CheckpointError
 from ravq.persist.lineage import Point, consistent_choice, describe
 from ravq.stage.build import resume
 from ravq.stage.pipeline import StageWorker
-from ravq.swarm.membership import Membership
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointReports(Protocol):
+    """What the cluster's members reported of their checkpoints, as the broker relays them
+    (``ravq.node.membership.Membership``)."""
+
+    @property
+    def checkpoints(self) -> dict[str, Any]:
+        """Node -> its stage's checkpoints of the run, newest first."""
+
+    async def poll_snapshot(self) -> Plan | None:
+        """Refresh from the broker's state now."""
 
 
 def check_run(root: str, *, cluster: int, stage: int, run_id: str | None, explicit: bool,
@@ -42,9 +54,10 @@ def check_run(root: str, *, cluster: int, stage: int, run_id: str | None, explic
         where = f"{root}/cluster{cluster}/stage{stage}"
         if not explicit:
             raise CheckpointError(
-                f"{name}: {where}: checkpoints of run {', '.join(other)}, but the broker runs {run_id}; refusing to load "
-                "or overwrite them: restart the broker with that run's state directory to continue it, or start "
-                "a new run with `ravq broker --new-run` (or give this node a new checkpoint_dir)")
+                f"{name}: {where}: checkpoints of run {', '.join(other)}, but the broker runs {run_id}; "
+                "refusing to load or overwrite them: restart the broker with that run's state directory to "
+                "continue it, or start a new run with `ravq broker --new-run` (or give this node a new "
+                "checkpoint_dir)")
         moved = checkpoint.set_aside(root, cluster, stage, run_id)
         log.warning("%s: the broker started run %s with --new-run: set aside %d checkpoint file(s) of run %s "
                     "in %s (never loaded)", name, run_id, len(moved), ", ".join(other),
@@ -53,7 +66,7 @@ def check_run(root: str, *, cluster: int, stage: int, run_id: str | None, explic
     return [Point.of(m).public() for m in metas if m.get("run_id") == run_id]
 
 
-async def agree(membership: Membership, nodes: list[str], me: str, timeout_s: float) -> int | None:
+async def agree(membership: CheckpointReports, nodes: list[str], me: str, timeout_s: float) -> int | None:
     """The version this stage resumes from so that the cluster's stages resume from one moment: the
     newest set of its members' checkpoints that coexisted.  None: load the newest (no consistent set;
     logged) or, with no checkpoint at all, start from the seed."""
@@ -61,7 +74,8 @@ async def agree(membership: Membership, nodes: list[str], me: str, timeout_s: fl
     while not all(n in membership.checkpoints for n in nodes):
         if time.monotonic() > deadline:
             missing = [n for n in nodes if n not in membership.checkpoints]
-            raise TimeoutError(f"{', '.join(missing)} never reported their checkpoints within {timeout_s:.0f}s")
+            raise TimeoutError(f"{', '.join(missing)} never reported their checkpoints within "
+                               f"{timeout_s:.0f}s")
         await membership.poll_snapshot()
         await asyncio.sleep(0.2)
     candidates = [[Point.of(p) for p in membership.checkpoints[n] if isinstance(p, dict)] for n in nodes]
@@ -75,7 +89,8 @@ async def agree(membership: Membership, nodes: list[str], me: str, timeout_s: fl
         return None
     point = mine[choice[nodes.index(me)]]
     if point != mine[0]:
-        log.info("%s: resuming from version %d, not the newest %d: the cluster's newest consistent checkpoint",
+        log.info("%s: resuming from version %d, not the newest %d: the cluster's newest consistent "
+                 "checkpoint",
                  me, point.version, mine[0].version)
     return point.version
 
@@ -88,7 +103,8 @@ def load(worker: StageWorker, root: str, *, cluster: int, stage: int, update_eve
     got = resume(worker, root, cluster=cluster, stage=stage, update_every=update_every, name=name,
                  run_id=run_id, version=version)
     if got is None and version is not None:  # the agreed one does not check out here: take the newest
-        got = resume(worker, root, cluster=cluster, stage=stage, update_every=update_every, name=name, run_id=run_id)
+        got = resume(worker, root, cluster=cluster, stage=stage, update_every=update_every, name=name,
+                     run_id=run_id)
     metrics.version.set(worker.version)
     if got is not None and worker.trained:
         metrics.samples.inc(worker.trained * micro_batch)
