@@ -2,7 +2,8 @@
 
 A node is ``missing`` (in the plan, never heard from by this broker), ``up``, ``lost`` (silent for
 ``lost_s``), ``left`` (stopped while the run goes on: SIGTERM, an upgrade, a reboot; its cluster pauses
-at once, a standby may take its stage, it rejoins when it comes back) or ``done`` (its training is over).  A cluster is ``starting`` (first start, until every member registered),
+at once, a standby may take its stage, it rejoins when it comes back) or ``done`` (its training is
+over).  A cluster is ``starting`` (first start, until every member registered),
 ``training``, ``paused`` (a member lost or restarted), ``recovering`` (every member up again: each
 drops its in-flight work, catches up and reports ready) or ``done``.  Every disruption increments the
 cluster's *generation*; a cluster trains again once every member reported ready for the current one,
@@ -119,7 +120,8 @@ class Book:
         return {"members": {n: m.state for n, m in self.members.items()},
                 "phases": {n: m.phase for n, m in self.members.items()},
                 "incarnations": {n: m.incarnation for n, m in self.members.items()},
-                "checkpoints": {n: m.checkpoints for n, m in self.members.items() if m.checkpoints is not None},
+                "checkpoints": {n: m.checkpoints for n, m in self.members.items()
+                                if m.checkpoints is not None},
                 "clusters": [cs.public() for cs in self.clusters]}
 
     def freshest_source(self, c: int) -> int | None:
@@ -264,8 +266,8 @@ class Book:
             return False
         lost = gone[0]
         need = self.members[lost].stage_bytes
-        standing = [n for n in self.standbys if self.members.get(n) is not None and self.members[n].state == "up"
-                    and self.members[n].phase == "standby"]
+        standing = [n for n in self.standbys if self.members.get(n) is not None
+                    and self.members[n].state == "up" and self.members[n].phase == "standby"]
         fits = sorted((n for n in standing if self.members[n].memory_bytes >= need),
                       key=lambda n: self.members[n].memory_bytes)
         if not fits:
@@ -278,8 +280,8 @@ class Book:
                 return True
             return False
         new = fits[0]
-        clusters = [cl.model_copy(update={"nodes": [new if n == lost else n for n in cl.nodes]}) if i == c else cl
-                    for i, cl in enumerate(self.plan.clusters)]
+        clusters = [cl.model_copy(update={"nodes": [new if n == lost else n for n in cl.nodes]})
+                    if i == c else cl for i, cl in enumerate(self.plan.clusters)]
         self.plan = self.plan.model_copy(update={"clusters": clusters, "epoch": self.plan.epoch + 1})
         self.standbys = [n for n in self.standbys if n != new] + [lost]  # if it comes back, it stands by
         self.members[new].phase, self.members[new].ready = "starting", -1
@@ -309,7 +311,8 @@ class Book:
                 self.recoveries.append(now - cs.disrupted_at)
                 cs.disrupted_at = None
             cs.reason = ""
-            log.info("cluster %d trains again (generation %d, from micro-batch %d)", c, cs.generation, cs.trained)
+            log.info("cluster %d trains again (generation %d, from micro-batch %d)", c, cs.generation,
+                     cs.trained)
             return True
         if cs.state == "training" and all(m.state == "done" for m in members):
             cs.state, cs.done_at, cs.out_of_rings = "done", now, False

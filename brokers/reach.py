@@ -59,9 +59,11 @@ class Reachability:
             else:
                 kinds = [k for k in PORT_FIELDS if k in ports] or ["pipeline"]
                 addrs = [endpoint(config.host, getattr(config, PORT_FIELDS[k])) for k in kinds]
-                results = await asyncio.gather(*(dial_back(ctx, a, timeout_s, self.curve, node) for a in addrs))
+                results = await asyncio.gather(*(dial_back(ctx, a, timeout_s, self.curve, node)
+                                                 for a in addrs))
                 verdict = REACHABLE if all(results) else BEHIND_NAT
-                tried = "; ".join(f"dialled {k} {a} back: {'handshake ok' if ok else f'no handshake in {timeout_s:g}s'}"
+                failed = f"no handshake in {timeout_s:g}s"
+                tried = "; ".join(f"dialled {k} {a} back: {'handshake ok' if ok else failed}"
                                   for k, a, ok in zip(kinds, addrs, results, strict=True))
             before = self._last.get(node)
             if before is not None and before != verdict:

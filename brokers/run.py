@@ -58,16 +58,16 @@ def open_run(state_dir: str | Path | None, plan: Plan, *, new_run: bool) -> Run:
     ConfigError (one line) for a state file that cannot be read or a plan that does not fit the run."""
     epoch = max(plan.epoch, int(time.time() * 1000))  # round ids start from the epoch: it must grow
     if state_dir is None:
-        run = Run(run_id=new_run_id(), explicit=new_run, base=plan, plan=plan.model_copy(update={"epoch": epoch}),
-                  created_at=time.time())
+        run = Run(run_id=new_run_id(), explicit=new_run, base=plan,
+                  plan=plan.model_copy(update={"epoch": epoch}), created_at=time.time())
         log.warning("run %s: no broker.state_dir, so a restart of this broker starts a new run (set "
                     "broker.state_dir, e.g. /var/lib/ravq/broker, to make the run survive it)", run.run_id)
         return run
     path = Path(state_dir) / RUN_FILE
     stored = None if new_run else _read(path)
     if stored is None:
-        run = Run(run_id=new_run_id(), explicit=new_run, base=plan, plan=plan.model_copy(update={"epoch": epoch}),
-                  created_at=time.time())
+        run = Run(run_id=new_run_id(), explicit=new_run, base=plan,
+                  plan=plan.model_copy(update={"epoch": epoch}), created_at=time.time())
         log.info("run %s: new (%s); state in %s", run.run_id,
                  "--new-run" if new_run else "no run in the state directory yet", path)
     else:
@@ -80,7 +80,8 @@ def _continue(stored: Run, plan: Plan, epoch: int, path: Path) -> Run:
     if _cuts(plan) != _cuts(stored.base):
         raise ConfigError(f"the plan cuts the model differently from run {stored.run_id}'s ({path}: "
                           f"{_cuts(stored.base)}, now {_cuts(plan)}): its checkpoints do not fit it; "
-                          f"pass --new-run, or move {path.parent} aside (the units), to start a new run with this plan")
+                          f"pass --new-run, or move {path.parent} aside (the units), to start a new run with "
+                          "this plan")
     nodes_now, nodes_then = [c.nodes for c in plan.clusters], [c.nodes for c in stored.base.clusters]
     current = stored.plan if nodes_now == nodes_then else plan  # keep standby replacements unless re-assigned
     if nodes_now != nodes_then:
@@ -102,10 +103,12 @@ def _read(path: Path) -> Run | None:
         raise ConfigError(f"{path}: cannot read the run state ({err}); fix or remove it, or pass --new-run") \
             from None
     try:
-        return Run(run_id=str(data["run_id"]), explicit=bool(data.get("explicit")), created_at=float(
-            data.get("created_at", 0.0)), base=Plan.model_validate(data["base"]), plan=Plan.model_validate(data["plan"]))
+        return Run(run_id=str(data["run_id"]), explicit=bool(data.get("explicit")),
+                   created_at=float(data.get("created_at", 0.0)), base=Plan.model_validate(data["base"]),
+                   plan=Plan.model_validate(data["plan"]))
     except (KeyError, TypeError, ValueError) as err:
-        raise ConfigError(f"{path}: not a ravq run state ({err}); fix or remove it, or pass --new-run") from None
+        raise ConfigError(f"{path}: not a ravq run state ({err}); fix or remove it, or pass --new-run") \
+            from None
 
 
 def save_run(state_dir: str | Path | None, run: Run) -> None:

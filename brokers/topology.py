@@ -77,7 +77,8 @@ class Broker:
 
     @property
     def plan(self) -> Plan:
-        """The plan now: the book owns it (standbys take stages, rings leave out clusters that do not train)."""
+        """The plan now: the book owns it (standbys take stages, the rings leave out clusters that do not
+        train)."""
         return self.book.plan
 
     @property
@@ -196,8 +197,8 @@ class Broker:
 
     async def _reply_snapshot(self, inbox: Inbox, identity: bytes, node: str) -> None:
         self._sync_plan()
-        reply = Message(type=MsgType.SNAPSHOT, sender=BROKER, meta={"seq": self.seq, "incarnation": self.incarnation,
-                                                                       "state": self.state()})
+        reply = Message(type=MsgType.SNAPSHOT, sender=BROKER,
+                        meta={"seq": self.seq, "incarnation": self.incarnation, "state": self.state()})
         await inbox.reply(identity, reply, node)
 
     async def _serve(self, inbox: Inbox, pub: Publisher) -> None:
@@ -225,7 +226,8 @@ class Broker:
         while True:
             await asyncio.sleep(period)
             await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta={
-                "seq": self.seq, "incarnation": self.incarnation, "kind": "silence", "silent_s": self.silence()}))
+                "seq": self.seq, "incarnation": self.incarnation, "kind": "silence",
+                "silent_s": self.silence()}))
 
     async def _until_stopped(self) -> None:
         await self._stop.wait()
@@ -304,7 +306,8 @@ def _public(m: Member, now: float) -> dict[str, Any]:
             "stats": m.stats}
 
 
-def run_broker(topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions, *, new_run: bool = False) -> None:
+def run_broker(topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions, *,
+               new_run: bool = False) -> None:
     """Entry point: run until SIGTERM/SIGINT."""
     broker = Broker(topology, plan, metrics, opts, new_run=new_run)
 
