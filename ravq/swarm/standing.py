@@ -16,11 +16,13 @@ from typing import Any
 
 from ravq.config import Plan
 from ravq.metrics import Metrics
+from ravq.net.protocol import NODE_PHASES
 from ravq.swarm.report import NodeReport, Progress
 
 log = logging.getLogger(__name__)
 
-PHASES = ("starting", "standby", "training", "paused", "catching_up", "finishing", "leaving")
+PHASES = NODE_PHASES
+"""What a node says it is doing (``ravq.net.protocol``: the broker refuses a heartbeat with another)."""
 
 
 class Standing:
