@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from brokers.topology import Broker
+from ravq.cli.main import plan_for
+from ravq.config import parse_topology
+from ravq.metrics import Metrics
+from ravq.net.options import SocketOptions
 from ravq.net.protocol import Heartbeat, ReachRequest, Register
-from ravq.net.wire import WireError
+from ravq.net.wire import Message, MsgType, WireError
+from tests.swarm import local_topology
 
 BEAT = Heartbeat(incarnation="i-a0", phase="training", generation=2, ready=2, trained=40, stage_bytes=1 << 20,
                  checkpoints=[{"version": 40, "trained": 40, "window": 2}], stats={"loss": 1.5, "name": "a0"})
@@ -37,3 +45,16 @@ def test_a_heartbeat_missing_a_field_is_refused() -> None:
         Register.from_meta({})
     with pytest.raises(WireError):
         ReachRequest.from_meta({"ports": [1]})
+
+
+def test_the_broker_counts_and_drops_a_heartbeat_of_another_shape() -> None:
+    topology = parse_topology(local_topology("tests.sgd_task", [1, 1], {"steps": 10}))
+    metrics = Metrics("broker")
+    broker = Broker(topology, plan_for(topology, None), metrics, SocketOptions(), clock=lambda: 1.0)
+    node = topology.nodes[0].name
+    meta = {**BEAT.meta(), "incarnation": f"i-{node}", "gen": 0}  # an unknown field: never guessed at
+    beat = Message(type=MsgType.HEARTBEAT, sender=node, meta=meta)
+    asyncio.run(broker._handle(None, None, b"", beat))  # type: ignore[arg-type]
+    assert metrics.registry.get_sample_value(
+        "ravq_bad_messages_total", {"socket": "broker", "reason": "bad_field"}) == 1.0
+    assert broker.members[node].incarnation is None and broker.members[node].state == "missing"
