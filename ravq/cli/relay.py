@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 
@@ -34,8 +35,8 @@ def relay_options(topology: Topology, name: str, key_dir: str | None, metrics: M
         opts = socket_options_for(topology, name, key_dir, metrics)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    opts.max_message_bytes = topology.limits.max_message_bytes or config.queue_bytes
-    return opts
+    max_message_bytes = topology.limits.max_message_bytes or config.queue_bytes
+    return dataclasses.replace(opts, max_message_bytes=max_message_bytes)
 
 
 async def run_relay(topology: Topology, name: str, opts: SocketOptions, metrics: Metrics) -> None:

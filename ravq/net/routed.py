@@ -121,7 +121,7 @@ def dial(inbox: Inbox, addr: str, peer: str, key_name: str, routing_id: str | No
         sock.setsockopt(zmq.ROUTING_ID, routing_id.encode())
     sock.setsockopt(zmq.CONNECT_ROUTING_ID, peer.encode())
     sock.connect(addr)
-    inbox.dialled.add(peer)
+    inbox.note_dialled(peer)
     if routing_id is not None:
         sock.setsockopt(zmq.ROUTING_ID, own)
     if curve is not None:
@@ -171,8 +171,7 @@ class Links:
             if r.name not in self.relays_dialled:
                 dial(self.inbox, endpoint(r.host, r.port), r.name, r.name, relay_id(self.me, self.socket))
                 self.relays_dialled.add(r.name)
-            self.inbox.relays = self.inbox.relays | {r.name}
-            self.inbox.via_relay[peer] = r.name
+            self.inbox.reach_through(peer, r.name)
             link = RoutedLink(self.inbox, peer, self.metrics, relay=r.name)
         self.routed[peer] = link
         return link
@@ -180,7 +179,7 @@ class Links:
     def forget(self, peer: str) -> None:
         self.routed.pop(peer, None)
         self.routes.pop(peer, None)
-        self.inbox.via_relay.pop(peer, None)
+        self.inbox.forget_relay_of(peer)
 
 
 _ROUTE_CODE = {DIRECT: 0, ACCEPT: 1, DIAL: 2, RELAY: 3}

@@ -71,6 +71,19 @@ class Inbox:
         authenticated = authenticate and opts.curve is not None
         return cls(sock, name, metrics, limits, authenticated=authenticated, opts=opts)
 
+    def note_dialled(self, peer: str) -> None:
+        """This ROUTER made a connection to ``peer`` (its key pinned); ``peer`` is its routing id there."""
+        self.dialled.add(peer)
+
+    def reach_through(self, peer: str, relay: str) -> None:
+        """Reach ``peer`` through ``relay``: the relay's messages carry their source in a frame, and
+        replies to ``peer`` go to the relay."""
+        self.relays = self.relays | {relay}
+        self.via_relay[peer] = relay
+
+    def forget_relay_of(self, peer: str) -> None:
+        self.via_relay.pop(peer, None)
+
     async def recv(self) -> tuple[bytes, Message]:
         """The next valid message and the identity of the peer that sent it."""
         while True:

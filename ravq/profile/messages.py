@@ -140,9 +140,9 @@ async def _measure_ring(topology: Topology, name: str, nbytes: int, cpu_s: float
     segment = Segment(ring_id=0, names=("profile",), numel=numel, ring=members)
     fmt = Format(training.compress.ring)
     async with zmq_session(options) as (ctx, group):
-        inboxes = {m: Inbox.bind(ctx, "tcp://127.0.0.1:*", name, metrics, limits, options) for m in members}
-        for inbox in inboxes.values():  # CURVE binds every connection to this node's name, not a member's
-            inbox.authenticated = False
+        # CURVE binds every connection to this node's name, not a member's: no sender check
+        inboxes = {m: Inbox.bind(ctx, "tcp://127.0.0.1:*", name, metrics, limits, options, authenticate=False)
+                   for m in members}
         addresses = {m: inbox.sock.getsockopt_string(zmq.LAST_ENDPOINT) for m, inbox in inboxes.items()}
         mailboxes = {m: Mailbox() for m in members}
         # both members are this node as far as CURVE knows (its own key pairs, as its ring uses them)
