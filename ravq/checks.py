@@ -4,7 +4,8 @@ have, a measured-value override that makes the planner idle the other nodes."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
 from ravq.config import ConfigError, Plan, Topology
 
@@ -35,7 +36,15 @@ def check_device(topology: Topology, name: str) -> None:
         )
 
 
-def override_warnings(topology: Topology, plan: Plan, profiles: list[Any]) -> list[str]:
+class NamedProfile(Protocol):
+    """A node's profile as the checks read it (``ravq.planner.NodeProfile``, a layer above): its name,
+    and the measured fields of ``OVERRIDE_FIELDS`` read by name."""
+
+    @property
+    def name(self) -> str: ...
+
+
+def override_warnings(topology: Topology, plan: Plan, profiles: Sequence[NamedProfile]) -> list[str]:
     """Warnings for a plan that leaves nodes idle while some node's speed or memory is typed in.
 
     An override copied from an example (``flops: 2e12`` on a PC that does 5e10) makes one node look
