@@ -40,7 +40,7 @@ SILENCE_UPDATES = 4
 """Silence updates per heartbeat interval (``Broker._publish_silence``): a live member never reads more
 silent than its heartbeat interval plus a quarter of it (and the network's delay)."""
 
-_NODE_MESSAGES: dict[MsgType, type[Register] | type[Heartbeat] | type[ReachRequest]] = {
+_NODE_MESSAGES: dict[MsgType, type[Register | Heartbeat | ReachRequest]] = {
     MsgType.REGISTER: Register, MsgType.HEARTBEAT: Heartbeat, MsgType.REACH_REQ: ReachRequest}
 """The node -> broker control messages with a typed body (``ravq.net.protocol``)."""
 

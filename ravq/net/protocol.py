@@ -11,7 +11,7 @@ statistics, shown by ``ravq status``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ravq.net.wire import WireError
 
@@ -69,10 +69,11 @@ class Heartbeat:
     stats: dict[str, Any] = field(default_factory=dict)
     """Its statistics, free-form (numbers and strings, by name)."""
 
-    _SCHEMA = {"incarnation": (str, False), "phase": (str, False), "generation": (int, False),
-               "ready": (int, False), "trained": (int, False), "stage_bytes": (int, False),
-               "memory_bytes": (int, False), "checkpoints": (list, True), "kept": (str, True),
-               "left": (bool, False), "done": (bool, False), "stats": (dict, False)}
+    _SCHEMA: ClassVar[dict[str, tuple[type, bool]]] = {
+        "incarnation": (str, False), "phase": (str, False), "generation": (int, False),
+        "ready": (int, False), "trained": (int, False), "stage_bytes": (int, False),
+        "memory_bytes": (int, False), "checkpoints": (list, True), "kept": (str, True),
+        "left": (bool, False), "done": (bool, False), "stats": (dict, False)}
 
     def meta(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self._SCHEMA}
