@@ -271,7 +271,8 @@ class Book:
         fits = sorted((n for n in standing if self.members[n].memory_bytes >= need),
                       key=lambda n: self.members[n].memory_bytes)
         if not fits:
-            why = (f"{lost} {self.members[lost].state} {now - self.members[lost].lost_at:.0f}s ago; "  # type: ignore[operator]
+            since_s = now - self.members[lost].lost_at  # type: ignore[operator]
+            why = (f"{lost} {self.members[lost].state} {since_s:.0f}s ago; "
                    + (f"no standby has {need / 2**30:.2f} GiB (standbys: " + ", ".join(
                        f"{n} {self.members[n].memory_bytes / 2**30:.2f} GiB" for n in standing) + ")"
                       if standing else "no standby node is up"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq.asyncio
 
@@ -21,13 +21,16 @@ from ravq.metrics import Metrics
 from ravq.net.options import endpoint
 from ravq.net.reach import BEHIND_NAT, REACHABLE, dial_back
 
+if TYPE_CHECKING:
+    from ravq.net.security import Curve
+
 log = logging.getLogger(__name__)
 
 PORT_FIELDS = {"pipeline": "pipeline_port", "ring": "ring_port"}
 
 
 class Reachability:
-    def __init__(self, topology: Topology, metrics: Metrics, curve: Any = None) -> None:
+    def __init__(self, topology: Topology, metrics: Metrics, curve: Curve | None = None) -> None:
         self.topology, self.metrics, self.curve = topology, metrics, curve
         self.verdicts: dict[str, str] = {}
         self.tried: dict[str, str] = {}
