@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import numpy as np
 
@@ -30,75 +30,39 @@ def training_settings(training: TrainingConfig) -> dict[str, Any]:
                             training.average_optimizer_state)}
 
 
-def make_plan(
-    nodes: Sequence[NodeProfile],
-    blocks: Sequence[BlockProfile],
-    *,
-    micro_batch: int,
-    sync_every: int,
-    max_clusters: int | None = None,
-    max_inflight: int | None = None,
-    overlap_averaging: bool = False,
-    averaging_lead: int | None = None,
-    wire: Wire | None = None,
-    allow_idle: bool = True,
-    effort: float = 1.0,
-) -> tuple[Plan, Explanation]:
+class PlanSettings(TypedDict, total=False):
+    """The search's settings, as ``make_plan`` and ``plan_candidates`` take them (``training_settings``
+    makes them from a topology).  ``max_inflight`` None: a k-stage cluster keeps k micro-batches in flight.
+    ``allow_idle``: nodes may be left out when that predicts more samples/s (nodes that cannot hold any
+    block always are).  ``effort`` scales the search budget (about one second at 1.0)."""
+
+    micro_batch: Required[int]
+    sync_every: Required[int]
+    max_clusters: int | None
+    max_inflight: int | None
+    overlap_averaging: bool
+    averaging_lead: int | None
+    wire: Wire | None
+    allow_idle: bool
+    effort: float
+
+
+def make_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile],
+              **settings: Unpack[PlanSettings]) -> tuple[Plan, Explanation]:
     """Clusters, node order and cuts maximising predicted samples/s; every stage fits its node's memory.
 
-    ``max_inflight`` None: a k-stage cluster keeps k micro-batches in flight.  ``allow_idle``: nodes may be
-    left out when that predicts more samples/s (nodes that cannot hold any block always are).  ``effort``
-    scales the search budget (about one second at 1.0).  Deterministic.  Raises PlanError, saying how
-    much memory is missing, when nothing fits.
+    Deterministic.  Raises PlanError, saying how much memory is missing, when nothing fits.
     """
-    p, search, results, usable, idle = _search(
-        nodes,
-        blocks,
-        micro_batch=micro_batch,
-        sync_every=sync_every,
-        max_clusters=max_clusters,
-        max_inflight=max_inflight,
-        overlap_averaging=overlap_averaging,
-        averaging_lead=averaging_lead,
-        wire=wire,
-        allow_idle=allow_idle,
-        effort=effort,
-    )
-    return _explained(p, search, results, usable, idle, 1)[0]
+    return plan_candidates(nodes, blocks, count=1, **settings)[0]
 
 
-def plan_candidates(
-    nodes: Sequence[NodeProfile],
-    blocks: Sequence[BlockProfile],
-    *,
-    count: int,
-    micro_batch: int,
-    sync_every: int,
-    max_clusters: int | None = None,
-    max_inflight: int | None = None,
-    overlap_averaging: bool = False,
-    averaging_lead: int | None = None,
-    wire: Wire | None = None,
-    allow_idle: bool = True,
-    effort: float = 1.0,
-) -> list[tuple[Plan, Explanation]]:
+def plan_candidates(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, count: int,
+                    **settings: Unpack[PlanSettings]) -> list[tuple[Plan, Explanation]]:
     """The ``count`` best distinct plans the search found, best predicted first (the first is
     ``make_plan``'s); for judging them another way, e.g. by simulation (``ravq plan --simulate``)."""
     if count < 1:
         raise PlanError(f"count: must be >= 1, got {count}")
-    p, search, results, usable, idle = _search(
-        nodes,
-        blocks,
-        micro_batch=micro_batch,
-        sync_every=sync_every,
-        max_clusters=max_clusters,
-        max_inflight=max_inflight,
-        overlap_averaging=overlap_averaging,
-        averaging_lead=averaging_lead,
-        wire=wire,
-        allow_idle=allow_idle,
-        effort=effort,
-    )
+    p, search, results, usable, idle = _search(nodes, blocks, **settings)
     return _explained(p, search, results, usable, idle, count)
 
 
@@ -135,12 +99,12 @@ def _search(
     *,
     micro_batch: int,
     sync_every: int,
-    max_clusters: int | None,
-    max_inflight: int | None,
-    overlap_averaging: bool,
-    averaging_lead: int | None,
-    allow_idle: bool,
-    effort: float,
+    max_clusters: int | None = None,
+    max_inflight: int | None = None,
+    overlap_averaging: bool = False,
+    averaging_lead: int | None = None,
+    allow_idle: bool = True,
+    effort: float = 1.0,
     wire: Wire | None = None,
 ) -> tuple[Problem, Search, list[tuple[float, list[tuple[int, ...]]]], list[int], dict[int, str]]:
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
