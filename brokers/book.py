@@ -41,17 +41,14 @@ class Member:
     """Random id a node process draws at start: a new one means the process restarted."""
     registered: bool = False
     """It registered with this broker (else this broker knows it from heartbeats only: it restarted)."""
+    # What its last heartbeat said (``ravq.net.protocol.Heartbeat`` documents each field; ``gen`` is
+    # its ``generation``); a REGISTER starts them again.
     phase: str = "starting"
     gen: int = 0
-    """The cluster generation the node runs in."""
     ready: int = -1
-    """The generation the node is ready to resume in (in-flight work dropped, caught up)."""
     trained: int = 0
-    """Micro-batches its cluster finished, as stage 0 counts them (stage 0 only)."""
     stage_bytes: int = 0
-    """Memory its stage takes (what a standby replacing it needs)."""
     memory_bytes: int = 0
-    """A standby's usable memory."""
     lost_at: float | None = None
     """When it was lost or left."""
     stats: dict[str, Any] = field(default_factory=dict)

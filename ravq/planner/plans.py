@@ -30,19 +30,24 @@ def training_settings(training: TrainingConfig) -> dict[str, Any]:
                             training.average_optimizer_state)}
 
 
-class PlanSettings(TypedDict, total=False):
-    """The search's settings, as ``make_plan`` and ``plan_candidates`` take them (``training_settings``
-    makes them from a topology).  ``max_inflight`` None: a k-stage cluster keeps k micro-batches in flight.
-    ``allow_idle``: nodes may be left out when that predicts more samples/s (nodes that cannot hold any
-    block always are).  ``effort`` scales the search budget (about one second at 1.0)."""
+class CostSettings(TypedDict, total=False):
+    """The cost model's settings, as ``cut_plan`` and ``evaluate_plan`` take them (``training_settings``
+    makes them from a topology).  ``max_inflight`` None: a k-stage cluster keeps k micro-batches in flight."""
 
     micro_batch: Required[int]
     sync_every: Required[int]
-    max_clusters: int | None
     max_inflight: int | None
     overlap_averaging: bool
     averaging_lead: int | None
     wire: Wire | None
+
+
+class PlanSettings(CostSettings, total=False):
+    """The search's settings, as ``make_plan`` and ``plan_candidates`` take them.  ``allow_idle``: nodes may
+    be left out when that predicts more samples/s (nodes that cannot hold any block always are).
+    ``effort`` scales the search budget (about one second at 1.0)."""
+
+    max_clusters: int | None
     allow_idle: bool
     effort: float
 
@@ -108,7 +113,7 @@ def _search(
     wire: Wire | None = None,
 ) -> tuple[Problem, Search, list[tuple[float, list[tuple[int, ...]]]], list[int], dict[int, str]]:
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
+                overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
     usable, idle = _usable_nodes(p)
     if not usable or (idle and not allow_idle):
         raise memory_error(p)
@@ -143,21 +148,15 @@ def _usable_nodes(p: Problem) -> tuple[list[int], dict[int, str]]:
                f"{p.mem[i] / GIB:.3g} GiB available)" for i in range(p.n) if p.mem[i] < smallest}
     return usable, idle
 
+
 def cut_plan(
     clusters: Sequence[Sequence[str]],
     nodes: Sequence[NodeProfile],
     blocks: Sequence[BlockProfile],
-    *,
-    micro_batch: int,
-    sync_every: int,
-    max_inflight: int | None = None,
-    overlap_averaging: bool = False,
-    averaging_lead: int | None = None,
-    wire: Wire | None = None,
+    **settings: Unpack[CostSettings],
 ) -> tuple[Plan, Explanation]:
     """The best cuts for clusters and stage orders the user fixed (node names in stage order)."""
-    p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
+    p = Problem(nodes, blocks, **settings)
     index = {name: i for i, name in enumerate(p.names)}
     layouts = []
     for c, names in enumerate(clusters):
@@ -182,18 +181,11 @@ def evaluate_plan(
     plan: Plan,
     nodes: Sequence[NodeProfile],
     blocks: Sequence[BlockProfile],
-    *,
-    micro_batch: int,
-    sync_every: int,
-    max_inflight: int | None = None,
-    overlap_averaging: bool = False,
-    averaging_lead: int | None = None,
-    wire: Wire | None = None,
+    **settings: Unpack[CostSettings],
 ) -> Explanation:
     """The cost model's verdict on any plan (hand-written, even or Ravnest's); PlanError if it does not
     fit."""
-    p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
+    p = Problem(nodes, blocks, **settings)
     index = {name: i for i, name in enumerate(p.names)}
     block_index = {b.name: i for i, b in enumerate(blocks)}
     layouts = []

@@ -26,8 +26,9 @@ class Problem:
     """Stage-time matrices kept (each (blocks + 1)^2 floats)."""
 
     def __init__(self, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
-                 max_inflight: int | None, micro_batch: int, sync_every: int, overlap_averaging: bool,
-                 averaging_lead: int | None = None, wire: Wire | None = None) -> None:
+                 micro_batch: int, sync_every: int, max_inflight: int | None = None,
+                 overlap_averaging: bool = False, averaging_lead: int | None = None,
+                 wire: Wire | None = None) -> None:
         _check_inputs(nodes, blocks, micro_batch, sync_every)
         self.wire = wire or Wire()
         """Compression of pipeline messages and ring pieces: link times and rounds count wire bytes."""
