@@ -18,6 +18,7 @@ once; nodes of the plan not heard from within ``lost_s`` are lost.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,14 +42,9 @@ class Member:
     """Random id a node process draws at start: a new one means the process restarted."""
     registered: bool = False
     """It registered with this broker (else this broker knows it from heartbeats only: it restarted)."""
-    # What its last heartbeat said (``ravq.net.protocol.Heartbeat`` documents each field; ``gen`` is
-    # its ``generation``); a REGISTER starts them again.
-    phase: str = "starting"
-    gen: int = 0
-    ready: int = -1
-    trained: int = 0
-    stage_bytes: int = 0
-    memory_bytes: int = 0
+    said: Heartbeat = field(default_factory=lambda: Heartbeat(incarnation=""))
+    """Its last heartbeat (phase, generation, readiness, trained, memory); a REGISTER starts its phase,
+    generation and readiness again."""
     lost_at: float | None = None
     """When it was lost or left."""
     stats: dict[str, Any] = field(default_factory=dict)
@@ -115,7 +111,7 @@ class Book:
 
     def public(self) -> dict[str, Any]:
         return {"members": {n: m.state for n, m in self.members.items()},
-                "phases": {n: m.phase for n, m in self.members.items()},
+                "phases": {n: m.said.phase for n, m in self.members.items()},
                 "incarnations": {n: m.incarnation for n, m in self.members.items()},
                 "checkpoints": {n: m.checkpoints for n, m in self.members.items()
                                 if m.checkpoints is not None},
@@ -153,7 +149,8 @@ class Book:
         elif c is not None and self.clusters[c].state == "paused":
             log.info("node %s is back (restarted) while cluster %d is paused", node, c)
         m.state, m.incarnation, m.last_seen, m.registered = "up", incarnation, now, True
-        m.phase, m.ready, m.gen = ("starting" if c is not None else "standby"), -1, 0
+        m.said = dataclasses.replace(m.said, phase="starting" if c is not None else "standby", ready=-1,
+                                     generation=0)
         m.checkpoints, m.lost_at = None, None
         return True
 
@@ -167,9 +164,8 @@ class Book:
         if m.incarnation is not None and beat.incarnation != m.incarnation:
             changed |= self.register(node, beat.incarnation, now)  # restarted and its REGISTER went missing
         m.last_seen, m.incarnation, m.stats = now, beat.incarnation, beat.stats
-        changed |= beat.phase != m.phase
-        m.phase, m.gen, m.ready, m.trained = beat.phase, beat.generation, beat.ready, beat.trained
-        m.stage_bytes, m.memory_bytes = beat.stage_bytes, beat.memory_bytes
+        changed |= beat.phase != m.said.phase
+        m.said = beat
         if beat.checkpoints is not None and beat.checkpoints != m.checkpoints:
             m.checkpoints, changed = beat.checkpoints[:8], True
         new_state = "left" if beat.left else "done" if beat.done else "up"
@@ -196,7 +192,7 @@ class Book:
     def _note(self, c: int, node: str, m: Member, kept: str | None) -> bool:
         """A member of the current generation kept its own weights (no holder was fresher): say so."""
         cs = self.clusters[c]
-        if not kept or m.gen != cs.generation:
+        if not kept or m.said.generation != cs.generation:
             return False
         note = f"{node} {kept[:160]}"
         if note in cs.note:
@@ -208,10 +204,10 @@ class Book:
         """Rebuild a cluster's state from a member's heartbeat (after a broker restart), and notice a
         member that runs behind its training cluster (it restarted while nobody was watching)."""
         cs = self.clusters[c]
-        if cs.state == "starting" and not m.registered and m.phase not in ("starting", "standby"):
-            cs.generation = max(cs.generation, m.gen)
-            cs.state = "training" if m.phase in ("training", "finishing") else "paused"
-            cs.trained = m.trained
+        if cs.state == "starting" and not m.registered and m.said.phase not in ("starting", "standby"):
+            cs.generation = max(cs.generation, m.said.generation)
+            cs.state = "training" if m.said.phase in ("training", "finishing") else "paused"
+            cs.trained = m.said.trained
             if cs.state == "paused":
                 cs.disrupted_at = now
                 cs.reason = "paused before the broker restarted"
@@ -220,11 +216,12 @@ class Book:
             if fresh:  # they registered with this broker: they restarted while it was down
                 self._disrupt(c, f"{', '.join(fresh)} restarted while the broker was down", now)
             return True
-        if cs.state == "training" and m.gen < cs.generation and m.state == "up":
-            self._disrupt(c, f"{_name(self, m)} runs behind (generation {m.gen} < {cs.generation})", now)
+        if cs.state == "training" and m.said.generation < cs.generation and m.state == "up":
+            behind = f"generation {m.said.generation} < {cs.generation}"
+            self._disrupt(c, f"{_name(self, m)} runs behind ({behind})", now)
             return True
-        if m.gen > cs.generation:  # a node knows a newer generation than this (restarted) broker
-            cs.generation = m.gen
+        if m.said.generation > cs.generation:  # a node knows a newer generation than this restarted broker
+            cs.generation = m.said.generation
             return True
         return False
 
@@ -262,16 +259,16 @@ class Book:
         if not gone:
             return False
         lost = gone[0]
-        need = self.members[lost].stage_bytes
+        need = self.members[lost].said.stage_bytes
         standing = [n for n in self.standbys if self.members.get(n) is not None
-                    and self.members[n].state == "up" and self.members[n].phase == "standby"]
-        fits = sorted((n for n in standing if self.members[n].memory_bytes >= need),
-                      key=lambda n: self.members[n].memory_bytes)
+                    and self.members[n].state == "up" and self.members[n].said.phase == "standby"]
+        fits = sorted((n for n in standing if self.members[n].said.memory_bytes >= need),
+                      key=lambda n: self.members[n].said.memory_bytes)
         if not fits:
             since_s = now - self.members[lost].lost_at  # type: ignore[operator]
             why = (f"{lost} {self.members[lost].state} {since_s:.0f}s ago; "
                    + (f"no standby has {need / 2**30:.2f} GiB (standbys: " + ", ".join(
-                       f"{n} {self.members[n].memory_bytes / 2**30:.2f} GiB" for n in standing) + ")"
+                       f"{n} {self.members[n].said.memory_bytes / 2**30:.2f} GiB" for n in standing) + ")"
                       if standing else "no standby node is up"))
             if why != cs.reason:
                 cs.reason = why
@@ -282,7 +279,7 @@ class Book:
                     if i == c else cl for i, cl in enumerate(self.plan.clusters)]
         self.plan = self.plan.model_copy(update={"clusters": clusters, "epoch": self.plan.epoch + 1})
         self.standbys = [n for n in self.standbys if n != new] + [lost]  # if it comes back, it stands by
-        self.members[new].phase, self.members[new].ready = "starting", -1
+        self.members[new].said = dataclasses.replace(self.members[new].said, phase="starting", ready=-1)
         cs.reason = f"{new} replaces {lost}"
         log.warning("cluster %d: standby %s takes over the stage of %s (%s %.0fs ago)", c, new, lost,
                     self.members[lost].state, now - self.members[lost].lost_at)  # type: ignore[operator]
@@ -292,7 +289,7 @@ class Book:
         members = [self.members[n] for n in self.plan.clusters[c].nodes]
         up = all(m.state in ("up", "done") for m in members)
         if cs.state == "starting" and all(m.state in ("up", "done") and m.registered
-                                          and m.phase in ("training", "finishing") for m in members):
+                                          and m.said.phase in ("training", "finishing") for m in members):
             cs.state = "training"  # a first start: every member got past waiting for everyone
             return True
         if cs.state == "paused" and up:
@@ -302,9 +299,9 @@ class Book:
             log.info("cluster %d recovering (generation %d, %s)", c, cs.generation,
                      f"catching up from cluster {cs.source}" if cs.catchup else "keeping its weights")
             return True
-        if cs.state == "recovering" and all(m.ready >= cs.generation for m in members):
+        if cs.state == "recovering" and all(m.said.ready >= cs.generation for m in members):
             cs.state = "training"
-            cs.trained = members[0].trained
+            cs.trained = members[0].said.trained
             if cs.disrupted_at is not None:
                 self.recoveries.append(now - cs.disrupted_at)
                 cs.disrupted_at = None

@@ -117,7 +117,7 @@ class Broker:
             self.metrics.broker_nodes.labels(state).set(sum(m.state == state for m in self.members.values()))
         for phase in PHASES:
             self.metrics.broker_phases.labels(phase).set(
-                sum(m.state == "up" and m.phase == phase for m in self.members.values()))
+                sum(m.state == "up" and m.said.phase == phase for m in self.members.values()))
         for c, cs in enumerate(self.book.clusters):
             for state in CLUSTER_STATES:
                 self.metrics.cluster_state.labels(str(c), state).set(float(cs.state == state))
@@ -296,13 +296,14 @@ def waiting_for(book: Book) -> dict[tuple[int, str], str]:
             continue
         members = {n: book.members[n] for n in cluster.nodes if n in book.members}
         down = {n: m.state for n, m in members.items() if m.state != "up"}
-        waiting |= {(c, n): why for n, why in (down or {n: m.phase for n, m in members.items()
-                                                       if m.ready < cs.generation}).items()}
+        waiting |= {(c, n): why for n, why in (down or {n: m.said.phase for n, m in members.items()
+                                                       if m.said.ready < cs.generation}).items()}
     return waiting
 
 
 def _public(m: Member, now: float) -> dict[str, Any]:
-    return {"state": m.state, "phase": m.phase, "generation": m.gen, "age_s": round(now - m.last_seen, 3),
+    return {"state": m.state, "phase": m.said.phase, "generation": m.said.generation,
+            "age_s": round(now - m.last_seen, 3),
             "stats": m.stats}
 
 
