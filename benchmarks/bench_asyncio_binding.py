@@ -1,7 +1,7 @@
 """pyzmq's zmq.asyncio against aiozmq, moving 1 MiB DEALER -> ROUTER messages on loopback TCP.
 
-DESIGN.md picks zmq.asyncio as ravq's asyncio binding, claiming about 6 GB/s against aiozmq's
-1-2 GB/s; this measures what the machine at hand gives.  Sender and receiver are two OS processes,
+docs/design.md picks zmq.asyncio as ravq's asyncio binding over aiozmq (which has had no release since
+2022); this measures what each gives on the machine at hand (docs/benchmarks.md records a run).  Sender and receiver are two OS processes,
 both on the same event loop kind (uvloop by default, as ravq nodes run).  Modes:
 
   zmq_asyncio        await send_multipart(copy=False) / await recv_multipart(copy=False): as ravq does

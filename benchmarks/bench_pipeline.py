@@ -1,4 +1,4 @@
-"""ravq's asynchronous pipeline against torch's pipeline schedules (DESIGN.md, "References to measure against").
+"""ravq's asynchronous pipeline against torch's pipeline schedules (docs/design.md, "References to measure against").
 
 Both systems run the same model cut the same way: ``benchmarks/synthetic_task.py``, 4 blocks of equal
 cost split evenly over 4 (or 2) stage processes with 1 torch thread each, the same micro-batch size and

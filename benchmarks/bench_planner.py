@@ -1,4 +1,4 @@
-"""The planner against the exhaustive optimum and against Ravnest's rule (DESIGN.md, "Planner and profiler").
+"""The planner against the exhaustive optimum and against Ravnest's rule (docs/design.md, "Planner and profiler").
 
 (a) optimum: random heterogeneous instances of 6-8 nodes and 8-10 blocks, each planned twice (averaging
     every 10 steps with the default stashes, and every step with max_inflight 2); the predicted

@@ -1,4 +1,4 @@
-"""ravq link throughput against raw pyzmq with the same payloads (DESIGN.md, "References to measure against").
+"""ravq link throughput against raw pyzmq with the same payloads (docs/design.md, "References to measure against").
 
 Two OS processes on loopback TCP, a receiver and a sender, kept alive across trials.  Per trial the
 receiver binds a fresh socket, the sender connects and sends ``warmup + count`` messages, and the

@@ -1,6 +1,6 @@
 """A tiny task for tests: a two-block MLP learning a fixed linear map.
 
-Offers the task interface of DESIGN.md as plain functions so a topology can name it
+Offers the task interface of docs/design.md as plain functions so a topology can name it
 (``tasks_for_tests``, with ``tests/`` on ``sys.path``).  ``incomplete`` is an object lacking most of
 the interface, for the "task lacks functions" error (``tasks_for_tests:incomplete``).
 """

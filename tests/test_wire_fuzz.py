@@ -1,6 +1,6 @@
 """Property and mutation fuzzing of ravq.net.wire.decode.
 
-The claim under test (DESIGN.md, "Wire format"): whatever bytes arrive, ``decode`` either returns a
+The claim under test (docs/design.md, "Wire format"): whatever bytes arrive, ``decode`` either returns a
 Message that satisfies every invariant a receiver relies on, or raises ``WireError`` with a known
 reason.  Nothing else may escape: a TypeError or a torch RuntimeError would take a node down.
 
