@@ -146,6 +146,31 @@ def test_transformers_tied_sync_equals_one_process(kind: str) -> None:
     _assert_copies_equal(workers)
 
 
+@needs_transformers
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_tied_gpt2_eval_loss_equals_the_exported_model_in_one_process(stages: int) -> None:
+    """Sync mode: the round at the last step evaluates the trained model, its head the trained embedding (one
+    stage: not the initial head that repointing by deduplicated names left; cut: the eval graph holds the
+    tie under the names the training stage does)."""
+    import itertools
+
+    from ravq.stage.types import RecipeOptions
+    from tests import zoo_hf
+
+    task = zoo_hf.gpt2
+    recipe = RecipeOptions(eval_every=3, eval_count=2, eval_batches=task.eval_batches)
+    workers = make_workers(task, stages, steps=6, max_inflight=1, recipe=recipe)
+    run_workers(workers, timeout_s=120)
+    history = workers[-1].recipe.evaluator.history
+    assert [v for v, _ in history] == [3, 6]
+    model = build_task_model(task, 0)
+    model.load_state_dict(merged_state(workers))
+    model.eval()
+    with torch.no_grad():
+        losses = [float(task.loss_fn(model(*x), y)) for x, y in itertools.islice(task.eval_batches(4, 0), 2)]
+    assert history[-1][1] == pytest.approx(sum(losses) / len(losses), abs=1e-5)
+
+
 # ------------------------------------------------------------------------------------- checkpoint and export
 def test_export_writes_every_name_of_a_tie_with_one_value(tmp_path: Path) -> None:
     """Stage checkpoints hold each copy under the names that stage reads; the export names everything the

@@ -26,7 +26,7 @@ from torch.utils._pytree import TreeSpec
 
 from ravq.cut.meta import build_meta_model, is_meta, shape_pass, to_meta
 from ravq.cut.modules import mark_non_persistent, non_persistent_buffers
-from ravq.cut.tied import TiedGroup, settle_ties, tie_groups
+from ravq.cut.tied import TiedGroup, give_unused_to_first, settle_ties, tie_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +185,7 @@ def split_model(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]
     _mark_non_persistent(model, specs)
     for index, tied in settle_ties(model, [s.module for s in specs], groups).items():
         specs[index].tied = tied
+    give_unused_to_first(model, [s.module for s in specs])
     _check_names(model, specs)
     return specs
 

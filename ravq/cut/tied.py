@@ -11,8 +11,8 @@ the lowest holder, so the stages' state_dicts together name everything the model
 holders keep their copies equal at run time (``ravq.stage.tied_step``).
 
 Weights and persistent buffers that no stage reads at all (a BERT/RoBERTa MLM head's ``bias`` once untied
-from its decoder) are kept by stage 0, unchanged: no gradient ever reaches them, and checkpoints and
-export carry them as they are.
+from its decoder) are kept by stage 0 (``give_unused_to_first``), unchanged: no gradient ever reaches them,
+and checkpoints and export carry them as they are.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def settle_ties(
 ) -> dict[int, list[TiedGroup]]:
     """Make each stage hold the tied weights its graph reads, one tensor per group, and nothing else of them;
     returns stage index -> the groups it shares with other stages.  ``groups``: ``tie_groups(model)`` taken
-    before the split.  Also gives stage 0 every weight and persistent buffer that no stage holds."""
+    before the split.  Weights no stage reads are left to ``give_unused_to_first``."""
     params = [dict(m.named_parameters(remove_duplicate=False)) for m in modules]
     reads = [read_names(m) for m in modules]
     shared = _names_in_several(params, reads)
@@ -90,7 +90,7 @@ def settle_ties(
                     _delete(module, name)  # a stray copy the tracer left where nothing reads it
         holders = tuple(s for s in range(len(modules)) if held[s])
         if not holders:
-            continue  # nothing reads it: stage 0 takes it below, as any unused weight
+            continue  # nothing reads it: stage 0 takes it (give_unused_to_first), as any unused weight
         unread = [n for n in group if not any(n in held[s] for s in holders)]
         held[holders[0]] += unread
         for s in holders:
@@ -99,7 +99,6 @@ def settle_ties(
                 _put(modules[s], name, first)
             if len(holders) > 1:
                 out.setdefault(s, []).append(TiedGroup(key=group[0], names=tuple(held[s]), holders=holders))
-    _give_unused_to_first(model, modules)
     return out
 
 
@@ -113,7 +112,7 @@ def _names_in_several(params: list[dict[str, nn.Parameter]], reads: list[set[str
     return [n for n, c in count.items() if c > 1]
 
 
-def _give_unused_to_first(model: nn.Module, modules: list[nn.Module]) -> None:
+def give_unused_to_first(model: nn.Module, modules: list[nn.Module]) -> None:
     """Stage 0 holds every weight and persistent buffer of the model that no stage holds (never read)."""
     held = {k for m in modules for k in m.state_dict(keep_vars=True)}
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -4,8 +4,10 @@ micro-batches, without touching weights, stashes or credits.
 Why a second graph: the stages are graphs traced from the model in training mode, and tracing bakes
 the mode in (dropout is a ``dropout(x, p, train=True)`` call, BatchNorm a batch-statistics op), so
 ``stage.module.eval()`` changes nothing.  ``eval_stage_module`` traces a freshly built model in eval mode
-with the same cuts and points its parameters and buffers at the training stage's tensors (no second
-copy of the weights); a forward passes the stage's live weights and buffers by name anyway.
+with the same cuts, settles its ties as the training split does (a tied weight under the names the
+training stage holds it by, ``ravq.cut.tied``) and points its parameters and buffers, every alias of a tie
+included, at the training stage's tensors (no second copy of the weights); a forward passes the stage's
+live weights and buffers by name anyway.
 
 The round: every ``training.eval_every`` optimizer steps stage 0 takes the first ``eval_batches``
 micro-batches of the task's ``eval_batches(micro_batch, seed)`` (the same held-out data every round, so
@@ -34,6 +36,7 @@ from ravq.cut.materialize import materialize
 from ravq.cut.meta import build_meta_model, retarget_device, to_meta
 from ravq.cut.modules import replace_tensor
 from ravq.cut.split import build_task_model, model_output
+from ravq.cut.tied import settle_ties, tie_groups
 from ravq.stage.state import Outbox, StagePlace, StageState
 from ravq.stage.stats import StageStats
 from ravq.stage.tensors import Parts, data_for, gather_inputs, targets_of, to_device
@@ -46,7 +49,8 @@ def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts:
                       train_module: nn.Module) -> nn.Module:
     """Stage ``stage``'s graph traced in eval mode from a fresh copy of the task's model (on ``meta``: torch's
     tracer leaves its split markers on a model it traced, so the training model cannot be traced again),
-    its parameters and buffers then pointed at ``train_module``'s tensors (no second copy of the weights)."""
+    its parameters and buffers then pointed at ``train_module``'s tensors (no second copy of the weights).
+    A model without ``cuts`` is its own stage: its ties stay ties."""
     try:
         model, meta = build_meta_model(task, seed).model, True
     except Exception:  # noqa: BLE001 - a model that cannot be built on meta is traced with real weights
@@ -56,12 +60,18 @@ def eval_stage_module(task: Any, seed: int, example_args: tuple[Any, ...], cuts:
         # imported here: torch's pipelining, export and dynamo take seconds to import (ravq.cut.split)
         from ravq.cut.trace import split_pipe
 
+        groups = tie_groups(model)
         pipe = split_pipe(model, to_meta(example_args) if meta else example_args, cuts)
-        module = pipe.get_stage_module(stage)
+        modules = [pipe.get_stage_module(s) for s in range(len(cuts) + 1)]
+        settle_ties(model, modules, groups)  # a tie under the names the training stage holds, no strays
+        module = modules[stage]
     else:
         module = model
-    live = {**dict(train_module.named_parameters()), **dict(train_module.named_buffers())}
-    for name, _ in [*module.named_parameters(), *module.named_buffers()]:
+    # every name, a tie's aliases too: uncut, GPT-2's lm_head.weight must stay transformer.wte.weight
+    live = {**dict(train_module.named_parameters(remove_duplicate=False)),
+            **dict(train_module.named_buffers(remove_duplicate=False))}
+    for name, _ in [*module.named_parameters(remove_duplicate=False),
+                    *module.named_buffers(remove_duplicate=False)]:
         assert name in live, f"eval graph has {name}, which the training stage lacks"
         replace_tensor(module, name, live[name])
     if meta:  # the weights are the training stage's (no second copy); real values for anything else
