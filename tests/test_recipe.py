@@ -225,6 +225,30 @@ def test_eval_loss_equals_the_exported_model_in_one_process(stages: int) -> None
     assert ev.history[0][1] == pytest.approx(_one_process_eval(recipe_tasks.dropout_bn, merged_state(six), 3), abs=1e-5)
 
 
+@pytest.mark.parametrize("stages", [1, 3])
+def test_a_short_held_out_set_ends_each_round_with_what_it_gave(stages: int) -> None:
+    """eval_batches yields 2 micro-batches where a round takes up to 4: every stage ends each round after 2
+    (it hung waiting for the other 2), and the loss is their mean on the final weights."""
+    def two(micro_batch: int, seed: int):
+        return itertools.islice(recipe_tasks.dropout_bn.eval_batches(micro_batch, seed), 2)
+
+    recipe = RecipeOptions(eval_every=3, eval_count=4, eval_batches=two)
+    workers = make_workers(recipe_tasks.dropout_bn, stages, steps=6, max_inflight=1, recipe=recipe)
+    run_workers(workers, timeout_s=20)
+    ev = workers[-1].recipe.evaluator
+    assert [v for v, _ in ev.history] == [3, 6] and all(w.recipe.evaluator.rounds_done == 2 for w in workers)
+    assert ev.history[-1][1] == pytest.approx(_one_process_eval(recipe_tasks.dropout_bn, merged_state(workers), 2),
+                                              abs=1e-5)
+    if stages > 1:  # a round's size is 1 to eval_count micro-batches
+        assert workers[1].deliver("fwd", (0, 9), 0, {}, {"eval": 2, "of": 5}) == "bad_meta"
+
+
+def test_a_held_out_set_without_a_micro_batch_is_refused_at_start() -> None:
+    recipe = RecipeOptions(eval_every=3, eval_count=4, eval_batches=lambda micro_batch, seed: iter(()))
+    with pytest.raises(ValueError, match="eval_batches.*yields no micro-batch"):
+        make_workers(recipe_tasks.dropout_bn, 2, steps=6, max_inflight=1, recipe=recipe)
+
+
 def test_traced_stages_ignore_eval_mode_so_a_second_graph_is_needed() -> None:
     """The issue's finding, kept true: module.eval() on a training-mode traced stage changes nothing
     (dropout stays on), while the eval-mode graph is deterministic and matches model.eval()."""

@@ -11,19 +11,21 @@ live weights and buffers by name anyway.
 
 The round: every ``training.eval_every`` optimizer steps stage 0 takes the first ``eval_batches``
 micro-batches of the task's ``eval_batches(micro_batch, seed)`` (the same held-out data every round, so
-rounds compare) and sends them down the pipeline as FORWARD messages marked ``eval`` (their own queue,
-ids ``round x eval_batches + j``).  Each stage runs them, when they arrive, at its current weights, with
-no autograd; the last stage averages the loss and the task's ``metrics_fn`` over the round.  With
-``max_inflight: 1`` every stage is at stage 0's version when the round reaches it (a stage applies the
-step before the forward that follows it), so the round evaluates exactly the model of that version; with
-micro-batches in flight a later stage may be a step or so behind or ahead, as its training forwards are.
+rounds compare; fewer if it ends sooner) and sends them down the pipeline as FORWARD messages marked ``eval``
+(their own queue, ids ``round x eval_batches + j``); the round's last one also carries its size (``of``),
+which each stage passes on, so every stage ends the round after as many as stage 0 sent.  Each stage runs
+them, when they arrive, at its current weights, with no autograd; the last stage averages the loss and the
+task's ``metrics_fn`` over the round.  With ``max_inflight: 1`` every stage is at stage 0's version when
+the round reaches it (a stage applies the step before the forward that follows it), so the round evaluates
+exactly the model of that version; with micro-batches in flight a later stage may be a step or so behind or
+ahead, as its training forwards are.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +109,9 @@ class Evaluator:
         """This stage's eval-mode graph (``attach``); None: evaluation is off."""
         self.seen: dict[int, int] = {}
         """Round -> eval micro-batches this stage has run of it."""
+        self.sizes: dict[int, int] = {}
+        """Round -> its micro-batches (at most ``count``: what the task's iterator gave), once known: stage 0
+        knows it when the iterator ends, the others from the messages (``expect``)."""
         self.rounds_done = 0
         self._loss_sum: dict[int, float] = {}
         self._metric_sums: dict[int, dict[str, float]] = {}
@@ -116,7 +121,12 @@ class Evaluator:
         """Last stage: the task's metrics_fn averaged over the latest round."""
 
     def attach(self, module: nn.Module) -> None:
-        """Evaluate with ``module`` (this stage's from ``eval_stage_module``), on the stage's device."""
+        """Evaluate with ``module`` (this stage's from ``eval_stage_module``), on the stage's device.  Stage 0
+        refuses a held-out set without a micro-batch now, rather than at the first round."""
+        held_out = self.batches if self._place.is_first and self.every > 0 else None
+        if held_out is not None and next(iter(held_out(self._micro_batch, self.seed)), None) is None:
+            raise ValueError("training.eval_every: the task's eval_batches(micro_batch, seed) yields no "
+                             "micro-batch; give it held-out data or set eval_every: 0")
         self.module = module.to(self._place.device)
 
     @property
@@ -130,7 +140,12 @@ class Evaluator:
     def forget_in_flight(self) -> None:
         """A pause cut the rounds in flight short: they are not waited for."""
         self.seen.clear()
+        self.sizes.clear()
         self.rounds_done = 1 << 62
+
+    def expect(self, round_: int, size: int) -> None:
+        """A message said how many micro-batches ``round_`` has (control work, before that message runs)."""
+        self.sizes[round_] = size
 
     def after_step(self) -> None:
         """Stage 0, after each optimizer step: start a round every ``every`` steps."""
@@ -141,7 +156,9 @@ class Evaluator:
             return
         round_ = version // self.every
         held_out = itertools.islice(self.batches(self._micro_batch, self.seed), self.count)
-        for j, (inputs, targets) in enumerate(held_out):
+        for j, (inputs, targets), last in _marking_last(held_out):
+            if last:  # the round's size is what the iterator gave (at most count): its last message says it
+                self.sizes[round_] = j + 1
             mb = (place.cluster, round_ * self.count + j)
             inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
             parts: Parts = {0: {f"x{i}": x for i, x in enumerate(inputs)}}
@@ -193,20 +210,23 @@ class Evaluator:
         round_ = mb[1] // self.count
         for dest, extra in data.items():
             tensors = {f"o{i}": outputs[i] for i, users in spec.consumers.items() if dest in users}
+            size = {"of": self.sizes[round_]} if round_ in self.sizes else {}
             self._outbox.send("eval", dest, mb[1], {**self._outbox.pack(tensors), **extra},
-                              {**self._scoring.forward_meta(), "eval": round_})
+                              {**self._scoring.forward_meta(), "eval": round_, **size})
         self._count(round_)
 
     def _count(self, round_: int) -> None:
+        """One more micro-batch of ``round_`` run here; the round ends with the last of its size."""
         self.seen[round_] = self.seen.get(round_, 0) + 1
-        if self.seen[round_] < self.count:
+        size = self.sizes.get(round_)
+        if size is None or self.seen[round_] < size:
             return
-        del self.seen[round_]
+        del self.seen[round_], self.sizes[round_]
         self.rounds_done += 1
         if not self._place.is_last:
             return
-        loss = self._loss_sum.pop(round_) / self.count
-        self.metrics = {k: v / self.count for k, v in self._metric_sums.pop(round_, {}).items()}
+        loss = self._loss_sum.pop(round_) / size
+        self.metrics = {k: v / size for k, v in self._metric_sums.pop(round_, {}).items()}
         self.history.append((round_ * self.every, loss))
         self._stats.record_recipe({"eval_loss": loss, "eval_loss_first": self.history[0][1],
                                    "eval_version": round_ * self.every, "eval_metrics": dict(self.metrics),
@@ -218,3 +238,14 @@ class Evaluator:
                 metrics.eval_metric.labels(name).set(value)
         log.info("stage %d: eval at step %d: loss %.4f %s", self._place.spec.index, round_ * self.every, loss,
                  " ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
+
+
+def _marking_last(items: Iterator[Any]) -> Iterator[tuple[int, Any, bool]]:
+    """(index, item, whether it is the last) of every item, reading one ahead."""
+    end = object()
+    ahead = next(items, end)
+    for j in itertools.count():
+        if ahead is end:
+            return
+        item, ahead = ahead, next(items, end)
+        yield j, item, ahead is end

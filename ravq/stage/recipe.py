@@ -245,6 +245,8 @@ class Recipe:
         if "eval" in meta or kind == "eval":
             if type(meta.get("eval")) is not int or kind == "bwd" or not self.evaluator.enabled:
                 return kind, "unexpected_message"
+            if "of" in meta and not (type(meta["of"]) is int and 1 <= meta["of"] <= self.evaluator.count):
+                return kind, "bad_meta"
             kind = "eval"
         if self.exchange is None:
             return kind, None
@@ -256,7 +258,11 @@ class Recipe:
         return kind, bad
 
     def received(self, kind: str, mb: MicroBatch, meta: dict[str, Any]) -> None:
-        """Event loop: an arrival was queued; record its norms (and apply the steps they complete)."""
+        """Event loop: an arrival was queued; record its norms (and apply the steps they complete), or the
+        size of its evaluation round (before the compute thread runs it)."""
+        if kind == "eval" and "of" in meta:
+            round_, size = meta["eval"], meta["of"]
+            self._submit(lambda: self.evaluator.expect(round_, size))
         direction = "bwd" if kind == "bwd" else "fwd"
         if self.exchange is not None and self.exchange.receive(direction, mb[1], meta):
             self._submit(lambda: self.on_norms(tail=False))
