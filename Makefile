@@ -31,11 +31,14 @@ system-deps:
 	fi
 
 # lint-imports checks the layers and import circles (pyproject.toml's import-linter contracts) first,
-# then ruff checks the code (pyproject.toml's [tool.ruff]: private members, line length).
+# then ruff checks the code (pyproject.toml's [tool.ruff]: private members, line length). The suite runs on
+# two workers (pytest-xdist); the tests marked `alone` (they assert a measured rate or CPU share, which a
+# test beside them would skew) run after, by themselves; exit 5 there means ARGS selected none of them.
 test: $(STAMP) system-deps
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check ravq brokers
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 $(ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m 'not alone' --durations=30 $(ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone --durations=5 $(ARGS) || [ $$? -eq 5 ]
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b --quick || exit 1; done

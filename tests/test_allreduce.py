@@ -505,6 +505,7 @@ def test_benchmark_quick_json() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.netns
+@pytest.mark.alone
 def test_benchmark_over_shaped_links() -> None:
     """``--link-mbit``: every process in its own namespace behind a tbf-shaped link.  The ring's bus
     bandwidth can only stay under the shaped rate if the workers really joined their namespaces

@@ -25,7 +25,7 @@ from ravq.config import load_topology
 from ravq.planner import BlockProfile, make_plan
 from ravq.profile.store import load_profiles
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.alone]
 
 REPO = Path(__file__).resolve().parents[1]
 RATES_MBIT = {"fast1": 200, "fast2": 100, "slow1": 40, "slow2": 16}

@@ -24,7 +24,7 @@ import yaml
 
 from benchmarks import _emulate
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.alone]
 
 REPO = Path(__file__).resolve().parents[1]
 UPLOAD_MBIT = {"a": 200.0, "b": 50.0, "c": 20.0}
