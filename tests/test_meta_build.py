@@ -104,6 +104,33 @@ def test_a_parameter_no_initialiser_sets_takes_the_constructors_value(caplog: py
     assert "no initialiser sets scale" in caplog.text
 
 
+@pytest.mark.parametrize(("kind", "module"), [("bert_edited", "cls.predictions"), ("t5_edited", "t5")])
+def test_a_model_edited_after_init_starts_from_what_its_modules_hold(kind: str, module: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """BERT MLM without its head bias, T5 with ``shared`` replaced: transformers' ``_init_weights`` fails on the
+    changed module, which falls back (one warning names it); every stage of a cut starts from the whole model's
+    values, and 2 stages train like one process."""
+    from tests import zoo_hf
+    from tests.pipeline_harness import make_workers, merged_state, run_workers, train_one_process
+
+    task = getattr(zoo_hf, kind)
+    with caplog.at_level("WARNING", logger="ravq.cut.materialize"):
+        reference = dict(build_task_model(task, 5).state_dict())
+    warned = [r.getMessage() for r in caplog.records if "_init_weights cannot initialise" in r.getMessage()]
+    assert len(warned) == 1 and f"initialise {module}," in warned[0], warned
+    assert not any(torch.isnan(v).any() for v in reference.values() if v.is_floating_point())
+    model = build_meta_model(task, 5).model
+    for spec in split_model(model, task.example_inputs(2), even_cuts(candidate_cuts(model, task), 2)):
+        materialize(spec.module, task, 5)
+        for name, value in spec.module.state_dict().items():
+            assert torch.equal(value, reference[name]), (spec.index, name)
+    workers = make_workers(task, 2, steps=2, max_inflight=1)
+    run_workers(workers, timeout_s=120)
+    want = train_one_process(task, steps=2)
+    for name, value in merged_state(workers).items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+
+
 def test_a_task_init_weights_runs_last_per_module() -> None:
     seen: list[str] = []
 

@@ -76,3 +76,25 @@ bert = _hf_task(_bert, 1, lambda mb, shard, n, seed: _windows(mb, shard, n, seed
                 ["bert.encoder.layer.1", "cls"])
 """BERT MLM: the decoder is tied to the word embeddings (first and last stage) and its ``bias`` to
 ``cls.predictions.bias`` (in one stage)."""
+
+
+def _bert_without_head_bias() -> nn.Module:
+    """A user's change after ``__init__``: the MLM head without its bias (transformers' ``_init_weights`` zeroes
+    ``cls.predictions.bias``, now None)."""
+    model = _bert()
+    model.cls.predictions.bias = None
+    model.cls.predictions.decoder.bias = None
+    return model
+
+
+def _t5_without_shared() -> nn.Module:
+    """A user's change after ``__init__``: ``shared`` replaced by ``Identity`` (the encoder and decoder keep the
+    embedding; ``_init_weights`` of the model reads ``shared.weight``)."""
+    model = _t5()
+    model.t5.shared = nn.Identity()
+    return model
+
+
+bert_edited = _hf_task(_bert_without_head_bias, 1, lambda mb, shard, n, seed: _windows(mb, shard, n, seed, CONTEXT),
+                       ["bert.encoder.layer.1", "cls"])
+t5_edited = _hf_task(_t5_without_shared, 2, _pairs, ["t5.decoder", "t5.lm_head"])

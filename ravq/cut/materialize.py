@@ -6,7 +6,10 @@ and each of its ancestors, is initialised children first, each with the global R
 seed and the module's qualified name:
 
 1. transformers models: the nearest ``PreTrainedModel``'s ``_init_weights(module)`` (what its own
-   ``post_init`` does, rotary frequencies included); other modules: their ``reset_parameters()``;
+   ``post_init`` does, rotary frequencies included); other modules: their ``reset_parameters()``.  A module
+   a user changed after building the model (a head's bias set to None, ``shared`` replaced), on which
+   ``_init_weights`` fails, falls back to its own ``reset_parameters()`` if any, else to the built
+   model's values (below), with one warning naming it;
 2. then the task's ``init_weights(module, name)``, if it has one, to initialise as it likes.
 
 A checkpoint the task names (``pretrained``: a transformers directory, a ``.safetensors`` file or a
@@ -162,6 +165,7 @@ def _initialise(model: nn.Module, owners: set[str], task: Any, seed: int) -> Non
         parts = owner.split(".") if owner else []
         relevant.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     custom: Callable[[nn.Module, str], Any] | None = getattr(task, "init_weights", None)
+    edited: dict[str, str] = {}
 
     def visit(prefix: str, module: nn.Module, hf: nn.Module | None) -> None:
         hf = module if _is_hf_model(module) else hf
@@ -171,19 +175,36 @@ def _initialise(model: nn.Module, owners: set[str], task: Any, seed: int) -> Non
                 visit(qualified, child, hf)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derived_seed(seed, prefix))
-            if hf is not None:
-                hf_init_weights(hf, module)
-            else:
-                reset = getattr(module, "reset_parameters", None) or getattr(
-                    module, "_reset_parameters", None
-                )
-                if callable(reset):
-                    reset()
+            _init_module(hf, module, prefix, seed, edited)
             if custom is not None:
                 custom(module, prefix)
 
     with torch.no_grad(), SkipMetaInPlace():  # an initialiser's draws for tensors this stage does not hold
         visit("", model, None)
+    if edited:
+        log.warning(
+            "transformers' _init_weights cannot initialise %s, changed after the model was built (%s); it "
+            "starts from its own reset_parameters(), else from the values the built model had",
+            ", ".join(edited), "; ".join(f"{name}: {why}" for name, why in edited.items()),
+        )
+
+
+def _init_module(hf: nn.Module | None, module: nn.Module, prefix: str, seed: int,
+                 edited: dict[str, str]) -> None:
+    """``module``'s initialiser: its transformers model's ``_init_weights``, else its own
+    ``reset_parameters``.  ``_init_weights`` expects each module as the model's class built it: one a user
+    changed after ``__init__`` (a bias set to None, an embedding replaced) fails there and falls back
+    (recorded in ``edited``)."""
+    if hf is not None:
+        try:
+            hf_init_weights(hf, module)
+            return
+        except (AttributeError, TypeError) as err:  # the attribute it reads is gone, or is another thing
+            edited[prefix or type(module).__name__] = f"{type(err).__name__}: {str(err)[:120]}"
+            torch.manual_seed(derived_seed(seed, prefix))  # as if the failed initialiser had drawn nothing
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    if callable(reset):
+        reset()
 
 
 def _from_constructor(task: Any, seed: int, names: list[str], real: dict[str, torch.Tensor]) -> None:
