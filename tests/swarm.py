@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from ravq.cli.demo import free_ports
-from ravq.config import parse_topology
+from ravq.config import parse_topology, portable_task_spec
 from ravq.net.listen import Listeners, ports_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ def local_topology(task: str, clusters: list[int], training: dict[str, Any], **e
     ports = iter(free_ports(2 * n + 2))
     nodes = [{"name": f"c{c}s{s}", "pipeline_port": next(ports), "ring_port": next(ports), "cluster": c,
               "stage": s} for c, size in enumerate(clusters) for s in range(size)]
-    return {"task": task, "training": training, "broker": {"pub_port": next(ports), "router_port": next(ports)},
+    return {"task": portable_task_spec(task), "training": training, "broker": {"pub_port": next(ports), "router_port": next(ports)},
             "nodes": nodes, **extra}
 
 

@@ -30,6 +30,7 @@ from ravq.config import (
     PREDICT_WEIGHTS,
     ConfigError,
     parse_topology,
+    portable_task_spec,
 )
 from ravq.net.listen import Listeners, ports_of
 
@@ -46,7 +47,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clusters", type=int, default=2, help="clusters (data-parallel copies)")
     p.add_argument("--stages", type=int, default=2, help="stages (nodes) per cluster")
     p.add_argument("--steps", type=int, default=300, help="micro-batches each cluster trains on")
-    p.add_argument("--task", default=DEFAULT_TASK, help="importable task module")
+    p.add_argument("--task", default=DEFAULT_TASK,
+                   help="the task: a module (mytask finds mytask.py in the current folder), module:attribute, "
+                        "or a file path/to/mytask.py[:attribute]")
     p.add_argument("--max-inflight", type=int, default=None, help="default: number of stages")
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument(
@@ -163,7 +166,8 @@ def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, A
         eval_every=_eval_every(args),
         lr_schedule={"kind": args.lr_schedule, "warmup_steps": args.warmup_steps},
     )
-    return {"task": args.task, "seed": args.seed, "training": training,
+    # the nodes find the task this process found, from any folder: a file as its absolute path
+    return {"task": portable_task_spec(args.task), "seed": args.seed, "training": training,
             "timeouts": {"connect_s": 120.0, "ring_step_s": 30.0, "drain_s": 15.0},
             "broker": {"host": "127.0.0.1", "pub_port": next(ports), "router_port": next(ports),
                        "metrics_port": next(ports)},

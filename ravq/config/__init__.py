@@ -11,7 +11,7 @@ from ravq.config.base import ConfigError
 from ravq.config.loading import load_plan, load_topology, parse_topology
 from ravq.config.plan import ClusterPlan, Plan
 from ravq.config.recipe import LRScheduleConfig
-from ravq.config.task import TASK_FUNCTIONS, resolve_task_module
+from ravq.config.task import TASK_FUNCTIONS, portable_task_spec, resolve_task_module
 from ravq.config.topology import (
     EXTRAPOLATE_GRADIENTS,
     INFLIGHT_WARMUP_STEPS,
@@ -48,5 +48,6 @@ __all__ = [
     "load_plan",
     "load_topology",
     "parse_topology",
+    "portable_task_spec",
     "resolve_task_module",
 ]

@@ -297,7 +297,8 @@ class SecurityConfig(UserModel):
 
 class Topology(UserModel):
     task: str
-    """Importable module (or module:attribute) offering the task interface."""
+    """The task: an importable module, ``module:attribute``, or a file ``path/to/task.py[:attribute]``
+    (relative to the current folder: a unit's ``WorkingDirectory=``); ``ravq.config.task``."""
     seed: int = 0
     """Seed for model initialisation and data order."""
     training: TrainingConfig = TrainingConfig()
