@@ -6,6 +6,10 @@ the run started with (its clusters and cut points: what the stages' checkpoints 
 current plan (with standby replacements) and its epoch.  It is written atomically (temporary file,
 fsync, rename) whenever the plan changes, so a power cut leaves the previous or the new state, never a
 torn one.  Starting a new run is explicit: ``ravq broker --new-run`` (or an empty state directory).
+The state directory is ``broker.state_dir`` when the topology names one, else a default the broker
+always uses (``state_dir_for``): ``broker/`` in the unit's ``StateDirectory=`` (``$STATE_DIRECTORY``),
+else ``broker/`` next to the checkpoints (``training.checkpoint_dir``), so that the topology a user
+writes first survives a power cut.
 A plan that cuts the model differently from the run's is a new run too: the broker refuses it
 without ``--new-run``, since no stage's checkpoint would fit it.
 """
@@ -17,6 +21,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,8 @@ from ravq.config import ConfigError, Plan
 log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
+DEFAULT_SUBDIR = "broker"
+"""The default state directory's name inside ``$STATE_DIRECTORY`` or ``training.checkpoint_dir``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,6 +60,20 @@ def _cuts(plan: Plan) -> list[list[str]]:
     return [list(c.cuts) for c in plan.clusters]
 
 
+def state_dir_for(configured: str | None, checkpoint_dir: str | None, env: Mapping[str, str]) -> str | None:
+    """Where the broker keeps the run: ``broker.state_dir``; else ``broker/`` in the systemd unit's
+    ``StateDirectory=`` (``$STATE_DIRECTORY``, its first entry); else ``broker/`` next to the checkpoints.
+    None only without checkpoints, where a restart has nothing to continue from."""
+    if configured is not None:
+        return configured
+    systemd = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if systemd:
+        return str(Path(systemd) / DEFAULT_SUBDIR)
+    if checkpoint_dir is not None:
+        return str(Path(checkpoint_dir) / DEFAULT_SUBDIR)
+    return None
+
+
 def open_run(state_dir: str | Path | None, plan: Plan, *, new_run: bool) -> Run:
     """The run this broker serves: the one in ``state_dir`` (continued), or a new one (written there).
     ConfigError (one line) for a state file that cannot be read or a plan that does not fit the run."""
@@ -60,8 +81,8 @@ def open_run(state_dir: str | Path | None, plan: Plan, *, new_run: bool) -> Run:
     if state_dir is None:
         run = Run(run_id=new_run_id(), explicit=new_run, base=plan,
                   plan=plan.model_copy(update={"epoch": epoch}), created_at=time.time())
-        log.warning("run %s: no broker.state_dir, so a restart of this broker starts a new run (set "
-                    "broker.state_dir, e.g. /var/lib/ravq/broker, to make the run survive it)", run.run_id)
+        log.info("run %s: no state directory (no broker.state_dir, no checkpoint_dir): a restart of this "
+                 "broker starts a new run, from the seed as every node does", run.run_id)
         return run
     path = Path(state_dir) / RUN_FILE
     stored = None if new_run else _read(path)
@@ -72,7 +93,11 @@ def open_run(state_dir: str | Path | None, plan: Plan, *, new_run: bool) -> Run:
                  "--new-run" if new_run else "no run in the state directory yet", path)
     else:
         run = _continue(stored, plan, epoch, path)
-    save_run(state_dir, run)
+    try:
+        save_run(state_dir, run)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot keep the run's state there ({err}); set broker.state_dir (or "
+                          "`ravq broker --state-dir`) to a directory the broker may write") from None
     return run
 
 
@@ -97,7 +122,7 @@ def _continue(stored: Run, plan: Plan, epoch: int, path: Path) -> Run:
 def _read(path: Path) -> Run | None:
     try:
         data = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no run yet (saving it names a directory that cannot be)
         return None
     except (OSError, ValueError) as err:
         raise ConfigError(f"{path}: cannot read the run state ({err}); fix or remove it, or pass --new-run") \

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import zmq.asyncio
 
 from brokers.book import CLUSTER_STATES, NODE_STATES, PHASES, Book, Member
 from brokers.reach import Reachability
-from brokers.run import open_run, save_run
+from brokers.run import open_run, save_run, state_dir_for
 from ravq.config import Plan, RelayConfig, Topology
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions, endpoint
@@ -59,7 +60,9 @@ class Broker:
         self.heartbeat_timeout_s = heartbeat_timeout_s or topology.timeouts.lost_s
         self.known = {n.name for n in topology.nodes}
         self.incarnation = f"{time.time():.6f}"
-        self.state_dir = topology.broker.state_dir
+        self.state_dir = state_dir_for(topology.broker.state_dir, topology.training.checkpoint_dir,
+                                       os.environ)
+        """Where the run survives this broker's restarts (``brokers.run.state_dir_for``)."""
         self.the_run = open_run(self.state_dir, plan, new_run=new_run)
         """The training run (``brokers.run``): continued from the state directory after a restart."""
         self.run_id = self.the_run.run_id

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from brokers.book import Book
-from brokers.run import RUN_FILE, open_run, save_run
+from brokers.run import RUN_FILE, open_run, save_run, state_dir_for
 from ravq.config import ClusterPlan, ConfigError, Plan
 from ravq.metrics import Metrics
 from ravq.net.protocol import Heartbeat
@@ -51,6 +51,29 @@ def test_a_plan_with_other_cuts_needs_a_new_run(tmp_path: Path) -> None:
         open_run(tmp_path, other, new_run=False)
     assert "\n" not in str(err.value)
     assert open_run(tmp_path, other, new_run=True).base == other
+
+
+def test_the_broker_keeps_the_run_by_default_next_to_the_checkpoints_or_in_the_units_state_directory(
+        tmp_path: Path) -> None:
+    """The topology a user writes first (no broker.state_dir) survives a restart of the broker: the state
+    goes to the unit's StateDirectory= (systemd sets $STATE_DIRECTORY), else next to the checkpoints;
+    only a topology without checkpoints (nothing to resume) keeps the run in the process alone."""
+    ckpt, unit = str(tmp_path / "ckpt"), str(tmp_path / "var-lib-ravq")
+    assert state_dir_for(None, ckpt, {}) == str(tmp_path / "ckpt" / "broker")
+    assert state_dir_for(None, ckpt, {"STATE_DIRECTORY": f"{unit}:{tmp_path}/other"}) == f"{unit}/broker"
+    assert state_dir_for("/srv/state", ckpt, {"STATE_DIRECTORY": unit}) == "/srv/state"  # the topology's wins
+    assert state_dir_for(None, None, {}) is None
+    first = open_run(state_dir_for(None, ckpt, {}), PLAN, new_run=False)
+    again = open_run(state_dir_for(None, ckpt, {}), PLAN, new_run=False)  # the broker after a power cut
+    assert again.run_id == first.run_id and again.plan.epoch > first.plan.epoch
+    assert open_run(state_dir_for(None, ckpt, {}), PLAN, new_run=True).run_id != first.run_id
+
+
+def test_a_default_state_directory_the_broker_cannot_write_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").write_text("a file where the checkpoint directory should be")
+    with pytest.raises(ConfigError, match="cannot keep the run's state there.*broker.state_dir") as err:
+        open_run(state_dir_for(None, str(tmp_path / "ckpt"), {}), PLAN, new_run=False)
+    assert "\n" not in str(err.value)
 
 
 def test_a_corrupt_run_state_is_one_line(tmp_path: Path) -> None:

@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--topology", required=True)
     b.add_argument("--plan", help="plan YAML from `ravq plan` (default: the topology's clusters, even split)")
     b.add_argument("--key-dir", help="directory with broker.key_secret (CURVE)")
-    b.add_argument("--state-dir", help="where the run survives restarts (default: broker.state_dir)")
+    b.add_argument("--state-dir", help="where the run survives restarts (default: broker.state_dir, else "
+                   "$STATE_DIRECTORY/broker, else training.checkpoint_dir/broker)")
     b.add_argument("--new-run", action="store_true",
                    help="start a new training run instead of continuing the one in the state directory")
     b.set_defaults(func=cmd_broker)

@@ -185,7 +185,9 @@ class BrokerConfig(UserModel):
     state_dir: str | None = None
     """Directory where the broker keeps the training run (its id, plan epoch and membership), so that a
     restarted broker continues the same run and every node resumes from that run's checkpoints
-    (``brokers.run``).  None: the run lasts as long as the broker process (a restart starts a new one)."""
+    (``brokers.run``).  None: ``broker/`` in the unit's ``StateDirectory=`` (``$STATE_DIRECTORY``), else
+    ``broker/`` next to the checkpoints (``training.checkpoint_dir``); without checkpoints the run lasts
+    as long as the broker process (there is nothing to resume)."""
 
     _ports = field_validator("pub_port", "router_port", "metrics_port", "relay_port")(
         lambda v: v if v is None else _check_port(v)

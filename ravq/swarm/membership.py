@@ -72,7 +72,7 @@ class MembershipState:
         self.members = members
         run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
         if self.run_id is not None and run_id != self.run_id:
-            log.warning("%s: the broker now runs %s, not %s (it restarted without broker.state_dir?): this "
+            log.warning("%s: the broker now runs %s, not %s (it lost its state directory?): this "
                         "node goes on with its run's weights; a restarted node will refuse them", self.name,
                         run_id, self.run_id)
         self.run_id = run_id
