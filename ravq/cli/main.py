@@ -220,6 +220,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from ravq.cli.check import check_main
+
+    return check_main(args)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from ravq.checks import check_device
     from ravq.cli.profile import profile_main
@@ -270,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ravq.cli.demo import add_demo_arguments
     add_demo_arguments(d)
     d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("check", help="pre-flight a task: will it split, train, evaluate and fit, as planned?")
+    from ravq.cli.check import add_check_arguments
+    add_check_arguments(c)
+    c.set_defaults(func=cmd_check)
 
     b = sub.add_parser("broker", help="run the topology broker")
     b.add_argument("--topology", required=True)

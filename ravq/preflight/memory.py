@@ -1,0 +1,160 @@
+"""Each stage's memory as a node of the run will hold it, worked out on ``meta`` (no weight made real):
+weights, gradients, the task's optimizer's state, weight snapshots of versions in flight, and per in-flight
+micro-batch the tensors autograd saves, the stage's inputs and outputs; plus the process around the stage.
+
+Micro-batches in flight at stage ``s`` of ``k``: at most ``min(max_inflight, k - s)`` (a micro-batch leaves
+stage ``s`` when its backward has come back through the ``k - s`` stages from ``s`` on), so the last stage
+holds one.  Weight snapshots: one per version still in flight besides the live weights
+(``ravq.stage.stash``); weight prediction keeps the last update and a predicted copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ravq.cut.meta import to_meta
+from ravq.cut.split import StageSpec, keep_buffers, model_output
+from ravq.preflight.report import Report, StageMemory
+from ravq.stage.recipe import build_optimizer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemorySettings:
+    micro_batch: int
+    max_inflight: int
+    predict_weights: float = 0.0
+    extrapolate_gradients: float = 0.0
+    runtime_bytes: int = 0
+    """The process around a stage (``StageMemory.runtime``)."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # noqa: SLF001 - one key per storage: views of one tensor count once
+
+
+def optimizer_bytes(
+    make_optimizer: Callable[..., Any], params: dict[str, nn.Parameter], report: Report
+) -> int:
+    """State the task's optimizer keeps after one step, stepped on ``meta`` copies of the parameters."""
+    trained = {n: p for n, p in params.items() if p.requires_grad}
+    if not trained:
+        return 0
+    copies = {n: nn.Parameter(torch.empty_like(p, device="meta")) for n, p in trained.items()}
+    for c in copies.values():
+        c.grad = torch.empty_like(c)
+    try:
+        optimizer = build_optimizer(make_optimizer, copies)
+        optimizer.step()
+    except Exception as err:  # noqa: BLE001 - user code; the estimate goes on without it
+        grads = sum(_nbytes(p) for p in trained.values())
+        report.add(
+            "warning",
+            "memory",
+            f"make_optimizer's optimizer cannot step on the meta device "
+            f"({type(err).__name__}: {str(err)[:160]}); its state is taken as Adam's, 2x the gradients",
+            "none needed unless the optimizer keeps more or less state than Adam",
+        )
+        return 2 * grads
+    return sum(
+        _nbytes(v)
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+
+
+def _fake(mode: FakeTensorMode, value: Any) -> Any:
+    return pytree.tree_map(
+        lambda x: mode.from_tensor(x.to("meta")) if isinstance(x, torch.Tensor) else x, value
+    )
+
+
+def activation_bytes(
+    specs: list[StageSpec], example: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Any]
+) -> list[int]:
+    """Per stage, bytes one in-flight micro-batch holds: saved tensors of its forward (the loss's on the last
+    stage), its inputs and its outputs, from one pass on fake tensors."""
+    result = []
+    modules = [s.module for s in specs]
+    outputs: dict[int, tuple[Any, ...]] = {}
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True) as mode,
+        keep_buffers(modules),
+        torch.random.fork_rng(devices=[]),
+    ):
+        args = tuple(_fake(mode, a) for a in example)
+        fake_targets = _fake(mode, targets)
+        for spec in specs:
+            got = [args[r.index] if r.stage < 0 else outputs[r.stage][r.index] for r in spec.received]
+            leaves = [
+                g.detach().requires_grad_(g.is_floating_point() and r.stage >= 0)
+                for g, r in zip(got, spec.received)
+            ]
+            own = {_key(p) for p in spec.module.parameters()} | {_key(b) for b in spec.module.buffers()}
+            saved: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, own: set[int] = own, saved: dict[int, int] = saved) -> torch.Tensor:
+                k = _key(t)
+                if k not in own:
+                    saved[k] = max(saved.get(k, 0), t.untyped_storage().nbytes())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = spec.module(*leaves[: len(spec.inputs)])
+                if spec.index == len(specs) - 1:
+                    loss_fn(model_output(spec, out, leaves), fake_targets)
+            outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            outputs[spec.index] = tuple(o.detach() for o in outs)
+            kept = {_key(x): _nbytes(x) for x in [*got, *outs] if isinstance(x, torch.Tensor)}
+            result.append(sum(saved.values()) + sum(v for k, v in kept.items() if k not in saved))
+    return result
+
+
+def estimate(
+    specs: list[StageSpec],
+    example: tuple[Any, ...],
+    targets: Any,
+    task: Any,
+    settings: MemorySettings,
+    report: Report,
+    first_names: list[str],
+) -> list[StageMemory]:
+    """Every stage's ``StageMemory`` (``available`` left for the caller to fill in)."""
+    example = to_meta(example) if any(p.is_meta for s in specs for p in s.module.parameters()) else example
+    per_micro_batch = activation_bytes(specs, example, targets, task.loss_fn)
+    stages = len(specs)
+    result = []
+    for spec, activations, first in zip(specs, per_micro_batch, first_names):
+        params = dict(spec.module.named_parameters())
+        weights = sum(_nbytes(p) for p in params.values()) + sum(_nbytes(b) for b in spec.module.buffers())
+        trained = sum(_nbytes(p) for p in params.values() if p.requires_grad)
+        inflight = min(settings.max_inflight, stages - spec.index)
+        copies = max(0, inflight - 1)
+        if settings.predict_weights > 0 and inflight > 1:
+            copies += 2  # the last update and the predicted snapshot
+        if settings.extrapolate_gradients > 0 and inflight > 1:
+            copies += 1
+        result.append(
+            StageMemory(
+                stage=spec.index,
+                first=first,
+                weights=weights,
+                grads=trained,
+                optimizer=optimizer_bytes(task.make_optimizer, params, report),
+                stash=copies * trained,
+                activations=inflight * activations,
+                runtime=settings.runtime_bytes,
+            )
+        )
+    return result
