@@ -88,13 +88,17 @@ class Book:
         self.clusters = [ClusterState() for _ in plan.clusters]
         self.recoveries: list[float] = []
         """Seconds from a disruption to training again, one per recovery (the broker observes them)."""
+        self._where: dict[str, int] = {}
+        self._where_plan: Plan | None = None
+        """Node -> cluster of ``_where_plan`` (rebuilt when the plan is another object): a heartbeat finds
+        its member's cluster in O(1), not by a scan of the plan."""
 
     # ------------------------------------------------------------------ queries
     def cluster_of(self, node: str) -> int | None:
-        try:
-            return self.plan.locate(node)[0]
-        except KeyError:
-            return None
+        if self._where_plan is not self.plan:
+            self._where = {n: c for c, cluster in enumerate(self.plan.clusters) for n in cluster.nodes}
+            self._where_plan = self.plan
+        return self._where.get(node)
 
     def excluded(self) -> list[int]:
         """Clusters out of the rings: those paused or recovering, and those done while another cluster still
@@ -178,7 +182,7 @@ class Book:
                 changed |= self._left(node, m, c, now)
         if c is not None:
             changed |= self._note(c, node, m, beat.kept)
-            changed |= self._adopt(c, m, now)
+            changed |= self._adopt(c, node, m, now)
         return changed
 
     def _left(self, node: str, m: Member, c: int | None, now: float) -> bool:
@@ -200,7 +204,7 @@ class Book:
         cs.note = f"{cs.note}; {note}" if cs.note else note
         return True
 
-    def _adopt(self, c: int, m: Member, now: float) -> bool:
+    def _adopt(self, c: int, node: str, m: Member, now: float) -> bool:
         """Rebuild a cluster's state from a member's heartbeat (after a broker restart), and notice a
         member that runs behind its training cluster (it restarted while nobody was watching)."""
         cs = self.clusters[c]
@@ -218,15 +222,21 @@ class Book:
             return True
         if cs.state == "training" and m.said.generation < cs.generation and m.state == "up":
             behind = f"generation {m.said.generation} < {cs.generation}"
-            self._disrupt(c, f"{_name(self, m)} runs behind ({behind})", now)
+            self._disrupt(c, f"{node} runs behind ({behind})", now)
             return True
         if m.said.generation > cs.generation:  # a node knows a newer generation than this restarted broker
             cs.generation = m.said.generation
             return True
         return False
 
+    def advance(self, c: int | None, now: float) -> bool:
+        """Move one cluster along after an event of one of its members (a heartbeat, a registration): the
+        work of a heartbeat stays within its cluster; the time-driven rest is ``check``'s."""
+        return c is not None and self._advance(c, self.clusters[c], now)
+
     def check(self, now: float) -> bool:
-        """Time-driven transitions; True when the book changed."""
+        """Time-driven transitions (the broker runs it on a timer, never per heartbeat: it visits every
+        member); True when the book changed."""
         changed = False
         for name, m in self.members.items():
             c = self.cluster_of(name)
@@ -326,6 +336,3 @@ class Book:
 def _int(value: Any, default: int) -> int:
     return value if type(value) is int else default
 
-
-def _name(book: Book, member: Member) -> str:
-    return next((n for n, m in book.members.items() if m is member), "?")

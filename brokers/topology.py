@@ -16,7 +16,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
@@ -76,6 +77,9 @@ class Broker:
         self._stop = asyncio.Event()
         self.reach = Reachability(topology, metrics, opts.curve)
         self._tg: asyncio.TaskGroup | None = None
+        self._shown_members: dict[str, str] = {}
+        self._shown_clusters: dict[int, str] = {}
+        """The states the per-member and per-cluster gauges show (``_show_changes``)."""
         self._ctx: zmq.asyncio.Context | None = None
 
     @property
@@ -104,7 +108,7 @@ class Broker:
         self.metrics.broker_seq.set(self.seq)
         await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta={
             "seq": self.seq, "incarnation": self.incarnation, "kind": kind, "state": self.state(), **data}))
-        self._count_members()
+        self._show_changes(self.members, range(len(self.book.clusters)))
 
     def _sync_plan(self) -> None:
         """The rings leave out the clusters that do not train (``Book.exclude_idle``); a plan the book
@@ -116,20 +120,35 @@ class Broker:
             save_run(self.state_dir, self.the_run)
 
     def _count_members(self) -> None:
+        """Every gauge of the membership: the aggregates (nodes by state and phase, what paused clusters wait
+        for) and the per-member and per-cluster ones that changed; once per heartbeat interval, on the timer
+        that visits every member anyway."""
+        self._show_changes(self.members, range(len(self.book.clusters)))
+        states = Counter(m.state for m in self.members.values())
+        phases = Counter(m.said.phase for m in self.members.values() if m.state == "up")
         for state in NODE_STATES:
-            self.metrics.broker_nodes.labels(state).set(sum(m.state == state for m in self.members.values()))
+            self.metrics.broker_nodes.labels(state).set(states[state])
         for phase in PHASES:
-            self.metrics.broker_phases.labels(phase).set(
-                sum(m.state == "up" and m.said.phase == phase for m in self.members.values()))
-        for c, cs in enumerate(self.book.clusters):
-            for state in CLUSTER_STATES:
-                self.metrics.cluster_state.labels(str(c), state).set(float(cs.state == state))
-        for name, m in self.members.items():
-            for state in NODE_STATES:
-                self.metrics.broker_member_state.labels(name, state).set(float(m.state == state))
+            self.metrics.broker_phases.labels(phase).set(phases[phase])
         self.metrics.cluster_waiting_for.clear()
         for (c, member), why in waiting_for(self.book).items():
             self.metrics.cluster_waiting_for.labels(str(c), member, why).set(1)
+
+    def _show_changes(self, names: Iterable[str], clusters: Iterable[int]) -> None:
+        """The per-member and per-cluster gauges of those that may have changed, set only when their
+        state did (a heartbeat touches one member and one cluster, never every series)."""
+        for name in names:
+            state = self.members[name].state
+            if self._shown_members.get(name) != state:
+                for s in NODE_STATES:
+                    self.metrics.broker_member_state.labels(name, s).set(float(state == s))
+                self._shown_members[name] = state
+        for c in clusters:
+            state = self.book.clusters[c].state
+            if self._shown_clusters.get(c) != state:
+                for s in CLUSTER_STATES:
+                    self.metrics.cluster_state.labels(str(c), s).set(float(state == s))
+                self._shown_clusters[c] = state
 
     def _observe_recoveries(self) -> None:
         for seconds in self.book.recoveries:
@@ -162,13 +181,13 @@ class Broker:
                         now: float) -> None:
         self.book.register(node, register.incarnation, now)
         self.reach.forget(node)
-        self.book.check(now)
+        self.book.advance(self.book.cluster_of(node), now)
         log.info("node %s registered", node)
         await self._publish(pub, "member", {"node": node, "member_state": "up"})
         await self._reply_snapshot(inbox, identity, node)
 
     async def _heartbeat(self, pub: Publisher, node: str, beat: Heartbeat, now: float) -> None:
-        if self.book.heartbeat(node, beat, now) | self.book.check(now):
+        if self.book.heartbeat(node, beat, now) | self.book.advance(self.book.cluster_of(node), now):
             self._observe_recoveries()
             await self._publish(pub, "member", {"node": node, "member_state": self.members[node].state})
 
@@ -216,6 +235,7 @@ class Broker:
             await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s)
             self.book.check(self.clock())
             self._observe_recoveries()
+            self._count_members()
             await self._publish(pub, "tick", {})
 
     async def _publish_silence(self, pub: Publisher) -> None:

@@ -181,3 +181,45 @@ def test_a_recovering_cluster_catches_up_from_the_freshest_training_cluster() ->
     _beat(book, "a1", 3.5, phase="paused", generation=2)
     book.check(3.5)
     assert book.clusters[0].state == "recovering" and not book.clusters[0].catchup and book.clusters[0].source is None
+
+
+class _CountingMembers(dict):  # type: ignore[type-arg]
+    """A book's members that count the walks over all of them."""
+
+    walks = 0
+
+    def items(self):  # type: ignore[no-untyped-def]
+        type(self).walks += 1
+        return super().items()
+
+    def values(self):  # type: ignore[no-untyped-def]
+        type(self).walks += 1
+        return super().values()
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def test_a_heartbeat_visits_its_own_member_and_cluster_only_and_the_index_follows_a_replacement() -> None:
+    """A heartbeat found its member by a scan of the plan and checked every member (O(N) each, O(N^2) a
+    heartbeat interval: 683 ms per heartbeat at 10,000 members); the loss check is the timer's."""
+    names = [f"n{i}" for i in range(400)]
+    plan = Plan(clusters=[ClusterPlan(nodes=names[i:i + 2], cuts=["layer.1"]) for i in range(0, 400, 2)])
+    book = Book(plan, lost_s=LOST_S, now=0.0, replace_s=2.0, standbys=["s"])
+    book.members = _CountingMembers(book.members)
+    for n in [*names, "s"]:
+        book.register(n, f"i-{n}", 0.0)
+    for n in names:
+        book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="training"), 1.0)
+        book.advance(book.cluster_of(n), 1.0)
+    assert _CountingMembers.walks == 0 and book.clusters[199].state == "training"
+    assert book.cluster_of("n399") == 199 and book.cluster_of("s") is None
+    book.heartbeat("s", Heartbeat(incarnation="i-s", phase="standby", memory_bytes=1), 1.0)
+    for t in (1.5, 7.0, 9.5):  # n399 goes silent: lost at the timer's check, then replaced by s
+        for n in names[:-1]:
+            book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="training"), t)
+        book.heartbeat("s", Heartbeat(incarnation="i-s", phase="standby", memory_bytes=1), t)
+        book.check(t)
+    assert book.plan.clusters[199].nodes == ["n398", "s"]
+    assert book.cluster_of("s") == 199 and book.cluster_of("n399") is None
