@@ -48,8 +48,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=2, help="stages (nodes) per cluster")
     p.add_argument("--steps", type=int, default=300, help="micro-batches each cluster trains on")
     p.add_argument("--task", default=DEFAULT_TASK,
-                   help="the task: a module (mytask finds mytask.py in the current folder), module:attribute, "
-                        "or a file path/to/mytask.py[:attribute]")
+                   help="the task: a module (mytask finds mytask.py in the current folder), "
+                        "module:attribute, or a file path/to/mytask.py[:attribute]")
     p.add_argument("--max-inflight", type=int, default=None, help="default: number of stages")
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument(
