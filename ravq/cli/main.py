@@ -48,7 +48,7 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
     from ravq.cut.meta import build_meta_model
     from ravq.cut.split import candidate_cuts, even_cuts
 
-    task = resolve_task_module(topology.task)
+    task = resolve_task_module(topology.task, topology.task_options)
     if callable(getattr(task, "split_points", None)):
         candidates = list(task.split_points())
     else:
@@ -168,7 +168,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         from ravq.cut.meta import build_meta_model
 
         topology = load_topology(args.topology)
-        model = build_meta_model(resolve_task_module(topology.task), topology.seed).model
+        task = resolve_task_module(topology.task, topology.task_options)
+        model = build_meta_model(task, topology.seed).model
     try:
         info = export_cluster(args.checkpoint_dir, args.out, args.cluster, args.run_id, model=model)
     except (FileNotFoundError, ValueError) as err:

@@ -29,7 +29,7 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
         nodes = load_profiles(
             topology.model_copy(update={"nodes": [n for n in topology.nodes if not n.standby]}), profiles_dir
         )
-        task = resolve_task_module(topology.task)
+        task = resolve_task_module(topology.task, topology.task_options)
     except ConfigError as err:
         print(f"error: {err}")
         return 2

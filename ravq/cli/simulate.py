@@ -66,7 +66,7 @@ def _inputs(topology_path: str, profiles_dir: str) -> tuple[Topology, list[NodeP
 
     topology = load_topology(topology_path)
     nodes = load_profiles(topology, profiles_dir)
-    task = resolve_task_module(topology.task)
+    task = resolve_task_module(topology.task, topology.task_options)
     t = topology.training
     blocks = profile_blocks(task, t.micro_batch, max_inflight=t.max_inflight or 1)
     return topology, nodes, blocks

@@ -68,7 +68,7 @@ def parse_topology(data: Any, source: str = "topology", resolve_task: bool = Tru
     if not resolve_task:
         return topo
     try:
-        resolve_task_module(topo.task)
+        resolve_task_module(topo.task, topo.task_options)
     except ConfigError as err:
         raise ConfigError(f"{source}: task: {err}") from None
     return topo

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,9 @@ def _import_module(module_name: str) -> Any:
                           f"{type(err).__name__}: {err}") from None
 
 
-def resolve_task_module(spec: str) -> Any:
-    """Import the task ``spec`` names (module docstring) and check it offers the task interface."""
+def resolve_task_module(spec: str, options: Mapping[str, Any] | None = None) -> Any:
+    """Import the task ``spec`` names (module docstring), configured with a topology's ``task_options`` when
+    there are any, and check it offers the task interface."""
     target, attr = _parts(spec)
     if _is_path(target):
         obj: Any = _load_file(Path(target), spec)
@@ -131,7 +133,21 @@ def resolve_task_module(spec: str) -> Any:
             obj = getattr(obj, attr)
         except AttributeError:
             raise ConfigError(f"task {target!r} has no attribute {attr!r}") from None
+    if options:
+        obj = _configured(obj, spec, options)
     missing = [f for f in TASK_FUNCTIONS if not callable(getattr(obj, f, None))]
     if missing:
         raise ConfigError(f"task {spec!r} lacks {', '.join(missing)} (the task interface: docs/tasks.md)")
     return obj
+
+
+def _configured(task: Any, spec: str, options: Mapping[str, Any]) -> Any:
+    """The task its ``configure(**options)`` returns."""
+    configure = getattr(task, "configure", None)
+    if not callable(configure):
+        raise ConfigError(f"task_options: task {spec!r} takes no options (it has no configure(**options); "
+                          "docs/tasks.md)")
+    try:
+        return configure(**options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"task_options: {err}") from None

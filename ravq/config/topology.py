@@ -301,6 +301,9 @@ class Topology(UserModel):
     task: str
     """The task: an importable module, ``module:attribute``, or a file ``path/to/task.py[:attribute]``
     (relative to the current folder: a unit's ``WorkingDirectory=``); ``ravq.config.task``."""
+    task_options: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    """Settings for the task (its data, its size): the task's ``configure(**task_options)`` returns the task
+    trained; empty: the task as imported (docs/tasks.md)."""
     seed: int = 0
     """Seed for model initialisation and data order."""
     training: TrainingConfig = TrainingConfig()

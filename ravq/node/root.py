@@ -79,7 +79,7 @@ class Node:
         self.topology, self.name, self.options, self.metrics = topology, name, options, metrics
         self.startup = StartupTimes()  # imports end here; create() marks each phase, logs one line at the end
         self.config = topology.node(name)
-        self.task = resolve_task_module(topology.task)
+        self.task = resolve_task_module(topology.task, topology.task_options)
         t = topology.limits
         self.sock_opts = socket_options_for(topology, name, options.key_dir, metrics)
         self.limits = DecodeLimits(max_header_bytes=t.max_header_bytes, max_frames=t.max_frames,

@@ -73,7 +73,7 @@ def measure_node(topology: Topology, name: str, *, wait_s: float, config: ProbeC
     measurements left in the process, so it errs low (0.01-0.07 GiB on 450 MB PCs from run to run), not
     high."""
     me = topology.node(name)
-    task = resolve_task_module(topology.task)
+    task = resolve_task_module(topology.task, topology.task_options)
     if cpu_budget() < torch.get_num_threads():
         # as a node does: torch sizes its pool by the cores, not the quota
         torch.set_num_threads(cpu_budget())

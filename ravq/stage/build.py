@@ -28,6 +28,7 @@ from ravq.cut.split_cache import cache_dir, cached_stages
 from ravq.metrics import Metrics
 from ravq.persist import checkpoint
 from ravq.stage import evaluate
+from ravq.stage.feed import DataSource
 from ravq.stage.frames import largest_inbound_frame
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.recipe import recipe_options
@@ -62,7 +63,8 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
                            compress=Format(training.compress.pipeline),
                            int8_block=training.compress.int8_block,
                            recipe=recipe_options(task, training, seed))
-    batches = iter(task.train_batches(training.micro_batch, cluster, clusters, seed)) if stage == 0 else None
+    batches = DataSource(train_batches=task.train_batches, micro_batch=training.micro_batch, shard=cluster,
+                         num_shards=clusters, seed=seed) if stage == 0 else None
     _, target_example = next(iter(task.train_batches(training.micro_batch, 0, 1, seed)))
     worker = StageWorker(specs[stage], len(specs), task.make_optimizer, task.loss_fn, options,
                          device=device, batches=batches, cluster=cluster, metrics=metrics,

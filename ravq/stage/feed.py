@@ -3,25 +3,74 @@
 A micro-batch is named by its index in stage 0's data.  A pause drops the work in flight; stage 0
 re-queues the dropped micro-batches, which are trained again under the same index before new data, so a
 checkpoint's data position (``trained_prefix``) is the index below which every micro-batch is finished.
+
+A resumed stage 0 opens its data at that position: a task whose ``train_batches`` takes ``start``
+(``takes_start``) is asked for the batches from ``start`` on, in O(1); the older generator form, without
+``start``, is replayed from the beginning to the position, in O(position) (docs/tasks.md).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ravq.stage.types import MicroBatch
+
+log = logging.getLogger(__name__)
 
 Batch = tuple[Any, Any]
 """(inputs, targets) as the task's ``train_batches`` yields them."""
 
 
+def takes_start(train_batches: Callable[..., Any]) -> bool:
+    """Whether a task's ``train_batches`` takes the data position: a parameter named ``start`` (the index,
+    from 0, of the first micro-batch it yields; default 0)."""
+    try:
+        return "start" in inspect.signature(train_batches).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read: the old form
+        return False
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSource:
+    """One cluster's shard of the task's training data, opened at a data position."""
+
+    train_batches: Callable[..., Iterable[Batch]]
+    """The task's ``train_batches(micro_batch, shard, num_shards, seed[, start])``."""
+    micro_batch: int
+    shard: int
+    """This cluster's shard (its cluster index)."""
+    num_shards: int
+    """The clusters."""
+    seed: int
+
+    def open(self, start: int) -> Iterator[Batch]:
+        """The batches from index ``start`` on."""
+        args = (self.micro_batch, self.shard, self.num_shards, self.seed)
+        if takes_start(self.train_batches):
+            log.info("cluster %d: data opened at micro-batch %d", self.shard, start)
+            return iter(self.train_batches(*args, start=start))
+        batches = iter(self.train_batches(*args))
+        for _ in range(start):  # the generator form: replayed to the position
+            next(batches)
+        if start:
+            log.info("cluster %d: data replayed to micro-batch %d (train_batches takes no start)", self.shard,
+                     start)
+        return batches
+
+
 class DataFeed:
     """Stage 0's side of its data (compute thread)."""
 
-    def __init__(self, batches: Iterator[Batch]) -> None:
-        self._batches = batches
+    def __init__(self, batches: Iterator[Batch] | DataSource) -> None:
+        self._source = batches if isinstance(batches, DataSource) else None
+        """Where the batches come from, opened at the position when the first is taken (a resume moves it
+        before); None: an iterator given as it is."""
+        self._batches: Iterator[Batch] | None = None if isinstance(batches, DataSource) else batches
         self.position = 0
         """Micro-batches taken from the iterator."""
         self._requeue: deque[tuple[int, Batch]] = deque()
@@ -37,6 +86,9 @@ class DataFeed:
         """The next micro-batch to train: a dropped one first, else the iterator's next."""
         if self._requeue:
             return self._requeue.popleft()
+        if self._batches is None:
+            assert self._source is not None
+            self._batches = self._source.open(self.position)
         batch = next(self._batches)
         self.position += 1
         return self.position - 1, batch
@@ -57,8 +109,12 @@ class DataFeed:
 
     def skip_to(self, position: int) -> None:
         """Resuming from a checkpoint: the micro-batches below ``position`` are trained."""
-        for _ in range(position):
-            next(self._batches)
+        if self._source is not None:
+            self._batches = None  # opened at ``position`` when the next batch is taken
+        else:
+            assert self._batches is not None
+            for _ in range(position):
+                next(self._batches)
         self.position = position
 
     def trained_prefix(self) -> int:

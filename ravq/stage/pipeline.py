@@ -31,7 +31,7 @@ from torch import nn
 from ravq.codec.compress import Packed
 from ravq.cut.split import StageSpec
 from ravq.stage.arrivals import Arrivals
-from ravq.stage.feed import Batch, DataFeed
+from ravq.stage.feed import Batch, DataFeed, DataSource
 from ravq.stage.passes import Passes
 from ravq.stage.recipe import Recipe, build_optimizer, expected_at
 from ravq.stage.schedule import Scheduler
@@ -56,7 +56,7 @@ class StageWorker:
     def __init__(self, spec: StageSpec, num_stages: int,
                  optimizer_factory: Callable[..., torch.optim.Optimizer],
                  loss_fn: Callable[[Any, Any], torch.Tensor], options: StageOptions,
-                 device: torch.device | str = "cpu", batches: Iterator[Batch] | None = None,
+                 device: torch.device | str = "cpu", batches: Iterator[Batch] | DataSource | None = None,
                  cluster: int = 0, metrics: Metrics | None = None,
                  model_input_needs: dict[int, list[int]] | None = None,
                  input_specs: list[tuple[torch.Size, torch.dtype]] | None = None,
