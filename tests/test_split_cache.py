@@ -117,3 +117,22 @@ def test_the_key_follows_model_inputs_and_cuts() -> None:
     assert key != split_key(model, charlm.example_inputs(2), _cuts(charlm, 3)[:1])
     model.blocks[0].mlp_in.weight = torch.nn.Parameter(torch.empty(1, 1, device="meta"))
     assert key != split_key(model, charlm.example_inputs(2), cuts)
+
+
+def test_code_fx_would_fold_into_constants_is_not_cached(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """GPT-2 computes its positions with torch.arange(context, device=meta), an op without a tensor input: fx's
+    tracer, re-running the cached code, ran it once and kept its meta result as a constant, and a restarted
+    GPT-2 stage failed at its first forward ('GraphModule' object has no attribute '_tensor_constant0').
+    Such a split is not cached (one log line) and every start traces it, computing what a trace computes."""
+    from ravq.tasks.text import configure
+    task = configure(layers=2, hidden=32, heads=2, context=16)
+    cuts = ["transformer.h.1"]
+    caplog.set_level(logging.INFO, logger="ravq.cut.split_cache")
+    first = _split(task, cuts, tmp_path)
+    assert "not cached (fx folds ops without tensor inputs into constants" in caplog.text
+    assert not list(tmp_path.glob("split-*.json"))
+    again = _split(task, cuts, tmp_path)
+    want_loss, want_grads = _run(task, first)
+    got_loss, got_grads = _run(task, again)
+    torch.testing.assert_close(got_loss, want_loss)
+    assert got_grads.keys() == want_grads.keys()

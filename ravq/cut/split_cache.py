@@ -119,7 +119,10 @@ def split_key(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]) 
 def write(path: Path, key: str, specs: list[StageSpec], in_specs: list[list[TensorSpec]]) -> None:
     """Write ``specs`` and their input shapes under ``key``, atomically (a temporary file renamed over)."""
     inputs = [[[list(shape), str(dtype)] for shape, dtype in stage] for stage in in_specs]
-    body = json.dumps({"stages": [_spec_entry(s) for s in specs], "inputs": inputs}, sort_keys=True)
+    stages = [_spec_entry(s) for s in specs]
+    for stage in stages:  # what a hit would rebuild: CacheMiss if the code does not give the graph back
+        _module(stage["module"])
+    body = json.dumps({"stages": stages, "inputs": inputs}, sort_keys=True)
     doc = {"format": FORMAT, "key": key, "sha256": hashlib.sha256(body.encode()).hexdigest(), "body": body}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -303,4 +306,10 @@ def _graph_module(holder: nn.Module, m: dict[str, Any]) -> fx.GraphModule:
     gm = fx.GraphModule(root, _KeepModules().trace(root))
     # the graph keeps only what it reads: give back the rest, in the original order
     adopt_members(gm, holder)
+    # an op without a tensor input (GPT-2's torch.arange of its positions, traced on meta) runs once under
+    # fx's tracer, whose result the graph would read as a constant on meta: that code is not cacheable
+    folded = [str(n.target) for n in gm.graph.nodes
+              if n.op == "get_attr" and not _is_tensor_or_module(gm, str(n.target))]
+    if folded:
+        raise CacheMiss(f"fx folds ops without tensor inputs into constants ({', '.join(folded)})")
     return gm
