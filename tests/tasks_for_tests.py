@@ -52,3 +52,15 @@ def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 incomplete = SimpleNamespace(build_model=build_model, loss_fn=loss_fn)
 """Lacks example_inputs, train_batches and make_optimizer."""
+
+
+def _charlm_without_metrics() -> SimpleNamespace:
+    from ravq.tasks import charlm
+
+    names = ("build_model", "split_points", "example_inputs", "loss_fn", "train_batches", "eval_batches",
+             "make_optimizer")
+    return SimpleNamespace(**{name: getattr(charlm, name) for name in names})
+
+
+charlm_without_metrics = _charlm_without_metrics()
+"""The demo's task (``ravq.tasks.charlm``) without ``metrics_fn``: a user's first task usually has none."""

@@ -6,7 +6,9 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 
 from ravq.cli.demo import free_ports
 from ravq.metrics import _LATENCY_BUCKETS, HopCounter, HopHistogram, Metrics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _get(url: str) -> str:
@@ -112,6 +116,62 @@ def test_real_prometheus_scrapes_and_queries(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed")
+def test_every_dashboard_query_answers_on_a_demo_swarm(tmp_path: Path) -> None:
+    """``ravq demo`` (2 clusters of 2 stages) on its task without metrics_fn and without checkpoints, as a
+    first run has them, scraped by a real Prometheus with ``ravq scrape-config``'s targets: every panel's
+    query returns data, or a zero its panel documents (the evaluation and training metrics and the
+    checkpoint time had none)."""
+    from ravq.cli.scrape import scrape_config
+    from ravq.config import load_topology
+    from tests.dashboard import unanswered
+
+    run, (web,) = tmp_path / "run", free_ports(1)
+    demo = subprocess.Popen([sys.executable, "-m", "ravq", "demo", "--quiet", "--no-curve", "--run-dir", str(run),
+                             "--task", "tests.tasks_for_tests:charlm_without_metrics", "--steps", "100000",
+                             "--eval-every", "4"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    prometheus = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "topology.yaml").exists():
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo wrote no topology"
+            time.sleep(0.2)
+        time.sleep(0.2)  # written whole: the demo starts its processes after it
+        config = scrape_config(load_topology(run / "topology.yaml", resolve_task=False), "demo")
+        (tmp_path / "prometheus.yml").write_text(config.replace("scrape_interval: 5s", "scrape_interval: 1s"))
+        prometheus = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                                       f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                       f"--web.listen-address=127.0.0.1:{web}"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        problems = ["nothing asked yet"]
+        deadline = time.monotonic() + 150
+        while problems and time.monotonic() < deadline:
+            time.sleep(1)
+            assert demo.poll() is None, f"the demo ended: {demo.communicate()[0][-3000:]}"
+            try:
+                problems = unanswered(lambda expr: _ask(web, expr))
+            except OSError:  # Prometheus is not listening yet
+                continue
+        assert not problems, "\n".join(problems)
+    finally:
+        for proc in (demo, prometheus):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _ask(port: int, expr: str) -> list[dict[str, Any]]:
+    reply = json.loads(_get(f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
+    assert reply.get("status") == "success", f"{expr}: {reply}"
+    return reply["data"]["result"]
 
 
 def test_every_stage_counts_the_samples_it_trains() -> None:

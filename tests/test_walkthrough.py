@@ -16,7 +16,6 @@ by benchmarks/_netns.py (deleted on every exit path); every process started here
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import time
@@ -31,20 +30,18 @@ import yaml
 
 from benchmarks import _netns
 from tests import units
+from tests.dashboard import unanswered
 from tests.service_user import USER, traversable_tmp
 from tests.units import Site
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
 
 REPO = Path(__file__).resolve().parents[1]
-DASHBOARD = REPO / "grafana" / "dashboards" / "ravq.json"
 PCS = ["pc1", "pc2", "pc3"]
 CLUSTERS = {"pc1": 0, "pc2": 0, "pc3": 1}
 """Two clusters (a 2-stage pipeline and a 1-stage one), so every all-reduce panel has rings to show."""
 PROM_PORT = 9390
 RATE_MBIT = 1000
-DOCUMENTED_ZERO = "Zero is normal"
-"""Panels whose description carries this may read 0 while the swarm trains."""
 
 
 @pytest.fixture
@@ -82,10 +79,6 @@ def _topology(site: Site, keys: dict[str, str]) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def _promql(expr: str) -> str:
-    return expr.replace("$__rate_interval", "10s").replace("$node", ".*")
-
-
 def _query(site: Site, expr: str) -> list[dict[str, Any]]:
     url = f"http://{site.addr['pc1']}:{PROM_PORT}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     out = subprocess.run(["ip", "netns", "exec", site.ns["pc1"], "curl", "-s", "--max-time", "5", url],
@@ -95,28 +88,9 @@ def _query(site: Site, expr: str) -> list[dict[str, Any]]:
     return reply["data"]["result"]
 
 
-def _dashboard_queries() -> list[tuple[str, str, bool]]:
-    """(where, PromQL, zero documented) of every panel query."""
-    found = []
-    for panel in json.loads(DASHBOARD.read_text())["panels"]:
-        for inner in [panel, *panel.get("panels", [])]:
-            for target in inner.get("targets", []):
-                found.append((f"panel {inner['title']!r} {target['refId']}", _promql(target["expr"]),
-                              DOCUMENTED_ZERO in inner.get("description", "")))
-    return found
-
-
 def _unanswered(site: Site) -> list[str]:
     """Dashboard queries that return nothing, or only zeros their panel does not document."""
-    problems = []
-    for where, expr, zero_ok in _dashboard_queries():
-        values = [float(r["value"][1]) for r in _query(site, expr)]
-        finite = [v for v in values if math.isfinite(v)]
-        if not finite:
-            problems.append(f"{where}: no data ({expr})")
-        elif not zero_ok and not any(v != 0 for v in finite):
-            problems.append(f"{where}: only zeros, undocumented ({expr})")
-    return problems
+    return unanswered(lambda expr: _query(site, expr))
 
 
 def _wait_for(what: str, check: Any, timeout_s: float, interval_s: float = 1.0) -> Any:
