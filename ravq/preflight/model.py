@@ -62,9 +62,10 @@ def planned_cuts(model: nn.Module, task: Any, stages: int, report: Report) -> li
 
 
 def split(
-    model: nn.Module, example: tuple[Any, ...], cuts: list[str], report: Report
+    model: nn.Module, example: tuple[Any, ...], cuts: list[str], report: Report, task: Any, seed: int
 ) -> list[StageSpec] | None:
-    """The stages as a node traces them; None after naming why the model cannot be cut there."""
+    """The stages as a node traces them; None after naming why the model cannot be cut there.  ``task``: a
+    model on ``meta`` that cannot be traced there is traced with real weights, as a node falls back to."""
     modules = dict(model.named_modules())
     unknown = [c for c in cuts if c not in modules]
     if unknown:
@@ -85,6 +86,15 @@ def split(
             "change what the message names, or cut elsewhere (the task's split_points())",
         )
     except Exception as err:  # noqa: BLE001 - user code runs in the trace
+        if task is not None:
+            report.add(
+                "warning",
+                "split",
+                f"the model cannot be traced on the meta device ({type(err).__name__}: {str(err)[:200]}): "
+                "every node traces it with real weights, which needs the whole model in its memory",
+                "no Python control flow on tensor values in forward (torch.where, or cut around it)",
+            )
+            return split(build_task_model(task, seed), example, cuts, report, None, seed)
         report.add(
             "error",
             "split",

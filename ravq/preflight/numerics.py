@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ravq.cut.materialize import materialize
+from ravq.cut.meta import build_meta_model
 from ravq.cut.split import StageSpec, build_task_model, model_output, split_model
 from ravq.cut.tied import tie_groups
 from ravq.preflight.report import Report
@@ -96,7 +98,15 @@ def compare(
     """Sets ``report.largest_difference``; names a wrong loss, a difference, an unused weight, a failing
     eval graph."""
     inputs, targets = batch
-    reference = build_task_model(task, seed)
+    blueprint = build_meta_model(task, seed)  # what build_task_model does, with materialize's report
+    made = materialize(blueprint.model, task, seed)
+    if made.from_constructor:
+        report.add("warning", "init", f"nothing initialises {', '.join(made.from_constructor[:5])} (no "
+                   "reset_parameters() on its module, no task init_weights()): every node builds the whole "
+                   "model once at start to take the constructor's values", "give the module a "
+                   "reset_parameters() that sets it, or the task an init_weights(module, name)")
+    torch.manual_seed(seed)
+    reference = blueprint.model
     key = {n: group[0] for group in tie_groups(reference) for n in group}
     torch.manual_seed(seed)
     want = _scalar(task.loss_fn(reference(*inputs), targets), report)
@@ -120,7 +130,7 @@ def compare(
         return
     got.backward()
     worst, where = abs(float(got.detach()) - float(want.detach())), "the loss"
-    scale = abs(float(want))
+    scale = abs(float(want.detach()))
     split_grads = _grads([s.module for s in specs], key)
     for name, grad in _grads([reference], key).items():
         other = split_grads.get(name)

@@ -73,13 +73,13 @@ def _run(spec: str, settings: CheckSettings, report: Report) -> None:
     try:
         task = resolve_task_module(spec)
     except ConfigError as err:
-        report.add(
-            "error",
-            "import",
-            str(err),
-            "make the task importable: a module on sys.path, a module in the "
-            "current folder, or a file path (docs/tasks.md)",
+        fix = (
+            "define them, as the task interface in docs/tasks.md says"
+            if " lacks " in str(err)
+            else "make the task importable: a module on sys.path, a module in the current folder, or a "
+            "file path (docs/tasks.md)"
         )
+        report.add("error", "import", str(err), fix)
         return
     batches = interface_checks(task, settings.micro_batch, settings.seed, report)
     built = model.meta_model(task, settings.seed, report)
@@ -95,7 +95,7 @@ def _run(spec: str, settings: CheckSettings, report: Report) -> None:
         return
     report.cuts, report.max_inflight = cuts, settings.max_inflight or len(cuts) + 1
     example, train, held_out = batches
-    specs = model.split(whole, example, cuts, report)
+    specs = model.split(whole, example, cuts, report, task if on_meta else None, settings.seed)
     if specs is None:
         return
     model.describe(whole, specs, report)
