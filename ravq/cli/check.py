@@ -102,6 +102,7 @@ def _settings(args: argparse.Namespace) -> tuple[str, list[CheckSettings]]:
         )
         settings.cuts = list(cluster.cuts)
         settings.evaluate = topology.training.eval_every > 0
+        settings.task_options = dict(topology.task_options or {}) or None
         settings.placed = _placed(topology, list(cluster.nodes), args.profiles)
         result.append(settings)
     return task, result

@@ -281,6 +281,9 @@ def run_demo(args: argparse.Namespace) -> int:
         topo_path.write_text(yaml.safe_dump(data, sort_keys=False))
         shape = f"{args.clusters} cluster(s) x {args.stages} stage(s), task {args.task}"
     topology = parse_topology(data)
+    from ravq.preflight import check_at_start
+
+    check_at_start(topology)  # before any process starts: each would fail on it (ravq check runs the rest)
     view = LiveView(topology, quiet=args.quiet, key_dir=key_dir)
     print(
         f"ravq demo: {shape}, {topology.training.steps} micro-batches per cluster; logs in {run_dir}",

@@ -126,12 +126,14 @@ def _run_node(args: argparse.Namespace) -> int:
     from ravq.net import listen
     from ravq.net.socket_io import install_uvloop
     from ravq.node import NodeOptions, run_node
+    from ravq.preflight import check_at_start
     from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
     topology.node(args.name)
     listen.name_ports(topology, args.name)
     check_device(topology, args.name)
+    check_at_start(topology)  # the task's interface and first batches (ravq check runs the rest)
     tune_process()  # before the node allocates its buffers and ZeroMQ its first frames
     install_uvloop()
     from ravq.node.membership import BrokerUnavailable

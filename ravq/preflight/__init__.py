@@ -2,7 +2,14 @@
 task")."""
 
 from ravq.preflight.report import Finding, Report, StageMemory
-from ravq.preflight.run import CheckSettings, PlacedMemory, interface_checks, run_checks
+from ravq.preflight.run import (
+    CheckSettings,
+    PlacedMemory,
+    check_at_start,
+    interface_checks,
+    run_checks,
+    start_problems,
+)
 
 __all__ = [
     "CheckSettings",
@@ -10,6 +17,8 @@ __all__ = [
     "PlacedMemory",
     "Report",
     "StageMemory",
+    "check_at_start",
     "interface_checks",
     "run_checks",
+    "start_problems",
 ]

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ravq.config import ConfigError, resolve_task_module
+from ravq.config import ConfigError, Topology, resolve_task_module
 from ravq.preflight import interface, memory, model, numerics
 from ravq.preflight.report import GIB, Report, StageMemory
 from ravq.tuning import rss_bytes, usable_memory_bytes
@@ -49,6 +49,8 @@ class CheckSettings:
     run; None: half of this PC's usable memory."""
     meta_only: bool = False
     """Make no weight real (the comparison is skipped)."""
+    task_options: dict[str, Any] | None = None
+    """A topology's ``task_options`` (the task's ``configure(**options)``)."""
     runtime_bytes: int | None = None
     """The process around a stage; None: this process's resident memory after tracing."""
 
@@ -71,7 +73,7 @@ def run_checks(spec: str, settings: CheckSettings) -> Report:
 
 def _run(spec: str, settings: CheckSettings, report: Report) -> None:
     try:
-        task = resolve_task_module(spec)
+        task = resolve_task_module(spec, settings.task_options)
     except ConfigError as err:
         fix = (
             "define them, as the task interface in docs/tasks.md says"
@@ -134,6 +136,26 @@ def interface_checks(
     if found is None or report.failed:
         return None
     return found
+
+
+def start_problems(task: Any, micro_batch: int, seed: int) -> str | None:
+    """What ``ravq node`` and ``ravq demo`` check at start (the interface and first batches, no trace): the
+    errors with their fixes as one message, or None."""
+    report = Report(task="", cuts=[], micro_batch=micro_batch, max_inflight=0)
+    interface_checks(task, micro_batch, seed, report)
+    if not report.failed:
+        return None
+    return "the task would fail: " + "; ".join(f"{f.message} (fix: {f.fix})" for f in report.errors) + \
+        " [ravq check --task ... says more]"
+
+
+def check_at_start(topology: Topology) -> None:
+    """ConfigError naming every problem of the topology's task that ``start_problems`` finds: what ``ravq
+    node`` and ``ravq demo`` run before anything starts (a swarm's nodes would each fail on it later)."""
+    task = resolve_task_module(topology.task, topology.task_options)
+    problems = start_problems(task, topology.training.micro_batch, topology.seed)
+    if problems:
+        raise ConfigError(f"task {topology.task}: {problems}")
 
 
 def _against_pcs(stages: list[StageMemory], placed: list[PlacedMemory], report: Report) -> None:
