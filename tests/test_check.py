@@ -156,3 +156,20 @@ def test_cli_exit_status_and_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--task", "tests.check_zoo:wrong_shape", "--micro-batch", "4"]) == 1
     out = capsys.readouterr().out
     assert "FAILED: 1 error(s)" in out and "fix: make example_inputs" in out
+
+
+def test_cli_checks_a_topology_at_its_planned_cuts_against_each_nodes_memory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from ravq.cli.main import main
+    from tests.swarm import local_topology
+
+    topology = local_topology("tests.check_zoo:tiny", [2], {"micro_batch": 4})
+    topology["nodes"][1]["memory_bytes"] = 4096  # c0s1's PC, as the topology overrides it
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(topology))
+    assert main(["check", "--topology", str(path), "--profiles", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "2 stage(s) cut at ['blocks.2']" in out and "stage 1 on c0s1 needs" in out
+    assert "of 0.00 GiB (topology)" in out and "more stages" in out
