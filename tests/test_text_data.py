@@ -204,3 +204,24 @@ def test_task_options_configure_the_task(tmp_path: Path) -> None:
         resolve_task_module("ravq.tasks.text", {"data": str(tmp_path / "nowhere")})
     with pytest.raises(ConfigError, match="takes no options"):
         resolve_task_module("ravq.tasks.charlm", {"data": "x"})
+
+
+def test_a_stage_resumed_past_evaluation_rounds_does_not_owe_them() -> None:
+    """A stage resumed at version 10 with eval_every 5 ran no round at 5 or 10 (the process that wrote the
+    checkpoint did): before, it counted them owed and never finished (found with the text task's kill -9)."""
+    import threading
+
+    from ravq.config import TrainingConfig
+    from ravq.metrics import Metrics
+    from ravq.stage.build import build_stage
+    from ravq.tasks import charlm
+
+    training = TrainingConfig(micro_batch=2, steps=12, eval_every=5, eval_batches=1)
+    worker = build_stage(charlm, training, seed=0, cuts=[], stage=0, cluster=0, clusters=1, device="cpu",
+                         metrics=Metrics("resumed")).worker
+    worker.restore(version=10, trained=10, data_position=10)
+    assert not worker.recipe.unfinished()
+    run = threading.Thread(target=worker.run, args=(lambda out: None,), daemon=True)
+    run.start()
+    run.join(timeout=120)  # a deadline for a hang, not a measurement
+    assert not run.is_alive() and worker.trained_prefix == 12 and worker.version == 12

@@ -137,6 +137,10 @@ class Evaluator:
         """Rounds up to ``version`` that this stage has not finished (it is not done until they are)."""
         return self.enabled and self.rounds_done < version // self.every
 
+    def resume_at(self, version: int) -> None:
+        """A checkpoint of ``version`` was loaded: the rounds up to it were the writer's, not owed here."""
+        self.rounds_done = version // self.every if self.every > 0 else 0
+
     def forget_in_flight(self) -> None:
         """A pause cut the rounds in flight short: they are not waited for."""
         self.seen.clear()

@@ -163,6 +163,7 @@ class StageWorker:
         (counted towards ``steps``) and, on stage 0, its place in the data."""
         self.state.set_counts(version=version, trained=trained)
         self.stats.restore(trained)
+        self.recipe.evaluator.resume_at(version)
         if self._feed is not None:
             self._feed.skip_to(data_position)
 
