@@ -2,10 +2,13 @@
 weights, gradients, the task's optimizer's state, weight snapshots of versions in flight, and per in-flight
 micro-batch the tensors autograd saves, the stage's inputs and outputs; plus the process around the stage.
 
-Micro-batches in flight at stage ``s`` of ``k``: at most ``min(max_inflight, k - s)`` (a micro-batch leaves
-stage ``s`` when its backward has come back through the ``k - s`` stages from ``s`` on), so the last stage
-holds one.  Weight snapshots: one per version still in flight besides the live weights
-(``ravq.stage.stash``); weight prediction keeps the last update and a predicted copy.
+The estimate is of the peak, so of the worst case the pipeline allows: every stage but the last may hold
+all ``max_inflight`` micro-batches between their forward and their backward (a slower later stage queues
+them), the last holds one (its forward and backward are back to back).  Weight snapshots: one per version
+still in flight besides the live weights (``ravq.stage.stash``); weight prediction keeps the last update and
+a predicted copy, gradient extrapolation one more.  An optimizer with state also makes a parameter-sized
+temporary per step (torch's ``foreach`` implementations: Adam's square roots of its second moments),
+counted with its state.  bench_check_memory.py compares the result with a 1x4 run's measured peaks.
 """
 
 from __future__ import annotations
@@ -139,7 +142,8 @@ def estimate(
         params = dict(spec.module.named_parameters())
         weights = sum(_nbytes(p) for p in params.values()) + sum(_nbytes(b) for b in spec.module.buffers())
         trained = sum(_nbytes(p) for p in params.values() if p.requires_grad)
-        inflight = min(settings.max_inflight, stages - spec.index)
+        inflight = 1 if spec.index == stages - 1 else settings.max_inflight
+        state = optimizer_bytes(task.make_optimizer, params, report)
         copies = max(0, inflight - 1)
         if settings.predict_weights > 0 and inflight > 1:
             copies += 2  # the last update and the predicted snapshot
@@ -151,7 +155,7 @@ def estimate(
                 first=first,
                 weights=weights,
                 grads=trained,
-                optimizer=optimizer_bytes(task.make_optimizer, params, report),
+                optimizer=state + (trained if state else 0),
                 stash=copies * trained,
                 activations=inflight * activations,
                 runtime=settings.runtime_bytes,

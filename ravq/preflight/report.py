@@ -38,7 +38,8 @@ class StageMemory:
     """Parameters and buffers."""
     grads: int
     optimizer: int
-    """The task's optimizer's state after a step."""
+    """The task's optimizer's state after a step, and the step's parameter-sized temporary when it has
+    state."""
     stash: int
     """Weight snapshots of versions still in flight (``ravq.stage.stash``) and predicted weights."""
     activations: int
