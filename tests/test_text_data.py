@@ -225,3 +225,28 @@ def test_a_stage_resumed_past_evaluation_rounds_does_not_owe_them() -> None:
     run.start()
     run.join(timeout=120)  # a deadline for a hang, not a measurement
     assert not run.is_alive() and worker.trained_prefix == 12 and worker.version == 12
+
+
+def test_prepare_writes_what_training_on_the_folder_reads(tmp_path: Path) -> None:
+    from ravq.tasks.text.prepare import prepare
+
+    counts = prepare(_folder(tmp_path), tmp_path / "out", tokenizer=None, held_out=0.25, text_field="text")
+    direct = configure(data=str(tmp_path / "docs"), held_out=0.25).corpus
+    prepared = configure(data=str(tmp_path / "out")).corpus
+    assert isinstance(prepared.train, np.memmap) and prepared.vocab_size == direct.vocab_size == 257
+    assert np.array_equal(prepared.train, direct.train) and np.array_equal(prepared.held_out, direct.held_out)
+    assert counts == {"train": len(direct.train), "val": len(direct.held_out)}
+
+
+def test_demo_task_options_are_yaml_scalars() -> None:
+    import argparse
+
+    from ravq.cli.demo import add_demo_arguments, task_options
+
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    args = parser.parse_args(["--task", "ravq.tasks.text", "--task-option", "data=x/y", "--task-option",
+                              "context=32", "--task-option", "held_out=0.1"])
+    assert task_options(args) == {"data": "x/y", "context": 32, "held_out": 0.1}
+    with pytest.raises(ConfigError, match="'novalue' is not KEY=VALUE"):
+        task_options(parser.parse_args(["--task-option", "novalue"]))

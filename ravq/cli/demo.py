@@ -50,6 +50,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=DEFAULT_TASK,
                    help="the task: a module (mytask finds mytask.py in the current folder), "
                         "module:attribute, or a file path/to/mytask.py[:attribute]")
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a task option (the topology's task_options; a YAML value), e.g. data=path/to/data")
     p.add_argument("--max-inflight", type=int, default=None, help="default: number of stages")
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument(
@@ -136,8 +138,21 @@ def _eval_every(args: argparse.Namespace) -> int:
         return int(args.eval_every)
     from ravq.config import resolve_task_module
 
-    has_eval = callable(getattr(resolve_task_module(args.task), "eval_batches", None))
+    has_eval = callable(getattr(resolve_task_module(args.task, task_options(args)), "eval_batches", None))
     return max(1, args.steps // args.update_every // 6) if has_eval else 0
+
+
+def task_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--task-option KEY=VALUE`` as the topology's task_options (each value read as a YAML scalar)."""
+    import yaml
+
+    options = {}
+    for item in args.task_option:
+        key, eq, value = item.partition("=")
+        if not key or not eq:
+            raise ConfigError(f"--task-option: {item!r} is not KEY=VALUE")
+        options[key] = yaml.safe_load(value)
+    return options
 
 
 def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, Any]:
@@ -167,7 +182,8 @@ def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, A
         lr_schedule={"kind": args.lr_schedule, "warmup_steps": args.warmup_steps},
     )
     # the nodes find the task this process found, from any folder: a file as its absolute path
-    return {"task": portable_task_spec(args.task), "seed": args.seed, "training": training,
+    return {"task": portable_task_spec(args.task), "task_options": task_options(args), "seed": args.seed,
+            "training": training,
             "timeouts": {"connect_s": 120.0, "ring_step_s": 30.0, "drain_s": 15.0},
             "broker": {"host": "127.0.0.1", "pub_port": next(ports), "router_port": next(ports),
                        "metrics_port": next(ports)},
