@@ -173,3 +173,15 @@ def test_cli_checks_a_topology_at_its_planned_cuts_against_each_nodes_memory(
     out = capsys.readouterr().out
     assert "2 stage(s) cut at ['blocks.2']" in out and "stage 1 on c0s1 needs" in out
     assert "of 0.00 GiB (topology)" in out and "more stages" in out
+
+
+def test_node_and_demo_refuse_a_broken_task_at_start_with_its_fix() -> None:
+    """``check_at_start`` (what ``ravq node`` and ``ravq demo`` run before anything starts)."""
+    from ravq.config import parse_topology
+    from ravq.preflight import check_at_start
+    from tests.swarm import local_topology
+
+    check_at_start(parse_topology(local_topology("tests.check_zoo:tiny", [2], {"micro_batch": 4})))
+    broken = parse_topology(local_topology("tests.check_zoo:wrong_shape", [2], {"micro_batch": 4}))
+    with pytest.raises(ConfigError, match=r"train_batches's input 0 is \(4, 9\).*fix: make example_inputs"):
+        check_at_start(broken)
