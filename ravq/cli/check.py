@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from ravq.config import ConfigError, Topology, TrainingConfig, load_topology
+from ravq.config import ConfigError, Plan, Topology, TrainingConfig, load_topology
 from ravq.preflight import CheckSettings, PlacedMemory, Report, run_checks
 
 
@@ -72,7 +73,11 @@ def _placed(topology: Topology, nodes: list[str], profiles: str) -> list[PlacedM
     return placed
 
 
-def _settings(args: argparse.Namespace) -> tuple[str, list[CheckSettings]]:
+PlanFor = Callable[[Topology, str | None], Plan]
+"""``ravq.cli.main.plan_for``: the plan a topology runs (a planner's file, else its clusters cut evenly)."""
+
+
+def _settings(args: argparse.Namespace, plan_for: PlanFor) -> tuple[str, list[CheckSettings]]:
     """The task and one settings per distinct set of planned cuts."""
     if args.topology is None:
         if args.plan:
@@ -84,8 +89,6 @@ def _settings(args: argparse.Namespace) -> tuple[str, list[CheckSettings]]:
         return args.task, [settings]
     if args.stages is not None:
         raise ConfigError("--stages: the topology's plan gives the stages; leave out one of the two")
-    from ravq.cli.main import plan_for
-
     topology = load_topology(args.topology, resolve_task=False)
     task = args.task or topology.task
     if args.task:
@@ -108,8 +111,8 @@ def _settings(args: argparse.Namespace) -> tuple[str, list[CheckSettings]]:
     return task, result
 
 
-def check_main(args: argparse.Namespace) -> int:
-    task, all_settings = _settings(args)
+def check_main(args: argparse.Namespace, plan_for: PlanFor) -> int:
+    task, all_settings = _settings(args, plan_for)
     reports: list[Report] = []
     for settings in all_settings:
         report = run_checks(task, settings)

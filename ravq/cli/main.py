@@ -223,12 +223,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    from ravq.cli.check import check_main
-
-    return check_main(args)
-
-
 def cmd_profile(args: argparse.Namespace) -> int:
     from ravq.checks import check_device
     from ravq.cli.profile import profile_main
@@ -281,9 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     c = sub.add_parser("check", help="pre-flight a task: will it split, train, evaluate and fit, as planned?")
-    from ravq.cli.check import add_check_arguments
+    from ravq.cli.check import add_check_arguments, check_main
     add_check_arguments(c)
-    c.set_defaults(func=cmd_check)
+    c.set_defaults(func=lambda args: check_main(args, plan_for))  # check.py cannot import main (a cycle)
 
     b = sub.add_parser("broker", help="run the topology broker")
     b.add_argument("--topology", required=True)

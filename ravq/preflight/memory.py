@@ -6,9 +6,10 @@ The estimate is of the peak, so of the worst case the pipeline allows: every sta
 all ``max_inflight`` micro-batches between their forward and their backward (a slower later stage queues
 them), the last holds one (its forward and backward are back to back).  Weight snapshots: one per version
 still in flight besides the live weights (``ravq.stage.stash``); weight prediction keeps the last update and
-a predicted copy, gradient extrapolation the last gradient (on every stage).  An optimizer with state also makes a parameter-sized
-temporary per step (torch's ``foreach`` implementations: Adam's square roots of its second moments),
-counted with its state.  bench_check_memory.py compares the result with a 1x4 run's measured peaks.
+a predicted copy, gradient extrapolation the last gradient (on every stage).  An optimizer with state
+also makes a parameter-sized temporary per step (torch's ``foreach`` implementations: Adam's square roots
+of its second moments), counted with its state.  bench_check_memory.py compares the result with a 1x4
+run's measured peaks.
 """
 
 from __future__ import annotations
