@@ -120,7 +120,7 @@ def test_nanogpt_folder_is_memory_mapped_with_its_held_out_file(tmp_path: Path) 
     (tmp_path / "meta.json").write_bytes(orjson.dumps({"vocab_size": 1000}))
     task = configure(data=str(tmp_path), context=8, hidden=16, layers=2, heads=2)
     assert isinstance(task.corpus.train, np.memmap) and len(task.corpus.train) == 5000
-    assert task.corpus.vocab_size == 1000 and len(task.corpus.held_out) == 600
+    assert task.vocab_size == task.corpus.vocab_size == 1000 and len(task.corpus.held_out) == 600
     (x, ), y = next(task.train_batches(4, 0, 1, 0))
     assert x.shape == (4, 8) and int(x.max()) < 1000
     held = list(task.eval_batches(4, 0))
@@ -166,6 +166,8 @@ def test_a_folder_of_txt_and_jsonl_as_bytes(tmp_path: Path) -> None:
     expected = np.frombuffer(want, dtype=np.uint8).astype(np.uint16)
     expected[expected == 0] = BYTE_EOS
     assert vocab == 257 and np.array_equal(ids, expected)
+    task = configure(data=str(tmp_path / "docs"), held_out=0.5)
+    assert task.vocab_size == 257 and "corpus" not in vars(task)  # known without reading the data
 
 
 def test_a_jsonl_line_without_the_field_is_named(tmp_path: Path) -> None:
@@ -191,6 +193,8 @@ def test_a_folder_tokenized_by_a_local_tokenizer_directory(tmp_path: Path) -> No
     eos = vocab_of["<eos>"]
     want = [vocab_of["eins"], eos, vocab_of["zwei"], vocab_of["drei"], eos, vocab_of["vier"], eos, vocab_of["fünf"], eos]
     assert vocab == 7 and ids.tolist() == want
+    task = configure(data=str(tmp_path / "docs"), tokenizer=str(tmp_path / "tok"), held_out=0.5)
+    assert task.vocab_size == task.corpus.vocab_size == 7
 
 
 def test_task_options_configure_the_task(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ravq.stage.optim import ClusterAdam
-from ravq.tasks.text.tokens import Corpus, load_corpus
+from ravq.tasks.text.tokens import Corpus, load_corpus, vocab_of
 from ravq.tasks.text.windows import Batch, Windows
 
 EXAMPLE = Path(__file__).resolve().parent / "example"
@@ -77,15 +77,25 @@ class TextLM:
 
     @cached_property
     def corpus(self) -> Corpus:
-        o = self.options
-        tokenizer = Path(o.tokenizer).resolve() if o.tokenizer else None
-        return load_corpus(Path(o.data).resolve(), tokenizer=tokenizer, held_out=o.held_out,
-                           vocab_size=o.vocab_size, dtype=o.dtype, text_field=o.text_field)
+        o, (data, tokenizer) = self.options, self._paths()
+        return load_corpus(data, tokenizer=tokenizer, held_out=o.held_out, vocab_size=o.vocab_size,
+                           dtype=o.dtype, text_field=o.text_field)
+
+    def _paths(self) -> tuple[Path, Path | None]:
+        """The data and the tokenizer directory (None: bytes), absolute."""
+        tokenizer = self.options.tokenizer
+        return Path(self.options.data).resolve(), Path(tokenizer).resolve() if tokenizer else None
+
+    @cached_property
+    def vocab_size(self) -> int:
+        """The model's vocabulary, known without reading the data (a stage past 0 reads none)."""
+        data, tokenizer = self._paths()
+        return vocab_of(data, tokenizer=tokenizer, vocab_size=self.options.vocab_size)
 
     def build_model(self) -> nn.Module:
         import transformers
 
-        o, vocab = self.options, self.corpus.vocab_size
+        o, vocab = self.options, self.vocab_size
         config = transformers.GPT2Config(vocab_size=vocab, n_embd=o.hidden, n_layer=o.layers, n_head=o.heads,
                                          n_positions=o.context, resid_pdrop=0.0, embd_pdrop=0.0,
                                          attn_pdrop=0.0, use_cache=False, bos_token_id=vocab - 1,
@@ -129,7 +139,7 @@ class TextLM:
 
     def uniform_loss(self) -> float:
         """The loss of a uniform guess over the vocabulary."""
-        return math.log(self.corpus.vocab_size)
+        return math.log(self.vocab_size)
 
 
 def configure(**options: Any) -> TextLM:

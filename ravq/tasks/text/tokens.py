@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -70,6 +71,23 @@ def load_corpus(data: Path, *, tokenizer: Path | None, held_out: float, vocab_si
                      "a .npy file")
 
 
+def vocab_of(data: Path, *, tokenizer: Path | None, vocab_size: int | None) -> int:
+    """The vocabulary ``load_corpus`` gives ``data``, without reading or tokenizing it: what a stage that
+    reads no data needs to build the model."""
+    if vocab_size:
+        return vocab_size
+    if data.is_dir() and not (data / "train.bin").is_file():
+        return len(_tokenizer(tokenizer)) if tokenizer is not None else BYTE_VOCAB
+    return int(_meta(data if data.is_dir() else data.parent).get("vocab_size", DEFAULT_VOCAB))
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
 def _meta(folder: Path) -> dict[str, int | str]:
     path = folder / "meta.json"
     return orjson.loads(path.read_bytes()) if path.is_file() else {}
@@ -111,9 +129,7 @@ def tokenize_folder(folder: Path, *, tokenizer: Path | None,
     if tokenizer is None:
         pieces = [np.frombuffer(doc.encode("utf-8"), dtype=np.uint8) for doc in docs]
         return _joined(pieces, BYTE_EOS, np.uint16), BYTE_VOCAB
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    tok = _tokenizer(tokenizer)
     vocab = len(tok)
     kind = np.uint16 if vocab <= 1 << 16 else np.uint32
     ids = tok(docs, add_special_tokens=False)["input_ids"]
