@@ -88,7 +88,7 @@ class TextLM:
 
     @cached_property
     def vocab_size(self) -> int:
-        """The model's vocabulary, known without reading the data (a stage past 0 reads none)."""
+        """The model's vocabulary, known without reading or tokenizing the data."""
         data, tokenizer = self._paths()
         return vocab_of(data, tokenizer=tokenizer, vocab_size=self.options.vocab_size)
 

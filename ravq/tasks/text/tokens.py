@@ -72,8 +72,8 @@ def load_corpus(data: Path, *, tokenizer: Path | None, held_out: float, vocab_si
 
 
 def vocab_of(data: Path, *, tokenizer: Path | None, vocab_size: int | None) -> int:
-    """The vocabulary ``load_corpus`` gives ``data``, without reading or tokenizing it: what a stage that
-    reads no data needs to build the model."""
+    """The vocabulary ``load_corpus`` gives ``data``, without reading or tokenizing it (what building the
+    model needs: ``ravq plan``, ``ravq export``, a profile)."""
     if vocab_size:
         return vocab_size
     if data.is_dir() and not (data / "train.bin").is_file():
