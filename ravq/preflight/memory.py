@@ -6,10 +6,11 @@ The estimate is of the peak, so of the worst case the pipeline allows: every sta
 all ``max_inflight`` micro-batches between their forward and their backward (a slower later stage queues
 them), the last holds one (its forward and backward are back to back).  Weight snapshots: one per version
 still in flight besides the live weights (``ravq.stage.stash``); weight prediction keeps the last update and
-a predicted copy, gradient extrapolation the last gradient (on every stage).  An optimizer with state
-also makes a parameter-sized temporary per step (torch's ``foreach`` implementations: Adam's square roots
-of its second moments), counted with its state.  bench_check_memory.py compares the result with a 1x4
-run's measured peaks.
+a predicted copy, and a step also holds the weights before it and the update it replaces; gradient
+extrapolation keeps the last gradient on every stage, and its successor during a step.  An optimizer
+with state also makes a parameter-sized temporary per step (torch's ``foreach`` implementations: Adam's
+square roots of its second moments), counted with its state.  bench_check_memory.py compares the result
+with a 1x4 run's measured peaks.
 """
 
 from __future__ import annotations
@@ -105,7 +106,11 @@ def activation_bytes(
                 g.detach().requires_grad_(g.is_floating_point() and r.stage >= 0)
                 for g, r in zip(got, spec.received)
             ]
-            own = {_key(p) for p in spec.module.parameters()} | {_key(b) for b in spec.module.buffers()}
+            tensors = [*spec.module.parameters(), *spec.module.buffers()]
+            # the weights as the fake mode sees them too (it converts a meta weight once, memoized as long
+            # as the fake lives: kept alive here, or a storage's key could be reused by another tensor)
+            tensors += [mode.from_tensor(t) for t in tensors if t.is_meta]
+            own = {_key(t) for t in tensors}
             saved: dict[int, int] = {}
 
             def pack(t: torch.Tensor, own: set[int] = own, saved: dict[int, int] = saved) -> torch.Tensor:
@@ -146,10 +151,12 @@ def estimate(
         inflight = 1 if spec.index == stages - 1 else settings.max_inflight
         state = optimizer_bytes(task.make_optimizer, params, report)
         copies = max(0, inflight - 1)
-        if settings.predict_weights > 0 and inflight > 1:
-            copies += 2  # the last update and the predicted snapshot
+        if settings.predict_weights > 0 and inflight > 1:  # the last stage is never stale: no prediction
+            # the last update and the predicted snapshot; while a step runs, the weights before it and the
+            # update it replaces (WeightStash.step)
+            copies += 4
         if settings.extrapolate_gradients > 0:
-            copies += 1  # the last update's gradient, kept on every stage (ravq.stage.delay)
+            copies += 2  # the last gradient, kept on every stage, and its successor while a step runs
         result.append(
             StageMemory(
                 stage=spec.index,
