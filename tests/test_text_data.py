@@ -254,3 +254,16 @@ def test_demo_task_options_are_yaml_scalars() -> None:
     assert task_options(args) == {"data": "x/y", "context": 32, "held_out": 0.1}
     with pytest.raises(ConfigError, match="'novalue' is not KEY=VALUE"):
         task_options(parser.parse_args(["--task-option", "novalue"]))
+
+
+def test_a_topology_names_the_data_in_task_options(tmp_path: Path) -> None:
+    from ravq.config import parse_topology
+
+    np.arange(4000, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    topo = {"task": "ravq.tasks.text", "task_options": {"data": str(tmp_path / "t.bin"), "vocab_size": 4000},
+            "broker": {"pub_port": 5550, "router_port": 5551},
+            "nodes": [{"name": "a", "pipeline_port": 5600, "ring_port": 5601}]}
+    assert parse_topology(topo).task_options == {"data": str(tmp_path / "t.bin"), "vocab_size": 4000}
+    topo["task_options"]["dtype"] = "float32"
+    with pytest.raises(ConfigError, match="task: task_options: dtype: 'float32' is not uint16"):
+        parse_topology(topo)

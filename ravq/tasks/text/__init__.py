@@ -64,6 +64,8 @@ class TextOptions:
             path = getattr(self, name)
             if path is not None and not Path(path).exists():
                 raise ValueError(f"{name}: {path} does not exist (relative to {Path.cwd()})")
+        if self.dtype is not None and self.dtype not in ("uint16", "uint32", "int32", "int64"):
+            raise ValueError(f"dtype: {self.dtype!r} is not uint16, uint32, int32 or int64")
         for name in ("context", "layers", "hidden", "heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a positive integer")
