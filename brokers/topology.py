@@ -1,9 +1,14 @@
 """The topology broker: holds the plan and membership, publishes every change (ZeroMQ clone pattern).
 
 State = the plan plus the membership book (``brokers.book``): per node its state, incarnation and
-phase, per cluster whether it trains, pauses or recovers.  Every change increments a sequence number
-and is published on PUB with the full state, and the full state is re-published every heartbeat
-interval, so a node that missed updates (or saw this broker restart) catches up within one.  The data
+phase, per cluster whether it trains, pauses or recovers.  It is published as keyed updates
+(``ravq.net.clone``, ``brokers.keyed``): each change sends only the keys that changed, on their topic
+(``g.`` for every node, ``c<i>.`` for cluster ``i``'s members), with the topic's next sequence number;
+a node that sees a gap asks for a snapshot, in parts under the header limit.  ``TICKS`` times an
+interval a tick on ``g.`` carries its sequence number (and says the broker is alive); each interval the
+topics updated in the last one are echoed.  A member silent for ``SILENT_AFTER`` intervals is published
+once (``silent/<name>``, from a heap of deadlines: ``brokers.silence``) and cleared when it beats.  A
+heartbeat costs O(1): its member, its cluster; the checks over every member run on a timer.  The data
 plane never waits on the broker: nodes talk to it at start-up and send heartbeats without waiting.
 """
 
@@ -16,20 +21,23 @@ import logging
 import os
 import signal
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from brokers.book import CLUSTER_STATES, NODE_STATES, PHASES, Book, Member
+from brokers.book import Book, Member
+from brokers.gauges import Gauges
+from brokers.keyed import KeyedState, member_value, plan_items
 from brokers.reach import Reachability
 from brokers.run import open_run, save_run, state_dir_for
+from brokers.silence import Silences
 from ravq.config import Plan, RelayConfig, Topology
 from ravq.metrics import Metrics
+from ravq.net.clone import GLOBAL, SILENT_AFTER, TICKS, budget, cluster_topic
 from ravq.net.options import SocketOptions, endpoint
-from ravq.net.protocol import Heartbeat, ReachRequest, Register
+from ravq.net.protocol import Heartbeat, ReachRequest, Register, SnapshotRequest
 from ravq.net.pubsub import Publisher
 from ravq.net.relay import Relay
 from ravq.net.transport import Inbox
@@ -38,12 +46,10 @@ from ravq.net.wire import DecodeLimits, Message, MsgType, WireError
 log = logging.getLogger(__name__)
 
 BROKER = "broker"
-SILENCE_UPDATES = 4
-"""Silence updates per heartbeat interval (``Broker._publish_silence``): a live member never reads more
-silent than its heartbeat interval plus a quarter of it (and the network's delay)."""
 
-_NODE_MESSAGES: dict[MsgType, type[Register | Heartbeat | ReachRequest]] = {
-    MsgType.REGISTER: Register, MsgType.HEARTBEAT: Heartbeat, MsgType.REACH_REQ: ReachRequest}
+_NODE_MESSAGES: dict[MsgType, type[Register | Heartbeat | ReachRequest | SnapshotRequest]] = {
+    MsgType.REGISTER: Register, MsgType.HEARTBEAT: Heartbeat, MsgType.REACH_REQ: ReachRequest,
+    MsgType.SNAPSHOT_REQ: SnapshotRequest}
 """The node -> broker control messages with a typed body (``ravq.net.protocol``)."""
 
 
@@ -77,9 +83,17 @@ class Broker:
         self._stop = asyncio.Event()
         self.reach = Reachability(topology, metrics, opts.curve)
         self._tg: asyncio.TaskGroup | None = None
-        self._shown_members: dict[str, str] = {}
-        self._shown_clusters: dict[int, str] = {}
-        """The states the per-member and per-cluster gauges show (``_show_changes``)."""
+        self.gauges = Gauges(metrics)
+        self.keyed = KeyedState(budget(topology.limits.max_header_bytes))
+        """The state as published: keys, topics, sequence numbers (``brokers.keyed``)."""
+        interval_s = topology.timeouts.heartbeat_interval_s
+        self.silences = Silences(SILENT_AFTER * interval_s, self.members, clock())
+        self._published_plan: Plan | None = None
+        self._snapshots = 0
+        self._publishing = asyncio.Lock()
+        self.keyed.put("run", GLOBAL, {"run_id": self.run_id, "run_explicit": self.the_run.explicit})
+        self._refresh(list(self.members), range(len(self.book.clusters)))
+        self.keyed.flush()  # nobody listens yet: the first snapshot carries it
         self._ctx: zmq.asyncio.Context | None = None
 
     @property
@@ -92,23 +106,41 @@ class Broker:
     def members(self) -> dict[str, Member]:
         return self.book.members
 
-    def state(self) -> dict[str, Any]:
-        return {"plan": self.plan.model_dump(), "run_id": self.run_id, "run_explicit": self.the_run.explicit,
-                **self.book.public(), "silent_s": self.silence(), "reach": self.reach.public()}
-
-    def silence(self) -> dict[str, float]:
-        """Seconds since each member's last heartbeat reached this broker."""
-        now = self.clock()
-        return {n: round(now - m.last_seen, 3) for n, m in self.members.items()}
-
-    async def _publish(self, pub: Publisher, kind: str, data: dict[str, Any]) -> None:
-        """Publish the full state (every update carries it, so one update is enough to catch up)."""
+    def _refresh(self, names: Iterable[str], clusters: Iterable[int]) -> None:
+        """Put the keys of ``names`` and ``clusters`` (and the plan's, when the book holds another plan: then
+        every member's, whose topic may have moved) into the published state; ``_flush`` sends what
+        changed."""
         self._sync_plan()
-        self.seq += 1
+        if self.book.plan is not self._published_plan:
+            self._published_plan = self.book.plan
+            for key, value in plan_items(self.book.plan):
+                self.keyed.put(key, GLOBAL, value)
+            for c in range(len(self.book.plan.clusters), len(self.book.clusters)):
+                self.keyed.put(f"plan/{c}", GLOBAL, None)
+            names = list(self.members)
+        names = list(names)
+        for name in names:
+            topic, m = cluster_topic(self.book.cluster_of(name)), self.members.get(name)
+            self.keyed.put(f"member/{name}", topic, None if m is None else member_value(m))
+            self.keyed.put(f"reach/{name}", topic, self.reach.verdicts.get(name))
+        clusters = list(clusters)
+        for c in clusters:
+            self.keyed.put(f"cluster/{c}", GLOBAL, self.book.clusters[c].public())
+        self._show_changes(names, clusters)
+
+    async def _flush(self, pub: Publisher) -> None:
+        """Publish the keys that changed, one update per topic (or more, each under the header limit); in
+        the order of their numbers, whichever handler flushes meanwhile (a send may wait)."""
+        async with self._publishing:
+            for u in self.keyed.flush():
+                self.seq += 1
+                await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta={
+                    "kind": "delta", "incarnation": self.incarnation, "topic": u.topic, "seq": u.seq,
+                    "items": u.items, "more": u.more}), u.topic)
         self.metrics.broker_seq.set(self.seq)
-        await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta={
-            "seq": self.seq, "incarnation": self.incarnation, "kind": kind, "state": self.state(), **data}))
-        self._show_changes(self.members, range(len(self.book.clusters)))
+        if self.keyed.oversized:
+            self.metrics.bad_messages.labels("pub", "header_too_large").inc(self.keyed.oversized)
+            self.keyed.oversized = 0
 
     def _sync_plan(self) -> None:
         """The rings leave out the clusters that do not train (``Book.exclude_idle``); a plan the book
@@ -120,35 +152,11 @@ class Broker:
             save_run(self.state_dir, self.the_run)
 
     def _count_members(self) -> None:
-        """Every gauge of the membership: the aggregates (nodes by state and phase, what paused clusters wait
-        for) and the per-member and per-cluster ones that changed; once per heartbeat interval, on the timer
-        that visits every member anyway."""
-        self._show_changes(self.members, range(len(self.book.clusters)))
-        states = Counter(m.state for m in self.members.values())
-        phases = Counter(m.said.phase for m in self.members.values() if m.state == "up")
-        for state in NODE_STATES:
-            self.metrics.broker_nodes.labels(state).set(states[state])
-        for phase in PHASES:
-            self.metrics.broker_phases.labels(phase).set(phases[phase])
-        self.metrics.cluster_waiting_for.clear()
-        for (c, member), why in waiting_for(self.book).items():
-            self.metrics.cluster_waiting_for.labels(str(c), member, why).set(1)
+        """Every gauge of the membership (``brokers.gauges``): once per heartbeat interval, on the timer."""
+        self.gauges.count(self.book)
 
     def _show_changes(self, names: Iterable[str], clusters: Iterable[int]) -> None:
-        """The per-member and per-cluster gauges of those that may have changed, set only when their
-        state did (a heartbeat touches one member and one cluster, never every series)."""
-        for name in names:
-            state = self.members[name].state
-            if self._shown_members.get(name) != state:
-                for s in NODE_STATES:
-                    self.metrics.broker_member_state.labels(name, s).set(float(state == s))
-                self._shown_members[name] = state
-        for c in clusters:
-            state = self.book.clusters[c].state
-            if self._shown_clusters.get(c) != state:
-                for s in CLUSTER_STATES:
-                    self.metrics.cluster_state.labels(str(c), s).set(float(state == s))
-                self._shown_clusters[c] = state
+        self.gauges.show(self.book, names, clusters)
 
     def _observe_recoveries(self) -> None:
         for seconds in self.book.recoveries:
@@ -175,21 +183,36 @@ class Broker:
         elif isinstance(request, ReachRequest):
             self._reach_request(pub, node, request)
         else:
-            await self._answer(inbox, identity, node, msg.type, now)
+            await self._answer(inbox, identity, node, msg.type, now, request)
 
     async def _register(self, inbox: Inbox, pub: Publisher, identity: bytes, node: str, register: Register,
                         now: float) -> None:
+        c = self.book.cluster_of(node)
         self.book.register(node, register.incarnation, now)
         self.reach.forget(node)
-        self.book.advance(self.book.cluster_of(node), now)
+        self.book.advance(c, now)
         log.info("node %s registered", node)
-        await self._publish(pub, "member", {"node": node, "member_state": "up"})
-        await self._reply_snapshot(inbox, identity, node)
+        self._beat(node, now)
+        self._refresh([node], [] if c is None else [c])
+        await self._flush(pub)
+        await self._reply_snapshot(inbox, identity, node, mine=True)
 
     async def _heartbeat(self, pub: Publisher, node: str, beat: Heartbeat, now: float) -> None:
-        if self.book.heartbeat(node, beat, now) | self.book.advance(self.book.cluster_of(node), now):
+        """O(1): the book's member and cluster; what changed is published on the member's topic at once
+        (the global topic's changes wait for the next tick: a start-up's thousands of heartbeats are a
+        few updates to every node, not one each)."""
+        c = self.book.cluster_of(node)
+        changed = self.book.heartbeat(node, beat, now) | self.book.advance(c, now)
+        self._beat(node, now)
+        if changed:
             self._observe_recoveries()
-            await self._publish(pub, "member", {"node": node, "member_state": self.members[node].state})
+            self._refresh([node], [] if c is None else [c])
+            if any(t != GLOBAL for t in self.keyed.pending_topics()):
+                await self._flush(pub)
+
+    def _beat(self, node: str, now: float) -> None:
+        if self.silences.beat(node, now):
+            self.keyed.put(f"silent/{node}", GLOBAL, None)
 
     def _reach_request(self, pub: Publisher, node: str, request: ReachRequest) -> None:
         if node not in self.known:
@@ -197,12 +220,14 @@ class Broker:
         elif self.reach.wants(node) and self._tg is not None and self._ctx is not None:
             self._tg.create_task(self._check_reach(pub, node, request.ports[:4]))
 
-    async def _answer(self, inbox: Inbox, identity: bytes, node: str, kind: MsgType, now: float) -> None:
+    async def _answer(self, inbox: Inbox, identity: bytes, node: str, kind: MsgType, now: float,
+                      request: SnapshotRequest | None) -> None:
         """SNAPSHOT_REQ and STATUS_REQ."""
-        if kind == MsgType.SNAPSHOT_REQ:
+        if request is not None:
             if node in self.members and self.members[node].state == "up":  # a node polling at start is alive
                 self.members[node].last_seen = now
-            await self._reply_snapshot(inbox, identity, node)
+                self._beat(node, now)
+            await self._reply_snapshot(inbox, identity, node, mine=request.mine)
         elif kind == MsgType.STATUS_REQ:
             status = {"seq": self.seq, "plan": self.plan.model_dump(), "run_id": self.run_id,
                       "reach": self.reach.public(), "reach_tried": dict(self.reach.tried),
@@ -215,13 +240,24 @@ class Broker:
     async def _check_reach(self, pub: Publisher, node: str, ports: list[str]) -> None:
         assert self._ctx is not None
         await self.reach.check(self._ctx, node, ports)
-        await self._publish(pub, "reach", {"node": node})
+        self._refresh([node], [])
+        await self._flush(pub)
 
-    async def _reply_snapshot(self, inbox: Inbox, identity: bytes, node: str) -> None:
-        self._sync_plan()
-        reply = Message(type=MsgType.SNAPSHOT, sender=BROKER,
-                        meta={"seq": self.seq, "incarnation": self.incarnation, "state": self.state()})
-        await inbox.reply(identity, reply, node)
+    async def _reply_snapshot(self, inbox: Inbox, identity: bytes, node: str, *, mine: bool) -> None:
+        """The state in parts, each under the header limit, with the sequence numbers of the topics the node
+        follows (the global one and its cluster's); ``mine``: only those topics' keys."""
+        topics = {GLOBAL, cluster_topic(self.book.cluster_of(node))}
+        seqs, parts = self.keyed.snapshot(topics if mine else None)
+        seqs = {t: seqs.get(t, self.keyed.seqs.get(t, 0)) for t in topics}
+        self._snapshots += 1
+        now = self.clock()
+        for i, part in enumerate(parts):
+            items = [(k, round(now - self.silences.last[k[7:]], 3) if k.startswith("silent/") else v)
+                     for k, v in part]
+            meta = {"seq": self.seq, "incarnation": self.incarnation, "snap": self._snapshots, "part": i,
+                    "parts": len(parts),
+                    "scope": sorted(topics) if mine else None, "items": items, "seqs": seqs if i == 0 else {}}
+            await inbox.reply(identity, Message(type=MsgType.SNAPSHOT, sender=BROKER, meta=meta), node)
 
     async def _serve(self, inbox: Inbox, pub: Publisher) -> None:
         while True:
@@ -229,28 +265,50 @@ class Broker:
             await self._handle(inbox, pub, identity, msg)
 
     async def _watch_heartbeats(self, pub: Publisher) -> None:
-        """Mark silent nodes lost, move clusters along, and re-publish the full state every heartbeat
-        interval: a node that missed updates (or a restart of this broker) catches up within one."""
+        """Each heartbeat interval: mark silent nodes lost and move clusters along (``Book.check``, over every
+        member), publish what changed, set the gauges, and echo the topics updated in the last interval."""
         while True:
             await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s)
-            self.book.check(self.clock())
-            self._observe_recoveries()
+            if self.book.check(self.clock()):
+                self._observe_recoveries()
+                self._refresh(list(self.members), range(len(self.book.clusters)))
+            else:
+                self._refresh((), ())  # the rings' exclusions follow the clusters' states
+            await self._flush(pub)
             self._count_members()
-            await self._publish(pub, "tick", {})
+            for topic in self.keyed.echoes():
+                await self._tick(pub, topic)
 
     async def _publish_silence(self, pub: Publisher) -> None:
-        """A small update, ``SILENCE_UPDATES`` times per heartbeat interval, with each member's silence
-        and no state change (the sequence number stays).  A node reads a ring member's silence as the
-        last published figure plus the time since; with the full state published once an interval
-        only, a live member whose heartbeat arrived just after a publication read up to two intervals
-        silent, above the 1.5 at which a stage stops holding back for a round (``Averager.hold_s``):
-        fast clusters among six trained past rounds of slow ones and skipped rounds (issue #14)."""
-        period = self.topology.timeouts.heartbeat_interval_s / SILENCE_UPDATES
+        """``TICKS`` times an interval: publish the global topic's changes (silences among them: members
+        silent for ``SILENT_AFTER`` intervals, found by their deadlines) and a tick with its sequence
+        number.  A node reads a member's silence as the published figure plus the time since, and one not
+        published as the time since the broker's last tick: a live member never reads more silent than a
+        tick period (and the network's delay), a dead one reaches ``Averager.hold_s`` (1.5 intervals)
+        within a sixteenth of an interval of when it truly does."""
+        interval_s = self.topology.timeouts.heartbeat_interval_s
+        period, step = interval_s / TICKS, interval_s / 16
+        next_tick = self.clock() + period
         while True:
-            await asyncio.sleep(period)
-            await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta={
-                "seq": self.seq, "incarnation": self.incarnation, "kind": "silence",
-                "silent_s": self.silence()}))
+            deadline = self.silences.next_deadline()
+            wake = next_tick if deadline is None else min(next_tick, max(deadline, self.clock() + step))
+            await asyncio.sleep(max(0.0, wake - self.clock()))
+            now = self.clock() + 1e-6  # a clock of coarser grain wakes a hair early
+            silent = self.silences.due(now)
+            for name in silent:
+                self.keyed.put(f"silent/{name}", GLOBAL, round(now - self.silences.last[name], 3))
+            if silent:  # at once: a node reads the figure on from when it arrives
+                await self._flush(pub)
+            if now >= next_tick:
+                next_tick = max(next_tick + period, now)
+                await self._flush(pub)
+                await self._tick(pub, GLOBAL)
+
+    async def _tick(self, pub: Publisher, topic: str) -> None:
+        async with self._publishing:  # after every update of the number it says
+            seq = self.keyed.seqs[topic]
+            meta = {"kind": "tick", "incarnation": self.incarnation, "topic": topic, "seq": seq}
+            await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta=meta), topic)
 
     async def _until_stopped(self) -> None:
         await self._stop.wait()
@@ -308,20 +366,6 @@ class Broker:
 
 class _Stopped(Exception):
     pass
-
-
-def waiting_for(book: Book) -> dict[tuple[int, str], str]:
-    """(cluster, member) -> why, for each member a cluster that does not train waits for: the members
-    that are not up (lost, missing, ...) or, once all are, those not yet ready (what they do now)."""
-    waiting: dict[tuple[int, str], str] = {}
-    for c, (cs, cluster) in enumerate(zip(book.clusters, book.plan.clusters)):
-        if cs.state not in ("paused", "recovering"):
-            continue
-        members = {n: book.members[n] for n in cluster.nodes if n in book.members}
-        down = {n: m.state for n, m in members.items() if m.state != "up"}
-        waiting |= {(c, n): why for n, why in (down or {n: m.said.phase for n, m in members.items()
-                                                       if m.said.ready < cs.generation}).items()}
-    return waiting
 
 
 def _public(m: Member, now: float) -> dict[str, Any]:

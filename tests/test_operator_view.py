@@ -15,7 +15,8 @@ import zmq
 import zmq.asyncio
 
 from brokers.book import Book
-from brokers.topology import Broker, waiting_for
+from brokers.gauges import waiting_for
+from brokers.topology import Broker
 from ravq.cli.demo import free_ports
 from ravq.cli.status import fetch_status
 from ravq.config import ClusterPlan, Plan, parse_topology

@@ -470,7 +470,7 @@ def test_subscriber_drops_and_counts_malformed_updates(zmq_ctx: zmq.asyncio.Cont
         sub = Subscriber.connect(zmq_ctx, bound_endpoint(raw_pub), metrics, LIMITS, OPTS)
         try:
             while True:  # join first, so that what follows is not lost to the slow-joiner window
-                await raw_pub.send_multipart(encode(update(0)))
+                await raw_pub.send_multipart([b"", *encode(update(0))])  # a topic, then the message
                 try:
                     await asyncio.wait_for(sub.recv(), 0.05)
                     break
@@ -480,8 +480,8 @@ def test_subscriber_drops_and_counts_malformed_updates(zmq_ctx: zmq.asyncio.Cont
             while await sub.sock.poll(0):  # drain the joins' stragglers
                 await sub.sock.recv_multipart()
             before = sample(metrics, "ravq_bad_messages_total", socket="sub", reason="bad_json")
-            await raw_pub.send_multipart([b"garbage"])
-            await raw_pub.send_multipart(encode(update(1)))
+            await raw_pub.send_multipart([b"", b"garbage"])
+            await raw_pub.send_multipart([b"", *encode(update(1))])
             return before, await sub.recv()
         finally:
             sub.close()
@@ -530,3 +530,44 @@ def test_frame_larger_than_max_message_bytes_never_arrives(zmq_ctx: zmq.asyncio.
     got = run(scenario())
     assert [m.version == 0 for m in got] == ([True, False] if big_arrives else [False])  # version = seq
     assert got[-1].tensors["activations"].numel() == 16
+
+
+def test_a_subscriber_counts_an_update_over_its_header_limit_and_tells_its_reader(
+        zmq_ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture) -> None:
+    """Such an update was counted as a bad message only: a node whose broker's state outgrew 64 KiB stopped
+    hearing it without a word.  Now the first is logged and ``oversized`` tells the reader to fetch the
+    state another way (``ravq.node.membership``), and a topic prefix filters what arrives."""
+    metrics = Metrics("node")
+    small = DecodeLimits(max_header_bytes=2048)
+
+    async def scenario() -> tuple[int, Message]:
+        raw_pub = zmq_ctx.socket(zmq.PUB)
+        raw_pub.setsockopt(zmq.LINGER, 0)
+        raw_pub.bind(ANY_PORT)
+        sub = Subscriber.connect(zmq_ctx, bound_endpoint(raw_pub), metrics, small, OPTS, ["g.", "c1."])
+        try:
+            while True:  # join first, so that what follows is not lost to the slow-joiner window
+                await raw_pub.send_multipart([b"g.", *encode(update(0))])
+                try:
+                    await asyncio.wait_for(sub.recv(), 0.05)
+                    break
+                except TimeoutError:
+                    pass
+            await asyncio.sleep(0.1)
+            while await sub.sock.poll(0):
+                await sub.sock.recv_multipart()
+            big = Message(type=MsgType.UPDATE, sender="broker", meta={"seq": 1, "pad": "x" * 4096})
+            for _ in range(2):
+                await raw_pub.send_multipart([b"g.", *encode(big)])
+            await raw_pub.send_multipart([b"c10.", *encode(update(2))])  # another cluster's topic
+            await raw_pub.send_multipart([b"c1.", *encode(update(3))])
+            got = await sub.recv()
+            return sub.oversized, got
+        finally:
+            sub.close()
+            raw_pub.close()
+
+    oversized, got = run(scenario())
+    assert oversized == 2 and got.meta["seq"] == 3
+    assert sample(metrics, "ravq_bad_messages_total", socket="sub", reason="header_too_large") == 2
+    assert sum("over max_header_bytes" in r.message for r in caplog.records) == 1

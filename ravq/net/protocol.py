@@ -121,3 +121,19 @@ class ReachRequest:
         if not all(type(p) is str for p in ports):
             raise WireError("bad_field", "ports")
         return cls(ports=ports)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotRequest:
+    """A node asks for the broker's state (SNAPSHOT_REQ), in parts (``ravq.net.clone``)."""
+
+    mine: bool = False
+    """Only the topics the node follows (the global one and its cluster's): after a gap in their updates.
+    Else the whole state (every member: a node waiting for its peers at start)."""
+
+    def meta(self) -> dict[str, Any]:
+        return {"mine": self.mine}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> SnapshotRequest:
+        return cls(**_fields(meta, {"mine": (bool, False)})) if meta else cls()

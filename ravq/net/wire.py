@@ -43,8 +43,8 @@ class MsgType(enum.StrEnum):
     REGISTER = "register"    # node -> broker: I am up
     HEARTBEAT = "heartbeat"  # node -> broker: alive, with live statistics in meta
     SNAPSHOT_REQ = "snapshot_req"
-    SNAPSHOT = "snapshot"    # broker -> node: full state with its sequence number
-    UPDATE = "update"        # broker PUB: one state change with a sequence number
+    SNAPSHOT = "snapshot"    # broker -> node: its state in parts, with its topics' sequence numbers
+    UPDATE = "update"        # broker PUB: keyed changes (or a tick) with their topic's sequence number
     STATUS_REQ = "status_req"
     STATUS = "status"
     REPLY = "reply"          # generic acknowledgement

@@ -1,10 +1,13 @@
 """A node's side of the broker protocol (ZeroMQ clone pattern): its sockets to the broker.
 
-Subscribe first, then register and take a snapshot; from then on every published update is applied to
-the broker's state as this node holds it (``ravq.swarm.membership.MembershipState``, which this client
-is).  Heartbeats (``ravq.net.protocol.Heartbeat``) are sent without waiting and carry what the broker
-must know to rebuild its book after a restart (this process's incarnation, its cluster generation and
-phase), so a slow or restarting broker never stalls training.
+Subscribe first (to the global topic), then register: the reply is a snapshot in parts; then follow
+the node's own cluster's topic too, and apply every published update to the broker's state as this node
+holds it (``ravq.swarm.membership.MembershipState``, which this client is).  An update that shows a gap,
+comes from another broker process or was dropped for its size makes the node fetch a snapshot of its
+topics (one request at a time on the broker link).  Heartbeats (``ravq.net.protocol.Heartbeat``) are
+sent without waiting and carry what the broker must know to rebuild its book after a restart (this
+process's incarnation, its cluster generation and phase), so a slow or restarting broker never stalls
+training.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import zmq.asyncio
 
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
+from ravq.net.clone import GLOBAL
 from ravq.net.options import SocketOptions, endpoint
-from ravq.net.protocol import ReachRequest, Register
+from ravq.net.protocol import ReachRequest, Register, SnapshotRequest
 from ravq.net.pubsub import Subscriber
 from ravq.net.transport import Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
@@ -42,25 +46,51 @@ class Membership(MembershipState):
         super().__init__(name=name, metrics=metrics, clock=clock)
         self.topology = topology
         b = topology.broker
-        self.sub = Subscriber.connect(ctx, endpoint(b.host, b.pub_port), metrics, limits, opts)
+        self.sub = Subscriber.connect(ctx, endpoint(b.host, b.pub_port), metrics, limits, opts, [GLOBAL])
         self.link = Outlink.connect(ctx, endpoint(b.host, b.router_port), "broker", "broker", metrics, limits,
                                     opts, identity=name)
         self.reach_ports: list[str] | None = None
         """The ports this node asked the broker to dial back (``wait_reach``); None before it asked."""
         self.report = NodeReport()
         """What every heartbeat tells the broker besides its progress and statistics."""
+        self._asking = asyncio.Lock()
+        """One snapshot request at a time on the link (following, polling and joining all ask)."""
+        self._oversized = 0
 
-    async def _request(self, kind: MsgType, timeout_s: float) -> Message:
-        meta = Register(incarnation=self.report.incarnation).meta() if kind == MsgType.REGISTER else {}
-        await self.link.send(Message(type=kind, sender=self.name, meta=meta))
-        while True:
-            reply = await self.link.recv(timeout_s)
-            if reply.type == MsgType.SNAPSHOT:
-                return reply
+    async def _request(self, kind: MsgType, meta: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+        """Send a REGISTER or SNAPSHOT_REQ and return the snapshot's parts (a part of an earlier snapshot, one
+        whose request timed out, is passed over)."""
+        async with self._asking:
+            await self.link.send(Message(type=kind, sender=self.name, meta=meta))
+            parts: dict[int, dict[str, Any]] = {}
+            snap = None
+            while True:
+                reply = await self.link.recv(timeout_s)
+                if reply.type != MsgType.SNAPSHOT:
+                    continue
+                if reply.meta.get("snap") != snap:
+                    snap, parts = reply.meta.get("snap"), {}
+                parts[int(reply.meta["part"])] = reply.meta
+                if len(parts) == int(reply.meta["parts"]) and 0 in parts:
+                    return [parts[i] for i in range(len(parts))]
 
-    async def _snapshot(self) -> None:
-        """Ask for the broker's full state and apply it (TimeoutError after ``timeouts.request_s``)."""
-        self.apply_state((await self._request(MsgType.SNAPSHOT_REQ, self.topology.timeouts.request_s)).meta)
+    async def _snapshot(self, *, mine: bool = False) -> None:
+        """Ask for the broker's state (``mine``: only this node's topics) and apply it (TimeoutError after
+        ``timeouts.request_s``)."""
+        meta = SnapshotRequest(mine=mine).meta()
+        self.apply_snapshot(await self._request(MsgType.SNAPSHOT_REQ, meta, self.topology.timeouts.request_s))
+        self._follow_topics()
+
+    def _follow_topics(self) -> bool:
+        """Subscribe to this node's topics as the plan now places it (a standby that took a stage follows
+        its new cluster's), and leave the others; True when it follows a topic it holds no number of (its
+        state comes with a snapshot)."""
+        wanted = self.topics()
+        for topic in wanted - self.sub.topics:
+            self.sub.subscribe(topic)
+        for topic in self.sub.topics - wanted:
+            self.sub.unsubscribe(topic)
+        return not wanted <= self.seqs.keys()
 
     async def join(self) -> Plan:
         """Register with the broker, retrying until ``timeouts.connect_s``; return the plan."""
@@ -68,7 +98,8 @@ class Membership(MembershipState):
         deadline = time.monotonic() + t.connect_s
         while True:
             try:
-                reply = await self._request(MsgType.REGISTER, t.request_s)
+                register = Register(incarnation=self.report.incarnation)
+                parts = await self._request(MsgType.REGISTER, register.meta(), t.request_s)
                 break
             except TimeoutError:
                 if time.monotonic() > deadline:
@@ -76,7 +107,8 @@ class Membership(MembershipState):
                         f"no answer from the broker at {self.topology.broker.host}:"
                         f"{self.topology.broker.router_port} within {t.connect_s:.0f}s") from None
                 log.info("%s: broker not answering yet; retrying", self.name)
-        self.apply_state(reply.meta)
+        self.apply_snapshot(parts)
+        self._follow_topics()
         assert self.plan is not None
         return self.plan
 
@@ -122,21 +154,24 @@ class Membership(MembershipState):
         return self.plan
 
     async def follow(self) -> None:
-        """Apply published updates for as long as the node runs (each state update carries the full
-        state; silence updates carry only how long each member has been silent)."""
+        """Apply published updates for as long as the node runs; on a gap (or an update dropped for its size,
+        or another broker process) fetch a snapshot of this node's topics, until one arrives."""
+        behind = False
         while True:
             msg = await self.sub.recv()
-            if msg.type == MsgType.UPDATE and msg.meta.get("kind") == "silence":
-                self.apply_silence(msg.meta)
-                continue
-            if msg.type != MsgType.UPDATE or not isinstance(msg.meta.get("state"), dict):
-                continue
-            if not self.is_news(msg.meta):
+            if msg.type != MsgType.UPDATE:
                 continue
             try:
-                self.apply_state(msg.meta)
-            except (KeyError, ValueError):
+                behind |= not self.apply_update(msg.meta)
+            except (KeyError, TypeError, ValueError):
                 self.metrics.bad_messages.labels("broker", "bad_state").inc()
+                behind = True
+            if self.sub.oversized != self._oversized:
+                self._oversized, behind = self.sub.oversized, True
+            if behind or self._follow_topics():
+                with contextlib.suppress(TimeoutError):
+                    await self._snapshot(mine=True)
+                    behind = False
 
     async def _ask_reach(self, ports: list[str]) -> None:
         request = ReachRequest(ports=ports)

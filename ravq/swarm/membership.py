@@ -1,11 +1,15 @@
 """The broker's state as a node follows it (ZeroMQ clone pattern), without the sockets.
 
-Every published state update carries the broker's full state, so any update newer than the state held
-(or from a restarted broker: a new incarnation) is applied as it is (``apply_state``), and the broker
-re-publishes every heartbeat interval, so a missed update costs at most one interval.  Between those,
-the broker publishes each member's silence four times an interval (``apply_silence``: no state change),
-so that a live member never looks silent for much more than its heartbeat interval.  The node's socket
-client (``ravq.node.membership.Membership``) feeds it; churn, resume and averaging read it.
+The broker publishes keyed updates (``ravq.net.clone``): each carries its topic's sequence number and
+the keys that changed.  An update one past the number held is applied (``apply_update``); an older one
+is skipped; a later one, or one from another broker process (a restart: a new incarnation), is a gap,
+and the node fetches a snapshot (``apply_snapshot``) whose sequence numbers it goes on from.  A tick on
+the global topic says its number and that the broker is alive.  Whole-state snapshots replace the view;
+the snapshots a node fetches after a gap carry only its own topics and are merged into it (members of
+other clusters stay as the last whole snapshot showed them).  A member's silence is published once it
+passes ``SILENT_AFTER`` heartbeat intervals; one not published reads as the time since the broker's last
+message (with the broker away, everyone looks silent).  The node's socket client
+(``ravq.node.membership.Membership``) feeds it; churn, resume and averaging read it.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from typing import Any
 
 from ravq.config import Plan
 from ravq.metrics import Metrics
+from ravq.net.clone import GLOBAL, cluster_topic
 
 log = logging.getLogger(__name__)
+
+_DEFAULT_CLUSTER = {"state": "starting", "generation": 0, "trained": 0, "catchup": False, "reason": ""}
 
 
 class MembershipState:
@@ -27,7 +34,8 @@ class MembershipState:
         self.name, self.metrics = name, metrics
         self.clock = clock
         """What silences are read on (seconds; tests pass a virtual one)."""
-        self.seq = -1
+        self.seqs: dict[str, int] = {}
+        """Topic -> sequence number of the latest update applied (from the latest snapshot on)."""
         self.incarnation: str | None = None
         """The broker process whose state this is."""
         self.plan: Plan | None = None
@@ -40,80 +48,150 @@ class MembershipState:
         """What each member reported of its stage's checkpoints of this run (``ravq.swarm.resume``)."""
         self.members: dict[str, str] = {}
         self.phases: dict[str, str] = {}
-        self._silent: dict[str, Any] = {}
-        self._silent_at = clock()
+        self._silent: dict[str, tuple[float, float]] = {}
+        """Member -> (its published silence, when this node received it)."""
+        self._heard_at = clock()
+        self.synced_at: float | None = None
+        """When this node last knew its view current: a snapshot applied, or a tick with its number."""
         self.clusters: list[dict[str, Any]] = []
         """Per cluster: state (starting, training, paused, recovering, done), generation, trained, catchup."""
+        self._clusters: dict[int, dict[str, Any]] = {}
+        self._plan_parts: dict[str, Any] = {}
+        self._topics_plan: Plan | None = None
+        self._topics = {GLOBAL, cluster_topic(None)}
         self.changed = asyncio.Event()
         self.reach: dict[str, str] = {}
         """The broker's reachability verdicts: node -> ``reachable`` or ``behind_nat`` (issue #24)."""
 
-    def is_news(self, meta: dict[str, Any]) -> bool:
-        """Whether a published full state is newer than the one held (or from another broker process)."""
-        seq, incarnation = int(meta["seq"]), meta.get("incarnation")
-        if incarnation == self.incarnation and seq <= self.seq:
+    def topics(self) -> set[str]:
+        """What this node follows: the global topic and its cluster's members (a standby's: the standbys')."""
+        if self.plan is not self._topics_plan:
+            self._topics_plan = self.plan
+            cluster = None
+            if self.plan is not None:
+                cluster = next((c for c, cl in enumerate(self.plan.clusters) if self.name in cl.nodes), None)
+            self._topics = {GLOBAL, cluster_topic(cluster)}
+        return set(self._topics)
+
+    def _own_cluster_nodes(self) -> list[str]:
+        if self.plan is None:
+            return []
+        return next((cl.nodes for cl in self.plan.clusters if self.name in cl.nodes), [])
+
+    def apply_update(self, meta: dict[str, Any]) -> bool:
+        """A published update or tick; False when it shows a gap (or another broker): fetch a snapshot."""
+        if meta.get("incarnation") != self.incarnation:
+            if self.incarnation is not None:
+                log.info("%s: broker %s (was %s): following its state", self.name, meta.get("incarnation"),
+                         self.incarnation)
             return False
-        if incarnation != self.incarnation:
-            log.info("%s: broker %s (was %s): following its state", self.name, incarnation, self.incarnation)
+        self._heard_at = self.clock()
+        topic, seq = str(meta["topic"]), int(meta["seq"])
+        held = self.seqs.get(topic)
+        if held is None or seq <= held and meta.get("kind") != "tick":
+            return True  # not a topic this view follows (yet), or an update it already holds
+        if meta.get("kind") == "tick":  # an older one was queued while a snapshot came
+            if seq > held:
+                return False
+            if seq == held and topic == GLOBAL:
+                self.synced_at = self.clock()
+            return True
+        if seq != held + 1:
+            return False
+        self.seqs[topic] = seq
+        self._apply(meta["items"])
+        if not meta.get("more"):
+            self._settle()
         return True
 
-    def apply_state(self, meta: dict[str, Any]) -> None:
-        state = meta.get("state") or {}
-        self.plan = Plan.model_validate(state["plan"])
-        members = dict(state.get("members", {}))
-        for node, member_state in members.items():
-            before = self.members.get(node)
-            if node != self.name and member_state != before and (member_state == "lost" or before == "lost"):
-                if member_state == "lost":
-                    log.warning("%s: the broker reports %s lost (no heartbeat for its timeout)", self.name,
-                                node)
-                else:
-                    log.info("%s: %s is back (%s)", self.name, node, member_state)
-        self.members = members
-        run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else self.run_id
+    def apply_snapshot(self, parts: list[dict[str, Any]]) -> None:
+        """A snapshot's parts, in order: the whole state (replacing the view) or a node's own topics'
+        (``scope``; merged into it)."""
+        first = parts[0]
+        if first.get("scope") is None or first.get("incarnation") != self.incarnation:
+            self.members, self.phases, self.checkpoints, self.reach = {}, {}, {}, {}
+        else:  # the keys of the topics it carries are all in it: those it lacks are gone
+            mine = self._own_cluster_nodes()
+            for held in (self.members, self.phases, self.checkpoints, self.reach):
+                for node in mine:
+                    held.pop(node, None)
+        self._silent, self._clusters, self._plan_parts = {}, {}, {}
+        for part in parts:
+            self._apply(part["items"])
+        self.seqs = {str(t): int(n) for t, n in first["seqs"].items()}
+        self.incarnation = first.get("incarnation")
+        self._heard_at = self.synced_at = self.clock()
+        self._settle()
+
+    def _apply(self, items: list[Any]) -> None:
+        for key, value in items:
+            kind, _, name = str(key).partition("/")
+            if kind == "member":
+                self._member(name, value)
+            elif kind == "cluster":
+                _put(self._clusters, int(name), value)
+            elif kind == "plan":
+                _put(self._plan_parts, key, value)
+            elif kind == "reach":
+                _put(self.reach, name, None if value is None else str(value))
+            elif kind == "silent":
+                _put(self._silent, name, None if value is None else (float(value), self.clock()))
+            elif kind == "run":
+                self._run(value)
+
+    def _member(self, node: str, value: dict[str, Any] | None) -> None:
+        before = self.members.get(node)
+        if value is None:
+            for held in (self.members, self.phases, self.checkpoints):
+                held.pop(node, None)
+            return
+        state = str(value["state"])
+        if node != self.name and before is not None and state != before and "lost" in (state, before):
+            if state == "lost":
+                log.warning("%s: the broker reports %s lost (no heartbeat for its timeout)", self.name, node)
+            else:
+                log.info("%s: %s is back (%s)", self.name, node, state)
+        self.members[node], self.phases[node] = state, str(value["phase"])
+        if isinstance(value.get("checkpoints"), list):
+            self.checkpoints[node] = value["checkpoints"]
+        else:
+            self.checkpoints.pop(node, None)
+
+    def _run(self, value: dict[str, Any]) -> None:
+        run_id = value.get("run_id") if isinstance(value.get("run_id"), str) else self.run_id
         if self.run_id is not None and run_id != self.run_id:
             log.warning("%s: the broker now runs %s, not %s (it lost its state directory?): this "
                         "node goes on with its run's weights; a restarted node will refuse them", self.name,
                         run_id, self.run_id)
         self.run_id = run_id
-        self.run_explicit = bool(state.get("run_explicit"))
-        checkpoints = state.get("checkpoints")
-        self.checkpoints = dict(checkpoints) if isinstance(checkpoints, dict) else {}
-        silent = state.get("silent_s")
-        self._silent = dict(silent) if isinstance(silent, dict) else {}
-        self._silent_at = self.clock()
-        self.phases = dict(state.get("phases", {}))
-        reach = state.get("reach")
-        self.reach = {str(k): str(v) for k, v in reach.items()} if isinstance(reach, dict) else {}
-        clusters = state.get("clusters")
-        self.clusters = list(clusters) if isinstance(clusters, list) else []
-        self.seq = int(meta["seq"])
-        self.incarnation = meta.get("incarnation")
+        self.run_explicit = bool(value.get("run_explicit"))
+
+    def _settle(self) -> None:
+        """A change set is whole: the plan from its parts (once they are all here), and the clusters."""
+        head = self._plan_parts.get("plan")
+        if isinstance(head, dict):
+            parts = [self._plan_parts.get(f"plan/{c}") for c in range(int(head["clusters"]))]
+            if all(isinstance(p, dict) for p in parts):
+                self.plan = Plan.model_validate({k: v for k, v in head.items() if k != "clusters"}
+                                                | {"clusters": parts})
+        n = len(self.plan.clusters) if self.plan is not None else 1 + max(self._clusters, default=-1)
+        self.clusters = [self._clusters.get(c, dict(_DEFAULT_CLUSTER)) for c in range(n)]
         self.changed.set()
 
-    def apply_silence(self, meta: dict[str, Any]) -> None:
-        """A silence update of the broker whose state this node follows (one of another incarnation
-        waits for that broker's full state)."""
-        silent = meta.get("silent_s")
-        if meta.get("incarnation") != self.incarnation or not isinstance(silent, dict):
-            return
-        if not all(isinstance(v, (int, float)) for v in silent.values()):
-            self.metrics.bad_messages.labels("broker", "bad_state").inc()
-            return
-        self._silent = dict(silent)
-        self._silent_at = self.clock()
-
     def silent_s(self, node: str) -> float:
-        """Seconds since ``node``'s last heartbeat reached the broker, as of the broker's latest state
-        (counted on from then: with the broker away, everyone looks silent)."""
-        seen = self._silent.get(node)
-        return (float(seen) if isinstance(seen, (int, float)) else 0.0) + self.clock() - self._silent_at
+        """Seconds since ``node``'s last heartbeat reached the broker, as the broker published it (a member
+        silent past ``SILENT_AFTER`` intervals) or, for one it did not, the time since the broker's last
+        message: with the broker away, everyone looks silent."""
+        published = self._silent.get(node)
+        if published is not None:
+            return published[0] + self.clock() - published[1]
+        return self.clock() - self._heard_at
 
     def cluster_state(self, cluster: int) -> dict[str, Any]:
         """The broker's view of one cluster (``starting`` until the broker said otherwise)."""
         if 0 <= cluster < len(self.clusters) and isinstance(self.clusters[cluster], dict):
             return self.clusters[cluster]
-        return {"state": "starting", "generation": 0, "trained": 0, "catchup": False, "reason": ""}
+        return dict(_DEFAULT_CLUSTER)
 
     def current_plan(self) -> Plan:
         """The broker's plan now (this node joined: it has one)."""
@@ -124,3 +202,10 @@ class MembershipState:
         """Whether a cluster of the run was ever disrupted (its generation rose), as the broker last said."""
         return any(isinstance(c, dict) and c.get("generation", 0) > 0 for c in self.clusters)
 
+
+def _put(held: dict[Any, Any], key: Any, value: Any) -> None:
+    """``held[key] = value``, or its deletion for None."""
+    if value is None:
+        held.pop(key, None)
+    else:
+        held[key] = value

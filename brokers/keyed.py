@@ -1,0 +1,124 @@
+"""The broker's published state as keys (``ravq.net.clone``): what each key holds, which changed, the
+updates to publish and the snapshots to answer with.  No sockets.
+
+``KeyedState.put`` records a key's value on its topic; ``flush`` returns the updates of every key whose
+value changed since the last flush, per topic, each with the topic's next sequence number and cut under
+the header limit.  A key that moves to another topic (a standby takes a lost node's stage) is deleted on
+the old one and set on the new one.  An item that alone exceeds the limit is never sent: it is counted
+and logged once (``oversized``), and its key holds ``{"too_large": bytes}`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from brokers.book import Member
+from ravq.config import Plan
+from ravq.net.clone import GLOBAL, Item, chunks, item_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    topic: str
+    seq: int
+    items: list[Item]
+    more: bool
+    """More updates of the same change set follow (a node applies the plan once it has them all)."""
+
+
+class KeyedState:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        """Bytes of items per update or snapshot part (``ravq.net.clone.budget``)."""
+        self.values: dict[str, Any] = {}
+        self.topics: dict[str, str] = {}
+        """Key -> the topic it is published on."""
+        self.sizes: dict[str, int] = {}
+        """Key -> its item's encoded bytes (snapshots cut parts without encoding every item again)."""
+        self.seqs: dict[str, int] = {GLOBAL: 0}
+        """Topic -> sequence number of its latest update."""
+        self.touched: set[str] = set()
+        """Topics updated since ``echoes`` last returned them."""
+        self.oversized = 0
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._logged_oversized = False
+
+    def put(self, key: str, topic: str, value: Any) -> None:
+        """``key`` holds ``value`` (None: deleted) on ``topic``; the next ``flush`` sends it if it changed."""
+        before = self.topics.get(key)
+        if value is None:
+            if before is not None:
+                del self.values[key], self.topics[key], self.sizes[key]
+                self._pending.setdefault(before, {})[key] = None
+            return
+        if before == topic and self.values[key] == value:
+            return
+        size = item_bytes((key, value))
+        if size > self.limit:
+            self._oversize(key, size)
+            value = {"too_large": size}
+            size = item_bytes((key, value))
+        if before is not None and before != topic:
+            self._pending.setdefault(before, {})[key] = None
+        self.values[key], self.topics[key], self.sizes[key] = value, topic, size
+        self._pending.setdefault(topic, {})[key] = value
+
+    def pending_topics(self) -> list[str]:
+        """The topics with changes not flushed yet."""
+        return list(self._pending)
+
+    def flush(self) -> list[Update]:
+        updates = []
+        for topic, changes in self._pending.items():
+            parts = list(chunks(changes.items(), self.limit))
+            for i, part in enumerate(parts):
+                self.seqs[topic] = self.seqs.get(topic, 0) + 1
+                updates.append(Update(topic, self.seqs[topic], part, i < len(parts) - 1))
+            self.touched.add(topic)
+        self._pending.clear()
+        return updates
+
+    def echoes(self) -> list[str]:
+        """The topics updated since the last call: a node that missed the last update of one learns it from
+        their number's echo (``g.`` is echoed by every tick)."""
+        touched, self.touched = self.touched, set()
+        return sorted(t for t in touched if t != GLOBAL)
+
+    def snapshot(self, topics: set[str] | None) -> tuple[dict[str, int], list[list[Item]]]:
+        """The sequence numbers of ``topics`` (None: every topic's) and their keys' values, in parts."""
+        wanted = set(self.seqs) if topics is None else topics
+        parts: list[list[Item]] = [[]]
+        size = 0
+        for k, v in self.values.items():
+            if self.topics[k] not in wanted:
+                continue
+            if parts[-1] and size + self.sizes[k] > self.limit:
+                parts.append([])
+                size = 0
+            parts[-1].append((k, v))
+            size += self.sizes[k]
+        return {t: self.seqs.get(t, 0) for t in wanted}, parts
+
+    def _oversize(self, key: str, nbytes: int) -> None:
+        self.oversized += 1
+        if not self._logged_oversized:
+            log.error("state key %s takes %d bytes, over the %d an update may carry: published as "
+                      "too_large (logged once; ravq_bad_messages_total{socket=pub,reason=header_too_large} "
+                      "counts them)", key, nbytes, self.limit)
+            self._logged_oversized = True
+
+
+def plan_items(plan: Plan) -> list[Item]:
+    """The plan as keys: ``plan`` (epoch, exclusions, number of clusters) and ``plan/<c>`` per cluster."""
+    head = {"epoch": plan.epoch, "excluded": list(plan.excluded), "clusters": len(plan.clusters),
+            "predicted_samples_per_s": plan.predicted_samples_per_s}
+    return [("plan", head), *((f"plan/{c}", cl.model_dump()) for c, cl in enumerate(plan.clusters))]
+
+
+def member_value(m: Member) -> dict[str, Any]:
+    return {"state": m.state, "phase": m.said.phase, "incarnation": m.incarnation,
+            "checkpoints": m.checkpoints}

@@ -1,0 +1,47 @@
+"""Which members are silent past the threshold, found from a heap of deadlines: O(log N) a heartbeat, and
+no visit of the members that beat on time.  No sockets.
+
+Each heartbeat pushes the member's deadline (its time plus ``after_s``); ``due`` pops the deadlines that
+passed and returns the members still silent at theirs (a member that beat since has a later deadline in
+the heap: its older one is stale and skipped).  The broker publishes a silent member's key
+(``silent/<name>``, ``ravq.net.clone``) once, and deletes it when the member beats again.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+
+class Silences:
+    def __init__(self, after_s: float, names: Iterable[str], now: float) -> None:
+        self.after_s = after_s
+        self.last: dict[str, float] = {}
+        """Each member's latest heartbeat (or when this broker started, for one not heard from yet)."""
+        self.silent: set[str] = set()
+        """Members whose silence was published (they have not beaten since)."""
+        self._heap: list[tuple[float, str]] = []
+        for name in names:
+            self.beat(name, now)
+
+    def beat(self, name: str, now: float) -> bool:
+        """``name`` beat at ``now``; True when it was published silent (its key goes)."""
+        self.last[name] = now
+        heapq.heappush(self._heap, (now + self.after_s, name))
+        if name in self.silent:
+            self.silent.discard(name)
+            return True
+        return False
+
+    def due(self, now: float) -> list[str]:
+        """Members silent for ``after_s`` at ``now`` whose silence is not published yet (now it is)."""
+        found = []
+        while self._heap and self._heap[0][0] <= now:
+            deadline, name = heapq.heappop(self._heap)
+            if self.last[name] + self.after_s == deadline and name not in self.silent:
+                self.silent.add(name)
+                found.append(name)
+        return found
+
+    def next_deadline(self) -> float | None:
+        return self._heap[0][0] if self._heap else None

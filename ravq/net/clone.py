@@ -1,0 +1,63 @@
+"""The broker's state as keyed updates (ZeroMQ's Clone pattern), shared by the broker and its clients.
+
+The state is a map of keys to JSON values: ``run``, ``plan`` (its epoch, exclusions and number of
+clusters) and ``plan/<c>`` (cluster ``c``'s nodes and cuts), ``cluster/<c>`` (whether it trains),
+``member/<name>`` (state, phase, incarnation, checkpoints), ``reach/<name>`` (the dial-back verdict)
+and ``silent/<name>`` (a member silent past ``SILENT_AFTER`` heartbeat intervals: how long, as of the
+update; the key goes when it beats again).  A value of None deletes its key.
+
+Each key is published on a topic (the first frame of a PUB message, which ZeroMQ filters by prefix):
+``g.`` for what every node reads (run, plan, clusters, silences), ``c<i>.`` for the members of cluster
+``i`` and their verdicts, ``sb.`` for the standbys.  A node subscribes to ``g.`` and its own cluster's
+topic.  Every update carries its topic's sequence number, one more than the last on that topic; a node
+that sees another number (a gap) fetches a snapshot, which carries every topic's number.  Updates and
+snapshot parts are cut so that no header exceeds ``budget(max_header_bytes)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import orjson
+
+GLOBAL = "g."
+STANDBYS = "sb."
+SILENT_AFTER = 1.25
+"""Heartbeat intervals of silence after which the broker publishes a member's silence (a live member is
+at most one interval and its jitter silent; a stage stops holding back a round at 1.5)."""
+TICKS = 4
+"""Ticks per heartbeat interval on ``g.``: the topic's sequence number and the broker's liveness."""
+
+Item = tuple[str, Any]
+"""A key and its new value (None: deleted)."""
+
+
+def cluster_topic(c: int | None) -> str:
+    """The topic of cluster ``c``'s members (None: a standby)."""
+    return STANDBYS if c is None else f"c{c}."
+
+
+def budget(max_header_bytes: int) -> int:
+    """Bytes of items one message may carry: what is left of the limit after the header's other fields."""
+    return max(1024, max_header_bytes - 2048)
+
+
+def item_bytes(item: Item) -> int:
+    return len(orjson.dumps(item)) + 1
+
+
+def chunks(items: Iterable[Item], limit: int) -> Iterator[list[Item]]:
+    """``items`` cut into lists of at most ``limit`` encoded bytes each (an item larger than ``limit``
+    alone in its list: the sender counts and reports it)."""
+    part: list[Item] = []
+    size = 0
+    for item in items:
+        n = item_bytes(item)
+        if part and size + n > limit:
+            yield part
+            part, size = [], 0
+        part.append(item)
+        size += n
+    if part:
+        yield part

@@ -1,0 +1,153 @@
+"""The broker's state as keyed updates (issue #37, ``ravq.net.clone``): the broker's side (``brokers.keyed``,
+``Broker``'s handlers on an in-memory PUB and ROUTER) and a node's (``MembershipState``), no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+from brokers.keyed import KeyedState
+from brokers.topology import Broker
+from ravq.cli.main import plan_for
+from ravq.config import parse_topology
+from ravq.metrics import Metrics
+from ravq.net.clone import GLOBAL
+from ravq.net.options import SocketOptions
+from ravq.net.protocol import Heartbeat, Register, SnapshotRequest
+from ravq.net.wire import DecodeLimits, Message, MsgType, decode, encode
+from ravq.swarm.membership import MembershipState
+from tests.swarm import local_topology
+
+MAX_HEADER = 64 * 1024
+
+
+class _Sockets:
+    """The broker's PUB (every update, with its topic) and ROUTER (every reply), in memory."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, Message]] = []
+        self.replies: list[Message] = []
+
+    async def publish(self, msg: Message, topic: str = "") -> None:
+        self.published.append((topic, msg))
+
+    async def reply(self, identity: bytes, msg: Message, peer: str = "") -> None:
+        self.replies.append(msg)
+
+
+def _broker(clusters: int, stages: int = 2) -> tuple[Broker, list[str], list[float]]:
+    topology = parse_topology(local_topology("tests.sgd_task", [stages] * clusters, {"steps": 10}))
+    now = [1.0]
+    broker = Broker(topology, plan_for(topology, None), Metrics("broker"), SocketOptions(), clock=lambda: now[0])
+    return broker, [n.name for n in topology.nodes], now
+
+
+def _send(broker: Broker, sockets: _Sockets, node: str, kind: MsgType, meta: dict[str, Any]) -> None:
+    _sends(broker, sockets, [(node, kind, meta)])
+
+
+def _sends(broker: Broker, sockets: _Sockets, messages: list[tuple[str, MsgType, dict[str, Any]]]) -> None:
+    async def handle() -> None:
+        for node, kind, meta in messages:
+            await broker._handle(sockets, sockets, node.encode(), Message(type=kind, sender=node, meta=meta))  # type: ignore[arg-type]
+
+    asyncio.run(handle())
+
+
+def _join(broker: Broker, sockets: _Sockets, names: list[str]) -> None:
+    _sends(broker, sockets, [m for n in names for m in ((n, MsgType.REGISTER, Register(incarnation=f"i-{n}").meta()),
+                                                        (n, MsgType.HEARTBEAT, _beat(n)))])
+
+
+def _beat(node: str, **fields: Any) -> dict[str, Any]:
+    points = [{"version": 40 + i, "trained": 40 + i, "window": 2} for i in range(3)]
+    return Heartbeat(**{"incarnation": f"i-{node}", "phase": "training", "checkpoints": points, **fields}).meta()
+
+
+def test_a_key_is_published_once_per_change_on_its_topic_with_the_topics_next_number() -> None:
+    keyed = KeyedState(limit=1000)
+    keyed.put("member/a", "c0.", {"state": "up"})
+    keyed.put("cluster/0", GLOBAL, {"state": "training"})
+    first = keyed.flush()
+    assert [(u.topic, u.seq, u.items) for u in first] == [
+        ("c0.", 1, [("member/a", {"state": "up"})]), (GLOBAL, 1, [("cluster/0", {"state": "training"})])]
+    keyed.put("member/a", "c0.", {"state": "up"})  # unchanged: nothing to send
+    assert keyed.flush() == []
+    keyed.put("member/a", "sb.", {"state": "up"})  # moved (a standby's key, say): deleted where it was
+    assert [(u.topic, u.seq, u.items) for u in keyed.flush()] == [
+        ("c0.", 2, [("member/a", None)]), ("sb.", 1, [("member/a", {"state": "up"})])]
+    keyed.put("member/huge", "c0.", {"note": "x" * 2000})  # over the limit alone: never sent as it is
+    (update,) = keyed.flush()
+    assert update.items == [("member/huge", {"too_large": 2028})] and keyed.oversized == 1
+    for i in range(100):  # one change set of many keys: updates under the limit, the last without "more"
+        keyed.put(f"member/n{i}", "c0.", {"state": "up", "phase": "training"})
+    updates = keyed.flush()
+    assert len(updates) > 3 and [u.more for u in updates] == [True] * (len(updates) - 1) + [False]
+    assert all(sum(len(orjson.dumps(i)) + 1 for i in u.items) <= 1000 for u in updates)
+    assert [u.seq for u in updates] == list(range(4, 4 + len(updates)))
+
+
+def test_a_heartbeat_that_changes_nothing_publishes_nothing_and_visits_no_other_member() -> None:
+    """Every heartbeat ran ``Book.check`` over every member and changes re-published the whole state."""
+    broker, names, now = _broker(clusters=200)
+    sockets = _Sockets()
+    _join(broker, sockets, names)
+    asyncio.run(broker._flush(sockets))  # type: ignore[arg-type]
+    sockets.published.clear()
+    visited: list[str] = []
+    real = broker.book.check
+    broker.book.check = lambda t: visited.append("check") or real(t)  # type: ignore[method-assign]
+    now[0] = 2.0
+    _sends(broker, sockets, [(n, MsgType.HEARTBEAT, _beat(n)) for n in names])
+    assert sockets.published == [] and visited == []
+    _send(broker, sockets, "c7s1", MsgType.HEARTBEAT, _beat("c7s1", done=True))  # a change: its topic only
+    ((topic, msg),) = sockets.published
+    assert topic == "c7." and [k for k, _ in msg.meta["items"]] == ["member/c7s1"]
+
+
+def test_a_node_follows_updates_fetches_a_snapshot_on_a_gap_and_no_frame_exceeds_the_header_limit() -> None:
+    """500 members with three checkpoint points each: the whole state was one 130 KB update, over the 64 KiB
+    a node decodes (dropped as header_too_large past about 245 members)."""
+    broker, names, now = _broker(clusters=250)
+    sockets = _Sockets()
+    _join(broker, sockets, names)
+    asyncio.run(broker._flush(sockets))  # type: ignore[arg-type]
+    sockets.replies.clear()
+    _send(broker, sockets, "c3s0", MsgType.SNAPSHOT_REQ, SnapshotRequest().meta())  # the whole state
+    limits = DecodeLimits(max_header_bytes=MAX_HEADER, max_frames=4)
+    parts = [decode(encode(r), limits).meta for r in sockets.replies]  # each a node decodes
+    assert len(parts) > 2
+    node = MembershipState(name="c3s0", metrics=Metrics("node"), clock=lambda: now[0])
+    node.apply_snapshot(parts)
+    assert len(node.members) == 500 and set(node.members.values()) == {"up"}
+    assert node.plan == broker.plan and node.checkpoints["c200s1"][0]["version"] == 40
+    assert node.topics() == {GLOBAL, "c3."} and node.seqs.keys() == {GLOBAL, "c3."}
+
+    sockets.published.clear()
+    _send(broker, sockets, "c3s1", MsgType.HEARTBEAT, _beat("c3s1", phase="paused"))
+    _send(broker, sockets, "c3s1", MsgType.HEARTBEAT, _beat("c3s1", phase="training"))
+    first, second = (m for t, m in sockets.published if t == "c3.")
+    assert node.apply_update(second.meta) is False  # a gap: the first one never arrived
+    assert node.apply_update(first.meta) and node.phases["c3s1"] == "paused"
+    assert node.apply_update(second.meta) and node.phases["c3s1"] == "training"
+    assert node.apply_update(first.meta) and node.phases["c3s1"] == "training"  # old news
+    tick = {"kind": "tick", "incarnation": broker.incarnation, "topic": GLOBAL, "seq": node.seqs[GLOBAL]}
+    assert node.apply_update(tick) and not node.apply_update({**tick, "seq": tick["seq"] + 1})
+    assert node.apply_update({**tick, "seq": tick["seq"] - 1})  # queued while a snapshot came: no gap
+    assert not node.apply_update({**tick, "incarnation": "another broker"})
+
+
+def test_a_member_silent_past_the_threshold_is_published_once_and_cleared_when_it_beats() -> None:
+    broker, names, now = _broker(clusters=2)
+    sockets = _Sockets()
+    for n in names:
+        _send(broker, sockets, n, MsgType.REGISTER, Register(incarnation=f"i-{n}").meta())
+    interval = broker.topology.timeouts.heartbeat_interval_s
+    now[0] = 1.0 + 1.2 * interval
+    _send(broker, sockets, "c0s0", MsgType.HEARTBEAT, _beat("c0s0"))
+    assert broker.silences.due(1.0 + 1.3 * interval) == [n for n in names if n != "c0s0"]
+    assert broker.silences.due(1.0 + 9 * interval) == ["c0s0"]  # once each, however long
+    assert broker.silences.due(1.0 + 20 * interval) == []
+    assert broker.silences.beat("c1s1", 1.0 + 20 * interval) and not broker.silences.beat("c1s1", 2.0)
