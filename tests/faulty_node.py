@@ -8,7 +8,9 @@ theirs; nothing in ``ravq`` knows of it:
 - ``kill_in_round:N``: the node dies (SIGKILL, as a crash would) right after sending a ring piece of a
   round numbered N or later within its plan epoch (``ravq.node.ring_port.RingLinks.send``);
 - ``kill_in_catchup``: the node dies when a peer asks it for a valid catch-up, before it answers
-  (``ravq.average.averager.Averager``'s catch-up answer).
+  (``ravq.average.averager.Averager``'s catch-up answer);
+- ``kill_after_checkpoint:N``: the node dies right after its stage saved a checkpoint of version N or
+  later (``ravq.node.checkpoints.StageCheckpoints.save``): a crash with a checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from ravq.average.rounds import ROUNDS_PER_EPOCH
 from ravq.cli.main import main
 from ravq.codec.compress import Packed
 from ravq.net.wire import Message
+from ravq.node.checkpoints import StageCheckpoints
 from ravq.node.ring_port import RingLinks
+from ravq.stage.pipeline import StageWorker
 
 
 def _die() -> None:
@@ -55,6 +59,17 @@ def kill_in_catchup() -> None:
     Averager._answer_catchup = die_when_asked  # type: ignore[method-assign]
 
 
+def kill_after_checkpoint(version: int) -> None:
+    save = StageCheckpoints.save
+
+    def save_then_die(self: StageCheckpoints, worker: StageWorker) -> None:
+        save(self, worker)
+        if worker.version >= version:
+            _die()
+
+    StageCheckpoints.save = save_then_die  # type: ignore[method-assign]
+
+
 def install(fault: str) -> None:
     """Install ``fault`` (see the module's doc) in this process."""
     kind, _, arg = fault.partition(":")
@@ -62,6 +77,8 @@ def install(fault: str) -> None:
         kill_in_round(int(arg))
     elif kind == "kill_in_catchup":
         kill_in_catchup()
+    elif kind == "kill_after_checkpoint":
+        kill_after_checkpoint(int(arg))
     else:
         raise ValueError(f"fault: unknown {fault!r}")
 
