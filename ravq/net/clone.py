@@ -23,9 +23,11 @@ import orjson
 
 GLOBAL = "g."
 STANDBYS = "sb."
-SILENT_AFTER = 1.25
-"""Heartbeat intervals of silence after which the broker publishes a member's silence (a live member is
-at most one interval and its jitter silent; a stage stops holding back a round at 1.5)."""
+SILENT_AFTER = 1.4
+"""Heartbeat intervals of silence after which the broker publishes a member's silence: a stage stops
+holding back a round at 1.5 (``Averager.hold_s``), and the broker finds it within a sixteenth of an
+interval; as high as that allows, so a live member whose beat comes late by its jitter is not published
+silent and back (each is an update to every node)."""
 TICKS = 4
 """Ticks per heartbeat interval on ``g.``: the topic's sequence number and the broker's liveness."""
 
