@@ -112,11 +112,13 @@ class KeyedState:
             self._logged_oversized = True
 
 
-def plan_items(plan: Plan) -> list[Item]:
-    """The plan as keys: ``plan`` (epoch, exclusions, number of clusters) and ``plan/<c>`` per cluster."""
+def plan_items(plan: Plan) -> list[tuple[str, str, Any]]:
+    """The plan as (key, topic, value): ``plan`` (epoch, exclusions, number of clusters) and ``plan/<c>``
+    per cluster."""
     head = {"epoch": plan.epoch, "excluded": list(plan.excluded), "clusters": len(plan.clusters),
             "predicted_samples_per_s": plan.predicted_samples_per_s}
-    return [("plan", head), *((f"plan/{c}", cl.model_dump()) for c, cl in enumerate(plan.clusters))]
+    clusters = ((f"plan/{c}", GLOBAL, cl.model_dump()) for c, cl in enumerate(plan.clusters))
+    return [("plan", GLOBAL, head), *clusters]
 
 
 def member_value(m: Member) -> dict[str, Any]:

@@ -89,6 +89,7 @@ class Broker:
         interval_s = topology.timeouts.heartbeat_interval_s
         self.silences = Silences(SILENT_AFTER * interval_s, self.members, clock())
         self._published_plan: Plan | None = None
+        self._unsaved = False
         self._snapshots = 0
         self._publishing = asyncio.Lock()
         self.keyed.put("run", GLOBAL, {"run_id": self.run_id, "run_explicit": self.the_run.explicit})
@@ -111,13 +112,15 @@ class Broker:
         every member's, whose topic may have moved) into the published state; ``_flush`` sends what
         changed."""
         self._sync_plan()
-        if self.book.plan is not self._published_plan:
-            self._published_plan = self.book.plan
-            for key, value in plan_items(self.book.plan):
-                self.keyed.put(key, GLOBAL, value)
-            for c in range(len(self.book.plan.clusters), len(self.book.clusters)):
-                self.keyed.put(f"plan/{c}", GLOBAL, None)
-            names = list(self.members)
+        before, plan = self._published_plan, self.book.plan
+        if plan is not before:
+            self._published_plan = plan
+            if before is not None and plan.clusters is before.clusters:  # the exclusions or epoch only
+                self.keyed.put(*plan_items(plan)[0])
+            else:  # a stage changed hands: every cluster's key, and every member's topic, may have moved
+                for key, topic, value in plan_items(plan):
+                    self.keyed.put(key, topic, value)
+                names = list(self.members)
         names = list(names)
         for name in names:
             topic, m = cluster_topic(self.book.cluster_of(name)), self.members.get(name)
@@ -142,13 +145,21 @@ class Broker:
             self.metrics.bad_messages.labels("pub", "header_too_large").inc(self.keyed.oversized)
             self.keyed.oversized = 0
 
-    def _sync_plan(self) -> None:
+    def _sync_plan(self, *, save: bool = False) -> None:
         """The rings leave out the clusters that do not train (``Book.exclude_idle``); a plan the book
-        changed (that, or a standby took a lost node's stage) is saved with the run: its membership and
-        epoch survive a restart of this broker."""
+        changed is saved with the run, so its membership and epoch survive a restart of this broker: at
+        once when a standby took a lost node's stage, else (the exclusions only: a restart starts them
+        again, and its epoch from at least the time in milliseconds) with ``save``, once an interval, not
+        a write and fsync of the whole plan per event."""
         self.book.exclude_idle()
         if self.book.plan is not self.the_run.plan:
+            moved = self.book.plan.clusters is not self.the_run.plan.clusters
             self.the_run = dataclasses.replace(self.the_run, plan=self.book.plan)
+            self._unsaved = not (moved or save)
+            if not self._unsaved:
+                save_run(self.state_dir, self.the_run)
+        elif save and self._unsaved:
+            self._unsaved = False
             save_run(self.state_dir, self.the_run)
 
     def _count_members(self) -> None:
@@ -269,6 +280,7 @@ class Broker:
         member), publish what changed, set the gauges, and echo the topics updated in the last interval."""
         while True:
             await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s)
+            self._sync_plan(save=True)
             if self.book.check(self.clock()):
                 self._observe_recoveries()
                 self._refresh(list(self.members), range(len(self.book.clusters)))

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from brokers.keyed import KeyedState
+from brokers.run import RUN_FILE
 from brokers.topology import Broker
 from ravq.cli.main import plan_for
 from ravq.config import parse_topology
@@ -151,3 +154,26 @@ def test_a_member_silent_past_the_threshold_is_published_once_and_cleared_when_i
     assert broker.silences.due(1.0 + 9 * interval) == ["c0s0"]  # once each, however long
     assert broker.silences.due(1.0 + 20 * interval) == []
     assert broker.silences.beat("c1s1", 1.0 + 20 * interval) and not broker.silences.beat("c1s1", 2.0)
+
+
+def test_an_exclusion_republishes_the_plans_head_only_and_is_saved_on_the_timer(tmp_path: Path) -> None:
+    """Each exclusion change re-put every cluster's and member's key and wrote and fsynced the whole plan
+    to run.json: O(N) work per event at 10,000 members."""
+    data = local_topology("tests.sgd_task", [2] * 20, {"steps": 10})
+    data["broker"]["state_dir"] = str(tmp_path)
+    topology = parse_topology(data)
+    broker = Broker(topology, plan_for(topology, None), Metrics("broker"), SocketOptions(), clock=lambda: 1.0)
+    names = [n.name for n in topology.nodes]
+    sockets = _Sockets()
+    _sends(broker, sockets, [m for n in names for m in (
+        (n, MsgType.REGISTER, Register(incarnation=f"i-{n}").meta()), (n, MsgType.HEARTBEAT, _beat(n)))])
+    asyncio.run(broker._flush(sockets))  # type: ignore[arg-type]
+    saved = json.loads((tmp_path / RUN_FILE).read_text())["plan"]
+    sockets.published.clear()
+    _send(broker, sockets, "c4s1", MsgType.HEARTBEAT, _beat("c4s1", left=True))  # cluster 4 pauses
+    asyncio.run(broker._flush(sockets))  # type: ignore[arg-type]
+    keys = [k for _, m in sockets.published for k, _ in m.meta["items"]]
+    assert sorted(keys) == ["cluster/4", "member/c4s1", "plan"] and broker.plan.excluded == [4]
+    assert json.loads((tmp_path / RUN_FILE).read_text())["plan"] == saved
+    broker._sync_plan(save=True)  # the heartbeat-interval timer
+    assert json.loads((tmp_path / RUN_FILE).read_text())["plan"]["excluded"] == [4]
