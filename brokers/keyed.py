@@ -39,6 +39,8 @@ class KeyedState:
         """Key -> the topic it is published on."""
         self.sizes: dict[str, int] = {}
         """Key -> its item's encoded bytes (snapshots cut parts without encoding every item again)."""
+        self.keys: dict[str, dict[str, None]] = {}
+        """Topic -> its keys (a snapshot of a node's topics visits those only)."""
         self.seqs: dict[str, int] = {GLOBAL: 0}
         """Topic -> sequence number of its latest update."""
         self.touched: set[str] = set()
@@ -52,7 +54,7 @@ class KeyedState:
         before = self.topics.get(key)
         if value is None:
             if before is not None:
-                del self.values[key], self.topics[key], self.sizes[key]
+                del self.values[key], self.topics[key], self.sizes[key], self.keys[before][key]
                 self._pending.setdefault(before, {})[key] = None
             return
         if before == topic and self.values[key] == value:
@@ -64,7 +66,9 @@ class KeyedState:
             size = item_bytes((key, value))
         if before is not None and before != topic:
             self._pending.setdefault(before, {})[key] = None
+            del self.keys[before][key]
         self.values[key], self.topics[key], self.sizes[key] = value, topic, size
+        self.keys.setdefault(topic, {})[key] = None
         self._pending.setdefault(topic, {})[key] = value
 
     def pending_topics(self) -> list[str]:
@@ -90,17 +94,16 @@ class KeyedState:
 
     def snapshot(self, topics: set[str] | None) -> tuple[dict[str, int], list[list[Item]]]:
         """The sequence numbers of ``topics`` (None: every topic's) and their keys' values, in parts."""
-        wanted = set(self.seqs) if topics is None else topics
+        wanted = set(self.seqs) | set(self.keys) if topics is None else topics
         parts: list[list[Item]] = [[]]
         size = 0
-        for k, v in self.values.items():
-            if self.topics[k] not in wanted:
-                continue
-            if parts[-1] and size + self.sizes[k] > self.limit:
-                parts.append([])
-                size = 0
-            parts[-1].append((k, v))
-            size += self.sizes[k]
+        for topic in sorted(wanted & self.keys.keys()):
+            for k in self.keys[topic]:
+                if parts[-1] and size + self.sizes[k] > self.limit:
+                    parts.append([])
+                    size = 0
+                parts[-1].append((k, self.values[k]))
+                size += self.sizes[k]
         return {t: self.seqs.get(t, 0) for t in wanted}, parts
 
     def _oversize(self, key: str, nbytes: int) -> None:
