@@ -241,8 +241,8 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": tree}
     run_cli = "import sys; from ravq.cli.main import main; sys.exit(main())"
     with (tmp / "broker.log").open("w") as log:
-        broker = subprocess.Popen([sys.executable, "-c", run_cli, "broker", "--topology", str(path), "--new-run"],
-                                  cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        argv = [sys.executable, "-c", run_cli, "broker", "--topology", str(path), "--new-run"]
+        broker = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
     time.sleep(3.0)
     t0 = time.time()
     join_by, window_at = t0 + args.join_s, t0 + args.join_s + args.settle_s
