@@ -115,13 +115,16 @@ class KeyedState:
             self._logged_oversized = True
 
 
-def plan_items(plan: Plan) -> list[tuple[str, str, Any]]:
-    """The plan as (key, topic, value): ``plan`` (epoch, exclusions, number of clusters) and ``plan/<c>``
-    per cluster."""
+def plan_head(plan: Plan) -> tuple[str, str, Any]:
+    """The plan's head as (key, topic, value): ``plan``, its epoch, exclusions and number of clusters."""
     head = {"epoch": plan.epoch, "excluded": list(plan.excluded), "clusters": len(plan.clusters),
             "predicted_samples_per_s": plan.predicted_samples_per_s}
-    clusters = ((f"plan/{c}", GLOBAL, cl.model_dump()) for c, cl in enumerate(plan.clusters))
-    return [("plan", GLOBAL, head), *clusters]
+    return "plan", GLOBAL, head
+
+
+def plan_items(plan: Plan) -> list[tuple[str, str, Any]]:
+    """The plan as (key, topic, value): its head and ``plan/<c>`` per cluster (its nodes and cuts)."""
+    return [plan_head(plan), *((f"plan/{c}", GLOBAL, cl.model_dump()) for c, cl in enumerate(plan.clusters))]
 
 
 def member_value(m: Member) -> dict[str, Any]:

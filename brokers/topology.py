@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from brokers.book import Book, Member
 from brokers.gauges import Gauges
-from brokers.keyed import KeyedState, member_value, plan_items
+from brokers.keyed import KeyedState, member_value, plan_head, plan_items
 from brokers.reach import Reachability
 from brokers.run import open_run, save_run, state_dir_for
 from brokers.silence import Silences
@@ -116,7 +116,7 @@ class Broker:
         if plan is not before:
             self._published_plan = plan
             if before is not None and plan.clusters is before.clusters:  # the exclusions or epoch only
-                self.keyed.put(*plan_items(plan)[0])
+                self.keyed.put(*plan_head(plan))
             else:  # a stage changed hands: every cluster's key, and every member's topic, may have moved
                 for key, topic, value in plan_items(plan):
                     self.keyed.put(key, topic, value)
