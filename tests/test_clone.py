@@ -94,7 +94,7 @@ def test_a_key_is_published_once_per_change_on_its_topic_with_the_topics_next_nu
 
 def test_a_heartbeat_that_changes_nothing_publishes_nothing_and_visits_no_other_member() -> None:
     """Every heartbeat ran ``Book.check`` over every member and changes re-published the whole state."""
-    broker, names, now = _broker(clusters=200)
+    broker, names, now = _broker(clusters=60)
     sockets = _Sockets()
     _join(broker, sockets, names)
     asyncio.run(broker._flush(sockets))  # type: ignore[arg-type]
