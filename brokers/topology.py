@@ -364,7 +364,6 @@ class Broker:
             ctx.term()
             log.info("broker stopped")
 
-
     def _relay(self, ctx: zmq.asyncio.Context) -> Relay | None:
         """The relay this PC runs by default for nodes behind NAT (``broker.relay_port``)."""
         b = self.topology.broker

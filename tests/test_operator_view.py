@@ -10,6 +10,7 @@ import socket
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 import zmq
 import zmq.asyncio
@@ -80,6 +81,34 @@ def _topology(ports: list[int]) -> dict[str, object]:
     return {"task": "tests.churn_task", "broker": {"pub_port": ports[0], "router_port": ports[1]},
             "nodes": [{"name": n, "pipeline_port": ports[2 + 2 * i], "ring_port": ports[3 + 2 * i],
                        "cluster": i // 2} for i, n in enumerate(["a0", "a1", "b0", "b1"])]}
+
+
+def test_status_reads_a_reply_over_a_nodes_header_limit() -> None:
+    """A swarm of 600 members answers STATUS with a header of some 300 KiB, over a node's 64 KiB: ``ravq
+    status`` still reads it (with the node's limit the reply was dropped and status timed out)."""
+    ports = free_ports(10)
+    topology = parse_topology(_topology(ports), resolve_task=False)
+    members = {f"pc{i}": {"state": "up", "phase": "training", "generation": 3, "age_s": 0.5,
+                          "stats": {"waiting": {"input": 0.25, "grad": 0.125}, "x" * 300: 1}} for i in range(600)}
+
+    async def scenario() -> dict[str, object]:
+        ctx = zmq.asyncio.Context()
+        server = Inbox.bind(ctx, f"tcp://127.0.0.1:{topology.broker.router_port}", "broker", Metrics(),
+                            DecodeLimits(), SocketOptions(linger_ms=0), one_shot_clients=True)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                asking = tg.create_task(fetch_status(topology, timeout_s=10.0))
+                identity, _ = await server.recv()
+                await server.reply(identity, Message(type=MsgType.STATUS, sender="broker",
+                                                     meta={"members": members}), "x")
+                return await asking
+        finally:
+            server.close()
+            ctx.term()
+
+    status = asyncio.run(scenario())
+    assert len(orjson.dumps(status)) > DecodeLimits().max_header_bytes
+    assert status["members"] == members
 
 
 def _garbage(port: int) -> None:

@@ -42,6 +42,12 @@ def status_identity(topology: Topology, key_dir: str | None, name: str | None) -
                       "with a key pair listed in the topology")
 
 
+STATUS_MAX_HEADER_BYTES = 64 << 20
+"""The STATUS reply names every member and its stats in one header (about 0.5 KiB each): ``ravq status``
+asked for it, so it reads up to this, far above a node's 64 KiB, which a swarm of a few hundred members
+passes."""
+
+
 async def fetch_status(topology: Topology, timeout_s: float, key_dir: str | None = None,
                        name: str | None = None) -> dict[str, Any]:
     """One STATUS round trip; raises TimeoutError when the broker does not answer.
@@ -61,7 +67,7 @@ async def fetch_status(topology: Topology, timeout_s: float, key_dir: str | None
             Message(type=MsgType.STATUS_REQ, sender=name),
             timeout_s,
             metrics,
-            DecodeLimits(),
+            DecodeLimits(max_header_bytes=STATUS_MAX_HEADER_BYTES),
             opts,
         )
         return reply.meta
