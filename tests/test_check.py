@@ -130,6 +130,19 @@ def test_check_tells_what_eval_mode_changes() -> None:
     info = findings(report, "info")
     assert "dropout is off in 1 module(s) (drop)" in info and "BatchNorm uses its running statistics" in info
     assert "norm.running_mean" in info
+    # the eval graphs' held-out loss against the unsplit model's in eval mode is reported, not only checked
+    assert report.eval_difference is not None and report.eval_difference < 1e-5
+    assert "split vs unsplit eval graphs: held-out loss difference" in report.format()
+
+
+def test_memory_line_names_the_unit_its_parts_add_up_in() -> None:
+    """Each stage's parts are printed in MiB beside a total in GiB: the line says so, and they add up."""
+    report = check("tests.check_zoo:tiny", runtime_bytes=300 << 20)
+    for stage in report.memory:
+        line = stage.format()
+        total_gib, parts = line.split(" GiB", 1)[0].rsplit(" ", 1)[1], line.split("= in MiB: ", 1)[1]
+        mib = sum(float(part.rsplit(" ", 1)[1]) for part in parts.split(" + "))
+        assert mib / 1024 == pytest.approx(float(total_gib), abs=2e-3), line
 
 
 def test_stage_that_does_not_fit_its_pc_fails_naming_the_pc() -> None:

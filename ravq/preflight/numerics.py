@@ -181,6 +181,7 @@ def _compare_eval(
     with torch.no_grad():
         want = float(task.loss_fn(reference(*inputs), targets))
         got = float(_split_loss(eval_specs, task.loss_fn, inputs, targets))
+    report.eval_difference = abs(got - want)
     if abs(got - want) > TOLERANCE * (1 + abs(want)):
         report.add(
             "error",

@@ -70,10 +70,10 @@ class StageMemory:
             else ""
         )
         return (
-            f"  stage {self.stage} (from {self.first}){where}: {self.total / GIB:.3f} GiB{avail} = weights "
-            f"{self.weights / MIB:.1f} + grads {self.grads / MIB:.1f} + optimizer {self.optimizer / MIB:.1f}"
-            f" + stash {self.stash / MIB:.1f} + activations {self.activations / MIB:.1f} + runtime "
-            f"{self.runtime / MIB:.0f} MiB"
+            f"  stage {self.stage} (from {self.first}){where}: {self.total / GIB:.3f} GiB{avail} = in MiB: "
+            f"weights {self.weights / MIB:.1f} + grads {self.grads / MIB:.1f} + optimizer "
+            f"{self.optimizer / MIB:.1f} + stash {self.stash / MIB:.1f} + activations "
+            f"{self.activations / MIB:.1f} + runtime {self.runtime / MIB:.0f}"
         )
 
 
@@ -88,6 +88,9 @@ class Report:
     largest_difference: float | None = None
     """Largest absolute difference of the loss and any gradient, split stages against the unsplit model;
     None: not compared (the model is too large for this PC, or it could not be split)."""
+    eval_difference: float | None = None
+    """Absolute difference of one held-out micro-batch's loss, the split eval graphs against the unsplit
+    model in eval mode; None: not compared (no eval_batches, or no real weights)."""
     seconds: float = 0.0
 
     def add(self, level: Level, topic: str, message: str, fix: str = "") -> None:
@@ -118,6 +121,11 @@ class Report:
             lines.append(
                 f"split vs unsplit model: largest difference {self.largest_difference:.3g} "
                 "(loss and every gradient, one micro-batch)"
+            )
+        if self.eval_difference is not None:
+            lines.append(
+                f"split vs unsplit eval graphs: held-out loss difference {self.eval_difference:.3g} "
+                "(eval mode, one held-out micro-batch)"
             )
         verdict = (
             f"FAILED: {len(self.errors)} error(s); training would fail as planned"
