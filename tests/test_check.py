@@ -161,6 +161,25 @@ def test_model_too_large_to_compare_is_checked_on_meta_and_still_names_eval_fail
         findings(broken, "error")
 
 
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_cli_check_takes_task_options_as_demo_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/tasks.md's text task on the user's own folder, checked without writing a topology."""
+    from ravq.cli.main import main
+
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    size = ["--task-option", "context=8", "--task-option", "layers=2", "--task-option", "hidden=16",
+            "--task-option", "heads=2"]
+    args = ["check", "--task", "ravq.tasks.text", "--stages", "2", "--micro-batch", "2", *size]
+    assert main([*args, "--task-option", f"data={tmp_path}"]) == 0
+    assert "OK: the task should train as planned" in capsys.readouterr().out
+    assert main([*args, "--task-option", f"data={tmp_path / 'missing'}"]) == 1
+    out = capsys.readouterr().out
+    assert "task_options: data: " in out and "missing does not exist" in out
+    assert "fix: correct the option it names (--task-option" in out and "importable" not in out
+
+
 def test_cli_exit_status_and_output(capsys: pytest.CaptureFixture[str]) -> None:
     from ravq.cli.main import main
 

@@ -37,6 +37,10 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-inflight", type=int, default=None, help="default: the topology's, else one per stage"
     )
+    p.add_argument(
+        "--task-option", action="append", default=[], metavar="KEY=VALUE",
+        help="a task option (the topology's task_options, over its own; a YAML value), e.g. data=DIR",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--meta-only",
@@ -79,6 +83,9 @@ PlanFor = Callable[[Topology, str | None], Plan]
 
 def _settings(args: argparse.Namespace, plan_for: PlanFor) -> tuple[str, list[CheckSettings]]:
     """The task and one settings per distinct set of planned cuts."""
+    from ravq.cli.demo import task_options
+
+    options = task_options(args)
     if args.topology is None:
         if args.plan:
             raise ConfigError("--plan: needs --topology (a plan names the topology's nodes)")
@@ -86,6 +93,7 @@ def _settings(args: argparse.Namespace, plan_for: PlanFor) -> tuple[str, list[Ch
             raise ConfigError("--task: name the task (or give --topology)")
         settings = _training_settings(TrainingConfig(), args, args.seed or 0)
         settings.stages = args.stages or 1
+        settings.task_options = options or None
         return args.task, [settings]
     if args.stages is not None:
         raise ConfigError("--stages: the topology's plan gives the stages; leave out one of the two")
@@ -105,7 +113,7 @@ def _settings(args: argparse.Namespace, plan_for: PlanFor) -> tuple[str, list[Ch
         )
         settings.cuts = list(cluster.cuts)
         settings.evaluate = topology.training.eval_every > 0
-        settings.task_options = dict(topology.task_options or {}) or None
+        settings.task_options = {**(topology.task_options or {}), **options} or None
         settings.placed = _placed(topology, list(cluster.nodes), args.profiles)
         result.append(settings)
     return task, result

@@ -78,6 +78,8 @@ def _run(spec: str, settings: CheckSettings, report: Report) -> None:
         fix = (
             "define them, as the task interface in docs/tasks.md says"
             if " lacks " in str(err)
+            else "correct the option it names (--task-option, or the topology's task_options)"
+            if str(err).startswith("task_options:")
             else "make the task importable: a module on sys.path, a module in the current folder, or a "
             "file path (docs/tasks.md)"
         )
