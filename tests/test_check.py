@@ -124,6 +124,14 @@ def test_check_names_cause_and_fix(name: str, level: str, causes: list[str], fix
     assert report.failed == (level == "error")
 
 
+def test_untraceable_model_is_named_without_torchs_graph_dump(capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.export prints a failed trace's partial graph (dozens of lines per attempt) to stderr before
+    raising; the check's finding already names the cause and the user's line."""
+    report = check("tests.check_zoo:untraceable")
+    assert "x.sum() > 0" in findings(report, "error")
+    assert "def forward(" not in capsys.readouterr().err
+
+
 def test_check_tells_what_eval_mode_changes() -> None:
     report = check("tests.check_zoo:batch_norm")
     assert not report.failed, report.format()

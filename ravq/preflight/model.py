@@ -3,6 +3,9 @@ weights and where each copy lives, weights no stage reads, buffers, and what eva
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 from typing import Any
 
 from torch import nn
@@ -76,9 +79,13 @@ def split(
             f"cut at module names the model has, e.g. {_names(candidate_cuts(model))}",
         )
         return None
+    dumped = io.StringIO()  # torch.export prints the partial graph of a failed trace to stderr
     try:
-        return split_model(model, example, cuts)
-    except SplitError as err:
+        with contextlib.redirect_stderr(dumped):
+            specs = split_model(model, example, cuts)
+        sys.stderr.write(dumped.getvalue())
+        return specs
+    except SplitError as err:  # the finding names the cause and the line: the graph dump is left out
         report.add(
             "error",
             "split",
