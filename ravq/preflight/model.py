@@ -119,7 +119,8 @@ def describe(model: nn.Module, specs: list[StageSpec], report: Report) -> None:
             if group.key in seen:
                 continue
             seen.add(group.key)
-            names = sorted({n for s in specs for g in s.tied if g.key == group.key for n in g.names})
+            every = {n for s in specs for g in s.tied if g.key == group.key for n in g.names}
+            names = sorted(every - {group.key})  # the tensor's other names
             report.add(
                 "info",
                 "tied",
