@@ -9,9 +9,12 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ravq.config import ConfigError, Plan, Topology, TrainingConfig, load_topology
-from ravq.preflight import CheckSettings, PlacedMemory, Report, run_checks
+
+if TYPE_CHECKING:  # ravq.preflight imports torch: `ravq keygen` and `ravq status` build this parser too
+    from ravq.preflight import CheckSettings, PlacedMemory, Report
 
 
 def add_check_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +54,8 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _training_settings(training: TrainingConfig, args: argparse.Namespace, seed: int) -> CheckSettings:
+    from ravq.preflight import CheckSettings
+
     return CheckSettings(
         micro_batch=args.micro_batch or training.micro_batch,
         max_inflight=args.max_inflight or training.max_inflight,
@@ -62,6 +67,7 @@ def _training_settings(training: TrainingConfig, args: argparse.Namespace, seed:
 
 
 def _placed(topology: Topology, nodes: list[str], profiles: str) -> list[PlacedMemory]:
+    from ravq.preflight import PlacedMemory
     from ravq.profile.store import load_profile, profile_path
 
     placed = []
@@ -120,6 +126,8 @@ def _settings(args: argparse.Namespace, plan_for: PlanFor) -> tuple[str, list[Ch
 
 
 def check_main(args: argparse.Namespace, plan_for: PlanFor) -> int:
+    from ravq.preflight import run_checks
+
     task, all_settings = _settings(args, plan_for)
     reports: list[Report] = []
     for settings in all_settings:
