@@ -64,6 +64,15 @@ def _resumable(micro_batch: int, shard: int, num_shards: int, seed: int, start: 
 resumable = task(train_batches=_resumable)
 
 
+def _no_data(micro_batch: int, shard: int, num_shards: int, seed: int, start: int = 0) -> Iterator[Batch]:
+    raise ValueError("data: /nowhere holds no .txt")  # at the call, as ravq.tasks.text opens its data
+
+
+no_data = task(
+    train_batches=_no_data, eval_batches=lambda micro_batch, seed: _no_data(micro_batch, 0, 1, seed)
+)
+
+
 # ---------------------------------------------------------------- broken, one problem each
 lacks_loss = SimpleNamespace(**{k: v for k, v in vars(task()).items() if k != "loss_fn"})
 wrong_signature = task(train_batches=lambda micro_batch: _batches(micro_batch, 0))

@@ -132,6 +132,16 @@ def test_untraceable_model_is_named_without_torchs_graph_dump(capsys: pytest.Cap
     assert "def forward(" not in capsys.readouterr().err
 
 
+def test_data_that_raises_at_the_call_is_named_once_per_function() -> None:
+    """train_batches raising at the call (the start= check calls it three times) and eval_batches: one error
+    each, not three copies and a 'yields nothing' with the wrong fix."""
+    errors = findings(check("tests.check_zoo:no_data"), "error").splitlines()
+    assert [line for line in errors if line.startswith("error:")] == [
+        "error: [interface] train_batches(4, 0, 1, 0) raised ValueError: data: /nowhere holds no .txt",
+        "error: [interface] eval_batches(4, 0) raised ValueError: data: /nowhere holds no .txt",
+    ]
+
+
 def test_check_tells_what_eval_mode_changes() -> None:
     report = check("tests.check_zoo:batch_norm")
     assert not report.failed, report.format()

@@ -95,7 +95,10 @@ def _describe(x: Any) -> str:
 
 
 def first_batch(batches: Any, where: str, report: Report) -> tuple[tuple[Any, ...], Any] | None:
-    """The first (inputs, targets) of an iterable of batches, or None after naming what is wrong."""
+    """The first (inputs, targets) of an iterable of batches, or None after naming what is wrong (``batches``
+    None: the call that should have returned them raised, already named)."""
+    if batches is None:
+        return None
     form = "(inputs, targets): inputs a tensor or tuple of tensors, targets what loss_fn takes"
     try:
         item = next(iter(batches))
@@ -175,22 +178,22 @@ def _call(fn: Callable[..., Any], name: str, report: Report, *args: Any, **kwarg
         report.add(
             "error", "interface", f"{name}{args} raised {type(err).__name__}: {err}", "fix the data code"
         )
-        return iter(())
+        return None
 
 
 def _train_batches(task: Any, micro_batch: int, seed: int, report: Report) -> Any:
     """The first shard's batches; with ``start``, checks that a restart at a position reads what training
     from the start reads there."""
     batches = _call(task.train_batches, "train_batches", report, micro_batch, 0, 1, seed)
-    if not takes_start(task.train_batches):
-        return batches
+    if batches is None or not takes_start(task.train_batches):
+        return batches  # a call that raises is named once, not again for each call of the start= check
     ahead = _call(task.train_batches, "train_batches", report, micro_batch, 0, 1, seed, start=START_AT)
     want = list(
         itertools.islice(
-            _call(task.train_batches, "train_batches", report, micro_batch, 0, 1, seed), START_AT + 1
+            _call(task.train_batches, "train_batches", report, micro_batch, 0, 1, seed) or (), START_AT + 1
         )
     )
-    got = next(iter(ahead), None)
+    got = None if ahead is None else next(iter(ahead), None)
     if len(want) > START_AT and got is not None and not _equal(got, want[START_AT]):
         report.add(
             "error",
