@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from ravq.config.averaging import AveragingConfig
 from ravq.config.base import ConfigError, UserModel
 from ravq.config.recipe import LRScheduleConfig
 
@@ -307,6 +308,7 @@ class Topology(UserModel):
     seed: int = 0
     """Seed for model initialisation and data order."""
     training: TrainingConfig = TrainingConfig()
+    averaging: AveragingConfig = AveragingConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     limits: LimitConfig = LimitConfig()
     security: SecurityConfig = SecurityConfig()
