@@ -8,6 +8,7 @@
 """
 
 from ravq.config.base import ConfigError
+from ravq.config.compress import CompressConfig
 from ravq.config.loading import load_plan, load_topology, parse_topology
 from ravq.config.plan import ClusterPlan, Plan
 from ravq.config.recipe import LRScheduleConfig
@@ -17,7 +18,6 @@ from ravq.config.topology import (
     INFLIGHT_WARMUP_STEPS,
     PREDICT_WEIGHTS,
     BrokerConfig,
-    CompressConfig,
     LimitConfig,
     NodeConfig,
     RelayConfig,
