@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ravq.config.averaging import AveragingConfig
+from ravq.config.backup import BackupConfig
 from ravq.config.base import ConfigError, UserModel
 from ravq.config.compress import CompressConfig
 from ravq.config.recipe import LRScheduleConfig
@@ -174,6 +175,8 @@ class BrokerConfig(UserModel):
     (``brokers.run``).  None: ``broker/`` in the unit's ``StateDirectory=`` (``$STATE_DIRECTORY``), else
     ``broker/`` next to the checkpoints (``training.checkpoint_dir``); without checkpoints the run lasts
     as long as the broker process (there is nothing to resume)."""
+    backup: BackupConfig | None = None
+    """A backup broker that takes over when this one fails (Binary Star); None: this broker alone."""
 
     _ports = field_validator("pub_port", "router_port", "metrics_port", "relay_port")(
         lambda v: v if v is None else _check_port(v)

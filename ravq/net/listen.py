@@ -57,7 +57,13 @@ def parse(spec: str) -> dict[int, int]:
 
 
 def ports_of(topology: Topology, process: str) -> dict[int, str]:
-    """The ports ``process`` (a node's name, or ``broker``) listens on, each with the field that names it."""
+    """The ports ``process`` (a node's name, ``broker`` or ``broker-backup``) listens on, each with the field
+    that names it."""
+    backup = topology.broker.backup
+    if process == "broker-backup" and backup is not None:
+        fields = {"pub_port": backup.pub_port, "router_port": backup.router_port,
+                  "metrics_port": backup.metrics_port}
+        return {port: f"broker.backup.{field}" for field, port in fields.items() if port is not None}
     if process == "broker":
         b = topology.broker
         fields = {"pub_port": b.pub_port, "router_port": b.router_port, "metrics_port": b.metrics_port,
