@@ -135,6 +135,13 @@ class Book:
         return max(training, key=lambda i: (lowest(i), -i))
 
     # ------------------------------------------------------------------ events
+    def restore(self, members: dict[str, Member], clusters: list[ClusterState]) -> None:
+        """Take over the membership a passive broker followed (``brokers.replica``): the members and
+        clusters as the active broker last published them."""
+        assert len(clusters) == len(self.plan.clusters), (len(clusters), len(self.plan.clusters))
+        self.members.update(members)
+        self.clusters = clusters
+
     def exclude_idle(self) -> None:
         """The plan's excluded clusters follow ``excluded``; each change is a new plan epoch."""
         excluded = self.excluded()

@@ -31,7 +31,8 @@ class Update:
 
 
 class KeyedState:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, seqs: dict[str, int] | None = None) -> None:
+        """``seqs``: the numbers the topics go on from (a backup that takes over: past those it saw)."""
         self.limit = limit
         """Bytes of items per update or snapshot part (``ravq.net.clone.budget``)."""
         self.values: dict[str, Any] = {}
@@ -41,7 +42,7 @@ class KeyedState:
         """Key -> its item's encoded bytes (snapshots cut parts without encoding every item again)."""
         self.keys: dict[str, dict[str, None]] = {}
         """Topic -> its keys (a snapshot of a node's topics visits those only)."""
-        self.seqs: dict[str, int] = {GLOBAL: 0}
+        self.seqs: dict[str, int] = {GLOBAL: 0, **(seqs or {})}
         """Topic -> sequence number of its latest update."""
         self.touched: set[str] = set()
         """Topics updated since ``echoes`` last returned them."""
