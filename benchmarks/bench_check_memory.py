@@ -36,6 +36,10 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--task", default="benchmarks.memory_task",
+                   help="the demo's task (tests.big_task: the same transformer with plain SGD)")
+    p.add_argument("--demo-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for ravq demo, e.g. --demo-arg=--predict-weights=0 (repeatable)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAVQ_BIG_D_MODEL": str(args.d_model),
@@ -43,9 +47,9 @@ def main() -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="ravq-bench-check-"))
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     t0 = time.monotonic()
-    demo = _run(["demo", "--task", "benchmarks.memory_task", "--clusters", "1", "--stages", str(STAGES),
+    demo = _run(["demo", "--task", args.task, "--clusters", "1", "--stages", str(STAGES),
                  "--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--eval-every", "0",
-                 "--quiet", "--no-curve", "--run-dir", str(run_dir)], env, 900)
+                 "--quiet", "--no-curve", "--run-dir", str(run_dir), *args.demo_arg], env, 900)
     demo_s = time.monotonic() - t0
     if demo.returncode != 0:
         print(demo.stdout[-3000:], demo.stderr[-3000:], file=sys.stderr)
@@ -76,7 +80,8 @@ def main() -> int:
     if args.json:
         print(json.dumps({"rows": rows, "largest_error": worst, "demo_s": demo_s, "check_s": check_s,
                           "loadavg_before": load_before, "loadavg_after": load_after, "d_model": args.d_model,
-                          "layers": args.layers, "micro_batch": args.micro_batch}))
+                          "layers": args.layers, "micro_batch": args.micro_batch, "task": args.task,
+                          "demo_args": args.demo_arg}))
     return 0
 
 

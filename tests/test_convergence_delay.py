@@ -94,7 +94,10 @@ def test_extrapolation_leaves_fresh_updates_alone_and_carries_stale_ones_forward
     ext.apply(staleness=1.0)  # nothing to extrapolate from yet
     assert torch.equal(p.grad, torch.tensor([1.0, 2.0, 3.0]))
     p.grad = torch.tensor([2.0, 2.0, 1.0])
-    ext.apply(staleness=0.0)  # fresh: as it is
+    ext.apply(staleness=0.0)  # fresh: as it is, and no copy of it kept (issue #39: memory only while stale)
+    assert torch.equal(p.grad, torch.tensor([2.0, 2.0, 1.0])) and not ext.previous
+    p.grad = torch.tensor([2.0, 2.0, 1.0])
+    ext.apply(staleness=1.0)  # stale again: nothing to extrapolate from yet
     assert torch.equal(p.grad, torch.tensor([2.0, 2.0, 1.0]))
     p.grad = torch.tensor([3.0, 1.0, 1.0])
     ext.apply(staleness=1.5)  # g + 2 * 1.5 * (g - g_prev), g_prev the raw gradient of the last update

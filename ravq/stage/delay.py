@@ -18,6 +18,10 @@ difference of consecutive gradients says where the gradient is heading as the we
 stale gradient is carried forward towards
 the weights it is applied to, and a growing oscillation is damped rather than fed.  An update with no
 staleness is left alone, so ``max_inflight: 1`` still trains exactly like one process.
+
+Memory: the last gradient is a copy of the stage's gradients, kept only while the stage is stale.  An
+update with no staleness (the last stage always, every stage during the asynchrony warm-up) keeps none and
+frees what an earlier stale update kept, so the first stale update after it is handed its gradient as it is.
 """
 
 from __future__ import annotations
@@ -36,19 +40,24 @@ class GradientExtrapolation:
 
     def apply(self, staleness: float) -> None:
         """Extrapolate every ``.grad`` in place by ``factor * staleness`` steps (none when either is 0),
-        and remember the un-extrapolated gradients for the next update."""
+        and remember the un-extrapolated gradients for the next update (only while ``staleness`` > 0)."""
         if not self.factor:
+            return
+        if staleness <= 0:  # nothing stale: nothing to extrapolate, and no copy of the gradients kept
+            self.previous.clear()
             return
         step = self.factor * staleness
         with torch.no_grad():
             for name, p in self.params.items():
                 if p.grad is None:
                     continue
-                raw = p.grad.detach().clone()
                 before = self.previous.get(name)
-                if step > 0 and before is not None:
-                    p.grad.add_(raw - before, alpha=step)
-                self.previous[name] = raw
+                if before is None:
+                    self.previous[name] = p.grad.detach().clone()
+                    continue
+                change = p.grad - before
+                before.copy_(p.grad)  # the raw gradient, in the buffer of the one it replaces
+                p.grad.add_(change, alpha=step)
 
     def forget(self) -> None:
         """After weights were replaced (catch-up): the last gradient no longer says where the next one

@@ -81,7 +81,7 @@ class StageWorker:
         self.state = StageState(expected_fwd=expected_at(options.recipe.precision, expected))
         self.stats = StageStats(clock=clock, metrics=metrics)
         extrapolate = options.extrapolate_gradients * (options.max_inflight > 1)
-        self.forward_weights = WeightStash(self.params, extrapolate)
+        self.forward_weights = WeightStash(self.params, extrapolate, reuse_update=not spec.tied)
         self._grads = GradientSum(self.params, options.update_every)
         self._sched = Scheduler(forward_sources(spec, num_stages), spec.consumer_stages,
                                 4 * options.max_inflight + 4, clock)

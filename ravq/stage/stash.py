@@ -56,7 +56,8 @@ class WeightStash:
     """The weights of a stage's forwards, one snapshot per version, and what predicting them needs: the
     last update and the staleness of recent backwards."""
 
-    def __init__(self, params: dict[str, nn.Parameter], extrapolate: float = 0.0) -> None:
+    def __init__(self, params: dict[str, nn.Parameter], extrapolate: float = 0.0, *,
+                 reuse_update: bool = False) -> None:
         self.params = params
         self.extrapolation = GradientExtrapolation(params, extrapolate)
         """Delay compensation of each update's gradient (``extrapolate_gradients``; ``ravq.stage.delay``)."""
@@ -64,7 +65,11 @@ class WeightStash:
         self.aliased = False
         """Whether the snapshot's tensors are the live weights' storage (see ``before_change``)."""
         self.last_update: dict[str, torch.Tensor] | None = None
-        """Each parameter's change in the last optimizer step (for ``predict_weights``)."""
+        """Each parameter's change in the last optimizer step (for ``predict_weights``); None when prediction
+        is off or the next snapshot took its buffer (``reuse_update``)."""
+        self.reuse_update = reuse_update
+        """The next version's predicted snapshot is made in the last update's buffer (a stage without tied
+        copies: nothing but a step changes its weights mid-version, so the update is not needed again)."""
         self.recent_staleness: deque[int] = deque(maxlen=PREDICTION_WINDOW)
 
     def weights(self, version: int, predict: float) -> dict[str, torch.Tensor]:
@@ -83,8 +88,14 @@ class WeightStash:
             with torch.no_grad():
                 if ahead > 0 and self.last_update is not None:
                     last = self.last_update
-                    copies = {n: torch.add(p.detach(), last[n], alpha=ahead).requires_grad_(p.requires_grad)
-                              for n, p in self.params.items()}
+                    if self.reuse_update:  # the update's buffer becomes the snapshot: one copy, not two
+                        copies = {n: torch.add(p.detach(), last[n], alpha=ahead, out=last[n])
+                                  for n, p in self.params.items()}
+                        self.last_update = None
+                    else:
+                        copies = {n: torch.add(p.detach(), last[n], alpha=ahead)
+                                  for n, p in self.params.items()}
+                    copies = {n: c.requires_grad_(self.params[n].requires_grad) for n, c in copies.items()}
                     self.aliased = False
                 else:  # the live weights' storage, until they are about to change (``before_change``);
                     # ``.data`` has a version counter of its own: the live weights' fresh storage moves on
@@ -122,10 +133,14 @@ class WeightStash:
         if self.recent_staleness:
             self.extrapolation.apply(sum(self.recent_staleness) / len(self.recent_staleness))
         if self.prediction_steps(predict) > 0:
-            with torch.no_grad():
-                before = {n: p.detach().clone() for n, p in self.params.items()}
+            with torch.no_grad():  # the weights before the step, then the change, in one buffer
+                last = self.last_update or {n: torch.empty_like(p) for n, p in self.params.items()}
+                for n, p in self.params.items():
+                    last[n].copy_(p.detach())
                 optimizer.step()
-                self.last_update = {n: p.detach() - before[n] for n, p in self.params.items()}
+                for n, p in self.params.items():
+                    last[n].sub_(p.detach()).neg_()
+                self.last_update = last
         else:
             optimizer.step()
             self.last_update = None

@@ -1,0 +1,118 @@
+"""What weight prediction and delay compensation hold (issue #39 part 4): nothing while nothing is stale, one
+buffer each while it is, and the same numbers as the copies they replaced."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ravq.stage.delay import GradientExtrapolation
+from ravq.stage.stash import WeightStash
+
+
+def _stage(seed: int = 0) -> tuple[dict[str, nn.Parameter], torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    layer = nn.Linear(4, 3)
+    return dict(layer.named_parameters()), torch.optim.Adam(layer.parameters(), lr=0.1)
+
+
+def _set_grads(params: dict[str, nn.Parameter], k: int) -> None:
+    g = torch.Generator().manual_seed(100 + k)
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _stale_steps(stash: WeightStash, params: dict[str, nn.Parameter], opt: torch.optim.Optimizer,
+                 steps: int, predict: float = 2.0) -> list[dict[str, torch.Tensor]]:
+    """Steps at staleness 1 with a forward (a snapshot taken) of each version in between; the snapshots."""
+    snapshots = []
+    for k in range(steps):
+        snapshots.append({n: w.detach().clone() for n, w in stash.weights(k, predict).items()})
+        _set_grads(params, k)
+        stash.record_staleness(1)
+        stash.step(opt, predict, in_flight=True)
+    return snapshots
+
+
+def _reference(steps: int, predict: float = 2.0) -> list[dict[str, torch.Tensor]]:
+    """The snapshots as the copies before this change made them: w + k s (w_after - w_before)."""
+    params, opt = _stage()
+    last: dict[str, torch.Tensor] | None = None
+    snapshots = []
+    for k in range(steps):
+        with torch.no_grad():
+            if last is None:
+                snapshots.append({n: p.detach().clone() for n, p in params.items()})
+            else:
+                snapshots.append({n: torch.add(p.detach(), last[n], alpha=predict * 1.0)
+                                  for n, p in params.items()})
+            _set_grads(params, k)
+            before = {n: p.detach().clone() for n, p in params.items()}
+            opt.step()
+            last = {n: p.detach() - before[n] for n, p in params.items()}
+    return snapshots
+
+
+def test_predicted_snapshots_are_the_same_numbers_made_in_one_buffer() -> None:
+    want = _reference(6)
+    for reuse in (False, True):
+        params, opt = _stage()
+        got = _stale_steps(WeightStash(params, reuse_update=reuse), params, opt, 6)
+        for g, w in zip(got, want):
+            for name in w:
+                torch.testing.assert_close(g[name], w[name], rtol=0, atol=0)
+
+
+def test_the_snapshot_takes_the_update_buffer_and_a_step_reuses_it_when_kept() -> None:
+    params, opt = _stage()
+    stash = WeightStash(params, reuse_update=True)
+    _stale_steps(stash, params, opt, 2)
+    assert stash.last_update is not None
+    update_ptrs = {n: t.data_ptr() for n, t in stash.last_update.items()}
+    snapshot = stash.weights(2, 2.0)
+    assert {n: t.data_ptr() for n, t in snapshot.items()} == update_ptrs  # no second copy
+    assert stash.last_update is None
+
+    params, opt = _stage()
+    kept = WeightStash(params, reuse_update=False)  # tied copies may change the weights mid-version
+    _stale_steps(kept, params, opt, 2)
+    assert kept.last_update is not None
+    ptrs = {n: t.data_ptr() for n, t in kept.last_update.items()}
+    kept.weights(2, 2.0)
+    _set_grads(params, 9)
+    kept.record_staleness(1)
+    kept.step(opt, 2.0, in_flight=True)
+    assert {n: t.data_ptr() for n, t in kept.last_update.items()} == ptrs  # the step wrote into it
+
+
+def test_no_staleness_holds_no_update_and_no_gradient() -> None:
+    params, opt = _stage()
+    stash = WeightStash(params, extrapolate=2.0, reuse_update=True)
+    for k in range(3):
+        stash.weights(k, 2.0)
+        _set_grads(params, k)
+        stash.record_staleness(0)
+        stash.step(opt, 2.0, in_flight=False)
+        opt.zero_grad(set_to_none=True)
+    assert stash.last_update is None and not stash.extrapolation.previous
+
+
+def test_the_last_gradient_is_kept_only_while_stale_and_extrapolates_as_before() -> None:
+    params, _ = _stage()
+    extrapolation = GradientExtrapolation(params, 2.0)
+    _set_grads(params, 0)
+    extrapolation.apply(0.0)
+    assert not extrapolation.previous  # fresh: nothing kept
+    _set_grads(params, 1)
+    g1 = {n: p.grad.clone() for n, p in params.items()}
+    extrapolation.apply(1.0)  # the first stale update: nothing to extrapolate from yet
+    assert all(torch.equal(params[n].grad, g1[n]) for n in params)
+    _set_grads(params, 2)
+    g2 = {n: p.grad.clone() for n, p in params.items()}
+    extrapolation.apply(0.5)
+    for n, p in params.items():
+        torch.testing.assert_close(p.grad, g2[n] + 2.0 * 0.5 * (g2[n] - g1[n]), rtol=0, atol=0)
+        assert torch.equal(extrapolation.previous[n], g2[n])  # the raw gradient, for the next one
+    _set_grads(params, 3)
+    extrapolation.apply(0.0)
+    assert not extrapolation.previous  # staleness gone: the copy is freed
