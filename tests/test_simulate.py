@@ -391,3 +391,58 @@ def test_stages_pay_averaging_cpu_for_the_optimizer_state_they_average() -> None
     plain = stage_averaging_s(node, blocks(), 0, 3, 2, 10)
     assert plain > 0
     assert stage_averaging_s(node, blocks(), 0, 3, 2, 10, state_factor=3.0) == pytest.approx(3 * plain)
+
+
+# --- rounds counted from the plan epoch, membership changes, groups (issue #38)
+
+
+def three_solo(settings: Settings, nbytes: float = 1e6) -> World:
+    segment = SegmentSpec(blocks=(0, 1), nbytes=nbytes, holders=("a", "b", "c"))
+    return world([[stage("a", 0.01, 0.01)], [stage("b", 0.01, 0.01)], [stage("c", 0.01, 0.01)]], settings,
+                 bandwidth=1e7, segments=[segment])
+
+
+def test_a_lost_cluster_abandons_every_open_round_at_once_and_rounds_count_from_the_new_epoch() -> None:
+    """Cluster c fails at 1 s; lost_s later the broker takes it out of the rings (a new plan epoch): the open
+    round of a and b is abandoned then, not after ring_step_s (30 s), and a and b average on between
+    themselves; c rejoins (another epoch) and averages again although its version differs from theirs."""
+    from ravq.simulate import Simulation, collect
+
+    settings = Settings(steps=400, sync_every=5, lost_s=0.5, restart_s=2.0, ring_timeout_s=30.0)
+    sim = Simulation(three_solo(settings))
+    sim.q.at(1.0, sim.churn.fail, sim.nodes["c"])
+    sim.run(until=1.0)
+    before = [n.rounds_done for n in sim.nodes.values()]
+    sim.q.run()
+    r = collect(sim)
+    a, b, c = r.nodes
+    assert c.failures == 1 and r.plan_epochs == 3           # c out, c back in, a and b done before c
+    assert a.allreduce_aborts >= 1 and b.allreduce_aborts >= 1
+    assert r.wall_s < settings.ring_timeout_s                 # nobody waited for a ring step's timeout
+    assert a.allreduce_rounds - before[0] > 50 and c.allreduce_rounds - before[2] > 50
+    assert c.version > a.version                            # c took a's version at its rejoin, and trained on
+
+
+def test_groups_average_within_their_group_each_round() -> None:
+    """Four clusters in groups of two: each ring has 2 members, so a node sends 2(2-1)/2 = 1 segment a round,
+    not 2(4-1)/4 = 1.5 as one ring over all four."""
+    names = "abcd"
+    segment = SegmentSpec(blocks=(0, 1), nbytes=1e6, holders=tuple(names))
+    clusters = [[stage(n, 0.01, 0.01)] for n in names]
+    for mode, share in (("global", 1.5), ("groups", 1.0)):
+        settings = Settings(steps=20, sync_every=5, averaging_mode=mode, group_size=2)
+        r = simulate(world(clusters, settings, bandwidth=1e8, segments=[segment]))
+        for n in r.nodes:
+            assert n.allreduce_rounds == 4
+            assert n.ring_bytes == pytest.approx(4 * share * 1e6)
+
+
+def test_a_later_stage_ends_when_it_next_wakes_after_stage_0_finished() -> None:
+    """ravq's compute thread waits for work at most ``finish_poll_s``: a later stage done with its micro-batches
+    sees stage 0's finish at the end of that wait, and its wall time runs until then."""
+    clusters = [[stage("s0", 0.01, 0.02, act=1e3), stage("s1", 0.01, 0.02, grad=1e3)]]
+    at_once = simulate(world(clusters, Settings(steps=50)))
+    polled = simulate(world(clusters, Settings(steps=50, finish_poll_s=0.5)))
+    # s1 went idle after its last backward; stage 0's last backward (0.02 s) came after it
+    assert polled.nodes[1].wall_s == pytest.approx(at_once.nodes[1].wall_s + 0.5, rel=1e-9)
+    assert polled.samples_per_s < at_once.samples_per_s

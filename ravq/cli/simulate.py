@@ -15,6 +15,7 @@ from ravq.config import ConfigError, Plan, Topology, load_plan, load_topology, r
 from ravq.planner import BlockProfile, NodeProfile, PlanError, Wire
 from ravq.simulate.report import SimResult, simulate
 from ravq.simulate.world import Settings, build_world
+from ravq.stage.schedule import WAIT_S
 
 
 def settings_for(topology: Topology, *, steps: int | None = None, churn_per_hour: float = 0.0,
@@ -38,6 +39,10 @@ def settings_for(topology: Topology, *, steps: int | None = None, churn_per_hour
         averaging_lead=t.averaging_lead,
         piece_bytes=t.ring_chunk_bytes,
         ring_timeout_s=topology.timeouts.ring_step_s,
+        lost_s=topology.timeouts.lost_s,
+        averaging_mode=topology.averaging.mode,
+        group_size=topology.averaging.group_size,
+        finish_poll_s=WAIT_S,
         churn_per_hour=churn_per_hour,
         jitter=jitter,
         seed=seed,

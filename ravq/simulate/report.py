@@ -62,6 +62,9 @@ class SimResult:
     nodes: list[NodeResult]
     events: int
     settings: dict[str, Any]
+    plan_epochs: int = 0
+    """Changes of the rings' membership (failures taken out, clusters taken back): each abandoned every
+    open round."""
 
     def to_json(self) -> dict[str, Any]:
         return _finite(asdict(self))
@@ -157,7 +160,7 @@ def collect(sim: Simulation) -> SimResult:
         samples=total, wall_s=wall, samples_per_s=total / wall if wall > 0 else 0.0,
         busy_fraction_mean=sum(n.busy_fraction for n in nodes) / len(nodes) if nodes else 0.0,
         allreduce_seconds_mean=sum(n.allreduce_seconds_mean for n in rounds) / len(rounds) if rounds else 0.0,
-        clusters=clusters, nodes=nodes, events=sim.q.events, settings=asdict(s))
+        clusters=clusters, nodes=nodes, events=sim.q.events, settings=asdict(s), plan_epochs=sim.plan_epoch)
 
 
 def simulate(world: World, until: float = math.inf) -> SimResult:

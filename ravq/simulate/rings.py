@@ -42,8 +42,9 @@ class Ring:
     2(C-1)/C share of the segment as one message over its ring stream, and the round ends when the
     last of them has arrived, or no sooner than 2(C-1) piece-and-latency hops after the start."""
 
-    def __init__(self, sim: RingHost, seg: SegmentSpec, round_id: int, members: list[Node]) -> None:
-        self.sim, self.seg, self.round_id, self.members = sim, seg, round_id, members
+    def __init__(self, sim: RingHost, seg: SegmentSpec, key: tuple[int, ...], members: list[Node]) -> None:
+        self.sim, self.seg, self.key, self.members = sim, seg, key, members
+        """``key``: which ring of which round (the simulation's)."""
         self.size = len(members)
         c = self.size
         self.steps = 2 * (c - 1)

@@ -18,6 +18,8 @@ class NodeRound:
 
     round_id: int
     version: int
+    plan_epoch: int = 0
+    """The plan epoch the round belongs to: a new epoch abandons it (``ravq.average.averager.on_plan``)."""
     done: bool = False
     started_at: float = 0.0
     rings_left: int = 0
@@ -33,6 +35,10 @@ class Node:
     stage: int
     last: bool
     epoch: int = 0
+    """Incarnation: raised when the node's cluster fails, so events of the old one are dropped."""
+    plan_epoch: int = -1
+    """The plan epoch this node counts rounds in, and its optimizer steps since it saw it."""
+    steps_in_epoch: int = 0
     busy: bool = False
     blocked: NodeRound | str | None = None
     """What the compute thread waits for: a NodeRound, "queue", or None."""
@@ -55,6 +61,8 @@ class Node:
     busy_s: float = 0.0
     first_work: float | None = None
     end: float = 0.0
+    idle_since: float = 0.0
+    """When its compute thread last finished a forward or backward."""
     wait_s: float = 0.0
     """Compute thread waiting for averaging (hold-back, full round queue, or the round itself)."""
     pending: list[NodeRound] = field(default_factory=list)

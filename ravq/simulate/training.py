@@ -11,18 +11,24 @@ What each node does, as ``ravq.stage.pipeline`` and ``ravq.average.averager`` do
   sender's uplink, which its ring streams share (``engine``);
 - after every ``update_every`` backwards the stage steps (version + 1), then, overlapped: waits while
   its oldest unfinished round's snapshot is ``averaging_lead`` or more versions old; every
-  ``sync_every`` versions snapshots and queues a round (its compute thread waits when
+  ``sync_every`` steps since it saw the plan epoch snapshots and queues a round (round k of epoch e, as
+  ``ravq.average.averager`` counts them, whatever the node's version) (its compute thread waits when
   ``pending_rounds`` are already queued behind the running one).  Not overlapped: it waits for the
   round it just queued.  A node runs its rounds one after another, all its rings at once;
+- a round's rings run over the clusters in the plan epoch's rings: all of them ("global"), or the node's
+  group of that round (``ravq.average.groups``: a grid, a new axis each round);
 - a ring (one per segment: the holders of a run of blocks, one per cluster) does reduce-scatter then
   all-gather, 2(C-1) steps; at step t a member sends chunk (rank - t) mod C to its successor in pieces
   of ``piece_bytes``, piece j of step t leaving once piece j of step t-1 has arrived.  A member starts
   when its own node starts that round, so a ring finishes only once its slowest cluster has reached
   the round's version.  Large rings are simulated as flows (see ``Ring``);
-- a failure stops the node's whole cluster (its in-flight micro-batches are lost and redone), rings
-  with a member there abort after ``ring_timeout_s`` and later rounds leave that cluster out; after
-  ``restart_s`` the cluster's nodes fetch their stages' weights from the holders in another cluster
-  (catch-up: the stage's bytes over that link) and rejoin at that cluster's version.
+- a failure stops the node's whole cluster (its in-flight micro-batches are lost and redone); ``lost_s``
+  later the broker takes the cluster out of the rings: a new plan epoch, and every node abandons every
+  open round at once (queued ones too) and counts rounds from the new epoch.  After ``restart_s`` the
+  cluster's nodes fetch their stages' weights from the holders in another cluster (catch-up: the stage's
+  bytes over that link) and rejoin at that cluster's version: the rings take it back, another epoch;
+- a later stage done with its micro-batches ends when it next wakes after stage 0 finished
+  (``finish_poll_s``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from ravq.average.groups import group_of, groups_for
+from ravq.simulate.churn import Churn
 from ravq.simulate.engine import INF, Connection, EventQueue, SharedResource
 from ravq.simulate.rings import Ring
 from ravq.simulate.state import Node, NodeRound
@@ -49,7 +57,10 @@ class Simulation:
             self.clusters.append([Node(spec=st, cluster=c, stage=j, last=j == len(stages) - 1)
                                   for j, st in enumerate(stages)])
         self.nodes = {n.name: n for nodes in self.clusters for n in nodes}
-        self.up = [True] * len(self.clusters)
+        self.churn = Churn(self)
+        self.plan_epoch = 0
+        self.epoch_live: dict[int, tuple[int, ...]] = {0: tuple(range(len(self.clusters)))}
+        """Plan epoch -> the clusters in its rings."""
         self.inflight = [s.max_inflight or len(stages) for stages in world.clusters]
         self.uplinks = {name: SharedResource(self.q, world.network.uplink[name]) for name in self.nodes}
         self.cpus = {host: SharedResource(self.q, cores) for host, cores in world.host_cores.items()}
@@ -58,8 +69,9 @@ class Simulation:
         for seg in world.segments:
             for holder in seg.holders:
                 self.node_segments[holder].append(seg)
-        self.rings: dict[tuple[int, int], Ring] = {}
-        self.closed: set[tuple[int, int]] = set()
+        self.rings: dict[tuple[int, ...], Ring] = {}
+        """(segment, plan epoch, round, group's first cluster) -> its ring in that round."""
+        self.closed: set[tuple[int, ...]] = set()
         self.cluster_done_at: list[float | None] = [None] * len(self.clusters)
         self.cluster_start: list[float | None] = [None] * len(self.clusters)
         self.seg_index = {id(seg): i for i, seg in enumerate(world.segments)}
@@ -72,15 +84,18 @@ class Simulation:
                 node.blocked = "start"
                 self.q.at(ready, self._ready, node)
         for stages in self.clusters:
-            self._dispatch(stages[0])
-        if self.settings.churn_per_hour > 0:
-            for node in self.nodes.values():
-                self._schedule_failure(node)
+            self.dispatch(stages[0])
+        self.churn.start()
         self.q.run(until)
+
+    @property
+    def up(self) -> list[bool]:
+        """Per cluster: whether it is running (not failed)."""
+        return self.churn.up
 
     def _ready(self, node: Node) -> None:
         node.blocked = None
-        self._dispatch(node)
+        self.dispatch(node)
 
     # ------------------------------------------------------------------ transfers
     def _conn(self, a: str, b: str, kind: str) -> Connection:
@@ -104,7 +119,7 @@ class Simulation:
         self._conn(src.name, dst.name, "pipe").send(nbytes, arrive, *args)
 
     # ------------------------------------------------------------------ the compute thread
-    def _dispatch(self, node: Node) -> None:
+    def dispatch(self, node: Node) -> None:
         if node.busy or node.blocked is not None or not self.up[node.cluster]:
             return
         if node.bwd_queue:
@@ -147,6 +162,7 @@ class Simulation:
             return
         node.busy = False
         node.busy_s += self.q.now - t0
+        node.idle_since = self.q.now
         node.end = max(node.end, self.q.now)
         clusters = self.clusters[node.cluster]
         if kind in ("fwd", "last"):
@@ -155,7 +171,7 @@ class Simulation:
         if kind == "fwd":
             nxt = clusters[node.stage + 1]
             self._pipe_send(node, nxt, node.spec.act_bytes, self._arrive, nxt, "fwd", mb, nxt.epoch)
-            self._dispatch(node)
+            self.dispatch(node)
             return
         used = node.stash.pop(mb)
         if node.stage > 0:
@@ -178,13 +194,29 @@ class Simulation:
             and self.cluster_done_at[node.cluster] is None
         ):
             self.cluster_done_at[node.cluster] = self.q.now
-        self._dispatch(node)
+            self._later_stages_notice(node.cluster)
+            self.churn.finished(node.cluster)
+        self.dispatch(node)
+
+    def _later_stages_notice(self, c: int) -> None:
+        """Stage 0 finished: each later stage's compute thread, idle since its last backward, sees it when its
+        wait for work times out (``finish_poll_s``), unless a finishing round wakes it sooner."""
+        poll = self.settings.finish_poll_s
+        if poll <= 0:
+            return
+        for n in self.clusters[c][1:]:
+            waits = max(1, math.ceil((self.q.now - n.idle_since) / poll - 1e-9))
+            self.q.at(n.idle_since + waits * poll, self._noticed_done, n, self.q.now)
+
+    def _noticed_done(self, node: Node, done_at: float) -> None:
+        if node.end <= done_at:                          # nothing woke it since
+            node.end = self.q.now
 
     def _arrive(self, node: Node, kind: str, mb: int, epoch: int) -> None:
         if epoch != node.epoch:
             return
         (node.fwd_queue if kind == "fwd" else node.bwd_queue).append(mb)
-        self._dispatch(node)
+        self.dispatch(node)
 
     def _step(self, node: Node) -> None:
         for used in node.pending_staleness:
@@ -195,11 +227,11 @@ class Simulation:
         node.version += 1
         node.updates += 1
         node.accumulated = 0
+        if node.plan_epoch != self.plan_epoch:          # every step counts from the epoch the node sees
+            node.plan_epoch, node.steps_in_epoch = self.plan_epoch, 0
+        node.steps_in_epoch += 1
 
     # ------------------------------------------------------------------ averaging
-    def _live(self) -> list[int]:
-        return [c for c, up in enumerate(self.up) if up]
-
     def _gate(self, node: Node) -> bool:
         """``Averager.on_update``: True when the compute thread goes on at once; else it waits and
         ``_resume`` continues later."""
@@ -211,14 +243,16 @@ class Simulation:
                     self._block(node, oldest)
                     return False
                 node.pending.pop(0)
-        if node.version % s.sync_every or len(self._live()) < 2 or not self.node_segments[node.name]:
+        if (node.steps_in_epoch % s.sync_every or len(self.epoch_live[node.plan_epoch]) < 2
+                or node.cluster not in self.epoch_live[node.plan_epoch] or not self.node_segments[node.name]):
             return True
         if node.snapshot_version == node.version:
             return True                                  # already queued (resumed after waiting)
         if len(node.queued) >= s.pending_rounds:
             self._block(node, "queue")
             return False
-        nr = NodeRound(round_id=node.version // s.sync_every, version=node.version)
+        nr = NodeRound(round_id=node.steps_in_epoch // s.sync_every - 1, version=node.version,
+                       plan_epoch=node.plan_epoch)
         node.snapshot_version = node.version
         node.pending.append(nr)
         node.queued.append(nr)
@@ -246,26 +280,44 @@ class Simulation:
         node.running, nr.started_at = nr, self.q.now
         if node.blocked == "queue":
             self.q.after(0.0, self._unqueue, node, node.epoch)
-        live = self._live()
+        if nr.plan_epoch != self.plan_epoch:            # abandoned with its epoch: skipped in turn
+            self.q.after(0.0, self._round_done, node, nr, True, node.epoch)
+            return
+        group = self._group(node.cluster, nr)
         rings = []
-        for seg in self.node_segments[node.name]:
-            key = (self.seg_index[id(seg)], nr.round_id)
+        for seg in self.node_segments[node.name] if len(group) > 1 else ():
+            key = (self.seg_index[id(seg)], nr.plan_epoch, nr.round_id, group[0])
             if key in self.closed:
                 continue
             ring = self.rings.get(key)
             if ring is None:
-                members = [self.nodes[seg.holders[c]] for c in live]
-                if len(members) < 2:
-                    continue
-                ring = self.rings[key] = Ring(self, seg, nr.round_id, members)
-            if node in ring.members:
-                rings.append(ring)
+                members = [self.nodes[seg.holders[c]] for c in group]
+                ring = self.rings[key] = Ring(self, seg, key, members)
+            rings.append(ring)
         nr.rings_left = len(rings)
         if not rings:
             self.q.after(0.0, self._round_done, node, nr, False, node.epoch)
             return
         for ring in rings:
             ring.open(ring.rank(node))
+
+    def _group(self, cluster: int, nr: NodeRound) -> tuple[int, ...]:
+        """The clusters ``cluster`` averages with in round ``nr`` (``ravq.average.groups``)."""
+        s = self.settings
+        rates = None if s.group_rates is None else dict(enumerate(s.group_rates))
+        groups = groups_for(nr.plan_epoch, nr.round_id, self.epoch_live[nr.plan_epoch],
+                            "groups" if s.averaging_mode == "groups" else "global", s.group_size, rates)
+        return group_of(cluster, groups)
+
+    def new_epoch(self, live: tuple[int, ...]) -> None:
+        """The broker changed the rings' membership to ``live``: a new plan epoch, and every open round of an
+        older one is abandoned at once on every node (``Averager.on_plan``)."""
+        self.plan_epoch += 1
+        self.epoch_live[self.plan_epoch] = live
+        for key, ring in list(self.rings.items()):
+            ring.abort()
+            self.rings.pop(key, None)
+            self.closed.add(key)
 
     def _unqueue(self, node: Node, epoch: int) -> None:
         if epoch == node.epoch and node.blocked == "queue":
@@ -297,68 +349,5 @@ class Simulation:
         self._next_round(node)
 
     def ring_closed(self, ring: Ring) -> None:
-        key = (self.seg_index[id(ring.seg)], ring.round_id)
-        self.rings.pop(key, None)
-        self.closed.add(key)
-
-    # ------------------------------------------------------------------ churn
-    def _schedule_failure(self, node: Node) -> None:
-        rate = self.settings.churn_per_hour / 3600.0
-        self.q.after(self.rng.expovariate(rate), self._fail, node)
-
-    def _fail(self, node: Node) -> None:
-        c = node.cluster
-        if self.cluster_done_at[c] is not None:
-            return
-        if not self.up[c]:
-            self._schedule_failure(node)
-            return
-        node.failures += 1
-        self.up[c] = False
-        self._schedule_failure(node)                    # each node's failures are one Poisson process
-        stages = self.clusters[c]
-        first = stages[0]
-        first.started = first.backwards                 # everything in flight is lost and redone
-        for n in stages:
-            n.epoch += 1
-            if n.busy:
-                n.busy = False
-            if n.blocked is not None:
-                n.wait_s += self.q.now - n.blocked_since
-                n.blocked = None
-            n.fwd_queue.clear()
-            n.bwd_queue.clear()
-            n.stash.clear()
-            n.pending.clear()
-            n.queued.clear()
-            n.running = None
-            n.snapshot_version = -1
-        failed_at = self.q.now
-        for ring in list(self.rings.values()):
-            if any(m.cluster == c for m in ring.members):
-                self.q.after(self.settings.ring_timeout_s, ring.abort)
-        self.q.after(self.settings.restart_s, self._restart, c, failed_at)
-
-    def _restart(self, c: int, failed_at: float) -> None:
-        donors = [d for d in self._live() if d != c]
-        net = self.world.network
-        catch_up, version = 0.0, None
-        for n in self.clusters[c]:
-            holders = [self.nodes[seg.holders[d]] for seg in self.node_segments[n.name] for d in donors]
-            for h in holders:
-                t = n.spec.param_bytes / min(net.bandwidth(h.name, n.name), net.uplink[h.name]) \
-                    + net.latency(h.name, n.name)
-                catch_up = max(catch_up, t)
-                version = h.version if version is None else min(version, h.version)
-        self.q.after(catch_up, self._rejoin, c, failed_at, version)
-
-    def _rejoin(self, c: int, failed_at: float, version: int | None) -> None:
-        self.up[c] = True
-        s = self.settings
-        for n in self.clusters[c]:
-            n.down_s += self.q.now - failed_at
-            if version is not None:
-                n.version = max(n.version, version // s.sync_every * s.sync_every)
-            n.accumulated = 0
-            n.pending_staleness.clear()
-        self._dispatch(self.clusters[c][0])
+        self.rings.pop(ring.key, None)
+        self.closed.add(ring.key)

@@ -68,6 +68,19 @@ class Settings:
     (``ravq.average.round_queue.PENDING_ROUNDS``)."""
     ring_timeout_s: float = 30.0
     """timeouts.ring_step_s: a ring with a dead member aborts after this long."""
+    lost_s: float = 6.0
+    """timeouts.lost_s: a failed node's cluster leaves the rings this long after it failed (a new plan
+    epoch, which abandons every open round); it is let back in (another epoch) when it trains again."""
+    averaging_mode: str = "global"
+    """averaging.mode: "global" (one set of rings over every live cluster) or "groups"
+    (``ravq.average.groups``: a grid of groups of at most ``group_size`` clusters, a new axis each round)."""
+    group_size: int = 2
+    group_rates: tuple[float, ...] | None = None
+    """Per cluster, the plan's predicted rate: groups place clusters by it (fastest first); None: shuffled."""
+    finish_poll_s: float = 0.0
+    """A later stage done with its micro-batches learns that stage 0 finished when its compute thread
+    next wakes: at a message or an averaging round, else after this long (``ravq.stage.schedule.WAIT_S``);
+    its wall time runs until then.  0: at once."""
     churn_per_hour: float = 0.0
     """Failures per node per hour (exponential); 0: none."""
     restart_s: float = 30.0
@@ -94,9 +107,12 @@ class Settings:
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
         for name in ("churn_per_hour", "restart_s", "jitter", "ring_timeout_s", "message_overhead_s",
-                     "inflight_warmup_steps"):
+                     "inflight_warmup_steps", "lost_s", "finish_poll_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.averaging_mode not in ("global", "groups") or self.group_size < 2:
+            raise ValueError(f"averaging: mode global or groups and group_size >= 2, got "
+                             f"{self.averaging_mode!r} and {self.group_size}")
         for name in ("pipeline_wire", "ring_wire"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(
