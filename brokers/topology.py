@@ -15,11 +15,9 @@ plane never waits on the broker: nodes talk to it at start-up and send heartbeat
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from brokers.binarystar import PRIMARY, Pairing
 from brokers.book import Book, Member
 from brokers.gauges import Gauges
 from brokers.keyed import KeyedState, member_value, plan_head, plan_items
@@ -56,35 +55,39 @@ _NODE_MESSAGES: dict[MsgType, type[Register | Heartbeat | ReachRequest | Snapsho
 class Broker:
     def __init__(self, topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions,
                  heartbeat_timeout_s: float | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 new_run: bool = False) -> None:
+                 new_run: bool = False, pair: Pairing | None = None) -> None:
         self.topology, self.metrics, self.opts = topology, metrics, opts
+        self.pair, self.role = pair, PRIMARY if pair is None else pair.role
+        """The Binary Star pair this broker is the active one of (``brokers.pair``); None: alone."""
+        restored = None if pair is None else pair.restored
         self.clock = clock
         """What heartbeats and silences are timed on (seconds; tests pass a virtual one)."""
         self.limits = DecodeLimits(max_header_bytes=topology.limits.max_header_bytes,
                                    max_frames=topology.limits.max_frames,
                                    max_tensor_bytes=opts.max_message_bytes)
-        self.seq = 0
+        self.seq = 0 if restored is None else restored.seq
         self.heartbeat_timeout_s = heartbeat_timeout_s or topology.timeouts.lost_s
         self.known = {n.name for n in topology.nodes}
         self.incarnation = f"{time.time():.6f}"
         self.state_dir = state_dir_for(topology.broker.state_dir, topology.training.checkpoint_dir,
                                        os.environ)
         """Where the run survives this broker's restarts (``brokers.run.state_dir_for``)."""
-        self.the_run = open_run(self.state_dir, plan, new_run=new_run)
+        self.the_run = restored.run if restored else open_run(self.state_dir, plan, new_run=new_run)
         """The training run (``brokers.run``): continued from the state directory after a restart."""
         self.run_id = self.the_run.run_id
         """Names this training run; every checkpoint carries it, so no node loads another run's stage and
         `ravq export` never merges stages of different runs."""
         # Ring round ids start from the plan epoch, so epochs grow across broker restarts too (brokers.run).
         in_plan = {n for c in self.the_run.plan.clusters for n in c.nodes}
-        self.book = Book(self.the_run.plan, lost_s=self.heartbeat_timeout_s, now=clock(),
+        self.book = restored.book if restored else Book(self.the_run.plan, lost_s=self.heartbeat_timeout_s,
+                                                        now=clock(),
                          replace_s=topology.timeouts.replace_s,
                          standbys=[n.name for n in topology.nodes if n.name not in in_plan])
         self._stop = asyncio.Event()
         self.reach = Reachability(topology, metrics, opts.curve)
         self._tg: asyncio.TaskGroup | None = None
         self.gauges = Gauges(metrics)
-        self.keyed = KeyedState(budget(topology.limits.max_header_bytes))
+        self.keyed = KeyedState(budget(topology.limits.max_header_bytes), restored.seqs if restored else None)
         """The state as published: keys, topics, sequence numbers (``brokers.keyed``)."""
         interval_s = topology.timeouts.heartbeat_interval_s
         self.silences = Silences(SILENT_AFTER * interval_s, self.members, clock())
@@ -139,7 +142,7 @@ class Broker:
                 self.seq += 1
                 await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta={
                     "kind": "delta", "incarnation": self.incarnation, "topic": u.topic, "seq": u.seq,
-                    "items": u.items, "more": u.more}), u.topic)
+                    "items": u.items, "more": u.more, "by": self.role}), u.topic)
         self.metrics.broker_seq.set(self.seq)
         if self.keyed.oversized:
             self.metrics.bad_messages.labels("pub", "header_too_large").inc(self.keyed.oversized)
@@ -243,7 +246,8 @@ class Broker:
             status = {"seq": self.seq, "plan": self.plan.model_dump(), "run_id": self.run_id,
                       "reach": self.reach.public(), "reach_tried": dict(self.reach.tried),
                       "clusters": [cs.public() for cs in self.book.clusters],
-                      "members": {k: _public(v, now) for k, v in self.members.items()}}
+                      "members": {k: _public(v, now) for k, v in self.members.items()},
+                      "pair": None if self.pair is None else self.pair.public()}
             await inbox.reply(identity, Message(type=MsgType.STATUS, sender=BROKER, meta=status), node)
         else:
             self.metrics.bad_messages.labels("broker", "unexpected_type").inc()
@@ -259,14 +263,15 @@ class Broker:
         follows (the global one and its cluster's); ``mine``: only those topics' keys."""
         topics = {GLOBAL, cluster_topic(self.book.cluster_of(node))}
         seqs, parts = self.keyed.snapshot(topics if mine else None)
-        seqs = {t: seqs.get(t, self.keyed.seqs.get(t, 0)) for t in topics}
+        if node != BROKER:  # a node's topics' numbers (a passive broker, the pair's other, follows every one)
+            seqs = {t: seqs.get(t, self.keyed.seqs.get(t, 0)) for t in topics}
         self._snapshots += 1
         now = self.clock()
         for i, part in enumerate(parts):
             items = [(k, round(now - self.silences.last[k[7:]], 3) if k.startswith("silent/") else v)
                      for k, v in part]
             meta = {"seq": self.seq, "incarnation": self.incarnation, "snap": self._snapshots, "part": i,
-                    "parts": len(parts),
+                    "parts": len(parts), "by": self.role,
                     "scope": sorted(topics) if mine else None, "items": items, "seqs": seqs if i == 0 else {}}
             await inbox.reply(identity, Message(type=MsgType.SNAPSHOT, sender=BROKER, meta=meta), node)
 
@@ -319,7 +324,8 @@ class Broker:
     async def _tick(self, pub: Publisher, topic: str) -> None:
         async with self._publishing:  # after every update of the number it says
             seq = self.keyed.seqs[topic]
-            meta = {"kind": "tick", "incarnation": self.incarnation, "topic": topic, "seq": seq}
+            meta = {"kind": "tick", "incarnation": self.incarnation, "topic": topic, "seq": seq,
+                    "by": self.role}
             await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta=meta), topic)
 
     async def _until_stopped(self) -> None:
@@ -348,6 +354,8 @@ class Broker:
                 tg.create_task(self._watch_heartbeats(pub))
                 tg.create_task(self._publish_silence(pub))
                 tg.create_task(self._until_stopped())
+                if self.pair is not None:
+                    tg.create_task(self.pair.serve(pub.publish, self.stop))
                 if relay is not None:
                     tg.create_task(relay.serve())
                 if self.opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
@@ -383,18 +391,3 @@ def _public(m: Member, now: float) -> dict[str, Any]:
     return {"state": m.state, "phase": m.said.phase, "generation": m.said.generation,
             "age_s": round(now - m.last_seen, 3),
             "stats": m.stats}
-
-
-def run_broker(topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions, *,
-               new_run: bool = False) -> None:
-    """Entry point: run until SIGTERM/SIGINT."""
-    broker = Broker(topology, plan, metrics, opts, new_run=new_run)
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, broker.stop)
-        await broker.run()
-
-    asyncio.run(main())

@@ -263,6 +263,11 @@ class Metrics:
             ["cluster", "member", "why"], registry=r)
         self.broker_requests = Counter("ravq_broker_requests_total", "Requests answered", ["type"],
                                        registry=r)
+        self.broker_active = Gauge("ravq_broker_active", "1 while this broker serves the nodes (alone, or "
+                                   "the active one of a Binary Star pair), 0 while passive", ["role"],
+                                   registry=r)
+        self.broker_failovers = Counter("ravq_broker_failovers_total", "Times this broker took over from its "
+                                        "pair's other broker (it failed or restarted)", ["role"], registry=r)
         # --- churn
         self.broker_phases = Gauge("ravq_broker_node_phases", "Nodes up, by what they say they do "
                                    "(training, paused, catching_up, standby, ...)", ["phase"], registry=r)

@@ -71,7 +71,7 @@ def plan_for(topology: Topology, plan_path: str | None) -> Plan:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    from brokers.topology import run_broker
+    from brokers.pair import as_backup, run_broker
     from ravq.metrics import Metrics
     from ravq.net import listen
     from ravq.net.security import socket_options_for
@@ -79,6 +79,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from ravq.tuning import tune_process
 
     topology = load_topology(args.topology)
+    if args.backup:  # serve as broker.backup: its address, ports and state directory are "the broker"'s
+        topology = as_backup(topology, dict(os.environ))
     if args.state_dir is not None:
         broker = topology.broker.model_copy(update={"state_dir": args.state_dir})
         topology = topology.model_copy(update={"broker": broker})
@@ -96,7 +98,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
         opts = socket_options_for(topology, "broker", args.key_dir, metrics)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    run_broker(topology, plan, metrics, opts, new_run=args.new_run)
+    run_broker(topology, plan, metrics, opts, new_run=args.new_run, backup=args.backup)
     return 0
 
 
@@ -287,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "$STATE_DIRECTORY/broker, else training.checkpoint_dir/broker)")
     b.add_argument("--new-run", action="store_true",
                    help="start a new training run instead of continuing the one in the state directory")
+    b.add_argument("--backup", action="store_true", help="run as broker.backup (Binary Star): passive until "
+                   "the broker fails, then active")
     b.set_defaults(func=cmd_broker)
 
     n = sub.add_parser("node", help="run one node")

@@ -1,0 +1,145 @@
+"""The active broker's state as the passive one of a Binary Star pair follows it.  No sockets.
+
+The passive broker subscribes to every topic of the active one's PUB (``ravq.net.clone``) and fetches a
+whole snapshot first and after every gap: ``Replica`` holds every key (run, plan and epoch, clusters
+with their generations, members with their incarnations, phases and checkpoints, reachability, the
+standbys among the members) with each topic's sequence number, as a node holds its own topics.  When
+the passive broker takes over, ``restore`` makes of it what a broker starts from (``Restored``): the
+run, a book of the same members and clusters, and sequence numbers and a plan epoch past any it saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from brokers.book import Book, ClusterState, Member
+from brokers.run import Run
+from ravq.config import Plan
+from ravq.net.protocol import Heartbeat
+
+log = logging.getLogger(__name__)
+
+SEQ_JUMP = 1000
+"""How far past the numbers it saw a new active broker numbers its topics: past the updates the failed
+one may have published that the passive one never received."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Restored:
+    """What a broker that takes over starts from (``brokers.topology.Broker``)."""
+
+    run: Run
+    book: Book
+    seqs: dict[str, int]
+    """Each topic's next numbers go on from here."""
+    seq: int
+    """The broker's count of updates goes on from here."""
+
+
+class Replica:
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        """Key -> its value, as the active broker published it."""
+        self.seqs: dict[str, int] = {}
+        """Topic -> the number of its latest update applied."""
+        self.incarnation: str | None = None
+        """The active broker process this state is of (None: no snapshot yet)."""
+        self.seq = 0
+        """The active broker's count of updates, as of the latest snapshot."""
+        self.synced_at: float | None = None
+        """When the latest snapshot was applied."""
+
+    def apply_update(self, meta: dict[str, Any]) -> bool:
+        """A published update or tick; False when it shows a gap or another broker: fetch a snapshot."""
+        if self.incarnation is None or meta.get("incarnation") != self.incarnation:
+            return False
+        topic, seq = str(meta["topic"]), int(meta["seq"])
+        held = self.seqs.get(topic, 0)
+        if meta.get("kind") == "tick":
+            return seq <= held
+        if seq <= held:
+            return True
+        if seq != held + 1:
+            return False
+        self.seqs[topic] = seq
+        self.seq += 1
+        self._apply(meta["items"])
+        return True
+
+    def apply_snapshot(self, parts: list[dict[str, Any]], now: float) -> None:
+        """A whole snapshot's parts, in order (every topic's number comes with the first)."""
+        self.values = {}
+        for part in parts:
+            self._apply(part["items"])
+        first = parts[0]
+        self.seqs = {str(t): int(n) for t, n in first["seqs"].items()}
+        self.incarnation, self.seq, self.synced_at = first.get("incarnation"), int(first.get("seq", 0)), now
+
+    def _apply(self, items: list[Any]) -> None:
+        for key, value in items:
+            if value is None:
+                self.values.pop(str(key), None)
+            else:
+                self.values[str(key)] = value
+
+    def plan(self) -> Plan | None:
+        """The plan as published (None: not whole yet)."""
+        head = self.values.get("plan")
+        if not isinstance(head, dict):
+            return None
+        parts = [self.values.get(f"plan/{c}") for c in range(int(head["clusters"]))]
+        if not all(isinstance(p, dict) for p in parts):
+            return None
+        return Plan.model_validate({k: v for k, v in head.items() if k != "clusters"} | {"clusters": parts})
+
+    def restore(self, base: Run, *, lost_s: float, replace_s: float, standbys: list[str], now: float,
+                term: int) -> Restored:
+        """What the broker that takes over starts from: ``base`` (this broker's own run as it opened it)
+        with the run id and plan followed, the plan's epoch past the one seen (and the time in
+        milliseconds, as a restarted broker's), the book's members and clusters as published, each
+        member heard from ``now`` on; topics numbered past ``SEQ_JUMP`` times the term."""
+        plan = self.plan()
+        assert plan is not None, "restore before a whole snapshot"
+        epoch = max(plan.epoch + 1, int(time.time() * 1000))
+        plan = plan.model_copy(update={"epoch": epoch})
+        run_value = self.values.get("run") or {}
+        run = dataclasses.replace(base, run_id=str(run_value.get("run_id", base.run_id)),
+                                  explicit=bool(run_value.get("run_explicit", base.explicit)), plan=plan)
+        in_plan = {n for c in plan.clusters for n in c.nodes}
+        book = Book(plan, lost_s=lost_s, now=now, replace_s=replace_s,
+                    standbys=[n for n in standbys if n not in in_plan])
+        members = {name[len("member/"):]: _member(value, now) for name, value in self.values.items()
+                   if name.startswith("member/") and isinstance(value, dict)}
+        clusters = [_cluster(self.values.get(f"cluster/{c}"), c in plan.excluded, now)
+                    for c in range(len(plan.clusters))]
+        book.restore(members, clusters)
+        log.warning("taking over run %s at plan epoch %d: %d members, clusters %s", run.run_id, epoch,
+                    len(members), [cs.state for cs in clusters])
+        seqs = {t: n + SEQ_JUMP * term for t, n in self.seqs.items()}
+        return Restored(run=run, book=book, seqs=seqs, seq=self.seq + SEQ_JUMP * term)
+
+
+def _member(value: dict[str, Any], now: float) -> Member:
+    state = str(value.get("state", "missing"))
+    incarnation = value.get("incarnation") if isinstance(value.get("incarnation"), str) else None
+    checkpoints = value.get("checkpoints") if isinstance(value.get("checkpoints"), list) else None
+    said = Heartbeat(incarnation=incarnation or "", phase=str(value.get("phase", "starting")))
+    return Member(state=state, last_seen=now, incarnation=incarnation, registered=state != "missing",
+                  said=said, checkpoints=checkpoints, lost_at=now if state in ("lost", "left") else None)
+
+
+def _cluster(value: Any, excluded: bool, now: float) -> ClusterState:
+    if not isinstance(value, dict):
+        return ClusterState()
+    state = str(value.get("state", "starting"))
+    source = value.get("source")
+    return ClusterState(state=state, generation=int(value.get("generation", 0)),
+                        trained=int(value.get("trained", 0)), catchup=bool(value.get("catchup")),
+                        source=source if isinstance(source, int) else None,
+                        reason=str(value.get("reason", "")), note=str(value.get("note", "")),
+                        disrupted_at=now if state in ("paused", "recovering") else None,
+                        done_at=now if state == "done" else None, out_of_rings=state == "done" and excluded)
