@@ -8,6 +8,12 @@ topics (one request at a time on the broker link).  Heartbeats (``ravq.net.proto
 sent without waiting and carry what the broker must know to rebuild its book after a restart (this
 process's incarnation, its cluster generation and phase), so a slow or restarting broker never stalls
 training.
+
+With a backup broker (``broker.backup``, ZeroMQ's Binary Star: ``brokers.binarystar``) the node follows
+both brokers' PUBs (only the active one publishes) and keeps a link to each; it talks to the one whose
+updates it hears (each says ``by``), and turns to the other once the one it talks to has been silent for
+``TURN_AFTER`` heartbeat intervals: its heartbeats there are its vote for a failover.  A passive broker
+answers a request it does not serve with ``passive`` and the node turns back at once.
 """
 
 from __future__ import annotations
@@ -35,8 +41,20 @@ from ravq.swarm.report import NodeReport, Progress
 log = logging.getLogger("ravq.swarm.membership")  # the lines it always logged
 
 
+TURN_AFTER = 2.5
+"""Heartbeat intervals of silence from the broker after which a node turns to the other one of a pair: past
+the two after which a passive broker counts its peer lost (``brokers.pair.EXPIRY``), so the first
+heartbeat there is a vote it accepts."""
+BROKERS = ("primary", "backup")
+"""The pair's brokers, as updates name their sender (``by``); a broker alone is the primary."""
+
+
 class BrokerUnavailable(RuntimeError):
     pass
+
+
+class BrokerPassive(TimeoutError):
+    """The broker asked is the passive one of a pair: ask the other."""
 
 
 class Membership(MembershipState):
@@ -47,8 +65,16 @@ class Membership(MembershipState):
         self.topology = topology
         b = topology.broker
         self.sub = Subscriber.connect(ctx, endpoint(b.host, b.pub_port), metrics, limits, opts, [GLOBAL])
-        self.link = Outlink.connect(ctx, endpoint(b.host, b.router_port), "broker", "broker", metrics, limits,
-                                    opts, identity=name)
+        self.links = [Outlink.connect(ctx, endpoint(b.host, b.router_port), "broker", "broker", metrics,
+                                      limits, opts, identity=name)]
+        """A link to each broker: the primary's, and the backup's when the topology names one."""
+        if b.backup is not None:
+            self.sub.sock.connect(endpoint(b.backup.host, b.backup.pub_port))
+            self.links.append(Outlink.connect(ctx, endpoint(b.backup.host, b.backup.router_port), "broker",
+                                              "broker", metrics, limits, opts, identity=name))
+        self.on = 0
+        """The broker this node talks to (0: the primary, 1: the backup)."""
+        self._turned_at = clock()
         self.reach_ports: list[str] | None = None
         """The ports this node asked the broker to dial back (``wait_reach``); None before it asked."""
         self.report = NodeReport()
@@ -56,6 +82,22 @@ class Membership(MembershipState):
         self._asking = asyncio.Lock()
         """One snapshot request at a time on the link (following, polling and joining all ask)."""
         self._oversized = 0
+
+    @property
+    def link(self) -> Outlink:
+        return self.links[self.on]
+
+    def _turn(self, to: int, why: str) -> None:
+        if to != self.on and to < len(self.links):
+            log.warning("%s: turning to the %s broker (%s)", self.name, BROKERS[to], why)
+            self.on, self._turned_at = to, self.clock()
+
+    def _turn_if_silent(self) -> None:
+        """The broker this node talks to has been silent for ``TURN_AFTER`` intervals: try the other."""
+        after_s = TURN_AFTER * self.topology.timeouts.heartbeat_interval_s
+        now = self.clock()
+        if len(self.links) > 1 and now - self._heard_at > after_s and now - self._turned_at > after_s:
+            self._turn(1 - self.on, f"no word from the {BROKERS[self.on]} for {now - self._heard_at:.1f}s")
 
     async def _request(self, kind: MsgType, meta: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
         """Send a REGISTER or SNAPSHOT_REQ and return the snapshot's parts (a part of an earlier snapshot, one
@@ -65,7 +107,15 @@ class Membership(MembershipState):
             parts: dict[int, dict[str, Any]] = {}
             snap = None
             while True:
-                reply = await self.link.recv(timeout_s)
+                try:
+                    reply = await self.link.recv(timeout_s)
+                except TimeoutError:
+                    self._turn(1 - self.on, "no reply")
+                    raise
+                if reply.type == MsgType.REPLY and reply.meta.get("passive"):
+                    self._turn(1 - self.on, f"the {BROKERS[self.on]} is passive")
+                    await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s / 4)
+                    raise BrokerPassive(f"the {BROKERS[1 - self.on]} broker is passive")
                 if reply.type != MsgType.SNAPSHOT:
                     continue
                 if reply.meta.get("snap") != snap:
@@ -161,6 +211,8 @@ class Membership(MembershipState):
             msg = await self.sub.recv()
             if msg.type != MsgType.UPDATE:
                 continue
+            if msg.meta.get("by") in BROKERS:  # the active broker: talk to it
+                self._turn(BROKERS.index(msg.meta["by"]), "it publishes")
             try:
                 behind |= not self.apply_update(msg.meta)
             except (KeyError, TypeError, ValueError):
@@ -181,6 +233,7 @@ class Membership(MembershipState):
         """A heartbeat; and the reachability request again while the broker's state has no verdict on this
         node after it asked: a restarted broker knows none, and a whole cluster that restarts with it waits at
         its first start for every member's verdict (it stayed ``starting`` until ``connect_s``)."""
+        self._turn_if_silent()
         beat = self.report.heartbeat(progress, stats, done=done)
         await self.link.send(Message(type=MsgType.HEARTBEAT, sender=self.name, meta=beat.meta()))
         if self.reach_ports is not None and self.name not in self.reach:
@@ -188,7 +241,8 @@ class Membership(MembershipState):
 
     def close(self) -> None:
         self.sub.close()
-        self.link.close()
+        for link in self.links:
+            link.close()
 
 
 async def beat_on_cadence(beat: Callable[[], Awaitable[None]], interval_s: float,
