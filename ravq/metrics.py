@@ -238,6 +238,11 @@ class Metrics:
         # --- all-reduce
         self.allreduce_rounds = Counter("ravq_allreduce_rounds_total", "Completed averaging rounds",
                                         registry=r)
+        self.averaging_group = Gauge("ravq_averaging_group", "Lowest cluster index of the group this node "
+                                     "averaged with in its newest round (global mode: every cluster)",
+                                     registry=r)
+        self.averaging_group_size = Gauge("ravq_averaging_group_size",
+                                          "Clusters in that group (1: alone, the round skipped)", registry=r)
         self.allreduce_seconds = Histogram("ravq_allreduce_seconds", "Time of one averaging round",
                                            buckets=_LATENCY_BUCKETS, registry=r)
         self.allreduce_aborts = Counter("ravq_allreduce_aborts_total", "Averaging rounds aborted",

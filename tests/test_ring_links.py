@@ -11,10 +11,12 @@ import zmq
 import zmq.asyncio
 
 from ravq.average.averager import Averager
+from ravq.average.group_rounds import RoundGroups
 from ravq.average.mailbox import Mailbox
 from ravq.average.ring import ring_allreduce
 from ravq.cli.demo import free_ports
 from ravq.config import ClusterPlan, Plan, Topology
+from ravq.config.averaging import AveragingConfig
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions
 from ravq.net.security import Curve
@@ -129,6 +131,7 @@ def _averager(port: RingPort) -> Averager:
     avg = Averager.__new__(Averager)
     avg.me, avg.cluster, avg.port, avg.mailbox, avg._seen_epoch = "n1", 0, port, Mailbox(), 0
     avg.names, avg.numels, avg.owners = ["w"], [8], [{"w": "n1"}, {"w": "n2"}]
+    avg.groups = RoundGroups(AveragingConfig(), 0)
     return avg
 
 

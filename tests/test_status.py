@@ -31,3 +31,14 @@ def test_status_says_who_is_behind_nat_and_which_links_are_relayed() -> None:
     assert "reachable: a; behind NAT: b, c" in text
     assert "relayed pipeline link b <-> c via broker" in text and "relayed ring link b <-> c via r1" in text
     assert "1 link(s) dialled from behind NAT: pipeline a<->b" in text
+
+
+def test_status_shows_each_nodes_averaging_group_and_how_many_versions_it_is_behind_the_freshest() -> None:
+    stats = {"a": {"cluster": 0, "stage": 0, "version": 50, "averaging_group": [0, 2]},
+             "b": {"cluster": 1, "stage": 0, "version": 47, "averaging_group": [1]},
+             "c": {"cluster": 2, "stage": 0}}
+    text = format_status({"seq": 1, "plan": {"clusters": [{"nodes": ["a"]}, {"nodes": ["b"]}, {"nodes": ["c"]}]},
+                          "members": {n: {"state": "up", "stats": s} for n, s in stats.items()}})
+    header, *rows = text.splitlines()[1:]
+    assert header.split()[-3:] == ["age", "group", "waiting"]
+    assert [r.split()[-3:-1] for r in rows] == [["0", "0,2"], ["3", "1"], ["-", "-"]]

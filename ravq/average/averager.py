@@ -35,6 +35,7 @@ import torch
 from ravq.average import catchup
 from ravq.average.compute import in_compute
 from ravq.average.correction import PendingRound, correct, keep_non_negative_state, outer_step, record_applied
+from ravq.average.group_rounds import RoundClock, RoundGroups
 from ravq.average.mailbox import Mailbox
 from ravq.average.owners import averaged_tensors
 from ravq.average.port import Port
@@ -96,9 +97,8 @@ class Averager:
         """For each cluster, tensor name -> its holder (renamed when standbys take stages over)."""
         self.plan = plan
         self.mailbox = Mailbox()
-        self._epoch = -1
-        """The plan epoch this stage counts rounds in (compute thread)."""
-        self._steps_in_epoch = 0
+        self.clock = RoundClock(t.sync_every)
+        self.groups = RoundGroups(topology.averaging, cluster, metrics)
         self._seen_epoch = -1
         """The newest plan epoch the event loop has acted on (aborting older rounds)."""
         self.hold_s = 1.5 * topology.timeouts.heartbeat_interval_s
@@ -161,18 +161,15 @@ class Averager:
         plan = self.plan()
         # the next step's count (a dropped cluster counts no more)
         set_clusters(worker.optimizer, self.live_clusters(plan))
-        if plan.epoch != self._epoch:
-            self._epoch, self._steps_in_epoch = plan.epoch, 0
-        self._steps_in_epoch += 1  # every step counts, or this stage's round ids drift from its peers'
-        if self._steps_in_epoch % self.sync_every or self.loop is None:
+        in_epoch = self.clock.step(plan.epoch)
+        if in_epoch is None or self.loop is None:
             return
-        segments = self.segments(plan)
+        segments = self.groups.restrict(self.segments(plan), plan, in_epoch)  # this round's group's rings
         if not segments:
             return
         named = self.tensors()
         snapshots = snapshot_segments(named, segments)
         done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
-        in_epoch = min(self._steps_in_epoch // self.sync_every - 1, FINAL_ROUND - 1)
         round_id = plan.epoch * ROUNDS_PER_EPOCH + in_epoch
         self.loop.call_soon_threadsafe(self.queue.enqueue, (round_id, snapshots, segments, done))
         if not self.overlap:
@@ -297,7 +294,7 @@ class Averager:
         turn) and link ring peers new to this node, keeping every other link (``RingPort.ensure``)."""
         if plan.epoch > self._seen_epoch:
             self._seen_epoch = plan.epoch
-            if aborted := self.mailbox.abort_open("plan_changed"):
+            if aborted := self.mailbox.abort_open("plan_changed", self.groups.touched(plan)):
                 log.info("%s: plan epoch %d: abandoned %d open ring round(s)", self.me, plan.epoch, aborted)
             self.port.ensure(m for seg in self.segments(plan) for m in seg.ring)
 
@@ -390,6 +387,7 @@ class Averager:
         segments = self.segments()
         return {"allreduce_rounds": self.queue.completed, "allreduce_aborts": self.queue.aborts,
                 "ring_size": len(segments[0].ring) if segments else 0,
+                "averaging_group": list(self.groups.last),
                 "segment_bytes": sum(named[n].numel() * named[n].element_size()
                                      for s in segments for n in s.names if n in named),
                 "allreduce_seconds_mean": self.queue.mean_seconds(),

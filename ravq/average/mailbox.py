@@ -8,7 +8,7 @@ The node's ring socket reader decodes each RING_CHUNK (``received_piece``) and h
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,12 +158,14 @@ class Mailbox:
         if sender == rnd.predecessor and rnd.expecting:
             rnd.abort(RingAborted(rnd.ring_id, rnd.round_id, "peer_moved_on", sender))
 
-    def abort_open(self, reason: str) -> int:
+    def abort_open(self, reason: str, reaching: Collection[str] | None = None) -> int:
         """Abort every open round at once (e.g. the plan dropped a member: no round of the old plan can
-        finish).  Every member sees the same plan change, so none is told; returns how many."""
-        for rnd in self._open.values():
+        finish), or only those whose ring reaches a node of ``reaching`` (group averaging: the groups a
+        change touched).  Every member sees the same plan change, so none is told; returns how many."""
+        doomed = [r for r in self._open.values() if reaching is None or not r.members.isdisjoint(reaching)]
+        for rnd in doomed:
             rnd.abort(RingAborted(rnd.ring_id, rnd.round_id, reason, from_peer=True))
-        return len(self._open)
+        return len(doomed)
 
     def _put(self, rnd: OpenRound, sender: str, step: int, piece: int, tensor: Piece) -> None:
         if sender != rnd.predecessor or not rnd.expects(step, piece):

@@ -50,7 +50,8 @@ passes."""
 
 async def fetch_status(topology: Topology, timeout_s: float, key_dir: str | None = None,
                        name: str | None = None) -> dict[str, Any]:
-    """One STATUS round trip; raises TimeoutError when the broker does not answer.
+    """One STATUS round trip; raises TimeoutError when the broker does not answer.  With a backup
+    (``broker.backup``), the active one's status: the other is asked when the first is passive or silent.
 
     With CURVE the request is made with a listed key pair found on this PC (see status_identity)."""
     name, key_dir = status_identity(topology, key_dir, name)
@@ -59,18 +60,24 @@ async def fetch_status(topology: Topology, timeout_s: float, key_dir: str | None
     opts = (
         socket_options_for(topology, name, key_dir, metrics) if topology.security.curve else SocketOptions()
     )
+    b = topology.broker
+    addresses = [endpoint(b.host, b.router_port)]
+    if b.backup is not None:
+        addresses.append(endpoint(b.backup.host, b.backup.router_port))
+    passive: dict[str, Any] | None = None
     try:
-        b = topology.broker
-        reply = await request(
-            ctx,
-            endpoint(b.host, b.router_port),
-            Message(type=MsgType.STATUS_REQ, sender=name),
-            timeout_s,
-            metrics,
-            DecodeLimits(max_header_bytes=STATUS_MAX_HEADER_BYTES),
-            opts,
-        )
-        return reply.meta
+        for address in addresses:
+            try:
+                reply = await request(ctx, address, Message(type=MsgType.STATUS_REQ, sender=name), timeout_s,
+                                      metrics, DecodeLimits(max_header_bytes=STATUS_MAX_HEADER_BYTES), opts)
+            except TimeoutError:
+                continue
+            if not reply.meta.get("passive"):
+                return reply.meta
+            passive = reply.meta
+        if passive is None:
+            raise TimeoutError(f"no broker answered within {timeout_s:.1f}s")
+        return passive
     finally:
         if opts.monitor is not None:
             opts.monitor.close()
@@ -93,25 +100,40 @@ def node_state(member: dict[str, Any]) -> str:
     return {"training": "alive", "catching_up": "catching-up", "starting": "alive"}.get(phase, phase)
 
 
+def pair_lines(status: dict[str, Any]) -> list[str]:
+    """Which broker of a Binary Star pair answered, its state and failovers, and its peer as it hears it."""
+    pair = status.get("pair")
+    if not isinstance(pair, dict):
+        return []
+    return [(f"broker: the {pair.get('role')} is {pair.get('state')} (term {pair.get('term')}, "
+            f"{pair.get('failovers', 0)} failovers here); the other ({pair.get('peer_address')}) is "
+            f"{pair.get('peer') or 'not heard'}, last heard {pair.get('peer_silent_s')}s ago")]
+
+
 def format_status(status: dict[str, Any]) -> str:
     clusters = status.get("plan", {}).get("clusters", [])
     lines = [f"broker sequence {status.get('seq')}; run {status.get('run_id', '?')}; clusters: "
-             + " | ".join(" -> ".join(c.get("nodes", [])) for c in clusters)]
+             + " | ".join(" -> ".join(c.get("nodes", [])) for c in clusters), *pair_lines(status)]
     for c, cs in enumerate(status.get("clusters", [])):
         why = f": {cs['reason']}" if cs.get("reason") else ""
         why += f" [{cs['note']}]" if cs.get("note") else ""
         lines.append(f"cluster {c}: {cs.get('state')} (generation {cs.get('generation', 0)}){why}")
     lines.append(
         f"{'node':<16}{'state':<12}{'c/s':<6}{'version':>8}{'samples':>9}{'busy':>7}{'stale':>7}{'loss':>8}"
-        f"{'val':>8}  waiting"
+        f"{'val':>8}{'age':>5}{'group':>8}  waiting"
     )
+    freshest = max((v for m in status.get("members", {}).values()  # age: versions behind the freshest
+                    if isinstance(v := (m.get("stats") or {}).get("version"), int)), default=0)
     for name, m in sorted(status.get("members", {}).items()):
         st = m.get("stats") or {}
+        age = freshest - st["version"] if isinstance(st.get("version"), int) else None
+        group = ",".join(str(c) for c in st.get("averaging_group") or []) or "-"  # the newest round's
         where = f"{st.get('cluster', '?')}/{st.get('stage', '?')}"
         lines.append(f"{name:<16}{node_state(m):<12}{where:<6}{_num(st.get('version'), 'd', 8)}"
                      f"{_num(st.get('samples'), 'd', 9)}{_num(st.get('busy_fraction'), '.2f', 7)}"
                      f"{_num(st.get('staleness_mean'), '.2f', 7)}{_num(st.get('loss'), '.3f', 8)}"
-                     f"{_num(st.get('eval_loss'), '.3f', 8)}  {waiting_text(st)}")
+                     f"{_num(st.get('eval_loss'), '.3f', 8)}{_num(age, 'd', 5)}{group:>8}"
+                     f"  {waiting_text(st)}")
         if st.get("failure"):
             lines.append(f"{'':<16}failure: {st['failure']}")
     lines += reach_lines(status)

@@ -1,0 +1,94 @@
+"""A node's rounds under group averaging: the rings of its round's group, and what a plan change touches.
+
+The averager plans its segments over every live cluster as before (so a segment names the same tensors
+in every round, whatever the group: the corrections of ``ravq.average.correction`` key on them), then
+keeps, in each segment's ring, the holders in its round's group (``ravq.average.groups``): every group
+is its own set of rings, all running at once.  A plan change aborts only the open rounds whose rings
+reach a cluster the change touched; in global mode, as always, every open round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from ravq.average.groups import group_of, groups_for
+from ravq.average.rounds import FINAL_ROUND
+from ravq.average.segments import Segment
+from ravq.config import Plan
+from ravq.config.averaging import AveragingConfig
+from ravq.metrics import Metrics
+
+
+def live_clusters(plan: Plan) -> list[int]:
+    """The clusters in the rings (every cluster of the plan not excluded), in cluster order."""
+    return [c for c in range(len(plan.clusters)) if c not in plan.excluded]
+
+
+class RoundClock:
+    """Which optimizer step ends which round: every ``sync_every``-th step since the stage saw the plan
+    epoch ends round k of it (compute thread).  Every member of a ring counts alike, so all agree on
+    round ids without talking to the broker (``ravq.average.averager``)."""
+
+    def __init__(self, sync_every: int) -> None:
+        self.sync_every = sync_every
+        self.epoch, self.steps = -1, 0
+
+    def step(self, epoch: int) -> int | None:
+        """Count one optimizer step under plan epoch ``epoch``; the index in it of the round it ends."""
+        if epoch != self.epoch:
+            self.epoch, self.steps = epoch, 0
+        self.steps += 1  # every step counts, or this stage's round ids drift from its peers'
+        if self.steps % self.sync_every:
+            return None
+        return min(self.steps // self.sync_every - 1, FINAL_ROUND - 1)
+
+
+class RoundGroups:
+    """Which clusters one node's rounds run over: every live one (global) or the round's group."""
+
+    def __init__(self, config: AveragingConfig, cluster: int, metrics: Metrics | None = None,
+                 rates: Callable[[Plan], Mapping[int, float] | None] = lambda plan: None) -> None:
+        self.mode, self.group_size, self.cluster = config.mode, config.group_size, cluster
+        self.metrics, self.rates = metrics, rates
+        """Each cluster's rate under a plan, the same on every node (the planner's), or None: the grid's
+        places are shuffled instead.  Plans carry no per-cluster rate yet, so nodes pass none."""
+        self._plan: Plan | None = None
+        """The newest plan ``touched`` compared against."""
+        self.last: tuple[int, ...] = ()
+        """The group of the newest round ``restrict`` planned (for the node's stats)."""
+
+    def group(self, plan: Plan, round_index: int) -> tuple[int, ...]:
+        """The clusters this node's cluster averages with in round ``round_index`` of the plan's epoch."""
+        live = live_clusters(plan)
+        if self.cluster not in live:
+            return (self.cluster,)
+        groups = groups_for(plan.epoch, round_index, live, self.mode, self.group_size, self.rates(plan))
+        return group_of(self.cluster, groups)
+
+    def restrict(self, segments: list[Segment], plan: Plan, round_index: int) -> list[Segment]:
+        """``segments`` (planned over every live cluster, rings in cluster order) with each ring cut to the
+        holders in this round's group; none when the group is this cluster alone."""
+        self.last = self.group(plan, round_index)
+        if self.metrics is not None:
+            self.metrics.averaging_group.set(min(self.last))
+            self.metrics.averaging_group_size.set(len(self.last))
+        if self.mode == "global":
+            return segments
+        group = set(self.last)
+        if len(group) < 2:
+            return []
+        keep = [i for i, c in enumerate(live_clusters(plan)) if c in group]
+        return [replace(seg, ring=tuple(seg.ring[i] for i in keep)) for seg in segments]
+
+    def touched(self, plan: Plan) -> set[str] | None:
+        """The nodes of the clusters a new plan changed since the last one seen here (dropped, readmitted,
+        other nodes or cuts); None: every open round is touched (global mode, or the first plan)."""
+        old, self._plan = self._plan, plan
+        if self.mode == "global" or old is None or len(old.clusters) != len(plan.clusters):
+            return None
+        changed = [c for c, (was, now) in enumerate(zip(old.clusters, plan.clusters))
+                   if was != now or (c in old.excluded) != (c in plan.excluded)]
+        if self.cluster in changed:
+            return None
+        return {n for c in changed for n in (*old.clusters[c].nodes, *plan.clusters[c].nodes)}
