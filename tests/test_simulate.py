@@ -446,3 +446,24 @@ def test_a_later_stage_ends_when_it_next_wakes_after_stage_0_finished() -> None:
     # s1 went idle after its last backward; stage 0's last backward (0.02 s) came after it
     assert polled.nodes[1].wall_s == pytest.approx(at_once.nodes[1].wall_s + 0.5, rel=1e-9)
     assert polled.samples_per_s < at_once.samples_per_s
+
+
+def test_in_groups_mode_a_lost_cluster_abandons_only_the_rounds_of_groups_it_touches() -> None:
+    """Four clusters; d fails.  In global mode the membership change abandons every open round; in groups of
+    two only those of d's group (``RoundGroups.touched``): a and b, c lose fewer rounds."""
+    from ravq.simulate import Simulation, collect
+
+    names = "abcd"
+    segment = SegmentSpec(blocks=(0, 1), nbytes=1e6, holders=tuple(names))
+    aborts = {}
+    for mode in ("global", "groups"):
+        settings = Settings(steps=300, sync_every=5, lost_s=0.5, restart_s=2.0, averaging_mode=mode, group_size=2)
+        sim = Simulation(world([[stage(n, 0.01, 0.01)] for n in names], settings, bandwidth=1e7,
+                               segments=[segment]))
+        for t in (1.03, 3.51):
+            sim.q.at(t, sim.churn.fail, sim.nodes["d"])
+        sim.run()
+        r = collect(sim)
+        assert r.plan_epochs >= 4
+        aborts[mode] = sum(n.allreduce_aborts for n in r.nodes if n.name != "d")
+    assert aborts["global"] >= 6 and aborts["groups"] < aborts["global"]

@@ -61,6 +61,8 @@ class Simulation:
         self.plan_epoch = 0
         self.epoch_live: dict[int, tuple[int, ...]] = {0: tuple(range(len(self.clusters)))}
         """Plan epoch -> the clusters in its rings."""
+        self.changed: dict[int, set[int]] = {}
+        """Plan epoch -> the clusters that left or came back at its start."""
         self.inflight = [s.max_inflight or len(stages) for stages in world.clusters]
         self.uplinks = {name: SharedResource(self.q, world.network.uplink[name]) for name in self.nodes}
         self.cpus = {host: SharedResource(self.q, cores) for host, cores in world.host_cores.items()}
@@ -229,6 +231,7 @@ class Simulation:
         node.accumulated = 0
         if node.plan_epoch != self.plan_epoch:          # every step counts from the epoch the node sees
             node.plan_epoch, node.steps_in_epoch = self.plan_epoch, 0
+            self._moved_on(node)
         node.steps_in_epoch += 1
 
     # ------------------------------------------------------------------ averaging
@@ -280,14 +283,15 @@ class Simulation:
         node.running, nr.started_at = nr, self.q.now
         if node.blocked == "queue":
             self.q.after(0.0, self._unqueue, node, node.epoch)
-        if nr.plan_epoch != self.plan_epoch:            # abandoned with its epoch: skipped in turn
+        group = self._group(node.cluster, nr)
+        if self._abandoned(nr, group):                  # skipped in turn
             self.q.after(0.0, self._round_done, node, nr, True, node.epoch)
             return
-        group = self._group(node.cluster, nr)
-        rings = []
+        rings, abandoned = [], False
         for seg in self.node_segments[node.name] if len(group) > 1 else ():
             key = (self.seg_index[id(seg)], nr.plan_epoch, nr.round_id, group[0])
-            if key in self.closed:
+            if key in self.closed:                      # aborted before this node got to it
+                abandoned = True
                 continue
             ring = self.rings.get(key)
             if ring is None:
@@ -296,7 +300,7 @@ class Simulation:
             rings.append(ring)
         nr.rings_left = len(rings)
         if not rings:
-            self.q.after(0.0, self._round_done, node, nr, False, node.epoch)
+            self.q.after(0.0, self._round_done, node, nr, abandoned, node.epoch)
             return
         for ring in rings:
             ring.open(ring.rank(node))
@@ -309,15 +313,38 @@ class Simulation:
                             "groups" if s.averaging_mode == "groups" else "global", s.group_size, rates)
         return group_of(cluster, groups)
 
+    def _moved_on(self, node: Node) -> None:
+        """``node`` counts steps in a newer epoch: rounds of older ones it has not snapshotted never get its
+        part, so their rings abort (in ravq its peers see pieces of its newer rounds, "peer_moved_on", or
+        time out).  Only groups mode keeps such rings open across an epoch change."""
+        mine = {(nr.plan_epoch, nr.round_id) for nr in (*node.queued, node.running) if nr is not None}
+        for key, ring in list(self.rings.items()):
+            stale = key[1] < node.plan_epoch and key[1:3] not in mine
+            if stale and node in ring.members and not ring.opened.get(ring.rank(node)):
+                ring.abort()
+
+    def _abandoned(self, nr: NodeRound, group: tuple[int, ...]) -> bool:
+        """A queued round of an older epoch: every one in global mode; in groups mode one whose group a later
+        change touched (its ring would wait for a member that left or restarted)."""
+        if nr.plan_epoch == self.plan_epoch:
+            return False
+        if self.settings.averaging_mode == "global":
+            return True
+        return any(c in self.changed[e] for e in range(nr.plan_epoch + 1, self.plan_epoch + 1) for c in group)
+
     def new_epoch(self, live: tuple[int, ...]) -> None:
-        """The broker changed the rings' membership to ``live``: a new plan epoch, and every open round of an
-        older one is abandoned at once on every node (``Averager.on_plan``)."""
+        """The broker changed the rings' membership to ``live``: a new plan epoch.  Every open round of an
+        older one is abandoned at once on every node (``Averager.on_plan``); in groups mode only the rounds
+        whose rings reach a cluster that left or came back (``RoundGroups.touched``)."""
+        before = self.epoch_live[self.plan_epoch]
         self.plan_epoch += 1
         self.epoch_live[self.plan_epoch] = live
+        changed = self.changed[self.plan_epoch] = set(before) ^ set(live)
         for key, ring in list(self.rings.items()):
-            ring.abort()
-            self.rings.pop(key, None)
-            self.closed.add(key)
+            if self.settings.averaging_mode == "global" or any(m.cluster in changed for m in ring.members):
+                ring.abort()
+                self.rings.pop(key, None)
+                self.closed.add(key)
 
     def _unqueue(self, node: Node, epoch: int) -> None:
         if epoch == node.epoch and node.blocked == "queue":
