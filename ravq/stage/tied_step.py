@@ -307,13 +307,21 @@ class TiedStep:
         """Apply the tied steps whose parts are in; while ``wait()``, wait for more (counted as the "tied"
         wait)."""
         while True:
-            if self.exchange.apply_ready(self._optimizer, self._params, self._before_change):
-                self._changed()  # forwards from now on run at the new copy
-            if not wait() or self._should_abort():
+            self._apply_ready()
+            if not wait():
+                # What arrived while the pass above ran (a last delta, then ``fin``) made ``wait()`` false
+                # without being applied: one more pass takes it, or ``close`` would end one copy short.
+                self._apply_ready()
+                return
+            if self._should_abort():
                 return
             t0 = self._clock()
             self.exchange.wait(0.5)
             self._waited("tied", self._clock() - t0)
+
+    def _apply_ready(self) -> None:
+        if self.exchange.apply_ready(self._optimizer, self._params, self._before_change):
+            self._changed()  # forwards from now on run at the new copy
 
     def close(self) -> None:
         """After training and the last averaging round (a node's end): tell the other holders this stage
