@@ -38,7 +38,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from ravq.average.groups import group_of, groups_for
+from ravq.planner.groups import group_of, groups_for
 from ravq.simulate.churn import Churn
 from ravq.simulate.engine import INF, Connection, EventQueue, SharedResource
 from ravq.simulate.rings import Ring
