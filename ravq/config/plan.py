@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from ravq.config.averaging import AveragingConfig
 from ravq.config.base import StrictModel
 
 
@@ -34,6 +35,9 @@ class Plan(StrictModel):
     """Clusters currently dropped from the all-reduce rings (dead member)."""
     predicted_samples_per_s: float | None = None
     """The planner's prediction, when the plan came from the planner."""
+    averaging: AveragingConfig | None = None
+    """The averaging the planner scored the plan with (issue #38: it picks global rings or groups, and the
+    group size, per plan); None: the topology's ``averaging``."""
 
     def locate(self, name: str) -> tuple[int, int]:
         """(cluster, stage) of a node."""
