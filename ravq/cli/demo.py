@@ -57,7 +57,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sync-every", type=int, default=SYNC_EVERY, help="optimizer steps between averaging rounds"
     )
-    p.add_argument("--update-every", type=int, default=1)
+    p.add_argument("--batch", type=int, default=None,
+                   help="samples per optimizer step over all clusters (training.batch; default: one "
+                        "micro-batch per cluster, times --update-every)")
+    p.add_argument("--update-every", type=int, default=1,
+                   help="micro-batches per optimizer step (without --batch)")
     p.add_argument("--outer-lr", type=float, default=1.0, help="step size of each average (1: plain average)")
     p.add_argument("--predict-weights", type=float, default=PREDICT_WEIGHTS,
                    help="weight prediction horizon, in multiples of a stage's staleness (0: off)")
@@ -139,7 +143,18 @@ def _eval_every(args: argparse.Namespace) -> int:
     from ravq.config import resolve_task_module
 
     has_eval = callable(getattr(resolve_task_module(args.task, task_options(args)), "eval_batches", None))
-    return max(1, args.steps // args.update_every // 6) if has_eval else 0
+    return max(1, args.steps // _update_every(args) // 6) if has_eval else 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    """--batch, or what --update-every says: the demo's topology always states its batch."""
+    if args.batch is not None and args.update_every != 1:
+        raise ConfigError("--batch and --update-every: set one (ravq derives update_every from the batch)")
+    return args.batch if args.batch is not None else args.micro_batch * args.clusters * args.update_every
+
+
+def _update_every(args: argparse.Namespace) -> int:
+    return max(1, _batch(args) // (args.micro_batch * args.clusters))
 
 
 def task_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,7 +183,7 @@ def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, A
                           "ring_port": next(ports), "metrics_port": next(ports), "cluster": c, "stage": s})
     training: dict[str, Any] = {
         "micro_batch": args.micro_batch, "steps": args.steps, "max_inflight": args.max_inflight,
-        "update_every": args.update_every, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
+        "batch": _batch(args), "sync_every": args.sync_every, "outer_lr": args.outer_lr,
         "predict_weights": args.predict_weights, "extrapolate_gradients": args.extrapolate_gradients,
         "inflight_warmup_steps": args.inflight_warmup_steps,
         "average_optimizer_state": args.average_optimizer_state,

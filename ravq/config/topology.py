@@ -14,6 +14,8 @@ from pydantic import Field, field_validator, model_validator
 from ravq.config.averaging import AveragingConfig
 from ravq.config.backup import BackupConfig
 from ravq.config.base import ConfigError, UserModel
+from ravq.config.batch import check_declared as check_declared_batch
+from ravq.config.batch import check_fields as check_batch_fields
 from ravq.config.compress import CompressConfig
 from ravq.config.recipe import LRScheduleConfig
 
@@ -45,7 +47,12 @@ class TrainingConfig(UserModel):
     max_inflight: int | None = Field(None, ge=1)
     """Micro-batches in flight per cluster; bounds memory and staleness. Default: number of stages."""
     update_every: int = Field(1, ge=1)
-    """Backwards accumulated before each optimizer step of a stage."""
+    """Backwards accumulated before each optimizer step of a stage (derived from ``batch`` when it is set)."""
+    batch: int | None = Field(None, ge=1)
+    """Samples per optimizer step over all clusters, the batch one process would train with: each step of a
+    stage sums batch / (micro_batch x clusters) micro-batches (``update_every``, derived from the plan;
+    ``ravq.config.batch``).  None: ``update_every`` micro-batches per step, per cluster."""
+    _batch = model_validator(mode="after")(check_batch_fields)
     predict_weights: float = Field(PREDICT_WEIGHTS, ge=0, le=8)
     """Weight prediction: each forward runs at the weights extrapolated along the stage's last update
     by this many times its measured staleness, so the gradient is taken near the weights it is applied
@@ -334,6 +341,7 @@ class Topology(UserModel):
                 if getattr(relay, field) is not None:
                     _claim(endpoints, (relay.host, getattr(relay, field)), f"relays[{i}].{field}")
         _check_clusters(self.nodes)
+        check_declared_batch(self.training, self.nodes)
         if self.security.curve:
             if self.broker.public_key is None:
                 raise ValueError("broker.public_key: required when security.curve is true")

@@ -274,8 +274,8 @@ class Node:
         training = self.topology.training
         assert training.checkpoint_dir
         resume.load(worker, training.checkpoint_dir, cluster=self.cluster, stage=self.stage,
-                    update_every=training.update_every, name=self.name, run_id=self.run_id, version=version,
-                    metrics=self.metrics, micro_batch=training.micro_batch)
+                    update_every=worker.options.update_every, name=self.name, run_id=self.run_id,
+                    version=version, metrics=self.metrics, micro_batch=training.micro_batch)
 
     # ------------------------------------------------------------------ run
     def start(self, tg: asyncio.TaskGroup) -> None:

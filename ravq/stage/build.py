@@ -21,6 +21,7 @@ import torch
 
 from ravq.codec.compress import Format
 from ravq.config import TrainingConfig
+from ravq.config.batch import for_clusters
 from ravq.cut.materialize import materialize
 from ravq.cut.meta import build_meta_model, example_args, retarget_device
 from ravq.cut.split import StageSpec, build_task_model, split_model, stage_input_specs
@@ -52,6 +53,7 @@ class BuiltStage:
 
 def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[int], stage: int, cluster: int,
                 clusters: int, device: str, metrics: Metrics) -> BuiltStage:
+    training = for_clusters(training, clusters)  # update_every from training.batch and the plan's clusters
     example = example_args(task, training.micro_batch)
     model, specs, in_specs = _traced(task, seed, example, cuts, stage, device,
                                      cache_dir(training.checkpoint_dir), training.init_from)

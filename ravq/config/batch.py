@@ -1,0 +1,101 @@
+"""The optimization batch a user states (``training.batch``) and the accumulation ravq derives from it.
+
+``training.batch`` is samples per optimizer step over all clusters: the batch one process would train with.
+Every cluster trains on its own micro-batches and the clusters' weights are averaged, so a step of a stage
+sums ``update_every = batch / (micro_batch x clusters)`` micro-batches of its cluster.  The clusters come
+from the plan (the topology's ``cluster`` fields, or the planner's choice), so the derivation is checked
+when the topology is loaded if every node names its cluster, and again by each node from its plan.
+
+Why the batch matters to an asynchronous pipeline: a micro-batch's gradient is applied a few micro-batches
+after its forward (``max_inflight``), so its staleness in optimizer updates is about
+``(max_inflight - 1) / update_every``.  With one update per micro-batch it is a whole update late on the
+first stage and Adam can lose the run (docs/convergence.md); with several micro-batches per update the
+staleness is a fraction of an update and asynchrony cost nothing in the measurements there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol, Self, TypeVar
+
+from ravq.config.base import ConfigError
+
+
+class BatchSettings(Protocol):
+    """The fields of ``ravq.config.topology.TrainingConfig`` read here (that module imports this one)."""
+
+    batch: int | None
+    micro_batch: int
+    update_every: int
+
+    @property
+    def model_fields_set(self) -> set[str]: ...
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self: ...
+
+
+T = TypeVar("T", bound="BatchSettings")
+
+
+class Member(Protocol):
+    standby: bool
+    cluster: int | None
+
+
+def _not_a_multiple(batch: int, micro_batch: int, clusters: int) -> str:
+    unit = micro_batch * clusters
+    near = sorted({max(unit, batch // unit * unit), (batch // unit + 1) * unit})
+    where = f"micro_batch {unit}"
+    if clusters > 1:
+        where = f"micro_batch x clusters = {micro_batch} x {clusters} = {unit}"
+    choices = " or ".join(f"{n} ({n // unit} micro-batches per cluster and step)" for n in near)
+    return (f"training.batch: {batch} samples per step is not a multiple of {where} (each cluster sums whole "
+            f"micro-batches); set batch to {choices}, or change micro_batch")
+
+
+def check_fields(training: T) -> T:
+    """``TrainingConfig``'s own check: ``batch`` and ``update_every`` are one setting stated two ways, and
+    a batch of whole micro-batches (the clusters are checked once they are known)."""
+    batch = training.batch
+    if batch is None:
+        return training
+    if "update_every" in training.model_fields_set:
+        raise ValueError("training: set batch (samples per optimizer step) or update_every (micro-batches "
+                         "per step), not both: ravq derives update_every from batch")
+    if batch % training.micro_batch:
+        raise ValueError(_not_a_multiple(batch, training.micro_batch, 1))
+    return training
+
+
+def update_every(training: BatchSettings, clusters: int) -> int:
+    """Micro-batches each optimizer step of a stage sums, with ``clusters`` clusters training."""
+    if training.batch is None:
+        return training.update_every
+    assert clusters >= 1
+    if training.batch % (training.micro_batch * clusters):
+        raise ConfigError(_not_a_multiple(training.batch, training.micro_batch, clusters))
+    return training.batch // (training.micro_batch * clusters)
+
+
+def for_clusters(training: T, clusters: int) -> T:
+    """``training`` with ``update_every`` derived from ``batch`` for ``clusters`` clusters (itself when no
+    batch is stated)."""
+    if training.batch is None:
+        return training
+    return training.model_copy(update={"update_every": update_every(training, clusters)})
+
+
+def check_declared(training: BatchSettings, nodes: Iterable[Member]) -> None:
+    """At load: when every training node names its cluster the clusters are known, so is the accumulation."""
+    training_nodes = [n for n in nodes if not n.standby]
+    if training.batch is None or any(n.cluster is None for n in training_nodes):
+        return
+    clusters = len({n.cluster for n in training_nodes})
+    if training.batch % (training.micro_batch * clusters):
+        raise ValueError(_not_a_multiple(training.batch, training.micro_batch, clusters))
+
+
+def staleness_bound(max_inflight: int, update_every: int) -> float:
+    """The first stage's staleness in optimizer updates with ``max_inflight`` micro-batches in flight: the
+    micro-batches that finish between a forward and its backward, over those an update sums."""
+    return (max_inflight - 1) / update_every
