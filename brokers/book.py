@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,17 @@ class ClusterState:
                 "catchup": self.catchup, "source": self.source, "reason": self.reason, "note": self.note}
 
 
+@dataclass(slots=True)
+class Changes:
+    """What ``Book.check`` changed: members and clusters (a standby that took a stage changes the plan)."""
+
+    names: set[str] = field(default_factory=set)
+    clusters: set[int] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.names or self.clusters)
+
+
 class Book:
     def __init__(self, plan: Plan, *, lost_s: float, now: float, replace_s: float = 30.0,
                  standbys: list[str] | None = None) -> None:
@@ -88,6 +100,10 @@ class Book:
         self.clusters = [ClusterState() for _ in plan.clusters]
         self.recoveries: list[float] = []
         """Seconds from a disruption to training again, one per recovery (the broker observes them)."""
+        self._ranked: list[int] | None = None
+        """The training clusters, furthest on first (``freshest_source``); None: rank them again."""
+        self._out: set[int] = set(plan.excluded)
+        """The clusters ``exclude_idle`` found idle (it keeps them as events touch them)."""
         self._where: dict[str, int] = {}
         self._where_plan: Plan | None = None
         """Node -> cluster of ``_where_plan`` (rebuilt when the plan is another object): a heartbeat finds
@@ -105,8 +121,11 @@ class Book:
         trains ``lost_s`` later (their nodes have exited: a cluster that lost time to a pause must not wait
         for them every round).  Clusters that finish together stay in: the plan does not change at the end
         of every run, under rounds that are still open."""
-        return [c for c, cs in enumerate(self.clusters)
-                if cs.state in ("paused", "recovering") or (cs.state == "done" and cs.out_of_rings)]
+        return [c for c in range(len(self.clusters)) if self._idle(c)]
+
+    def _idle(self, c: int) -> bool:
+        cs = self.clusters[c]
+        return cs.state in ("paused", "recovering") or (cs.state == "done" and cs.out_of_rings)
 
     @property
     def running(self) -> bool:
@@ -123,16 +142,17 @@ class Book:
 
     def freshest_source(self, c: int) -> int | None:
         """The training cluster other than ``c`` whose stages are furthest on: the highest lowest version
-        its members reported (ties: the lower index); None when no other cluster trains."""
-        training = [i for i, o in enumerate(self.clusters) if i != c and o.state == "training"]
-        if not training:
-            return None
+        its members reported (ties: the lower index); None when no other cluster trains.  The clusters are
+        ranked once an interval (``check``) and when one starts training, not per call: each ranking visits
+        every member, and thousands of clusters may recover at once (a broker restart)."""
+        if self._ranked is None:
+            def lowest(i: int) -> int:
+                return min(_int(self.members[n].stats.get("version"), 0) if n in self.members else 0
+                           for n in self.plan.clusters[i].nodes)
 
-        def lowest(i: int) -> int:
-            return min(_int(self.members[n].stats.get("version"), 0) if n in self.members else 0
-                       for n in self.plan.clusters[i].nodes)
-
-        return max(training, key=lambda i: (lowest(i), -i))
+            training = [i for i, o in enumerate(self.clusters) if o.state == "training"]
+            self._ranked = sorted(training, key=lambda i: (-lowest(i), i))
+        return next((i for i in self._ranked if i != c and self.clusters[i].state == "training"), None)
 
     # ------------------------------------------------------------------ events
     def restore(self, members: dict[str, Member], clusters: list[ClusterState]) -> None:
@@ -140,11 +160,19 @@ class Book:
         clusters as the active broker last published them."""
         assert len(clusters) == len(self.plan.clusters), (len(clusters), len(self.plan.clusters))
         self.members.update(members)
-        self.clusters = clusters
+        self.clusters, self._ranked = clusters, None
 
-    def exclude_idle(self) -> None:
-        """The plan's excluded clusters follow ``excluded``; each change is a new plan epoch."""
-        excluded = self.excluded()
+    def exclude_idle(self, clusters: Iterable[int] | None = None) -> None:
+        """The plan's excluded clusters follow ``excluded``, looking at ``clusters`` only (those an event
+        touched: O(1) a heartbeat; None: every cluster); each change is a new plan epoch."""
+        for c in range(len(self.clusters)) if clusters is None else clusters:
+            if self._idle(c):
+                self._out.add(c)
+            else:
+                self._out.discard(c)
+        if len(self._out) == len(self.plan.excluded) and self._out.issuperset(self.plan.excluded):
+            return
+        excluded = sorted(self._out)
         if excluded != list(self.plan.excluded):
             self.plan = self.plan.model_copy(update={"excluded": excluded, "epoch": self.plan.epoch + 1})
             log.info("rings now exclude clusters %s", excluded or "none")
@@ -218,6 +246,7 @@ class Book:
         if cs.state == "starting" and not m.registered and m.said.phase not in ("starting", "standby"):
             cs.generation = max(cs.generation, m.said.generation)
             cs.state = "training" if m.said.phase in ("training", "finishing") else "paused"
+            self._ranked = None
             cs.trained = m.said.trained
             if cs.state == "paused":
                 cs.disrupted_at = now
@@ -241,10 +270,10 @@ class Book:
         work of a heartbeat stays within its cluster; the time-driven rest is ``check``'s."""
         return c is not None and self._advance(c, self.clusters[c], now)
 
-    def check(self, now: float) -> bool:
+    def check(self, now: float) -> Changes:
         """Time-driven transitions (the broker runs it on a timer, never per heartbeat: it visits every
-        member); True when the book changed."""
-        changed = False
+        member); what changed (false when nothing did)."""
+        changed, self._ranked = Changes(), None  # the versions moved on
         for name, m in self.members.items():
             c = self.cluster_of(name)
             silent = now - m.last_seen > self.lost_s
@@ -254,17 +283,18 @@ class Book:
                 continue  # a first start: everyone waits for it
             log.warning("node %s silent for %.1fs: lost", name, now - m.last_seen)
             m.state, m.lost_at = "lost", now
-            changed = True
+            changed.names.add(name)
             if c is not None and self.clusters[c].state in ("training", "recovering", "starting", "paused"):
                 self._disrupt(c, f"{name} lost", now)
+                changed.clusters.add(c)
         for c, cs in enumerate(self.clusters):
-            changed |= self._advance(c, cs, now)
-            if cs.state == "paused":
-                changed |= self._replace(c, cs, now)
+            if self._advance(c, cs, now) | (cs.state == "paused" and self._replace(c, cs, now)):
+                changed.clusters.add(c)
         training_on = any(cs.state != "done" for cs in self.clusters)
-        for cs in self.clusters:
+        for c, cs in enumerate(self.clusters):
             if cs.state == "done" and not cs.out_of_rings and training_on and now - cs.done_at >= self.lost_s:
-                cs.out_of_rings = changed = True
+                cs.out_of_rings = True
+                changed.clusters.add(c)
         return changed
 
     def _replace(self, c: int, cs: ClusterState, now: float) -> bool:
@@ -307,7 +337,7 @@ class Book:
         up = all(m.state in ("up", "done") for m in members)
         if cs.state == "starting" and all(m.state in ("up", "done") and m.registered
                                           and m.said.phase in ("training", "finishing") for m in members):
-            cs.state = "training"  # a first start: every member got past waiting for everyone
+            cs.state, self._ranked = "training", None  # a first start: every member got past waiting
             return True
         if cs.state == "paused" and up:
             cs.state = "recovering"
@@ -317,7 +347,7 @@ class Book:
                      f"catching up from cluster {cs.source}" if cs.catchup else "keeping its weights")
             return True
         if cs.state == "recovering" and all(m.said.ready >= cs.generation for m in members):
-            cs.state = "training"
+            cs.state, self._ranked = "training", None
             cs.trained = members[0].said.trained
             if cs.disrupted_at is not None:
                 self.recoveries.append(now - cs.disrupted_at)

@@ -48,6 +48,9 @@ class KeyedState:
         """Topics updated since ``echoes`` last returned them."""
         self.oversized = 0
         self._pending: dict[str, dict[str, Any]] = {}
+        self._parts: dict[str, list[list[Item]]] = {}
+        """Topic -> its keys' items cut in parts, kept until a key of the topic changes: at 10,000 members
+        every registration is answered with the global topic's thousands of keys."""
         self._logged_oversized = False
 
     def put(self, key: str, topic: str, value: Any) -> None:
@@ -57,6 +60,7 @@ class KeyedState:
             if before is not None:
                 del self.values[key], self.topics[key], self.sizes[key], self.keys[before][key]
                 self._pending.setdefault(before, {})[key] = None
+                self._parts.pop(before, None)
             return
         if before == topic and self.values[key] == value:
             return
@@ -68,6 +72,8 @@ class KeyedState:
         if before is not None and before != topic:
             self._pending.setdefault(before, {})[key] = None
             del self.keys[before][key]
+            self._parts.pop(before, None)
+        self._parts.pop(topic, None)
         self.values[key], self.topics[key], self.sizes[key] = value, topic, size
         self.keys.setdefault(topic, {})[key] = None
         self._pending.setdefault(topic, {})[key] = value
@@ -93,19 +99,30 @@ class KeyedState:
         touched, self.touched = self.touched, set()
         return sorted(t for t in touched if t != GLOBAL)
 
-    def snapshot(self, topics: set[str] | None) -> tuple[dict[str, int], list[list[Item]]]:
-        """The sequence numbers of ``topics`` (None: every topic's) and their keys' values, in parts."""
+    def snapshot(self, topics: set[str] | None, live: dict[str, list[Item]] | None = None
+                 ) -> tuple[dict[str, int], list[list[Item]]]:
+        """The sequence numbers of ``topics`` (None: every topic's) and their keys' values, in parts (each
+        topic's own; kept until one of its keys changes); ``live``: topics whose items are these, as of
+        now (silences read on), cut afresh."""
+        live = live or {}
         wanted = set(self.seqs) | set(self.keys) if topics is None else topics
-        parts: list[list[Item]] = [[]]
-        size = 0
-        for topic in sorted(wanted & self.keys.keys()):
+        parts = [p for topic in sorted(wanted & (self.keys.keys() | live.keys()))
+                 for p in (chunks(live[topic], self.limit) if topic in live else self.parts(topic))]
+        return {t: self.seqs.get(t, 0) for t in wanted}, parts or [[]]
+
+    def parts(self, topic: str) -> list[list[Item]]:
+        """``topic``'s keys and values in parts under the limit (the last cut, unless a key changed since)."""
+        cached = self._parts.get(topic)
+        if cached is None:
+            cached = self._parts[topic] = []
+            size = self.limit
             for k in self.keys[topic]:
-                if parts[-1] and size + self.sizes[k] > self.limit:
-                    parts.append([])
+                if size + self.sizes[k] > self.limit:
+                    cached.append([])
                     size = 0
-                parts[-1].append((k, self.values[k]))
+                cached[-1].append((k, self.values[k]))
                 size += self.sizes[k]
-        return {t: self.seqs.get(t, 0) for t in wanted}, parts
+        return cached
 
     def _oversize(self, key: str, nbytes: int) -> None:
         self.oversized += 1

@@ -4,7 +4,10 @@ no visit of the members that beat on time.  No sockets.
 Each heartbeat pushes the member's deadline (its time plus ``after_s``); ``due`` pops the deadlines that
 passed and returns the members still silent at theirs (a member that beat since has a later deadline in
 the heap: its older one is stale and skipped).  The broker publishes a silent member's key
-(``silent/<name>``, ``ravq.net.clone``) once, and deletes it when the member beats again.
+(``silent/<name>``, ``ravq.net.clone``) once, and deletes it when the member beats again.  At a first
+start it times only the members it heard from (10,000 members that have not started yet would be 10,000
+keys in every snapshot, and nobody trains before they are all up); a broker that continues a run times
+every member from its start (one that died while no broker watched is found silent).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class Silences:
                 self.silent.add(name)
                 found.append(name)
         return found
+
+    def figures(self, now: float) -> list[tuple[str, float]]:
+        """The published silences' keys and their figures at ``now`` (a snapshot's)."""
+        return [(f"silent/{name}", round(now - self.last[name], 3)) for name in sorted(self.silent)]
 
     def next_deadline(self) -> float | None:
         return self._heap[0][0] if self._heap else None

@@ -34,7 +34,7 @@ from brokers.run import open_run, save_run, state_dir_for
 from brokers.silence import Silences
 from ravq.config import Plan, RelayConfig, Topology
 from ravq.metrics import Metrics
-from ravq.net.clone import GLOBAL, SILENT_AFTER, TICKS, budget, cluster_topic
+from ravq.net.clone import GLOBAL, SILENCES, SILENT_AFTER, TICKS, budget, cluster_topic
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.protocol import Heartbeat, ReachRequest, Register, SnapshotRequest
 from ravq.net.pubsub import Publisher
@@ -90,7 +90,8 @@ class Broker:
         self.keyed = KeyedState(budget(topology.limits.max_header_bytes), restored.seqs if restored else None)
         """The state as published: keys, topics, sequence numbers (``brokers.keyed``)."""
         interval_s = topology.timeouts.heartbeat_interval_s
-        self.silences = Silences(SILENT_AFTER * interval_s, self.members, clock())
+        heard = self.members if self.the_run.created_at < float(self.incarnation) else ()  # brokers.silence
+        self.silences = Silences(SILENT_AFTER * interval_s, heard, clock())
         self._published_plan: Plan | None = None
         self._unsaved = False
         self._snapshots = 0
@@ -114,7 +115,8 @@ class Broker:
         """Put the keys of ``names`` and ``clusters`` (and the plan's, when the book holds another plan: then
         every member's, whose topic may have moved) into the published state; ``_flush`` sends what
         changed."""
-        self._sync_plan()
+        clusters = list(clusters)
+        self._sync_plan(clusters)
         before, plan = self._published_plan, self.book.plan
         if plan is not before:
             self._published_plan = plan
@@ -129,10 +131,11 @@ class Broker:
             topic, m = cluster_topic(self.book.cluster_of(name)), self.members.get(name)
             self.keyed.put(f"member/{name}", topic, None if m is None else member_value(m))
             self.keyed.put(f"reach/{name}", topic, self.reach.verdicts.get(name))
-        clusters = list(clusters)
         for c in clusters:
-            self.keyed.put(f"cluster/{c}", GLOBAL, self.book.clusters[c].public())
-        self._show_changes(names, clusters)
+            self.keyed.put(f"cluster/{c}", cluster_topic(c), self.book.clusters[c].public())
+            if self.book.clusters[c].generation:  # clusters end at different steps: one more round
+                self.keyed.put("disrupted", GLOBAL, True)
+        self.gauges.show(self.book, names, clusters)
 
     async def _flush(self, pub: Publisher) -> None:
         """Publish the keys that changed, one update per topic (or more, each under the header limit); in
@@ -148,13 +151,13 @@ class Broker:
             self.metrics.bad_messages.labels("pub", "header_too_large").inc(self.keyed.oversized)
             self.keyed.oversized = 0
 
-    def _sync_plan(self, *, save: bool = False) -> None:
-        """The rings leave out the clusters that do not train (``Book.exclude_idle``); a plan the book
-        changed is saved with the run, so its membership and epoch survive a restart of this broker: at
-        once when a standby took a lost node's stage, else (the exclusions only: a restart starts them
-        again, and its epoch from at least the time in milliseconds) with ``save``, once an interval, not
-        a write and fsync of the whole plan per event."""
-        self.book.exclude_idle()
+    def _sync_plan(self, clusters: list[int] | None = None, *, save: bool = False) -> None:
+        """The rings leave out the clusters that do not train (``Book.exclude_idle``, of ``clusters``); a
+        plan the book changed is saved with the run, so its membership and epoch survive a restart of this
+        broker: at once when a standby took a lost node's stage, else (the exclusions only: a restart starts
+        them again, and its epoch from at least the time in milliseconds) with ``save``, once an interval,
+        not a write and fsync of the whole plan per event."""
+        self.book.exclude_idle(clusters)
         if self.book.plan is not self.the_run.plan:
             moved = self.book.plan.clusters is not self.the_run.plan.clusters
             self.the_run = dataclasses.replace(self.the_run, plan=self.book.plan)
@@ -168,9 +171,6 @@ class Broker:
     def _count_members(self) -> None:
         """Every gauge of the membership (``brokers.gauges``): once per heartbeat interval, on the timer."""
         self.gauges.count(self.book)
-
-    def _show_changes(self, names: Iterable[str], clusters: Iterable[int]) -> None:
-        self.gauges.show(self.book, names, clusters)
 
     def _observe_recoveries(self) -> None:
         for seconds in self.book.recoveries:
@@ -226,7 +226,7 @@ class Broker:
 
     def _beat(self, node: str, now: float) -> None:
         if self.silences.beat(node, now):
-            self.keyed.put(f"silent/{node}", GLOBAL, None)
+            self.keyed.put(f"silent/{node}", SILENCES, None)
 
     def _reach_request(self, pub: Publisher, node: str, request: ReachRequest) -> None:
         if node not in self.known:
@@ -261,18 +261,16 @@ class Broker:
     async def _reply_snapshot(self, inbox: Inbox, identity: bytes, node: str, *, mine: bool) -> None:
         """The state in parts, each under the header limit, with the sequence numbers of the topics the node
         follows (the global one and its cluster's); ``mine``: only those topics' keys."""
-        topics = {GLOBAL, cluster_topic(self.book.cluster_of(node))}
-        seqs, parts = self.keyed.snapshot(topics if mine else None)
+        topics = {GLOBAL, SILENCES, cluster_topic(self.book.cluster_of(node))}
+        now = self.clock()  # the silences read on: cut afresh (the other topics' parts are kept)
+        seqs, parts = self.keyed.snapshot(topics if mine else None, {SILENCES: self.silences.figures(now)})
         if node != BROKER:  # a node's topics' numbers (a passive broker, the pair's other, follows every one)
             seqs = {t: seqs.get(t, self.keyed.seqs.get(t, 0)) for t in topics}
         self._snapshots += 1
-        now = self.clock()
         for i, part in enumerate(parts):
-            items = [(k, round(now - self.silences.last[k[7:]], 3) if k.startswith("silent/") else v)
-                     for k, v in part]
             meta = {"seq": self.seq, "incarnation": self.incarnation, "snap": self._snapshots, "part": i,
                     "parts": len(parts), "by": self.role,
-                    "scope": sorted(topics) if mine else None, "items": items, "seqs": seqs if i == 0 else {}}
+                    "scope": sorted(topics) if mine else None, "items": part, "seqs": seqs if i == 0 else {}}
             await inbox.reply(identity, Message(type=MsgType.SNAPSHOT, sender=BROKER, meta=meta), node)
 
     async def _serve(self, inbox: Inbox, pub: Publisher) -> None:
@@ -286,9 +284,9 @@ class Broker:
         while True:
             await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s)
             self._sync_plan(save=True)
-            if self.book.check(self.clock()):
+            if changes := self.book.check(self.clock()):
                 self._observe_recoveries()
-                self._refresh(list(self.members), range(len(self.book.clusters)))
+                self._refresh(changes.names, changes.clusters)
             else:
                 self._refresh((), ())  # the rings' exclusions follow the clusters' states
             await self._flush(pub)
@@ -313,7 +311,7 @@ class Broker:
             now = self.clock() + 1e-6  # a clock of coarser grain wakes a hair early
             silent = self.silences.due(now)
             for name in silent:
-                self.keyed.put(f"silent/{name}", GLOBAL, round(now - self.silences.last[name], 3))
+                self.keyed.put(f"silent/{name}", SILENCES, round(now - self.silences.last[name], 3))
             if silent:  # at once: a node reads the figure on from when it arrives
                 await self._flush(pub)
             if now >= next_tick:

@@ -16,7 +16,7 @@ from brokers.topology import Broker
 from ravq.cli.main import plan_for
 from ravq.config import parse_topology
 from ravq.metrics import Metrics
-from ravq.net.clone import GLOBAL
+from ravq.net.clone import GLOBAL, SILENCES
 from ravq.net.options import SocketOptions
 from ravq.net.protocol import Heartbeat, Register, SnapshotRequest
 from ravq.net.wire import DecodeLimits, Message, MsgType, decode, encode
@@ -126,7 +126,7 @@ def test_a_node_follows_updates_fetches_a_snapshot_on_a_gap_and_no_frame_exceeds
     node.apply_snapshot(parts)
     assert len(node.members) == 500 and set(node.members.values()) == {"up"}
     assert node.plan == broker.plan and node.checkpoints["c200s1"][0]["version"] == 40
-    assert node.topics() == {GLOBAL, "c3."} and node.seqs.keys() == {GLOBAL, "c3."}
+    assert node.topics() == {GLOBAL, "c3."} and node.seqs.keys() == {GLOBAL, SILENCES, "c3."}
 
     sockets.published.clear()
     _send(broker, sockets, "c3s1", MsgType.HEARTBEAT, _beat("c3s1", phase="paused"))
@@ -173,7 +173,7 @@ def test_an_exclusion_republishes_the_plans_head_only_and_is_saved_on_the_timer(
     _send(broker, sockets, "c4s1", MsgType.HEARTBEAT, _beat("c4s1", left=True))  # cluster 4 pauses
     asyncio.run(broker._flush(sockets))  # type: ignore[arg-type]
     keys = [k for _, m in sockets.published for k, _ in m.meta["items"]]
-    assert sorted(keys) == ["cluster/4", "member/c4s1", "plan"] and broker.plan.excluded == [4]
+    assert sorted(keys) == ["cluster/4", "disrupted", "member/c4s1", "plan"] and broker.plan.excluded == [4]
     assert json.loads((tmp_path / RUN_FILE).read_text())["plan"] == saved
     broker._sync_plan(save=True)  # the heartbeat-interval timer
     assert json.loads((tmp_path / RUN_FILE).read_text())["plan"]["excluded"] == [4]

@@ -2,16 +2,19 @@
 
 The state is a map of keys to JSON values: ``run``, ``plan`` (its epoch, exclusions and number of
 clusters) and ``plan/<c>`` (cluster ``c``'s nodes and cuts), ``cluster/<c>`` (whether it trains),
+``disrupted`` (a cluster's generation rose: clusters end at different steps),
 ``member/<name>`` (state, phase, incarnation, checkpoints), ``reach/<name>`` (the dial-back verdict)
 and ``silent/<name>`` (a member silent past ``SILENT_AFTER`` heartbeat intervals: how long, as of the
 update; the key goes when it beats again).  A value of None deletes its key.
 
 Each key is published on a topic (the first frame of a PUB message, which ZeroMQ filters by prefix):
-``g.`` for what every node reads (run, plan, clusters, silences), ``c<i>.`` for the members of cluster
-``i`` and their verdicts, ``sb.`` for the standbys.  A node subscribes to ``g.`` and its own cluster's
-topic.  Every update carries its topic's sequence number, one more than the last on that topic; a node
-that sees another number (a gap) fetches a snapshot, which carries every topic's number.  Updates and
-snapshot parts are cut so that no header exceeds ``budget(max_header_bytes)``.
+``g.`` for what every node reads (run, plan, whether a cluster was ever disrupted), ``g.s.`` for the
+silences (every node receives it with ``g.``: ZeroMQ filters by prefix; a topic of its own, so that the
+global topic's snapshot, the same for every node, is cut once per change), ``c<i>.`` for cluster ``i``'s
+state, its members and their verdicts, ``sb.`` for the standbys.  A node subscribes to ``g.`` and its own
+cluster's topic.  Every update carries its topic's sequence number, one more than the last on that topic;
+a node that sees another number (a gap) fetches a snapshot, which carries every topic's number.  Updates
+and snapshot parts are cut so that no header exceeds ``budget(max_header_bytes)``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import orjson
 
 GLOBAL = "g."
+SILENCES = "g.s."
 STANDBYS = "sb."
 SILENT_AFTER = 1.4
 """Heartbeat intervals of silence after which the broker publishes a member's silence: a stage stops

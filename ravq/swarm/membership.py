@@ -54,8 +54,11 @@ class MembershipState:
         self.synced_at: float | None = None
         """When this node last knew its view current: a snapshot applied, or a tick with its number."""
         self.clusters: list[dict[str, Any]] = []
-        """Per cluster: state (starting, training, paused, recovering, done), generation, trained, catchup."""
+        """Per cluster: state (starting, training, paused, recovering, done), generation, trained, catchup
+        (each on its cluster's topic: this node's own as published, the others' as the last whole snapshot
+        said)."""
         self._clusters: dict[int, dict[str, Any]] = {}
+        self._disrupted = False
         self._plan_parts: dict[str, Any] = {}
         self._topics_plan: Plan | None = None
         self._topics = {GLOBAL, cluster_topic(None)}
@@ -67,16 +70,17 @@ class MembershipState:
         """What this node follows: the global topic and its cluster's members (a standby's: the standbys')."""
         if self.plan is not self._topics_plan:
             self._topics_plan = self.plan
-            cluster = None
-            if self.plan is not None:
-                cluster = next((c for c, cl in enumerate(self.plan.clusters) if self.name in cl.nodes), None)
-            self._topics = {GLOBAL, cluster_topic(cluster)}
+            self._topics = {GLOBAL, cluster_topic(self._own_cluster())}
         return set(self._topics)
 
     def _own_cluster_nodes(self) -> list[str]:
+        c = self._own_cluster()
+        return [] if c is None or self.plan is None else self.plan.clusters[c].nodes
+
+    def _own_cluster(self) -> int | None:
         if self.plan is None:
-            return []
-        return next((cl.nodes for cl in self.plan.clusters if self.name in cl.nodes), [])
+            return None
+        return next((c for c, cl in enumerate(self.plan.clusters) if self.name in cl.nodes), None)
 
     def apply_update(self, meta: dict[str, Any]) -> bool:
         """A published update or tick; False when it shows a gap (or another broker): fetch a snapshot."""
@@ -110,12 +114,14 @@ class MembershipState:
         first = parts[0]
         if first.get("scope") is None or first.get("incarnation") != self.incarnation:
             self.members, self.phases, self.checkpoints, self.reach = {}, {}, {}, {}
+            self._clusters = {}
         else:  # the keys of the topics it carries are all in it: those it lacks are gone
             mine = self._own_cluster_nodes()
             for held in (self.members, self.phases, self.checkpoints, self.reach):
                 for node in mine:
                     held.pop(node, None)
-        self._silent, self._clusters, self._plan_parts = {}, {}, {}
+            self._clusters.pop(self._own_cluster(), None)
+        self._silent, self._plan_parts = {}, {}
         for part in parts:
             self._apply(part["items"])
         self.seqs = {str(t): int(n) for t, n in first["seqs"].items()}
@@ -138,6 +144,8 @@ class MembershipState:
                 _put(self._silent, name, None if value is None else (float(value), self.clock()))
             elif kind == "run":
                 self._run(value)
+            elif kind == "disrupted":
+                self._disrupted = bool(value)
 
     def _member(self, node: str, value: dict[str, Any] | None) -> None:
         before = self.members.get(node)
@@ -199,8 +207,10 @@ class MembershipState:
         return self.plan
 
     def disrupted(self) -> bool:
-        """Whether a cluster of the run was ever disrupted (its generation rose), as the broker last said."""
-        return any(isinstance(c, dict) and c.get("generation", 0) > 0 for c in self.clusters)
+        """Whether a cluster of the run was ever disrupted (its generation rose), as the broker last said
+        (``disrupted``: the other clusters' states are on their own topics)."""
+        return self._disrupted or any(isinstance(c, dict) and c.get("generation", 0) > 0
+                                      for c in self.clusters)
 
 
 def _put(held: dict[Any, Any], key: Any, value: Any) -> None:
