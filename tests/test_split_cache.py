@@ -136,3 +136,19 @@ def test_code_fx_would_fold_into_constants_is_not_cached(tmp_path: Path, caplog:
     got_loss, got_grads = _run(task, again)
     torch.testing.assert_close(got_loss, want_loss)
     assert got_grads.keys() == want_grads.keys()
+
+
+def test_a_trace_shows_the_user_no_warning_about_torchs_own_deprecations() -> None:
+    """torch's tracer deep-copies its pytree specs and warns (FutureWarning, LeafSpec) on every `ravq check` and
+    demo: the split keeps it off the user's terminal, and lets every other warning through."""
+    import warnings
+
+    from ravq.cut.trace import split_pipe
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        split_pipe(model, (torch.randn(2, 4),), ["2"])
+        warnings.warn("a user's own notice", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in seen if "LeafSpec" in str(w.message)] == []
+    assert any("a user's own notice" in str(w.message) for w in seen)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -23,6 +24,9 @@ from ravq.cut.modules import pipe_export_trace, set_pipe_export_trace
 
 _PATCH_LOCK = threading.Lock()
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+_LEAFSPEC_NOTICE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+"""torch's tracer deep-copies its own pytree specs and warns about its own deprecated class, once per
+stage: nothing a user can act on, so it is kept off their terminal."""
 
 
 def split_pipe(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str]) -> Pipe:
@@ -38,7 +42,10 @@ def split_pipe(model: nn.Module, example_args: tuple[Any, ...], cuts: list[str])
     with _PATCH_LOCK:
         set_pipe_export_trace(traced)
         try:
-            return pipeline(model, mb_args=example_args, split_spec={c: SplitPoint.BEGINNING for c in cuts})
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_LEAFSPEC_NOTICE, category=FutureWarning)
+                spec = {c: SplitPoint.BEGINNING for c in cuts}
+                return pipeline(model, mb_args=example_args, split_spec=spec)
         finally:
             set_pipe_export_trace(trace)
 
