@@ -213,6 +213,17 @@ class Metrics:
                               registry=r)
         self.staleness = Histogram("ravq_staleness", "Version at update minus version used by forward",
                                    buckets=_STALENESS_BUCKETS, registry=r)
+        self.staleness_updates = Gauge("ravq_staleness_updates", "Mean staleness of the stage's latest 64 "
+                                       "backwards in optimizer updates (about micro-batches in flight over "
+                                       "micro-batches per update; training.batch)", registry=r)
+        self.stale_gradient_cosine = Gauge("ravq_stale_gradient_cosine",
+                                           "Asynchrony guard: cosine between a sampled stale gradient and "
+                                           "its micro-batch's gradient at the current weights (0: unsampled)",
+                                           registry=r)
+        self.asynchrony_warning = Gauge("ravq_asynchrony_warning",
+                                        "1 once the asynchrony guard found stale and fresh gradients "
+                                        "disagreeing (remedy: max_inflight 1 or a larger training.batch)",
+                                        registry=r)
         self.version = Gauge("ravq_weight_version", "Optimizer steps applied by this stage", registry=r)
         self.samples = Counter("ravq_samples_total", "Samples whose backward this stage finished",
                                registry=r)

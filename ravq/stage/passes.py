@@ -18,6 +18,7 @@ from torch.func import functional_call
 from ravq.codec.compress import Packed
 from ravq.cut.split import model_output
 from ravq.stage.feed import DataFeed
+from ravq.stage.guard import AsynchronyGuard
 from ravq.stage.recipe import Recipe
 from ravq.stage.stash import GradientSum, Stashed, WeightStash
 from ravq.stage.state import Emit, OpTimer, Outbox, StagePlace, StageState
@@ -48,6 +49,8 @@ class Passes:
         self._stats, self._outbox, self._timer = stats, outbox, timer
         self._feed, self._tied_step = feed, tied_step
         self._raw_output: Any = None
+        self.guard = AsynchronyGuard(f"cluster {place.cluster} stage {place.spec.index}")
+        """Samples whether stale gradients still agree with fresh ones (``ravq.stage.guard``)."""
 
     def run_module(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run the module on what the stage received and stash the micro-batch; returns its outputs as a
@@ -128,6 +131,8 @@ class Passes:
         t0 = self._timer.clock()
         stash = self._state.stash[mb]
         grads = output_grads(parts, stash.outputs, self._place.device)
+        if self.guard.due(self._state.version - stash.version):
+            self._sample_guard(stash, grads)
         pairs = [(o, g) for o, g in zip(stash.outputs, grads) if g is not None and o.requires_grad]
         self.backward_from(mb, stash, [o for o, _ in pairs], [g for _, g in pairs], emit)
         self._account("backward", t0)
@@ -153,6 +158,12 @@ class Passes:
         state.count_trained()
         if due:
             self._recipe.step()
+
+    def _sample_guard(self, stash: Stashed, grads: list[torch.Tensor | None]) -> None:
+        inputs = stash.inputs[: len(self._place.spec.inputs)]
+        cos = self.guard.sample(self._module, stash.params, self._weights.params, self._buffers, inputs,
+                                grads, self._recipe.autocast)
+        self._stats.record_guard(cos, self.guard.report())
 
     def _account(self, phase: str, t0: float) -> None:
         """Count the forward or backward (``phase``) begun at ``t0``, less what it waited."""

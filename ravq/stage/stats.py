@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ravq.metrics import Metrics
 
 LOSS_WINDOW = 10
+STALENESS_WINDOW = 64
 HISTORY = 100_000
 
 
@@ -48,6 +49,8 @@ class StageStats:
     forward_last_s: float | None = None
     staleness_sum: int = 0
     staleness_max: int = 0
+    staleness_recent: deque[int] = field(default_factory=lambda: deque(maxlen=STALENESS_WINDOW))
+    """The staleness of the latest backwards, in optimizer updates (``ravq status`` shows their mean)."""
     loss_last: float | None = None
     loss_first: float | None = None
     loss_sum: float = 0.0
@@ -111,7 +114,8 @@ class StageStats:
             "samples": self.samples, "busy_s": self.busy_s, "wall_s": wall,
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0, "wait_s": dict(self.wait_s),
             "staleness_mean": self.staleness_sum / self.backwards if self.backwards else 0.0,
-            "staleness_max": self.staleness_max, "loss": self.loss_last, "loss_first": self.loss_first,
+            "staleness_max": self.staleness_max, "staleness_updates": _mean(self.staleness_recent) or 0.0,
+            "loss": self.loss_last, "loss_first": self.loss_first,
             "loss_initial": _mean(self.loss_head), "loss_recent": _mean(self.loss_tail),
             "inflight": self.inflight, "forward_s": self.forward_s, "backward_s": self.backward_s,
             "forward_sq_s": self.forward_sq_s, "backward_sq_s": self.backward_sq_s,
@@ -168,8 +172,17 @@ class StageStats:
     def record_staleness(self, staleness: int) -> None:
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
+        self.staleness_recent.append(staleness)
         if (metrics := self.metrics) is not None:
             metrics.staleness.observe(staleness)
+            metrics.staleness_updates.set(sum(self.staleness_recent) / len(self.staleness_recent))
+
+    def record_guard(self, cosine: float, report: dict[str, Any]) -> None:
+        """The asynchrony guard sampled ``cosine`` (``ravq.stage.guard``); ``report`` joins the snapshot."""
+        self.recipe.update(report)
+        if (metrics := self.metrics) is not None:
+            metrics.stale_gradient_cosine.set(cosine)
+            metrics.asynchrony_warning.set(1 if report.get("asynchrony_warning") else 0)
 
     def record_update(self, version: int) -> None:
         self.updates += 1

@@ -1,0 +1,82 @@
+"""The asynchrony guard (issue #39 part 5): stale and fresh gradients of one micro-batch, compared rarely, and
+one warning when they disagree."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from ravq.stage.guard import AsynchronyGuard, cosine
+from tests import models_for_tests as skipnet
+from tests.pipeline_harness import make_workers, run_in_order
+
+
+def _net() -> tuple[nn.Module, dict[str, torch.Tensor], torch.Tensor, list[torch.Tensor | None]]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8, bias=False), nn.Tanh(), nn.Linear(8, 3, bias=False))
+    weights = {n: p.detach().clone().requires_grad_() for n, p in net.named_parameters()}
+    return net, weights, torch.randn(4, 5), [torch.randn(4, 3)]
+
+
+def _plain_autocast() -> torch.autocast:
+    return torch.autocast("cpu", enabled=False)
+
+
+def test_cosine_of_gradient_sets() -> None:
+    g = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0]), "c": None}
+    assert cosine(g, g) == pytest.approx(1.0)
+    assert cosine(g, {n: None if v is None else -v for n, v in g.items()}) == pytest.approx(-1.0)
+    assert cosine(g, {"a": torch.tensor([2.0, -1.0]), "b": torch.tensor([0.0])}) == pytest.approx(0.0)
+
+
+def test_agreeing_gradients_stay_quiet_and_disagreeing_ones_warn_once(caplog: pytest.LogCaptureFixture) -> None:
+    net, stale, x, out_grads = _net()
+    guard = AsynchronyGuard("cluster 0 stage 0", every=1, window=2, threshold=0.5)
+    near = {n: w + 1e-4 for n, w in stale.items()}  # a small step later: the gradient still agrees
+    for _ in range(3):
+        assert guard.sample(net, stale, near, {}, [x], out_grads, _plain_autocast) > 0.99
+    assert guard.report() == {"stale_cosine": pytest.approx(1.0, abs=0.01), "asynchrony_warning": False}
+    # every weight flipped: tanh flips the hidden layer, so both layers' gradients point the other way
+    flipped = {n: -w for n, w in stale.items()}
+    with caplog.at_level(logging.WARNING, logger="ravq.stage.guard"):
+        assert guard.sample(net, stale, flipped, {}, [x], out_grads, _plain_autocast) == pytest.approx(-1.0)
+        assert guard.warned  # the window's mean (1, -1) is 0, below 0.5
+        guard.sample(net, stale, flipped, {}, [x], out_grads, _plain_autocast)
+        guard.sample(net, stale, flipped, {}, [x], out_grads, _plain_autocast)
+    warnings = [r.getMessage() for r in caplog.records if "asynchrony hurts" in r.getMessage()]
+    assert len(warnings) == 1 and "max_inflight: 1" in warnings[0] and "training.batch" in warnings[0]
+    assert guard.report() == {"stale_cosine": pytest.approx(-1.0), "asynchrony_warning": True}
+
+
+def test_only_stale_backwards_are_counted_and_sampled_rarely() -> None:
+    guard = AsynchronyGuard("s", every=3)
+    assert [guard.due(s) for s in (0, 1, 0, 1, 1, 0, 1, 1, 1)] == [False, False, False, False, True, False,
+                                                                   False, False, True]
+
+
+def test_the_guard_does_not_touch_the_buffers_or_the_random_stream() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 2))
+    weights = {n: p.detach().clone().requires_grad_() for n, p in net.named_parameters()}
+    buffers = dict(net.named_buffers())
+    before = {n: b.clone() for n, b in buffers.items()}
+    guard = AsynchronyGuard("s", every=1)
+    x, out_grads = torch.randn(8, 4), torch.randn(8, 2)
+    state = torch.random.get_rng_state()
+    # the same weights, the same dropout masks: the two gradients are the same
+    assert guard.sample(net, weights, weights, buffers, [x], [out_grads], _plain_autocast) == pytest.approx(1.0)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(buffers[n], before[n]) for n in buffers)
+
+
+def test_a_stale_pipeline_stage_samples_its_gradients() -> None:
+    workers = make_workers(skipnet, 2, steps=12, max_inflight=2)
+    workers[0].passes.guard.every = 1  # sample every stale backward of this short run
+    run_in_order(workers)
+    snap = workers[0].stats.snapshot()
+    assert workers[0].passes.guard.cosines and -1.0 <= snap["stale_cosine"] <= 1.0
+    assert snap["staleness_updates"] > 0 and workers[1].stats.snapshot()["staleness_updates"] == 0
+    assert "stale_cosine" not in workers[1].stats.snapshot()  # the last stage is never stale: never sampled
