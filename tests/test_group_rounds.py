@@ -33,7 +33,7 @@ NODES = [n for c in range(CLUSTERS) for n in (f"c{c}s0", f"c{c}s1")]
 
 
 def _segments(node: str, plan: Plan, groups: RoundGroups, round_index: int) -> list[Segment]:
-    return groups.restrict(segments_for(node, plan_segments(NAMES, NUMELS, OWNERS, plan.excluded)), plan,
+    return groups.rings(segments_for(node, plan_segments(NAMES, NUMELS, OWNERS, plan.excluded)), plan,
                            round_index)
 
 
@@ -41,7 +41,7 @@ def _round(net: MemoryNet, values: dict[str, dict[int, torch.Tensor]], plan: Pla
            config: AveragingConfig = GROUPS) -> dict[str, RoundResult]:
     async def main() -> dict[str, RoundResult]:
         async def one(node: str) -> RoundResult:
-            segs = _segments(node, plan, RoundGroups(config, int(node[1])), round_index)
+            segs = _segments(node, plan, RoundGroups(config, int(node[1]), 1), round_index)
             return await average_segments(values[node], segs, me=node, round_id=plan.epoch * ROUNDS_PER_EPOCH
                                           + round_index, link=net.link(node), mailbox=net.boxes[node],
                                           piece_bytes=8, timeout_s=TIMEOUT_S)
@@ -62,8 +62,8 @@ def test_each_group_runs_its_own_rings_and_the_grid_reaches_the_exact_average_in
         results = _round(net, values, plan, r)
         for node, result in results.items():
             assert not result.aborted
-            group = RoundGroups(GROUPS, int(node[1])).group(plan, r)
-            seg = _segments(node, plan, RoundGroups(GROUPS, int(node[1])), r)
+            group = RoundGroups(GROUPS, int(node[1]), 1).group(plan, r)
+            seg = _segments(node, plan, RoundGroups(GROUPS, int(node[1]), 1), r)
             assert len(group) == 2 and all(s.ring == tuple(f"c{c}{node[2:]}" for c in group) for s in seg)
             if r == 0:  # the group's mean, not every cluster's
                 assert {v[0].item() for v in result.averaged.values()} == {sum(group) / 2}
@@ -86,11 +86,11 @@ def test_a_membership_change_aborts_only_the_groups_it_touches() -> None:
     """Cluster 3 dies mid-round (silent); the broker excludes it.  Every node aborts the open rounds of
     the groups reaching cluster 3 at once; the other group's round, already open, finishes."""
     net, values, plan = MemoryNet(NODES, latency_s=0.3), _start(), _plan()  # rounds take 0.6 s
-    group_of = {c: RoundGroups(GROUPS, c).group(plan, 0) for c in range(CLUSTERS)}
+    group_of = {c: RoundGroups(GROUPS, c, 1).group(plan, 0) for c in range(CLUSTERS)}
     partner = next(c for c in group_of[3] if c != 3)
     net.silent.update({"c3s0", "c3s1"})
     live = [n for n in NODES if not n.startswith("c3")]
-    groups = {n: RoundGroups(GROUPS, int(n[1])) for n in live}
+    groups = {n: RoundGroups(GROUPS, int(n[1]), 1) for n in live}
     for g in groups.values():
         assert g.touched(plan) is None  # the first plan a node sees: nothing to compare with
 
@@ -117,23 +117,23 @@ def test_a_membership_change_aborts_only_the_groups_it_touches() -> None:
 
 def test_a_change_to_a_nodes_own_cluster_aborts_all_its_rounds_and_global_mode_aborts_every_round() -> None:
     plan = _plan()
-    mine = RoundGroups(GROUPS, 3)
+    mine = RoundGroups(GROUPS, 3, 1)
     mine.touched(plan)
     assert mine.touched(_plan(epoch=2, excluded=(3,))) is None
-    other = RoundGroups(GROUPS, 0)
+    other = RoundGroups(GROUPS, 0, 1)
     other.touched(plan)
     assert other.touched(_plan(epoch=2, excluded=(3,))) == {"c3s0", "c3s1"}
-    every = RoundGroups(AveragingConfig(), 0)
+    every = RoundGroups(AveragingConfig(), 0, 1)
     every.touched(plan)
     assert every.touched(_plan(epoch=2, excluded=(3,))) is None
 
 
 def test_a_cluster_alone_in_its_group_skips_the_round_and_rounds_count_from_each_epoch() -> None:
     plan = _plan(excluded=(1,))  # 3 live clusters in groups of 2 on a 2 x 2 grid: one place stays empty
-    alone = [c for c in live_clusters(plan) if len(RoundGroups(GROUPS, c).group(plan, 0)) == 1]
+    alone = [c for c in live_clusters(plan) if len(RoundGroups(GROUPS, c, 1).group(plan, 0)) == 1]
     assert len(alone) <= 1
     for c in alone:
-        assert _segments(f"c{c}s0", plan, RoundGroups(GROUPS, c), 0) == []
+        assert _segments(f"c{c}s0", plan, RoundGroups(GROUPS, c, 1), 0) == []
     clock = RoundClock(3)
     assert [clock.step(1) for _ in range(7)] == [None, None, 0, None, None, 1, None]
     assert [clock.step(2) for _ in range(3)] == [None, None, 0]
@@ -143,7 +143,42 @@ def test_the_nodes_metrics_name_its_newest_rounds_group() -> None:
     from ravq.metrics import Metrics
 
     metrics, plan = Metrics("c2s0"), _plan()
-    groups = RoundGroups(GROUPS, 2, metrics)
-    groups.restrict(segments_for("c2s0", plan_segments(NAMES, NUMELS, OWNERS)), plan, 0)
+    groups = RoundGroups(GROUPS, 2, 1, metrics)
+    assert groups.step(plan, lambda p: segments_for("c2s0", plan_segments(NAMES, NUMELS, OWNERS))) is not None
     assert metrics.averaging_group.collect()[0].samples[0].value == min(groups.last)
     assert metrics.averaging_group_size.collect()[0].samples[0].value == 2 == len(groups.last)
+
+
+def test_a_node_that_sees_a_new_epoch_first_tells_its_old_group_it_skips_the_next_round() -> None:
+    """3 steps a round: after 4 steps of epoch 1 the node is part-way to round 1; at epoch 2 it will never
+    run it, so it tells round 1's group (whose members a step ahead may have started it).  Global mode
+    does not need to: every node drops every round of the old epoch."""
+    told: list[tuple[int, list[Segment]]] = []
+    groups = RoundGroups(GROUPS, 0, 3, skip=lambda round_id, rings: told.append((round_id, rings)))
+    mine = lambda p: segments_for("c0s0", plan_segments(NAMES, NUMELS, OWNERS, p.excluded))
+    first, second = _plan(epoch=1), _plan(epoch=2, excluded=(3,))
+    due = [groups.step(first, mine) for _ in range(4)]
+    assert [d is not None for d in due] == [False, False, True, False] and due[2][0] == ROUNDS_PER_EPOCH
+    assert groups.step(second, mine) is None and len(told) == 1
+    round_id, rings = told[0]
+    partner = next(c for c in groups.group(first, 1) if c != 0)
+    assert round_id == ROUNDS_PER_EPOCH + 1 and [s.ring for s in rings] == [("c0s0", f"c{partner}s0")]
+    everyone = RoundGroups(AveragingConfig(), 0, 3, skip=lambda round_id, rings: told.append((round_id, rings)))
+    for plan in (first, first, first, first, second):
+        everyone.step(plan, mine)
+    assert len(told) == 1
+
+
+def test_queued_rounds_of_the_replaced_epoch_still_run_in_groups_the_change_did_not_touch() -> None:
+    groups, plan = RoundGroups(GROUPS, 0, 1), _plan(epoch=5)
+    groups.touched(plan)
+    assert groups.touched(_plan(epoch=6, excluded=(3,))) == {"c3s0", "c3s1"}
+    untouched = [Segment(0, ("a.w",), 6, ("c0s0", "c1s0"))]
+    touched = [Segment(0, ("a.w",), 6, ("c0s0", "c3s0"))]
+    assert groups.spared(5 * ROUNDS_PER_EPOCH + 7, untouched)
+    assert not groups.spared(5 * ROUNDS_PER_EPOCH + 7, touched)
+    assert not groups.spared(4 * ROUNDS_PER_EPOCH + 7, untouched)  # two epochs back: not
+    every = RoundGroups(AveragingConfig(), 0, 1)
+    every.touched(plan)
+    every.touched(_plan(epoch=6, excluded=(3,)))
+    assert not every.spared(5 * ROUNDS_PER_EPOCH + 7, untouched)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ravq.average.averager import Averager
-from ravq.average.group_rounds import RoundClock
+from ravq.average.group_rounds import RoundGroups
+from ravq.config.averaging import AveragingConfig
 from ravq.stage.optim import ClusterAdam, global_second_moment, set_clusters
 
 
@@ -133,7 +134,7 @@ def test_the_averager_tells_the_optimizer_how_many_clusters_average() -> None:
     excluded: set[int] = set()
     avg = Averager.__new__(Averager)
     avg.loop, avg._pending, avg.lead, avg.sync_every, avg.cluster = object(), [], 1, 1000, 0
-    avg.clock = RoundClock(1000)
+    avg.groups = RoundGroups(AveragingConfig(), 0, 1000)
     avg.compute_timer = contextlib.nullcontext
     avg.plan = lambda: SimpleNamespace(clusters=[0, 1, 2], excluded=excluded, epoch=0)
     opt = ClusterAdam([torch.nn.Parameter(torch.zeros(1))])

@@ -131,7 +131,7 @@ def _averager(port: RingPort) -> Averager:
     avg = Averager.__new__(Averager)
     avg.me, avg.cluster, avg.port, avg.mailbox, avg._seen_epoch = "n1", 0, port, Mailbox(), 0
     avg.names, avg.numels, avg.owners = ["w"], [8], [{"w": "n1"}, {"w": "n2"}]
-    avg.groups = RoundGroups(AveragingConfig(), 0)
+    avg.groups = RoundGroups(AveragingConfig(), 0, 1)
     return avg
 
 

@@ -35,7 +35,7 @@ import torch
 from ravq.average import catchup
 from ravq.average.compute import in_compute
 from ravq.average.correction import PendingRound, correct, keep_non_negative_state, outer_step, record_applied
-from ravq.average.group_rounds import RoundClock, RoundGroups
+from ravq.average.group_rounds import RoundGroups
 from ravq.average.mailbox import Mailbox
 from ravq.average.owners import averaged_tensors
 from ravq.average.port import Port
@@ -97,8 +97,7 @@ class Averager:
         """For each cluster, tensor name -> its holder (renamed when standbys take stages over)."""
         self.plan = plan
         self.mailbox = Mailbox()
-        self.clock = RoundClock(t.sync_every)
-        self.groups = RoundGroups(topology.averaging, cluster, metrics)
+        self.groups = RoundGroups(topology.averaging, cluster, t.sync_every, metrics, skip=self._skipped)
         self._seen_epoch = -1
         """The newest plan epoch the event loop has acted on (aborting older rounds)."""
         self.hold_s = 1.5 * topology.timeouts.heartbeat_interval_s
@@ -125,7 +124,7 @@ class Averager:
         self.port = port
         self.queue = RoundQueue(me=me, plan=plan, mailbox=self.mailbox, link=self.port.link, metrics=metrics,
                                 piece_bytes=self.piece_bytes, timeout_s=self.timeout_s, notify_s=self.hold_s,
-                                compression=self.compression)
+                                compression=self.compression, spared=self.groups.spared)
         set_clusters(worker.optimizer, self.live_clusters())  # before the compute thread's first step
 
     def live_clusters(self, plan: Plan | None = None) -> int:
@@ -161,16 +160,13 @@ class Averager:
         plan = self.plan()
         # the next step's count (a dropped cluster counts no more)
         set_clusters(worker.optimizer, self.live_clusters(plan))
-        in_epoch = self.clock.step(plan.epoch)
-        if in_epoch is None or self.loop is None:
+        due = self.groups.step(plan, self.segments)  # this round's group's rings
+        if due is None or self.loop is None:
             return
-        segments = self.groups.restrict(self.segments(plan), plan, in_epoch)  # this round's group's rings
-        if not segments:
-            return
+        round_id, segments = due
         named = self.tensors()
         snapshots = snapshot_segments(named, segments)
         done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
-        round_id = plan.epoch * ROUNDS_PER_EPOCH + in_epoch
         self.loop.call_soon_threadsafe(self.queue.enqueue, (round_id, snapshots, segments, done))
         if not self.overlap:
             t0 = time.monotonic()
@@ -181,6 +177,10 @@ class Averager:
             return
         self._pending.append(PendingRound(round_id, worker.version, done, segments, snapshots))
         done.add_done_callback(lambda f: worker.submit(lambda w: self._apply_finished()))
+
+    def _skipped(self, round_id: int, segments: list[Segment]) -> None:
+        if self.loop is not None:  # a round of the old epoch this stage will not run: tell its peers
+            self.loop.call_soon_threadsafe(self.queue.skip, round_id, segments)
 
     def _hold_back(self, worker: StageWorker) -> None:
         """Wait for the oldest unfinished round once this stage is ``lead`` steps past its snapshot.

@@ -3,8 +3,8 @@
 The averager plans its segments over every live cluster as before (so a segment names the same tensors
 in every round, whatever the group: the corrections of ``ravq.average.correction`` key on them), then
 keeps, in each segment's ring, the holders in its round's group (``ravq.average.groups``): every group
-is its own set of rings, all running at once.  A plan change aborts only the open rounds whose rings
-reach a cluster the change touched; in global mode, as always, every open round.
+is its own set of rings, all running at once.  A plan change aborts only the open (and queued) rounds
+whose rings reach a cluster the change touched; in global mode, as always, every open round.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from ravq.average.groups import group_of, groups_for
-from ravq.average.rounds import FINAL_ROUND
+from ravq.average.rounds import FINAL_ROUND, ROUNDS_PER_EPOCH
 from ravq.average.segments import Segment
 from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
@@ -45,18 +45,26 @@ class RoundClock:
 
 
 class RoundGroups:
-    """Which clusters one node's rounds run over: every live one (global) or the round's group."""
+    """Which clusters one node's rounds run over: every live one (global) or the round's group; and, when
+    the plan changes, which rounds of the old epoch still run (groups the change did not touch)."""
 
-    def __init__(self, config: AveragingConfig, cluster: int, metrics: Metrics | None = None,
+    def __init__(self, config: AveragingConfig, cluster: int, sync_every: int, metrics: Metrics | None = None,
+                 skip: Callable[[int, list[Segment]], None] = lambda round_id, rings: None,
                  rates: Callable[[Plan], Mapping[int, float] | None] = lambda plan: None) -> None:
         self.mode, self.group_size, self.cluster = config.mode, config.group_size, cluster
-        self.metrics, self.rates = metrics, rates
+        self.clock, self.metrics, self.skip = RoundClock(sync_every), metrics, skip
+        """``skip(round id, rings)``: tell a round's ring peers this node will not run it (compute thread)."""
+        self.rates = rates
         """Each cluster's rate under a plan, the same on every node (the planner's), or None: the grid's
         places are shuffled instead.  Plans carry no per-cluster rate yet, so nodes pass none."""
         self._plan: Plan | None = None
-        """The newest plan ``touched`` compared against."""
+        """The newest plan ``touched`` compared against (event loop)."""
+        self._spare: tuple[int, set[str]] | None = None
+        """The epoch the newest plan replaced and the nodes that change touched (event loop)."""
+        self._stepped: Plan | None = None
+        """The plan of the previous optimizer step (compute thread)."""
         self.last: tuple[int, ...] = ()
-        """The group of the newest round ``restrict`` planned (for the node's stats)."""
+        """The group of the newest round ``step`` planned (for the node's stats)."""
 
     def group(self, plan: Plan, round_index: int) -> tuple[int, ...]:
         """The clusters this node's cluster averages with in round ``round_index`` of the plan's epoch."""
@@ -66,16 +74,32 @@ class RoundGroups:
         groups = groups_for(plan.epoch, round_index, live, self.mode, self.group_size, self.rates(plan))
         return group_of(self.cluster, groups)
 
-    def restrict(self, segments: list[Segment], plan: Plan, round_index: int) -> list[Segment]:
-        """``segments`` (planned over every live cluster, rings in cluster order) with each ring cut to the
-        holders in this round's group; none when the group is this cluster alone."""
-        self.last = self.group(plan, round_index)
+    def step(self, plan: Plan, segments: Callable[[Plan], list[Segment]]) -> tuple[int, list[Segment]] | None:
+        """Count one optimizer step (compute thread): (round id, this node's rings in it) when the step ends
+        a round this node averages in.  Seeing a new epoch, a node tells its group of the old epoch's next
+        round that it will not run it: members of an untouched group that started it (they were a step
+        ahead) then stop at once rather than wait for the ring's timeout."""
+        old, self._stepped = self._stepped, plan
+        if old is not None and old.epoch != plan.epoch and self.mode == "groups":
+            k = self.clock.steps // self.clock.sync_every
+            if k < FINAL_ROUND and (rings := self.rings(segments(old), old, k)):
+                self.skip(old.epoch * ROUNDS_PER_EPOCH + k, rings)
+        index = self.clock.step(plan.epoch)
+        if index is None:
+            return None
+        self.last = self.group(plan, index)
         if self.metrics is not None:
             self.metrics.averaging_group.set(min(self.last))
             self.metrics.averaging_group_size.set(len(self.last))
+        rings = self.rings(segments(plan), plan, index)
+        return (plan.epoch * ROUNDS_PER_EPOCH + index, rings) if rings else None
+
+    def rings(self, segments: list[Segment], plan: Plan, round_index: int) -> list[Segment]:
+        """``segments`` (planned over every live cluster, rings in cluster order) with each ring cut to the
+        holders in this round's group; none when the group is this cluster alone."""
         if self.mode == "global":
             return segments
-        group = set(self.last)
+        group = set(self.group(plan, round_index))
         if len(group) < 2:
             return []
         keep = [i for i, c in enumerate(live_clusters(plan)) if c in group]
@@ -84,11 +108,21 @@ class RoundGroups:
     def touched(self, plan: Plan) -> set[str] | None:
         """The nodes of the clusters a new plan changed since the last one seen here (dropped, readmitted,
         other nodes or cuts); None: every open round is touched (global mode, or the first plan)."""
-        old, self._plan = self._plan, plan
+        old, self._plan, self._spare = self._plan, plan, None
         if self.mode == "global" or old is None or len(old.clusters) != len(plan.clusters):
             return None
         changed = [c for c, (was, now) in enumerate(zip(old.clusters, plan.clusters))
                    if was != now or (c in old.excluded) != (c in plan.excluded)]
         if self.cluster in changed:
             return None
-        return {n for c in changed for n in (*old.clusters[c].nodes, *plan.clusters[c].nodes)}
+        nodes = {n for c in changed for n in (*old.clusters[c].nodes, *plan.clusters[c].nodes)}
+        self._spare = (old.epoch, nodes)
+        return nodes
+
+    def spared(self, round_id: int, rings: list[Segment]) -> bool:
+        """Whether a queued round of an older epoch still runs (event loop): one of the epoch the newest plan
+        replaced, whose rings reach no node that change touched."""
+        if self._spare is None:
+            return False
+        epoch, touched = self._spare
+        return round_id // ROUNDS_PER_EPOCH == epoch and all(touched.isdisjoint(seg.ring) for seg in rings)

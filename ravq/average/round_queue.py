@@ -38,8 +38,11 @@ class RoundQueue:
 
     def __init__(self, *, me: str, plan: Callable[[], Plan], mailbox: Mailbox, link: RingLink,
                  metrics: Metrics, piece_bytes: int, timeout_s: float, notify_s: float,
-                 compression: RingCompression | None) -> None:
+                 compression: RingCompression | None,
+                 spared: Callable[[int, list[Segment]], bool] = lambda round_id, rings: False) -> None:
         self.me, self.plan, self.mailbox, self.link, self.metrics = me, plan, mailbox, link, metrics
+        self.spared = spared
+        """Whether a queued round of an older plan epoch still runs (group averaging: its group untouched)."""
         self.piece_bytes, self.timeout_s, self.compression = piece_bytes, timeout_s, compression
         self.notify_s = notify_s
         """How long telling one peer of a skipped round may take."""
@@ -66,6 +69,10 @@ class RoundQueue:
             done.set_result(RoundResult(aborted={s.ring_id: RingAborted(s.ring_id, round_id, "skipped")
                                                  for s in segments}))
 
+    def skip(self, round_id: int, segments: list[Segment]) -> None:
+        """Tell the round's ring peers this node will not run it (it saw a new plan epoch first)."""
+        self._skips.put_nowait((round_id, segments))
+
     async def send_skips(self) -> None:
         """Tell ring peers about skipped rounds (best effort: RING_ABORT to every member)."""
         while True:
@@ -85,7 +92,7 @@ class RoundQueue:
         while True:
             round_id, snapshots, segments, done = await self.rounds.get()
             try:
-                if round_id // ROUNDS_PER_EPOCH < self.plan().epoch:
+                if round_id // ROUNDS_PER_EPOCH < self.plan().epoch and not self.spared(round_id, segments):
                     result = RoundResult(aborted={s.ring_id: RingAborted(s.ring_id, round_id, "plan_changed")
                                                   for s in segments})
                 else:
