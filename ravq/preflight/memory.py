@@ -5,9 +5,10 @@ micro-batch the tensors autograd saves, the stage's inputs and outputs; plus the
 The estimate is of the peak, so of the worst case the pipeline allows: every stage but the last may hold
 all ``max_inflight`` micro-batches between their forward and their backward (a slower later stage queues
 them), the last holds one (its forward and backward are back to back).  Weight snapshots: one per version
-still in flight besides the live weights (``ravq.stage.stash``); weight prediction keeps the last update and
-a predicted copy, and a step also holds the weights before it and the update it replaces; gradient
-extrapolation keeps the last gradient on every stage, and its successor during a step.  An optimizer
+still in flight besides the live weights (``ravq.stage.stash``); on a stale stage (every one but the last)
+weight prediction makes the current version's snapshot a copy too (made in the buffer of the last update,
+which a stage with tied copies keeps besides), and delay compensation keeps the last gradient
+(``ravq.stage.delay``); the last stage is never stale and holds neither.  An optimizer
 with state also makes a parameter-sized temporary per step (torch's ``foreach`` implementations: Adam's
 square roots of its second moments), counted with its state.  bench_check_memory.py compares the result
 with a 1x4 run's measured peaks.
@@ -151,12 +152,13 @@ def estimate(
         inflight = 1 if spec.index == stages - 1 else settings.max_inflight
         state = optimizer_bytes(task.make_optimizer, params, report)
         copies = max(0, inflight - 1)
-        if settings.predict_weights > 0 and inflight > 1:  # the last stage is never stale: no prediction
-            # the last update and the predicted snapshot; while a step runs, the weights before it and the
-            # update it replaces (WeightStash.step)
-            copies += 4
-        if settings.extrapolate_gradients > 0:
-            copies += 2  # the last gradient, kept on every stage, and its successor while a step runs
+        stale = inflight > 1  # the last stage is never stale: neither mechanism holds anything there
+        if settings.predict_weights > 0 and stale:
+            # the current version's snapshot is a copy, made in the last update's buffer; with tied copies
+            # (which change the weights mid-version) the update is kept besides (WeightStash.step)
+            copies += 2 if spec.tied else 1
+        if settings.extrapolate_gradients > 0 and stale:
+            copies += 1  # the last gradient (GradientExtrapolation), written in place
         result.append(
             StageMemory(
                 stage=spec.index,
