@@ -54,6 +54,7 @@ from ravq.planner import (
     plan_candidates,
     ravnest_plan,
 )
+from ravq.planner.groups import rounds_to_mix
 from ravq.simulate import Settings, build_world, simulate
 from ravq.simulate.worldwide import (
     naive_plan,
@@ -67,6 +68,9 @@ MICRO_BATCH = 4
 CANDIDATES = 4
 """``ravq plan --simulate``: the planner's best candidates, ranked by simulated samples/s."""
 SYNC_EVERY = 500
+STEPS = 1100
+"""Micro-batches per cluster: more than two rounds of SYNC_EVERY, so that averaging rounds happen in the
+simulation (with 100, as until issue #38, none did and the simulated figures left averaging out)."""
 WIRE = Wire.of("int8", "int8")
 """ravq's default compression (training.compress): activations, gradients and ring pieces as int8."""
 SCORE: dict[str, Any] = {"micro_batch": MICRO_BATCH, "sync_every": SYNC_EVERY, "max_inflight": None,
@@ -74,8 +78,11 @@ SCORE: dict[str, Any] = {"micro_batch": MICRO_BATCH, "sync_every": SYNC_EVERY, "
 
 
 def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], steps: int) -> dict[str, Any]:
+    averaging = plan.averaging  # the planner's choice of averaging (global rings when None)
     settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=SYNC_EVERY,
-                        pipeline_wire=WIRE.pipeline, ring_wire=WIRE.ring)
+                        pipeline_wire=WIRE.pipeline, ring_wire=WIRE.ring,
+                        averaging_mode="global" if averaging is None else averaging.mode,
+                        group_size=2 if averaging is None else averaging.group_size)
     t0 = time.perf_counter()
     world = build_world(plan, nodes, blocks, settings)
     result = simulate(world)
@@ -88,6 +95,9 @@ def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], 
         predicted = None
         print(f"  (cost model: {err})")
     return {"clusters": len(plan.clusters), "pcs_used": len(used),
+            "averaging": "global" if averaging is None else f"groups of {averaging.group_size}",
+            "mixes_within_rounds": 1 if averaging is None else rounds_to_mix(len(plan.clusters), averaging.group_size),
+            "allreduce_rounds": max(n.allreduce_rounds for n in result.nodes),
             "stages_per_cluster": statistics.median(len(c.nodes) for c in plan.clusters),
             "predicted_samples_per_s": predicted, "simulated_samples_per_s": result.samples_per_s,
             "simulated_sum_of_clusters": sum(c.samples_per_s for c in result.clusters),
@@ -155,7 +165,9 @@ def speed_check(count: int, steps: int, seed: int, churn_per_hour: float = 0.0) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256, 512, 1024])
-    parser.add_argument("--steps", type=int, default=100, help="micro-batches per cluster")
+    parser.add_argument("--steps", type=int, default=STEPS, help="micro-batches per cluster")
+    parser.add_argument("--speed-steps", type=int, default=100,
+                        help="micro-batches per cluster of the simulator's speed check and its churn runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--full-planner", action="store_true", help="make_plan on all PCs at every size")
     parser.add_argument("--churn", type=lambda v: [float(x) for x in v.split(",")], default=[],
@@ -174,22 +186,24 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             x = r[name]
             if "error" in x:
-                rows.append((name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", x["error"][:60]))
+                rows.append((name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", x["error"][:60]))
                 continue
             rows.append((name, x["clusters"], x["pcs_used"], f"{x['stages_per_cluster']:.0f}",
+                         f"{x['averaging']} (mixed in {x['mixes_within_rounds']})", x["allreduce_rounds"],
                          "-" if x["predicted_samples_per_s"] is None else f"{x['predicted_samples_per_s']:.3g}",
                          f"{x['simulated_samples_per_s']:.3g}", f"{x['simulated_sum_of_clusters']:.3g}",
                          f"{x['slowest_cluster_samples_per_s']:.3g}", f"{x['busy_mean']:.2f}", f"{x['utilisation']:.1%}",
                          f"{x['averaging_wait_share']:.0%}", f"{x['simulate_s']:.1f} s ({x['events']} events)"))
-        print(_common.table(["plan", "clusters", "PCs used", "stages", "predicted samples/s", "simulated",
+        print(_common.table(["plan", "clusters", "PCs used", "stages", "averaging", "rounds", "predicted samples/s",
+                             "simulated",
                              "sum of clusters", "slowest cluster", "busy", "utilisation", "averaging wait",
                              "simulation took"], rows))
         print()
-    speed = speed_check(max(args.sizes), args.steps, args.seed)
+    speed = speed_check(max(args.sizes), args.speed_steps, args.seed)
     print(f"simulator speed: {speed['pcs']} PCs busy ({speed['clusters']} clusters of 17 stages, averaging every "
           f"10 steps: {speed['allreduce_rounds']} rounds), {speed['steps']} micro-batches per cluster: "
           f"{speed['seconds']:.1f} s, {speed['events']} events")
-    churn = [speed_check(max(args.sizes), args.steps, args.seed, rate) for rate in args.churn]
+    churn = [speed_check(max(args.sizes), args.speed_steps, args.seed, rate) for rate in args.churn]
     for c in churn:
         print(f"churn {c['churn_per_hour']:g} failures per PC per hour, same layout: {c['simulated_samples_per_s']:.3g} "
               f"samples/s ({c['simulated_samples_per_s'] / speed['simulated_samples_per_s']:.2f} of no churn; sum of "

@@ -7,6 +7,7 @@ import pytest
 
 from ravq.config import ClusterPlan, Plan
 from ravq.planner import BlockProfile, NodeProfile, PlanError, best_subset, evaluate_plan, regional_plan
+from ravq.planner.grouped import GLOBAL, Averaging, averaging_config
 from ravq.planner.types import Wire
 from ravq.simulate.worldwide import projection_plan, transformer_blocks, worldwide_nodes
 
@@ -31,8 +32,10 @@ def solo(name: str) -> ClusterPlan:
     return ClusterPlan(nodes=[name], cuts=[])
 
 
-def value(clusters: list[ClusterPlan], nodes: list[NodeProfile], blocks: list[BlockProfile]) -> float:
-    return evaluate_plan(Plan(epoch=0, clusters=clusters), nodes, blocks, **SETTINGS).samples_per_s
+def value(clusters: list[ClusterPlan], nodes: list[NodeProfile], blocks: list[BlockProfile],
+          averaging: Averaging = GLOBAL) -> float:
+    plan = Plan(epoch=0, clusters=clusters, averaging=averaging_config(averaging))
+    return evaluate_plan(plan, nodes, blocks, **SETTINGS).samples_per_s
 
 
 def test_a_slow_cluster_is_left_out_even_when_it_shares_a_region_with_fast_ones() -> None:
@@ -40,9 +43,9 @@ def test_a_slow_cluster_is_left_out_even_when_it_shares_a_region_with_fast_ones(
     # PC's pace and each region alone lacks the other's fast PCs: the best is the three fast PCs.
     nodes, blocks = world([1e12, 1e12, 5e10, 1e12], [125e6] * 4)
     groups = [[solo("pc0"), solo("pc1"), solo("pc2")], [solo("pc3")]]
-    chosen, got = best_subset(groups, nodes, blocks, **SETTINGS)
+    chosen, got, averaging = best_subset(groups, nodes, blocks, **SETTINGS)
     assert sorted(c.nodes[0] for c in chosen) == ["pc0", "pc1", "pc3"]
-    assert got == pytest.approx(value(chosen, nodes, blocks))
+    assert got == pytest.approx(value(chosen, nodes, blocks, averaging))
     union = value([c for g in groups for c in g], nodes, blocks)
     assert got > 1.4 * max(union, value(groups[0], nodes, blocks), value(groups[1], nodes, blocks))
 
@@ -50,7 +53,7 @@ def test_a_slow_cluster_is_left_out_even_when_it_shares_a_region_with_fast_ones(
 def test_a_cluster_behind_a_slow_uplink_is_left_out_when_its_rounds_cost_more_than_it_brings() -> None:
     # four equal PCs, one on a 1 Mbit/s uplink: its averaging round (100 MB at 2(C-1)/C) takes minutes.
     nodes, blocks = world([1e12] * 4, [125e6, 125e6, 125e6, 125e3])
-    chosen, got = best_subset([[solo(f"pc{i}")] for i in range(4)], nodes, blocks, **SETTINGS)
+    chosen, got, _ = best_subset([[solo(f"pc{i}")] for i in range(4)], nodes, blocks, **SETTINGS)
     assert sorted(c.nodes[0] for c in chosen) == ["pc0", "pc1", "pc2"]
     assert got > value([solo(f"pc{i}") for i in range(4)], nodes, blocks)
 
@@ -61,8 +64,8 @@ def test_best_subset_never_scores_below_the_union_or_any_group(seed: int) -> Non
     n = 10
     nodes, blocks = world(list(rng.choice([5e10, 2e11, 1e12], size=n)), list(rng.choice([2.5e6, 12.5e6, 125e6], size=n)))
     groups = [[solo(f"pc{i}") for i in range(j, n, 3)] for j in range(3)]
-    chosen, got = best_subset(groups, nodes, blocks, **SETTINGS)
-    assert got == pytest.approx(value(chosen, nodes, blocks))
+    chosen, got, averaging = best_subset(groups, nodes, blocks, **SETTINGS)
+    assert got == pytest.approx(value(chosen, nodes, blocks, averaging))
     for candidate in [[c for g in groups for c in g], *groups]:
         assert got >= value(candidate, nodes, blocks) * (1 - 1e-9)
 

@@ -6,6 +6,7 @@ User mistakes (missing files, a plan naming unknown nodes or cuts, bad numbers) 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -88,6 +89,9 @@ def run_simulation(topology: Topology, plan: Plan, nodes: list[NodeProfile], blo
         if behind:  # links between nodes behind NAT run through a relay and share it (issue #24)
             points = relays(topology)
             nodes = priced_profiles(nodes, relayed_links(plan, behind, points), points)
+        if plan.averaging is not None:  # the planner scored the plan with this averaging
+            settings = dataclasses.replace(settings, averaging_mode=plan.averaging.mode,
+                                           group_size=plan.averaging.group_size)
         world = build_world(plan, nodes, blocks, settings, hosts=hosts, host_cores=cores)
     except ValueError as err:
         raise ConfigError(str(err)) from None

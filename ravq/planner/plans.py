@@ -14,6 +14,7 @@ import numpy as np
 
 from ravq.config import ClusterPlan, Plan, Topology, TrainingConfig
 from ravq.planner.cost import Layout, coarsen, fixed_layout
+from ravq.planner.grouped import averaging_of
 from ravq.planner.problem import Problem
 from ravq.planner.report import explain, memory_error
 from ravq.planner.search import Search, explore
@@ -200,7 +201,7 @@ def evaluate_plan(
             raise PlanError(f"clusters[{c}].cuts: cuts must be increasing and leave every stage a block")
         layouts.append(fixed_layout(p, tuple(index[n] for n in cluster.nodes), bounds))
     idle = {i: "not in the plan" for i in range(p.n) if not any(i in lay.order for lay in layouts)}
-    return explain(p, layouts, idle)[1]
+    return explain(p, layouts, idle, averaging_of(plan.averaging))[1]
 
 
 def topology_clusters(topology: Topology) -> list[list[str]]:

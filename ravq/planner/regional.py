@@ -11,6 +11,11 @@ averaging time, each region alone, the union; then clusters added, dropped or sw
 while that helps), so a plan over more PCs never scores below the best subset it could have kept.
 Until issue #26 the choice was only "the union or the best region", and at 1,024 PCs it kept one
 region's 16-PC pipeline, below what 256 PCs got.
+
+Averaging is not free between regions (issue #38): every subset is scored with the averaging that suits
+it best, global rings or groups of a size that mixes every cluster with every other within three rounds
+(``ravq.planner.grouped``), and the chosen clusters are re-cut so that nodes behind slow links to the
+other clusters hold small stages.  The plan says which averaging it was scored with (``Plan.averaging``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ravq.config import ClusterPlan, Plan
-from ravq.planner.cost import Layout, cluster_rate, fixed_layout, score
+from ravq.planner.cost import Layout, cluster_rate, fixed_layout
+from ravq.planner.grouped import Averaging, averaging_config, best_averaging, recut
 from ravq.planner.plans import make_plan
 from ravq.planner.problem import Problem
 from ravq.planner.types import BlockProfile, NodeProfile, PlanError, Wire
@@ -53,14 +59,19 @@ def regional_plan(nodes: Sequence[NodeProfile], regions: Sequence[str], blocks: 
             continue
     if not parts:
         raise PlanError("no region's PCs can hold the model")
-    chosen, value = best_subset(parts, nodes, blocks, **settings)
-    return Plan(epoch=0, clusters=chosen, predicted_samples_per_s=value)
+    chosen, value, averaging = best_subset(parts, nodes, blocks, **settings)
+    return Plan(epoch=0, clusters=chosen, predicted_samples_per_s=value,
+                averaging=averaging_config(averaging))
 
 
-def best_subset(groups: Sequence[Sequence[ClusterPlan]], nodes: Sequence[NodeProfile],
-                blocks: Sequence[BlockProfile], **settings: Any) -> tuple[list[ClusterPlan], float]:
+def best_subset(
+    groups: Sequence[Sequence[ClusterPlan]], nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile],
+    **settings: Any,
+) -> tuple[list[ClusterPlan], float, Averaging]:
     """The subset of the clusters (``groups``: disjoint clusters, e.g. one list per region) with the
-    highest predicted samples/s, and that figure.  Deterministic; scores on the clusters' nodes only."""
+    highest predicted samples/s under the averaging that suits it best, re-cut for that averaging's
+    rounds (``ravq.planner.grouped.recut``); that figure and that averaging.  Deterministic; scores on
+    the clusters' nodes only."""
     pool = [c for group in groups for c in group]
     if not pool:
         raise PlanError("best_subset: no clusters to choose from")
@@ -76,7 +87,15 @@ def best_subset(groups: Sequence[Sequence[ClusterPlan]], nodes: Sequence[NodePro
     starts += _prefixes(chooser.by_rate()) + _prefixes(chooser.by_averaging())
     best = max(starts, key=lambda s: (chooser.value(s), -len(s), sorted(s)))
     best = chooser.climb(best, swaps=len(pool) <= SWAP_POOL)
-    return [pool[i] for i in sorted(best)], chooser.value(best)
+    layouts = [layouts[i] for i in sorted(best)]
+    averaging, value = best_averaging(p, layouts)
+    cut = recut(p, layouts, averaging)
+    cut_averaging, cut_value = best_averaging(p, cut)
+    if cut_value > value * (1 + 1e-9):
+        layouts, averaging, value = cut, cut_averaging, cut_value
+    chosen = [ClusterPlan(nodes=[p.names[i] for i in lay.order],
+                          cuts=[blocks[b].name for b in lay.bounds[1:-1]]) for lay in layouts]
+    return chosen, value, averaging
 
 
 def _layouts(p: Problem, pool: Sequence[ClusterPlan], blocks: Sequence[BlockProfile]) -> list[Layout]:
@@ -102,7 +121,7 @@ class _Chooser:
             return 0.0
         got = self._values.get(subset)
         if got is None:
-            got = self._values[subset] = score(self.p, [self.layouts[i] for i in sorted(subset)])
+            got = self._values[subset] = best_averaging(self.p, [self.layouts[i] for i in sorted(subset)])[1]
         return got
 
     def by_rate(self) -> list[int]:

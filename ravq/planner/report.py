@@ -9,14 +9,20 @@ import numpy as np
 
 from ravq.config import ClusterPlan, Plan
 from ravq.planner.cost import Layout, averaging_round_s, cluster_rate
+from ravq.planner.grouped import GLOBAL, Averaging, averaging_config, grouped_round_s
 from ravq.planner.problem import Problem
 from ravq.planner.types import GIB, ClusterReport, Explanation, PlanError, StageReport, size_text
 
 
-def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str]) -> tuple[Plan, Explanation]:
+def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str],
+            averaging: Averaging = GLOBAL) -> tuple[Plan, Explanation]:
     """The plan of these layouts (clusters ordered by their first node's name) and its explanation;
-    ``idle`` maps the nodes left out to the reason."""
-    layouts = sorted(layouts, key=lambda lay: p.names[lay.order[0]])
+    ``idle`` maps the nodes left out to the reason; the clusters average as ``averaging`` says.  In groups
+    the clusters keep their order: a cluster's place in the plan is its place on the grid."""
+    grouped = averaging.mode == "groups" and len(layouts) > averaging.group_size
+    if not grouped:
+        layouts = sorted(layouts, key=lambda lay: p.names[lay.order[0]])
+    peers = averaging.group_size if grouped else len(layouts)
     reports = []
     for lay in layouts:
         k = len(lay.order)
@@ -26,21 +32,22 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str]) -> tupl
             link = float(p.link_times(node, lay.order[j + 1])[e]) if j < k - 1 else None
             stages.append(StageReport(
                 node=p.names[node], first_block=s, last_block=e - 1,
-                compute_s=p.stage_s(node, s, e) + p.averaging_cpu_s(node, s, e, len(layouts)), link_s=link,
+                compute_s=p.stage_s(node, s, e) + p.averaging_cpu_s(node, s, e, peers), link_s=link,
                 memory_bytes=int(p.mem_span(k)[s, e]), memory_available=int(p.mem[node]),
                 param_bytes=int(p.param_span[s, e])))
         reports.append(ClusterReport(nodes=[p.names[i] for i in lay.order], stages=stages,
-                                     rate_micro_batches_per_s=cluster_rate(p, lay, len(layouts))))
-    averaging = averaging_round_s(p, layouts)
+                                     rate_micro_batches_per_s=cluster_rate(p, lay, peers)))
+    round_s = grouped_round_s(p, layouts, averaging.group_size) if grouped else averaging_round_s(p, layouts)
     rates = [r.rate_micro_batches_per_s for r in reports]
     explanation = Explanation(
         clusters=reports, block_names=[b.name for b in p.blocks], micro_batch=p.micro_batch,
         sync_every=p.sync_every, idle={p.names[i]: why for i, why in sorted(idle.items())},
-        averaging_s=averaging, samples_per_s_without_averaging=p.micro_batch * sum(rates),
-        samples_per_s=p.samples_per_s(rates, averaging))
+        averaging_s=round_s, samples_per_s_without_averaging=p.micro_batch * sum(rates),
+        samples_per_s=p.samples_per_s(rates, round_s))
     plan = Plan(epoch=0, clusters=[ClusterPlan(nodes=[p.names[i] for i in lay.order],
                                       cuts=[p.blocks[b].name for b in lay.bounds[1:-1]]) for lay in layouts],
-                predicted_samples_per_s=explanation.samples_per_s)
+                predicted_samples_per_s=explanation.samples_per_s,
+                averaging=averaging_config(averaging) if grouped else None)
     return plan, explanation
 
 

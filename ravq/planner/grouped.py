@@ -1,0 +1,116 @@
+"""What averaging in groups costs a plan, and which averaging a plan should use (issue #38).
+
+In ``groups`` mode each round's rings run within groups of at most ``group_size`` clusters (a grid,
+``ravq.planner.groups``): a group's round lasts 2(m-1)/m of each member's held bytes over its slowest
+link to another cluster *of the group*, and a stage's CPU for averaging is charged for m clusters, not
+all C.  A round is over when its slowest group is.  The places on the grid are shuffled per (plan epoch,
+cycle), which the broker sets at run time, so the planner takes the mean round of ``GRID_EPOCHS`` epochs'
+grids, every axis of each, as the nodes would derive them.
+
+Groups buy a shorter round, not a pace of their own: a stage still holds back for its round with the
+group of the moment, and the grid changes axis every round, so within its d rounds every cluster is
+held to the slowest one (the simulator shows it: four clusters, one five times slower, groups of two,
+all four at the slow one's pace).  The clusters' period is therefore the cost model's, with the grouped
+round in it (``ravq.planner.cost``).
+
+``best_averaging`` picks global rings or groups, and the group size, by this score; groups only when
+every cluster mixes with every other within ``MIX_ROUNDS`` rounds.  ``recut`` then keeps nodes behind
+slow links off stages that hold large segments: their stages' parameter bytes are capped in proportion
+to their slowest link to another cluster, when the shorter round gains more than the pipeline loses.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ravq.config.averaging import AveragingConfig
+from ravq.planner.cost import Layout, averaging_round_s, cluster_rate, score
+from ravq.planner.groups import groups_for, rounds_to_mix
+from ravq.planner.problem import INF, Problem
+
+GRID_EPOCHS = 4
+"""Plan epochs whose grids the planner averages a round over."""
+MIX_ROUNDS = 3
+"""Groups mode only with a grid of at most this many axes: every cluster mixes with every other within it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Averaging:
+    """How clusters average: ``mode`` "global" (one set of rings over all) or "groups" of ``group_size``."""
+
+    mode: str = "global"
+    group_size: int = 2
+
+
+GLOBAL = Averaging()
+
+
+def averaging_config(averaging: Averaging) -> AveragingConfig | None:
+    """What a plan says of its averaging (``Plan.averaging``): None for global rings (the default)."""
+    if averaging.mode == "global":
+        return None
+    return AveragingConfig(mode="groups", group_size=averaging.group_size)
+
+
+def averaging_of(config: AveragingConfig | None) -> Averaging:
+    """The averaging a plan's ``averaging`` (None: global rings) stands for."""
+    return GLOBAL if config is None else Averaging(config.mode, config.group_size)
+
+
+def group_sizes(clusters: int) -> list[int]:
+    """Group sizes worth scoring for ``clusters`` clusters: the smallest few that mix everyone within
+    ``MIX_ROUNDS`` rounds (smaller groups make shorter rounds, so larger ones rarely win)."""
+    sizes = [m for m in range(2, clusters) if rounds_to_mix(clusters, m) <= MIX_ROUNDS]
+    return sizes[:3]
+
+
+def grouped_round_s(p: Problem, layouts: Sequence[Layout], group_size: int) -> float:
+    """The mean, over ``GRID_EPOCHS`` epochs' grids and each of their axes, of the slowest group's round."""
+    count = len(layouts)
+    rounds = []
+    for epoch in range(GRID_EPOCHS):
+        for r in range(rounds_to_mix(count, group_size)):
+            groups = groups_for(epoch, r, range(count), "groups", group_size)
+            rounds.append(max((averaging_round_s(p, [layouts[c] for c in g]) for g in groups), default=0.0))
+    return statistics.fmean(rounds)
+
+
+def score_with(p: Problem, layouts: Sequence[Layout], averaging: Averaging = GLOBAL) -> float:
+    """Predicted samples/s of these clusters averaging as ``averaging`` says."""
+    if averaging.mode == "global" or len(layouts) <= averaging.group_size:
+        return score(p, layouts)
+    rates = [cluster_rate(p, lay, averaging.group_size) for lay in layouts]
+    return p.samples_per_s(rates, grouped_round_s(p, layouts, averaging.group_size))
+
+
+def best_averaging(p: Problem, layouts: Sequence[Layout]) -> tuple[Averaging, float]:
+    """The averaging that scores these clusters highest, and its score (global on a tie)."""
+    best, value = GLOBAL, score(p, layouts)
+    for m in group_sizes(len(layouts)):
+        got = score_with(p, layouts, Averaging("groups", m))
+        if got > value * (1 + 1e-9):
+            best, value = Averaging("groups", m), got
+    return best, value
+
+
+def recut(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> list[Layout]:
+    """The same clusters and node orders, re-cut so that a node's stage holds at most what its slowest link
+    to another cluster sends in a shorter round (scales of the current round), when the score gains."""
+    layouts = list(layouts)
+    best = score_with(p, layouts, averaging)
+    t0 = averaging_round_s(p, layouts)
+    if len(layouts) < 2 or not 0 < t0 < INF:
+        return layouts
+    clusters = len(layouts) if averaging.mode == "global" else min(averaging.group_size, len(layouts))
+    caps_per_s = p.min_link_out([lay.order for lay in layouts]) / p.ring_factor(clusters)
+    for scale in (0.9, 0.75, 0.6, 0.45, 0.3, 0.2, 0.1):
+        cand = []
+        for lay in layouts:
+            value, bounds = p.partition(lay.order, t0 * scale * caps_per_s)
+            cand.append(Layout(order=lay.order, bounds=tuple(bounds), bottleneck=value) if bounds else lay)
+        got = score_with(p, cand, averaging)
+        if got > best * (1 + 1e-9):
+            best, layouts = got, cand
+    return layouts
