@@ -62,6 +62,20 @@ def test_task_not_found_says_where_ravq_looked(user_folder: Path) -> None:
         resolve_task_module("sub/missing.py")
 
 
+def test_a_wrong_attribute_names_the_tasks_the_file_offers(user_folder: Path) -> None:
+    """``file.py:function`` (a task function, not a task) and ``file.py:typo`` say what to name instead; the
+    check's header does not claim a layout it never cut."""
+    with pytest.raises(ConfigError, match=r"'build_model', a function, not a task.*'mytask.py' itself"):
+        resolve_task_module("mytask.py:build_model")
+    (user_folder / "two.py").write_text("from ravq.tasks import hf_causal_lm as gpt\nfrom mytask import *\n")
+    with pytest.raises(ConfigError, match=r"no attribute 'typo'; the tasks it offers: 'two.py' itself .*two.py:gpt"):
+        resolve_task_module("two.py:typo")
+    report = check("mytask.py:build_model", stages=3)
+    assert report.format().splitlines()[0] == (
+        "ravq check: task mytask.py:build_model, 3 stage(s) asked for, not cut (see below), micro-batch 4")
+    assert "fix: name a task after ':'" in findings(report, "error")
+
+
 # ---------------------------------------------------------------- the check passes
 def test_check_passes_on_charlm_with_memory_and_no_difference() -> None:
     report = check("ravq.tasks.charlm")

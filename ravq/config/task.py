@@ -128,17 +128,37 @@ def resolve_task_module(spec: str, options: Mapping[str, Any] | None = None) -> 
                           "or the task file's path")
     else:
         obj = _import_module(target)
+    module = obj
     if attr:
         try:
             obj = getattr(obj, attr)
         except AttributeError:
-            raise ConfigError(f"task {target!r} has no attribute {attr!r}") from None
+            offered = _offered(module, target)
+            raise ConfigError(f"task {target!r} has no attribute {attr!r}{offered}") from None
     if options:
         obj = _configured(obj, spec, options)
-    missing = [f for f in TASK_FUNCTIONS if not callable(getattr(obj, f, None))]
+    missing = _missing(obj)
+    if (missing and attr in TASK_FUNCTIONS) or (callable(obj) and len(missing) == len(TASK_FUNCTIONS)):
+        raise ConfigError(f"task {spec!r} names {attr!r}, a {type(obj).__name__}, not a task: after ':' "
+                          "name an object (a module, class or instance) that defines "
+                          f"{', '.join(TASK_FUNCTIONS)}"
+                          f"{_offered(module, target)} (docs/tasks.md)")
     if missing:
         raise ConfigError(f"task {spec!r} lacks {', '.join(missing)} (the task interface: docs/tasks.md)")
     return obj
+
+
+def _missing(obj: Any) -> list[str]:
+    return [f for f in TASK_FUNCTIONS if not callable(getattr(obj, f, None))]
+
+
+def _offered(module: Any, target: str) -> str:
+    """What a user may name instead: the module itself when it is a task, and the tasks it holds."""
+    held = sorted(n for n, v in vars(module).items()
+                  if not n.startswith("_") and v is not module and not _missing(v))
+    itself = [f"{target!r} itself (no ':')"] if not _missing(module) else []
+    options = itself + [f"{target}:{n}" for n in held]
+    return f"; the tasks it offers: {', '.join(options)}" if options else ""
 
 
 def _configured(task: Any, spec: str, options: Mapping[str, Any]) -> Any:

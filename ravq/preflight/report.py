@@ -81,6 +81,10 @@ class StageMemory:
 class Report:
     task: str
     cuts: list[str]
+    stages: int
+    """Stages asked for (``cuts`` holds their cuts once ``planned``)."""
+    planned: bool = False
+    """Whether ``cuts`` are known: not when the task did not import or could not be cut."""
     micro_batch: int
     max_inflight: int
     findings: list[Finding] = field(default_factory=list)
@@ -106,11 +110,13 @@ class Report:
         return bool(self.errors)
 
     def format(self) -> str:
-        stages = len(self.cuts) + 1
-        head = (
-            f"ravq check: task {self.task}, {stages} stage(s) cut at {self.cuts or 'nothing'}, "
-            f"micro-batch {self.micro_batch}, {self.max_inflight} in flight"
+        layout = (
+            f"{len(self.cuts) + 1} stage(s) cut at {self.cuts or 'nothing'}, micro-batch {self.micro_batch}, "
+            f"{self.max_inflight} in flight"
+            if self.planned
+            else f"{self.stages} stage(s) asked for, not cut (see below), micro-batch {self.micro_batch}"
         )
+        head = f"ravq check: task {self.task}, {layout}"
         lines = [head]
         order = {"error": 0, "warning": 1, "info": 2}
         lines += [f.format() for f in sorted(self.findings, key=lambda f: order[f.level])]

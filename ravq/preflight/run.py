@@ -61,6 +61,8 @@ def run_checks(spec: str, settings: CheckSettings) -> Report:
     report = Report(
         task=spec,
         cuts=settings.cuts or [],
+        stages=len(settings.cuts) + 1 if settings.cuts is not None else settings.stages,
+        planned=settings.cuts is not None,
         micro_batch=settings.micro_batch,
         max_inflight=settings.max_inflight or 0,
     )
@@ -78,6 +80,8 @@ def _run(spec: str, settings: CheckSettings, report: Report) -> None:
         fix = (
             "define them, as the task interface in docs/tasks.md says"
             if " lacks " in str(err)
+            else "name a task after ':' (one the message lists), or drop the ':' part"
+            if "not a task" in str(err) or "has no attribute" in str(err)
             else "correct the option it names (--task-option, or the topology's task_options)"
             if str(err).startswith("task_options:")
             else "make the task importable: a module on sys.path, a module in the current folder, or a "
@@ -97,7 +101,7 @@ def _run(spec: str, settings: CheckSettings, report: Report) -> None:
     )
     if cuts is None or batches is None:
         return
-    report.cuts, report.max_inflight = cuts, settings.max_inflight or len(cuts) + 1
+    report.cuts, report.max_inflight, report.planned = cuts, settings.max_inflight or len(cuts) + 1, True
     example, train, held_out = batches
     specs = model.split(whole, example, cuts, report, task if on_meta else None, settings.seed)
     if specs is None:
@@ -143,7 +147,7 @@ def interface_checks(
 def start_problems(task: Any, micro_batch: int, seed: int) -> str | None:
     """What ``ravq node`` and ``ravq demo`` check at start (the interface and first batches, no trace): the
     errors with their fixes as one message, or None."""
-    report = Report(task="", cuts=[], micro_batch=micro_batch, max_inflight=0)
+    report = Report(task="", cuts=[], stages=1, micro_batch=micro_batch, max_inflight=0)
     interface_checks(task, micro_batch, seed, report)
     if not report.failed:
         return None
