@@ -80,3 +80,28 @@ def test_a_stale_pipeline_stage_samples_its_gradients() -> None:
     assert workers[0].passes.guard.cosines and -1.0 <= snap["stale_cosine"] <= 1.0
     assert snap["staleness_updates"] > 0 and workers[1].stats.snapshot()["staleness_updates"] == 0
     assert "stale_cosine" not in workers[1].stats.snapshot()  # the last stage is never stale: never sampled
+
+
+def test_status_shows_staleness_in_updates_and_a_guard_warning_with_its_remedy() -> None:
+    from ravq.cli.status import format_status
+
+    stats = {"cluster": 0, "stage": 0, "version": 40, "samples": 1280, "busy_fraction": 0.4, "wall_s": 10.0,
+             "staleness_mean": 0.3, "staleness_updates": 0.25, "asynchrony_warning": True, "stale_cosine": 0.12}
+    text = format_status({"seq": 1, "plan": {"clusters": [{"nodes": ["a"]}]},
+                          "members": {"a": {"state": "up", "stats": stats}}})
+    row = next(line for line in text.splitlines() if line.startswith("a "))
+    assert row.split()[6] == "0.25"  # the recent mean in updates, not the run's mean
+    assert "cosine 0.12); set training.max_inflight: 1 or a larger training.batch" in text
+
+
+def test_the_demo_report_states_the_batch_and_the_accumulation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from ravq.cli.demo_view import summarize
+
+    node = {"name": "c0s0", "cluster": 0, "stage": 0, "wall_s": 2.0, "samples": 64, "backwards": 8,
+            "staleness_mean": 0.5, "staleness_updates": 0.75, "asynchrony_warning": False}
+    (tmp_path / "summary-c0s0.json").write_text(json.dumps(node))
+    report = summarize(tmp_path, {"training": {"micro_batch": 8, "batch": 32}, "nodes": [{"name": "c0s0"}]}, 5.0)
+    assert report is not None and (report["batch"], report["update_every"]) == (32, 4)
+    assert report["nodes"][0]["staleness_updates"] == 0.75

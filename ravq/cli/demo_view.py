@@ -152,13 +152,15 @@ class LiveView:
             f"{loss(report['final_loss'])}"
         )
         table = Table()
-        for col in ("node", "cluster", "stage", "busy", "staleness", "sent MB", "received MB"):
+        for col in ("node", "cluster", "stage", "busy", "stale (updates)", "sent MB", "received MB"):
             table.add_column(col, justify="right")
         for n in report["nodes"]:
+            stale = n.get("staleness_updates")
+            stale = n["staleness_mean"] if stale is None else stale
             table.add_row(n["name"], str(n["cluster"]), str(n["stage"]), f"{n['busy_fraction']:.2f}",
-                          f"{n['staleness_mean']:.2f}", f"{n['bytes_sent'] / 1e6:.1f}",
-                          f"{n['bytes_received'] / 1e6:.1f}")
+                          f"{stale:.2f}", f"{n['bytes_sent'] / 1e6:.1f}", f"{n['bytes_received'] / 1e6:.1f}")
         c.print(table)
+        self._print_asynchrony(report)
         if report.get("eval_loss"):
             curve = report["eval_loss"]
             shown = curve[:: max(1, len(curve) // 6)]
@@ -168,6 +170,19 @@ class LiveView:
         if report.get("allreduce_rounds"):
             rounds, mean_s = report["allreduce_rounds"], report["allreduce_seconds_mean"]
             c.print(f"all-reduce: {rounds} rounds, mean {mean_s:.3f}s")
+
+
+    def _print_asynchrony(self, report: dict[str, Any]) -> None:
+        """The batch, what "stale (updates)" means, and the nodes whose asynchrony guard warned."""
+        c = self.console
+        if report.get("batch"):
+            c.print(f"batch {report['batch']} samples per optimizer step, {report['update_every']} "
+                    "micro-batch(es) per cluster and step; stale (updates): the mean staleness of the latest "
+                    "backwards, in optimizer updates")
+        for n in report["nodes"]:
+            if n.get("asynchrony_warning"):
+                c.print(f"[bold]{n['name']}: asynchrony hurts[/bold] (stale and fresh gradients agree with "
+                        f"cosine {n.get('stale_cosine') or 0:.2f}): try --max-inflight 1 or a larger --batch")
 
 
 def _work_done(status: dict[str, Any] | None) -> int:
@@ -184,6 +199,14 @@ def _cluster_mean_curve(histories: list[list[list[float]]]) -> list[list[float]]
         for step, loss in history:
             by_step.setdefault(int(step), []).append(loss)
     return [[step, sum(v) / len(v)] for step, v in sorted(by_step.items())]
+
+
+def _batch(data: dict[str, Any], clusters: int) -> dict[str, int]:
+    """The run's batch and the accumulation the nodes derived from it (``ravq.config.batch``)."""
+    training = data.get("training", {})
+    micro_batch = int(training.get("micro_batch", 16))
+    batch = training.get("batch") or micro_batch * clusters * int(training.get("update_every", 1))
+    return {"batch": int(batch), "update_every": max(1, int(batch) // (micro_batch * max(1, clusters)))}
 
 
 def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, Any] | None:
@@ -218,7 +241,9 @@ def summarize(run_dir: Path, data: dict[str, Any], wall_s: float) -> dict[str, A
         "allreduce_rounds": min(rounds) if rounds else 0,
         "allreduce_seconds_mean": sum(ar_means) / len(ar_means) if ar_means else 0.0,
         "eval_loss": _cluster_mean_curve(evals),
+        **_batch(data, len(per_cluster)),
         "nodes": [{k: n.get(k) for k in ("name", "cluster", "stage", "busy_fraction", "staleness_mean",
+                                          "staleness_updates", "stale_cosine", "asynchrony_warning",
                                           "bytes_sent", "bytes_received", "version", "samples",
                                           "allreduce_rounds", "allreduce_seconds_mean", "bad_messages",
                                           "payload_wire_bytes_sent", "payload_logical_bytes_sent")}

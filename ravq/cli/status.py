@@ -131,11 +131,16 @@ def format_status(status: dict[str, Any]) -> str:
         where = f"{st.get('cluster', '?')}/{st.get('stage', '?')}"
         lines.append(f"{name:<16}{node_state(m):<12}{where:<6}{_num(st.get('version'), 'd', 8)}"
                      f"{_num(st.get('samples'), 'd', 9)}{_num(st.get('busy_fraction'), '.2f', 7)}"
-                     f"{_num(st.get('staleness_mean'), '.2f', 7)}{_num(st.get('loss'), '.3f', 8)}"
+                     f"{_num(st.get('staleness_updates', st.get('staleness_mean')), '.2f', 7)}"
+                     f"{_num(st.get('loss'), '.3f', 8)}"
                      f"{_num(st.get('eval_loss'), '.3f', 8)}{_num(age, 'd', 5)}{group:>8}"
                      f"  {waiting_text(st)}")
         if st.get("failure"):
             lines.append(f"{'':<16}failure: {st['failure']}")
+        if st.get("asynchrony_warning"):
+            cosine = _num(st.get("stale_cosine"), ".2f", 0).strip()
+            lines.append(f"{'':<16}asynchrony hurts: stale and fresh gradients disagree (cosine {cosine}); "
+                         "set training.max_inflight: 1 or a larger training.batch")
     lines += reach_lines(status)
     return "\n".join(lines)
 
