@@ -41,6 +41,7 @@ from _common import REPO, use_repo_checkout
 use_repo_checkout()
 
 import yaml
+from churn_sim import node_rounds, simulate_runs
 
 from ravq.cli.demo import free_ports
 from ravq.cli.status import status_once
@@ -229,10 +230,13 @@ def measure(run: Run, seconds: float, churn: argparse.Namespace | None, rng: ran
     trained, loss = run.progress(end)
     elapsed = time.monotonic() - t0
     curve = [(ts - t0, *run.progress(s)) for ts, s in run.samples if ts >= t0]
+    for e in events.done + events.pending:
+        e["t"] = e["at"] - t0
     return {"seconds": elapsed, "micro_batches": trained - trained0, "trained_total": trained,
             "samples_per_s": (trained - trained0) * run.topology.training.micro_batch / elapsed,
             "work_samples_per_s": done_work * run.topology.training.micro_batch / elapsed,
             "final_loss": loss, "events": events.done, "unrecovered": events.pending, "curve": curve,
+            "rounds": node_rounds(run.samples, t0),
             "load": [round(x, 2) for x in (*load0, *os.getloadavg())]}
 
 
@@ -305,6 +309,8 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the run directories (logs)")
     p.add_argument("--quick", action="store_true", help="1 minute, a fault every 20 s (a smoke run)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--simulate", action="store_true",
+                   help="simulate both runs (ravq simulate's model, the runs' own faults) and compare rounds per hour")
     p.add_argument("--beside", action="store_true",
                    help="a second, undisturbed 2x2 swarm trains beside both runs (a busy PC)")
     args = p.parse_args()
@@ -330,6 +336,14 @@ def main() -> None:
               "kills": report("kills", base, kills, args.restart_after),
               "mixed": report("kills + stops + power cut", base, mixed, args.restart_after) if mixed else None,
               "run_dir": str(root) if args.keep else None}
+    if args.simulate:
+        sim = result["simulated"] = simulate_runs(load_topology(root / "churn" / "topology.yaml"), base, kills)
+        for name in ("undisturbed", "churn"):
+            x = sim[name]
+            print(f"{name}: averaging rounds per node-hour measured {x['measured_rounds_per_node_hour']:.0f}, "
+                  f"simulated {x['simulated_rounds_per_node_hour']:.0f} (ratio {x['rounds_ratio']:.3f}); aborted "
+                  f"node rounds {x['measured_aborts']} / {x['simulated_aborts']}; samples/s "
+                  f"{x['measured_samples_per_s']:.1f} / {x['simulated_samples_per_s']:.1f}")
     if not args.keep:
         import shutil
         shutil.rmtree(root, ignore_errors=True)
