@@ -111,7 +111,7 @@ class Pair:
         self.metrics.broker_active.labels(self.star.role).set(1 if self.star.active else 0)
 
     def state_message(self) -> Message:
-        meta = {"kind": "bstar", "state": self.star.state, "term": self.star.term}
+        meta = {"kind": "bstar", "state": self.star.state, "term": self.star.term, "seq": self.star.term}
         return Message(type=MsgType.UPDATE, sender=BROKER, meta=meta)
 
     def peer_message(self, msg: Message) -> bool:
@@ -145,6 +145,8 @@ class Pair:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._say_state(pub)), tg.create_task(self._follow(sub, link)),
                          tg.create_task(self._votes(inbox))]
+                if self.opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
+                    tasks.append(tg.create_task(self.opts.monitor.serve()))
                 await self._wake.wait()
                 for task in tasks:
                     task.cancel()
@@ -152,6 +154,8 @@ class Pair:
             for sock in (pub, inbox, sub, link):
                 sock.sock.setsockopt(zmq.LINGER, 0)
                 sock.close()
+            if self.opts.monitor is not None:  # its sockets are of this context; the broker's are its own
+                self.opts.monitor.close()
             ctx.term()
         self._wake.clear()
         if self._stopping or self.star.changes[-1].before != PASSIVE:

@@ -53,9 +53,13 @@ class Swarm:
         node needs to start."""
         self._served = parse_topology(topology, resolve_task=False)
         try:
-            for name in ["broker", *(node["name"] for node in topology["nodes"])]:
+            backup = ["broker-backup"] if self._served.broker.backup is not None else []
+            for name in ["broker", *backup, *(node["name"] for node in topology["nodes"])]:
                 self._listeners.hold(ports_of(self._served, name))
             self.broker = self._spawn(self.broker_argv, "broker", self.base)
+            self.backup = self._spawn([*self.broker_argv, "--backup"], "broker-backup", self.base) \
+                if backup else None
+            """The backup broker's process (``broker.backup`` in the topology)."""
             self.nodes: dict[str, subprocess.Popen[bytes]] = {}
             for node in topology["nodes"]:
                 self.start(node["name"])
@@ -72,6 +76,9 @@ class Swarm:
 
     def restart_broker(self) -> None:
         self.broker = self._spawn(self.broker_argv, "broker", self.base)
+
+    def restart_backup(self) -> None:
+        self.backup = self._spawn([*self.broker_argv, "--backup"], "broker-backup", self.base)
 
     def status(self) -> dict[str, Any] | None:
         from ravq.cli.status import status_once
@@ -105,7 +112,7 @@ class Swarm:
         return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]
 
     def close(self) -> None:
-        for proc in [*self.nodes.values(), self.broker]:
+        for proc in [*self.nodes.values(), self.broker, *([self.backup] if self.backup else [])]:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
