@@ -42,7 +42,8 @@ TOPIC = "bs."
 class Pairing(Protocol):
     """What the active broker of a pair runs beside its own work (``brokers.pair.ActiveSide``)."""
 
-    role: str
+    by: dict[str, Any]
+    """The broker's role and term of activity, as its updates name their sender."""
     restored: Restored | None
     """The state a passive broker followed, when it took over (None: the run from its state directory)."""
 

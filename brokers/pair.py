@@ -230,6 +230,7 @@ class ActiveSide:
 
     def __init__(self, pair: Pair, restored: Restored | None) -> None:
         self.pair, self.restored, self.role = pair, restored, pair.star.role
+        self.by: dict[str, Any] = {"role": pair.star.role, "term": pair.star.term}
 
     async def serve(self, publish: Callable[[Message, str], Awaitable[None]],
                     stop: Callable[[], None]) -> None:

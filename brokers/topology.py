@@ -57,8 +57,9 @@ class Broker:
                  heartbeat_timeout_s: float | None = None, *, clock: Callable[[], float] = time.monotonic,
                  new_run: bool = False, pair: Pairing | None = None) -> None:
         self.topology, self.metrics, self.opts = topology, metrics, opts
-        self.pair, self.role = pair, PRIMARY if pair is None else pair.role
-        """The Binary Star pair this broker is the active one of (``brokers.pair``); None: alone."""
+        self.pair, self.by = pair, {"role": PRIMARY, "term": 0} if pair is None else pair.by
+        """The Binary Star pair this broker is the active one of (``brokers.pair``; None: alone), and what
+        its messages say of it (``by``: its role and term; a node follows no older term than it saw)."""
         restored = None if pair is None else pair.restored
         self.clock = clock
         """What heartbeats and silences are timed on (seconds; tests pass a virtual one)."""
@@ -145,7 +146,7 @@ class Broker:
                 self.seq += 1
                 await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta={
                     "kind": "delta", "incarnation": self.incarnation, "topic": u.topic, "seq": u.seq,
-                    "items": u.items, "more": u.more, "by": self.role}), u.topic)
+                    "items": u.items, "more": u.more, "by": self.by}), u.topic)
         self.metrics.broker_seq.set(self.seq)
         if self.keyed.oversized:
             self.metrics.bad_messages.labels("pub", "header_too_large").inc(self.keyed.oversized)
@@ -269,7 +270,7 @@ class Broker:
         self._snapshots += 1
         for i, part in enumerate(parts):
             meta = {"seq": self.seq, "incarnation": self.incarnation, "snap": self._snapshots, "part": i,
-                    "parts": len(parts), "by": self.role,
+                    "parts": len(parts), "by": self.by,
                     "scope": sorted(topics) if mine else None, "items": part, "seqs": seqs if i == 0 else {}}
             await inbox.reply(identity, Message(type=MsgType.SNAPSHOT, sender=BROKER, meta=meta), node)
 
@@ -323,7 +324,7 @@ class Broker:
         async with self._publishing:  # after every update of the number it says
             seq = self.keyed.seqs[topic]
             meta = {"kind": "tick", "incarnation": self.incarnation, "topic": topic, "seq": seq,
-                    "by": self.role}
+                    "by": self.by}
             await pub.publish(Message(type=MsgType.UPDATE, sender=BROKER, meta=meta), topic)
 
     async def _until_stopped(self) -> None:

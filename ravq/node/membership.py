@@ -11,9 +11,11 @@ training.
 
 With a backup broker (``broker.backup``, ZeroMQ's Binary Star: ``brokers.binarystar``) the node follows
 both brokers' PUBs (only the active one publishes) and keeps a link to each; it talks to the one whose
-updates it hears (each says ``by``), and turns to the other once the one it talks to has been silent for
-``TURN_AFTER`` heartbeat intervals: its heartbeats there are its vote for a failover.  A passive broker
-answers a request it does not serve with ``passive`` and the node turns back at once.
+updates it hears (each says ``by``: its role and term), and turns to the other once the one it talks to has
+been silent for ``TURN_AFTER`` heartbeat intervals: its heartbeats there are its vote for a failover.  A
+passive broker answers a request it does not serve with ``passive`` and the node turns back at once.  A
+broker of an older term than the node has seen (an active one cut off from everyone while the other took
+over, before it hears the other and turns passive) is neither followed nor asked.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class Membership(MembershipState):
                                               "broker", metrics, limits, opts, identity=name))
         self.on = 0
         """The broker this node talks to (0: the primary, 1: the backup)."""
+        self.term = 0
+        """The newest term of activity of a pair's broker this node has seen (``brokers.binarystar``)."""
         self._turned_at = clock()
         self.reach_ports: list[str] | None = None
         """The ports this node asked the broker to dial back (``wait_reach``); None before it asked."""
@@ -91,6 +95,18 @@ class Membership(MembershipState):
         if to != self.on and to < len(self.links):
             log.warning("%s: turning to the %s broker (%s)", self.name, BROKERS[to], why)
             self.on, self._turned_at = to, self.clock()
+
+    def _stale(self, meta: dict[str, Any]) -> bool:
+        """Whether ``meta`` comes from a broker of an older term than this node has seen (else that term
+        is the newest seen now)."""
+        by = meta.get("by")
+        term = by.get("term") if isinstance(by, dict) else None
+        if not isinstance(term, int):
+            return False
+        if term < self.term:
+            return True
+        self.term = term
+        return False
 
     def _turn_if_silent(self) -> None:
         """The broker this node talks to has been silent for ``TURN_AFTER`` intervals: try the other."""
@@ -112,7 +128,7 @@ class Membership(MembershipState):
                 except TimeoutError:
                     self._turn(1 - self.on, "no reply")
                     raise
-                if reply.type == MsgType.REPLY and reply.meta.get("passive"):
+                if reply.type == MsgType.REPLY and reply.meta.get("passive") or self._stale(reply.meta):
                     self._turn(1 - self.on, f"the {BROKERS[self.on]} is passive")
                     await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s / 4)
                     raise BrokerPassive(f"the {BROKERS[1 - self.on]} broker is passive")
@@ -211,8 +227,11 @@ class Membership(MembershipState):
             msg = await self.sub.recv()
             if msg.type != MsgType.UPDATE:
                 continue
-            if msg.meta.get("by") in BROKERS:  # the active broker: talk to it
-                self._turn(BROKERS.index(msg.meta["by"]), "it publishes")
+            if self._stale(msg.meta):
+                continue
+            by = msg.meta.get("by")
+            if isinstance(by, dict) and by.get("role") in BROKERS:  # the active broker: talk to it
+                self._turn(BROKERS.index(by["role"]), "it publishes")
             try:
                 behind |= not self.apply_update(msg.meta)
             except (KeyError, TypeError, ValueError):
