@@ -310,7 +310,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="ravq.tasks.charlm")
     p.add_argument("--budget", type=int, default=400, help="one-process micro-batches")
-    p.add_argument("--clusters", type=int, default=2)
+    p.add_argument("--clusters", default="2", help="or a list, e.g. 1,2,4,8: the curve over the number of "
+                   "clusters, global rings against groups (issue #38; benchmarks/_group_curve.py)")
+    p.add_argument("--group-size", type=int, default=2, help="with a list of --clusters: clusters per group")
+    p.add_argument("--links", default="100:20,1000:1", help="with a list of --clusters: modelled ring links, "
+                   "MBIT:MS_PER_HOP,... (one virtual clock each over the same training)")
+    p.add_argument("--slow", type=float, default=1.0, help="with a list of --clusters: the last cluster's slowdown")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--sync-every", type=int, default=SYNC_EVERY, help="default: the demo's")
@@ -345,6 +350,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    counts = [int(c) for c in str(args.clusters).split(",")]
+    if len(counts) > 1:
+        group_curve(args, counts)
+        return
+    args.clusters = counts[0]
     if args.compare_inflight:
         if args.micro_batch == 16 and "--micro-batch" not in sys.argv:
             args.micro_batch = 8  # the trial of issue #25
@@ -374,6 +384,28 @@ def main() -> None:
                           "clusters": args.clusters, "stages": args.stages, "micro_batch": args.micro_batch,
                           "sync_every": args.sync_every, "outer_lr": args.outer_lr,
                           "max_inflight": args.max_inflight, "window": args.window, "quick": args.quick}))
+
+
+def group_curve(args: argparse.Namespace, counts: list[int]) -> None:
+    """Samples and (virtual) wall time to one cluster's loss for each number of clusters, global against groups."""
+    from _group_curve import CurveSettings, curve, print_curve
+
+    if args.quick:
+        args.budget, args.window = 120, 20
+    s = CurveSettings(task=args.task, micro_batch=args.micro_batch, sync_every=args.sync_every,
+                      group_size=args.group_size, budget=args.budget, window=args.window, seed=args.seed,
+                      links=[(float(m), float(ms)) for m, _, ms in (x.partition(":") for x in args.links.split(","))],
+                      slow=args.slow)
+    t0 = time.monotonic()
+    for seed in args.seeds or [args.seed]:
+        s.seed = seed
+        result = curve(counts, s)
+        print(f"seed {seed}:")
+        print_curve(result, s)
+        if args.json:
+            print(json.dumps({"benchmark": "convergence_clusters", "seed": seed, "counts": counts,
+                              "settings": {k: getattr(s, k) for k in s.__slots__}, **result}))
+    print(f"bench took {time.monotonic() - t0:.0f}s")
 
 
 def compare_compression(args: argparse.Namespace, seeds: list[int], t0: float) -> None:
