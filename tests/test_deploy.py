@@ -24,6 +24,7 @@ DEPLOY = REPO / "deploy"
 GRAFANA = REPO / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
 UNITS = {"broker": DEPLOY / "systemd" / "ravq-broker.service",
+         "backup": DEPLOY / "systemd" / "ravq-broker-backup.service",
          "node": DEPLOY / "systemd" / "ravq-node@.service",
          "relay": DEPLOY / "systemd" / "ravq-relay@.service"}
 TOPOLOGY_PATH = "/etc/ravq/topology.yaml"
@@ -259,6 +260,7 @@ def seconds(value: str) -> float:
 
 @pytest.mark.parametrize(("role", "command"), [
     ("broker", f"broker --topology {TOPOLOGY_PATH} --plan /etc/ravq/plan.yaml"),
+    ("backup", f"broker --topology {TOPOLOGY_PATH} --plan /etc/ravq/plan.yaml --backup"),
     ("node", f"node --topology {TOPOLOGY_PATH} --name %i"),
 ])
 def test_unit_runs_ravq_and_stops_gracefully(role: str, command: str, examples: dict[str, Topology]) -> None:
