@@ -157,13 +157,23 @@ class Passes:
         stats.record_backward(self._micro_batch)
         state.count_trained()
         if due:
+            if not self._place.is_last:  # the last stage is never stale
+                self._observe_update()
             self._recipe.step()
 
     def _sample_guard(self, stash: Stashed, grads: list[torch.Tensor | None]) -> None:
         inputs = stash.inputs[: len(self._place.spec.inputs)]
         cos = self.guard.sample(self._module, stash.params, self._weights.params, self._buffers, inputs,
                                 grads, self._recipe.autocast)
-        self._stats.record_guard(cos, self.guard.report())
+        self._stats.record_guard(self.guard.report(), cos)
+
+    def _observe_update(self) -> None:
+        staleness = max((self._state.version - v for v in self._grads.versions), default=0)
+        warned = self.guard.warned
+        self.guard.observe_update((p.grad for p in self._weights.params.values() if p.grad is not None),
+                                  staleness)
+        if self.guard.warned and not warned:
+            self._stats.record_guard(self.guard.report())
 
     def _account(self, phase: str, t0: float) -> None:
         """Count the forward or backward (``phase``) begun at ``t0``, less what it waited."""

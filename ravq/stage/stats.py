@@ -177,11 +177,13 @@ class StageStats:
             metrics.staleness.observe(staleness)
             metrics.staleness_updates.set(sum(self.staleness_recent) / len(self.staleness_recent))
 
-    def record_guard(self, cosine: float, report: dict[str, Any]) -> None:
-        """The asynchrony guard sampled ``cosine`` (``ravq.stage.guard``); ``report`` joins the snapshot."""
+    def record_guard(self, report: dict[str, Any], cosine: float | None = None) -> None:
+        """What the asynchrony guard reports (``ravq.stage.guard``) joins the snapshot; ``cosine``: the one it
+        just sampled."""
         self.recipe.update(report)
         if (metrics := self.metrics) is not None:
-            metrics.stale_gradient_cosine.set(cosine)
+            if cosine is not None:
+                metrics.stale_gradient_cosine.set(cosine)
             metrics.asynchrony_warning.set(1 if report.get("asynchrony_warning") else 0)
 
     def record_update(self, version: int) -> None:
