@@ -470,7 +470,7 @@ def test_lan_example_explains_every_field() -> None:
     text = (DEPLOY / "topologies" / "lan-example.yaml").read_text()
     commented = {line.split(":")[0].strip(" -")
                  for line in text.splitlines() if "#" in line.partition(":")[2]}
-    fields = {"task", "seed", "micro_batch", "steps", "max_inflight", "update_every", "sync_every",
+    fields = {"task", "seed", "micro_batch", "steps", "max_inflight", "batch", "sync_every",
               "average_optimizer_state", "checkpoint_every", "checkpoint_dir", "ring_chunk_bytes", "state_dir",
               "connect_s", "request_s", "peer_s", "ring_step_s", "drain_s", "heartbeat_interval_s",
               "max_message_bytes", "max_header_bytes", "max_frames", "curve", "key_dir", "host", "pub_port",
