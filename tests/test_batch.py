@@ -77,3 +77,23 @@ def test_a_stage_built_from_a_batch_sums_its_share_of_micro_batches() -> None:
     with pytest.raises(ConfigError, match="micro_batch x clusters = 2 x 4 = 8"):
         build_stage(charlm, training, seed=0, cuts=[], stage=0, cluster=0, clusters=4, device="cpu",
                     metrics=Metrics("batch"))
+
+
+def test_the_simulator_sums_as_many_micro_batches_per_step_as_the_nodes_will(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ravq.cli import simulate as cli_simulate
+    from ravq.config import ClusterPlan, Plan
+
+    topology = parse_topology(_topology({"micro_batch": 8, "batch": 64}, [None, None]), resolve_task=False)
+    seen = []
+
+    def world(plan: Plan, nodes: Any, blocks: Any, settings: Any, **_: Any) -> Any:
+        seen.append(settings.update_every)
+        raise ValueError("enough")
+
+    monkeypatch.setattr(cli_simulate, "build_world", world)
+    for clusters, want in ((1, 8), (2, 4)):
+        plan = Plan(clusters=[ClusterPlan(nodes=[f"n{c}"], cuts=[]) for c in range(clusters)])
+        with pytest.raises(ConfigError, match="enough"):
+            cli_simulate.run_simulation(topology, plan, [], [], cli_simulate.settings_for(topology))
+        assert seen[-1] == want

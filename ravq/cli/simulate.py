@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ravq.config import ConfigError, Plan, Topology, load_plan, load_topology, resolve_task_module
+from ravq.config.batch import update_every
 from ravq.planner import BlockProfile, NodeProfile, PlanError, Wire
 from ravq.simulate.report import SimResult, simulate
 from ravq.simulate.world import Settings, build_world
@@ -80,6 +81,8 @@ def _inputs(topology_path: str, profiles_dir: str) -> tuple[Topology, list[NodeP
 
 def run_simulation(topology: Topology, plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile],
                    settings: Settings, host_cores: float | None = None) -> SimResult:
+    # the plan's clusters decide how many micro-batches a step sums (training.batch; ravq.config.batch)
+    settings = dataclasses.replace(settings, update_every=update_every(topology.training, len(plan.clusters)))
     hosts, cores = host_sharing(topology, plan, host_cores)
     from ravq.config.routes import relays
     from ravq.planner.relays import behind_nat_of, priced_profiles, relayed_links
@@ -144,8 +147,15 @@ def plan_simulate_main(topology_path: str, profiles_dir: str, out_path: str, *, 
         return 1
     rows: list[tuple[float, int, Any, Any, SimResult]] = []
     for i, (plan, explanation) in enumerate(found):
-        result = run_simulation(topology, plan, nodes, blocks, settings, host_cores)
+        try:
+            result = run_simulation(topology, plan, nodes, blocks, settings, host_cores)
+        except ConfigError as err:  # e.g. a batch that this candidate's clusters do not divide
+            print(f"candidate {i}: {err}")
+            continue
         rows.append((result.samples_per_s, i, plan, explanation, result))
+    if not rows:
+        print("error: no candidate plan could be simulated")
+        return 2
     rows.sort(key=lambda r: (-r[0], r[1]))
     print(f"{'rank':>4} {'candidate':>9} {'clusters':<40} {'predicted':>10} {'simulated':>10} {'busy':>5}")
     for rank, (sim_rate, i, plan, explanation, result) in enumerate(rows):
