@@ -15,6 +15,8 @@ without talking to the broker, and a cluster that was away (or restarted) joins 
 others start, whatever its own version.  When the epoch changes, every open round of the old one is
 abandoned at once on every node (their rings cannot finish), and a stage never holds back for longer
 than a heartbeat or two on a round that does not finish: a dead member costs the others no training time.
+In groups mode (``ravq.average.group_rounds``) a round's rings span its group only, and a new epoch
+abandons only the rounds of groups it touched.
 
 The ring sockets are the node's (``ravq.node.ring_port``): the averager gets them built, as a ``Port``.
 """
