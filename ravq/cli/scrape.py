@@ -31,10 +31,17 @@ def scrape_config(topology: Topology, source: str) -> str:
     """prometheus.yml text scraping every process of ``topology``."""
     lines = [HEADER.format(source=source).rstrip("\n")]
     b = topology.broker
-    if b.metrics_port is not None:
-        lines += ["  - job_name: ravq-broker", "    static_configs:",
-                  f"      - targets: [{_target(b.host, b.metrics_port)}]",
-                  "        labels: {role: broker, node: broker}", ""]
+    brokers = [(b.host, b.metrics_port, "broker")]
+    if b.backup is not None:  # the Binary Star pair's other broker (``ravq_broker_active`` says which serves)
+        brokers.append((b.backup.host, b.backup.metrics_port, "broker-backup"))
+    brokers = [(host, port, name) for host, port, name in brokers if port is not None]
+    if brokers:
+        lines += ["  - job_name: ravq-broker", "    static_configs:"]
+        for host, port, name in brokers:
+            assert port is not None
+            lines += [f"      - targets: [{_target(host, port)}]",
+                      f"        labels: {{role: broker, node: {name}}}"]
+        lines.append("")
     nodes = [n for n in topology.nodes if n.metrics_port is not None]
     if nodes:
         lines += ["  - job_name: ravq-node", "    static_configs:",
