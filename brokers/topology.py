@@ -96,6 +96,7 @@ class Broker:
         self._published_plan: Plan | None = None
         self._unsaved = False
         self._snapshots = 0
+        self._requests: dict[str, Any] = {}
         self._publishing = asyncio.Lock()
         self.keyed.put("run", GLOBAL, {"run_id": self.run_id, "run_explicit": self.the_run.explicit})
         self._refresh(list(self.members), range(len(self.book.clusters)))
@@ -179,7 +180,9 @@ class Broker:
         self.book.recoveries.clear()
 
     async def _handle(self, inbox: Inbox, pub: Publisher, identity: bytes, msg: Message) -> None:
-        self.metrics.broker_requests.labels(msg.type).inc()
+        if (count := self._requests.get(msg.type)) is None:  # a lookup less per heartbeat
+            count = self._requests[msg.type] = self.metrics.broker_requests.labels(msg.type)
+        count.inc()
         node = msg.sender
         if msg.type in (MsgType.REGISTER, MsgType.HEARTBEAT) and node not in self.known:
             self.metrics.bad_messages.labels("broker", "unknown_node").inc()
@@ -340,7 +343,7 @@ class Broker:
         bind = b.bind_host or b.host
         pub = Publisher.bind(ctx, endpoint(bind, b.pub_port), self.metrics, self.opts)
         inbox = Inbox.bind(ctx, endpoint(bind, b.router_port), "broker", self.metrics, self.limits, self.opts,
-                           one_shot_clients=True)  # `ravq status` connects, asks once and leaves
+                           one_shot_clients=True, peers_as="node")  # `ravq status` asks once and leaves
         relay = self._relay(ctx)
         log.info("broker up: pub %d, router %d, %d nodes in plan%s", b.pub_port, b.router_port,
                  sum(len(c.nodes) for c in self.plan.clusters),

@@ -22,20 +22,20 @@ _Kind = type | tuple[type, ...]
 
 
 def _fields(meta: dict[str, Any], schema: dict[str, tuple[_Kind, bool]]) -> dict[str, Any]:
-    """``meta``'s fields, each present and of its JSON type (``(kind, nullable)``; a bool is not an int)."""
-    unknown = sorted(set(meta) - set(schema))
-    if unknown:
-        raise WireError("bad_field", f"unknown {unknown[0][:32]}")
-    values = {}
+    """``meta``'s fields, each present and of its JSON type (``(kind, nullable)``; a bool is not an int).
+    On the broker's path of every heartbeat (10,000 a second at 10,000 members): the key sets compared
+    at once, each value's type looked at once."""
+    if meta.keys() != schema.keys():
+        unknown = sorted(set(meta) - set(schema))
+        if unknown:
+            raise WireError("bad_field", f"unknown {unknown[0][:32]}")
+        raise WireError("missing_field", next(key for key in schema if key not in meta))
     for key, (kind, nullable) in schema.items():
-        if key not in meta:
-            raise WireError("missing_field", key)
         value = meta[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if not (value is None and nullable) and type(value) not in kinds:
+        if type(value) is not kind and not (value is None and nullable) and not (
+                isinstance(kind, tuple) and type(value) in kind):
             raise WireError("bad_field", key)
-        values[key] = value
-    return values
+    return dict(meta)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

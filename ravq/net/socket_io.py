@@ -34,13 +34,16 @@ class HopMetrics:
     series are ravq.metrics' plain-number ones, so counting a message is a few additions.
     """
 
-    def __init__(self, metrics: Metrics, socket: str) -> None:
-        self.metrics, self.socket = metrics, socket
+    def __init__(self, metrics: Metrics, socket: str, peers_as: str | None = None) -> None:
+        """``peers_as``: count every peer under this one label (a broker's thousands of nodes: a series per
+        node and type would be 30,000 at 10,000 members, and a lookup more per message)."""
+        self.metrics, self.socket, self.peers_as = metrics, socket, peers_as
         self._sent: dict[tuple[str, str], tuple[HopObservations, HopCount, HopCount]] = {}
         self._received: dict[tuple[str, str], tuple[HopCount, HopCount, HopObservations]] = {}
         self._payload_bytes: dict[tuple[str, str], tuple[HopCount, HopCount]] = {}
 
     def sent(self, peer: str, msg: Message, frames: list[Any], t0: float) -> None:
+        peer = self.peers_as or peer
         key = (peer, msg.type)
         if (series := self._sent.get(key)) is None:
             m, labels = self.metrics, (self.socket, peer, msg.type)
@@ -76,6 +79,7 @@ class HopMetrics:
 
     def received(self, peer: str, msg: Message, frames: list[Any], latency: bool = False) -> None:
         """Count a decoded message; with ``latency``, observe sender timestamp -> now."""
+        peer = self.peers_as or peer
         key = (peer, msg.type)
         if (series := self._received.get(key)) is None:
             m, labels = self.metrics, (self.socket, peer, msg.type)

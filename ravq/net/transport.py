@@ -32,7 +32,8 @@ class Inbox:
     """A bound ROUTER: receives validated messages from many peers and can reply to each."""
 
     def __init__(self, sock: zmq.asyncio.Socket, name: str, metrics: Metrics, limits: DecodeLimits,
-                 authenticated: bool = False, opts: SocketOptions | None = None) -> None:
+                 authenticated: bool = False, opts: SocketOptions | None = None, peers_as: str | None = None
+                 ) -> None:
         self.sock, self.name, self.metrics, self.limits = sock, name, metrics, limits
         self.authenticated = authenticated
         """With CURVE, a message's ``sender`` must be the name ZAP bound to the key that sent it."""
@@ -44,19 +45,20 @@ class Inbox:
         self.via_relay: dict[str, str] = {}
         """Peers this node reaches through a relay: replies to them go there."""
         self._io = SocketIo(sock)
-        self._hops = HopMetrics(metrics, name)
+        self._hops = HopMetrics(metrics, name, peers_as)
         for reason in (*WIRE_REASONS, "no_identity", *(("sender_mismatch",) if authenticated else ())):
             metrics.bad_messages.labels(name, reason)  # at 0 from the start: increase() sees the first
 
     @classmethod
     def bind(cls, ctx: zmq.asyncio.Context, addr: str, name: str, metrics: Metrics,
              limits: DecodeLimits, opts: SocketOptions, me: str = "", *, one_shot_clients: bool = False,
-             authenticate: bool = True) -> Inbox:
+             authenticate: bool = True, peers_as: str | None = None) -> Inbox:
         """``me``: this process's name as its routing id, for the connections this ROUTER dials itself
         (``ravq.net.routed``: a node behind NAT dials out); it also refuses (EHOSTUNREACH) to send to a
         peer that is not connected instead of dropping silently.  ``one_shot_clients``: clients that
         connect for one request and leave (the broker's: ``ravq status``), so a closed connection is no
-        dropped one.  ``authenticate`` (with CURVE): a message's sender must be its key's name."""
+        dropped one.  ``authenticate`` (with CURVE): a message's sender must be its key's name.
+        ``peers_as``: count every peer's messages under this one label (``HopMetrics``)."""
         sock = ctx.socket(zmq.ROUTER)
         configure(sock, opts)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -69,7 +71,7 @@ class Inbox:
             opts.monitor.watch(sock, name, count_closed=not one_shot_clients)
         listen.bind(sock, addr, name)
         authenticated = authenticate and opts.curve is not None
-        return cls(sock, name, metrics, limits, authenticated=authenticated, opts=opts)
+        return cls(sock, name, metrics, limits, authenticated=authenticated, opts=opts, peers_as=peers_as)
 
     def note_dialled(self, peer: str) -> None:
         """This ROUTER made a connection to ``peer`` (its key pinned); ``peer`` is its routing id there."""

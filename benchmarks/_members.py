@@ -1,0 +1,215 @@
+"""Emulated members for ``bench_broker_scale.py``: thousands per process, each with its own DEALER and SUB to
+the broker (CURVE on, its own key), on plain ZeroMQ sockets read by one epoll loop.
+
+An asyncio task per member spent more on its event-loop wake-ups than the broker spent on it: at 10,000
+members the emulator processes took both cores (four ticks a second to each SUB) and joined 2,326.  Here
+one loop per process reads whichever socket is ready (drained until EAGAIN, every socket swept once a
+second in case an edge was missed), parses the JSON header only, and keeps each member's timers in a heap.
+A member registers (retrying after ``REQUEST_S`` as a node does), follows the published state as a node
+does (its topics' sequence numbers, a snapshot of its topics on a gap; the old tree: every whole-state
+update) without applying it, and beats on a fixed cadence with three checkpoint points (a new one every
+``checkpoint_s``) and the generation of its cluster it last saw, ready for it, as a node that caught up.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import selectors
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import zmq
+
+REQUEST_S = 30.0
+"""A registration or snapshot request not answered within this is sent again."""
+
+
+@dataclass(slots=True)
+class _Member:
+    name: str
+    cluster: int
+    dealer: zmq.Socket[Any] | None = None
+    sub: zmq.Socket[Any] | None = None
+    incarnation: str = ""
+    broker: Any = None
+    """The broker process whose state this member holds (its incarnation)."""
+    held: dict[str, int] = field(default_factory=dict)
+    seq: int = -1
+    synced: float = 0.0
+    generation: int = 0
+    joined: bool = False
+    asked_at: float | None = None
+    """When its pending request (a registration or a snapshot) was sent; None: none pending."""
+    points: list[dict[str, int]] = field(default_factory=list)
+    next_point: float = 0.0
+
+
+class Emulator:
+    def __init__(self, *, tree: str, names: list[str], clusters: dict[str, int], keys: dict[str, tuple[str, str]],
+                 broker_key: str, pub: str, router: str, new: bool, interval_s: float, checkpoint_s: float,
+                 follow: int) -> None:
+        sys.path.insert(0, tree)
+        from ravq.net.wire import Message, MsgType, encode
+
+        self.Message, self.MsgType, self.encode = Message, MsgType, encode
+        self.keys, self.broker_key, self.pub, self.router = keys, broker_key, pub, router
+        self.new, self.interval_s, self.checkpoint_s, self.follow = new, interval_s, checkpoint_s, follow
+        self.members = {n: _Member(name=n, cluster=clusters[n]) for n in names}
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 65536)
+        self.selector = selectors.DefaultSelector()
+        self.timers: list[tuple[float, int, str, str]] = []
+        self._order = 0
+        self.window_at = float("inf")
+        self.stats = {"bytes": 0, "largest": 0, "stale": 0.0, "joined": 0, "gaps": 0, "late": 0, "retries": 0}
+
+    def at(self, when: float, what: str, name: str) -> None:
+        self._order += 1
+        heapq.heappush(self.timers, (when, self._order, what, name))
+
+    def run(self, join_at: dict[str, float], window_at: float, end_at: float, register: Any, beat: Any) -> None:
+        """Until ``end_at`` (wall clock): join each member at its time, then beat and follow."""
+        self.register, self.beat_meta = register, beat
+        self.window_at = time.monotonic() + window_at - time.time()
+        end = time.monotonic() + end_at - time.time()
+        for name, t in join_at.items():
+            self.at(time.monotonic() + t - time.time(), "join", name)
+        sweep = sample = time.monotonic()
+        while (now := time.monotonic()) < end:
+            timeout = max(0.0, min(self.timers[0][0] if self.timers else now + 0.1, now + 0.1) - now)
+            for key, _ in self.selector.select(timeout):
+                self._drain(key.data)
+            now = time.monotonic()
+            while self.timers and self.timers[0][0] <= now:
+                when, _, what, name = heapq.heappop(self.timers)
+                getattr(self, f"_{what}")(self.members[name], when, now)
+            if now - sweep >= 1.0:
+                sweep = now
+                for m in self.members.values():
+                    self._drain(m)
+            if now - sample >= 0.5:
+                sample = now
+                if now >= self.window_at:
+                    synced = [m.synced for m in self.members.values() if m.joined and m.sub is not None]
+                    if synced:
+                        self.stats["stale"] = max(self.stats["stale"], now - min(synced))
+        self.ctx.destroy(linger=0)
+
+    def _socket(self, m: _Member, kind: int) -> zmq.Socket[Any]:
+        public, secret = self.keys[m.name]
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        sock.curve_secretkey, sock.curve_publickey = secret.encode(), public.encode()
+        sock.curve_serverkey = self.broker_key.encode()
+        return sock
+
+    def _join(self, m: _Member, when: float, now: float) -> None:
+        m.incarnation = f"{m.name}-{random.random()}"
+        if int(m.name[1:]) < self.follow:  # subscribe first, then register, as a node does
+            m.sub = self._socket(m, zmq.SUB)
+            m.sub.connect(self.pub)
+            for topic in (["g.", f"c{m.cluster}."] if self.new else [""]):
+                m.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            self.selector.register(m.sub.getsockopt(zmq.FD), selectors.EVENT_READ, m)
+        m.dealer = self._socket(m, zmq.DEALER)
+        m.dealer.setsockopt(zmq.IDENTITY, m.name.encode())
+        m.dealer.connect(self.router)
+        self.selector.register(m.dealer.getsockopt(zmq.FD), selectors.EVENT_READ, m)
+        self._ask(m, self.MsgType.REGISTER, self.register(m.incarnation), now)
+
+    def _ask(self, m: _Member, kind: Any, meta: dict[str, Any], now: float) -> None:
+        assert m.dealer is not None
+        m.dealer.send_multipart(self.encode(self.Message(type=kind, sender=m.name, meta=meta)))
+        m.asked_at = now
+        self.at(now + REQUEST_S, "retry", m.name)
+
+    def _retry(self, m: _Member, when: float, now: float) -> None:
+        if m.asked_at is not None and m.asked_at + REQUEST_S <= now:
+            self.stats["retries"] += 1
+            kind = self.MsgType.SNAPSHOT_REQ if m.joined else self.MsgType.REGISTER
+            self._ask(m, kind, {"mine": True} if m.joined else self.register(m.incarnation), now)
+
+    def _beat(self, m: _Member, due: float, now: float) -> None:
+        if now >= m.next_point:
+            v = m.points[0]["version"] + 10
+            m.points = [{"version": v, "trained": v, "window": 2}, *m.points[:2]]
+            m.next_point += self.checkpoint_s
+        assert m.dealer is not None
+        msg = self.Message(type=self.MsgType.HEARTBEAT, sender=m.name,
+                           meta=self.beat_meta(m.incarnation, m.points, m.generation))
+        m.dealer.send_multipart(self.encode(msg))
+        if now >= self.window_at and now - due > 0.25 * self.interval_s:
+            self.stats["late"] += 1  # this emulator was late: the broker may see the member silent
+        self.at(max(due + self.interval_s, now), "beat", m.name)
+
+    def _drain(self, m: _Member) -> None:
+        for sock, on in ((m.dealer, self._reply), (m.sub, self._update)):
+            while sock is not None:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                on(m, frames)
+
+    def _learn(self, m: _Member, items: list[Any]) -> None:
+        mine = f"cluster/{m.cluster}"
+        for key, value in items:
+            if key == mine and isinstance(value, dict):
+                m.generation = value["generation"]
+
+    def _reply(self, m: _Member, frames: list[bytes]) -> None:
+        header = orjson.loads(frames[0])
+        if header["type"] != "snapshot":
+            return
+        meta, now = header["meta"], time.monotonic()
+        if self.new:
+            self._learn(m, meta["items"])
+            if meta["part"] == 0:
+                m.held, m.broker = dict(meta["seqs"]), meta["incarnation"]
+            if meta["part"] < meta["parts"] - 1:
+                return
+        else:
+            m.seq, m.broker = meta["seq"], meta["incarnation"]
+        m.synced, m.asked_at = now, None
+        if not m.joined:
+            m.joined = True
+            self.stats["joined"] += 1
+            m.points = [{"version": v, "trained": v, "window": 2} for v in (30, 20, 10)]
+            m.next_point = now + random.uniform(0, self.checkpoint_s)
+            self.at(now + random.uniform(0, self.interval_s), "beat", m.name)
+
+    def _update(self, m: _Member, frames: list[bytes]) -> None:
+        now = time.monotonic()
+        if now >= self.window_at:
+            size = sum(len(f) for f in frames)
+            self.stats["bytes"] += size
+            self.stats["largest"] = max(self.stats["largest"], *(len(f) for f in frames))
+        meta = orjson.loads(frames[-1])["meta"]
+        if not m.joined:
+            return
+        if not self.new:
+            if meta.get("kind") != "silence" and isinstance(meta.get("state"), dict) and meta["seq"] > m.seq:
+                m.seq, m.synced = meta["seq"], now
+            return
+        topic, seq = meta.get("topic"), meta.get("seq")
+        held = m.held.get(topic)
+        if held is None:
+            return
+        if meta.get("kind") == "tick":
+            ok = seq <= held and meta.get("incarnation") == m.broker
+            if seq == held and topic == "g.":
+                m.synced = now
+        elif seq <= held:
+            ok = True
+        else:
+            ok = seq == held + 1
+            if ok:
+                m.held[topic] = seq
+                self._learn(m, meta["items"])
+        if not ok and m.asked_at is None:
+            self.stats["gaps"] += 1
+            self._ask(m, self.MsgType.SNAPSHOT_REQ, {"mine": True}, now)
