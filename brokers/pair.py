@@ -30,7 +30,7 @@ from brokers.run import Run, save_run, state_dir_for
 from brokers.topology import BROKER, Broker
 from ravq.config import BrokerConfig, ConfigError, Plan, Topology
 from ravq.metrics import Metrics
-from ravq.net.clone import TICKS
+from ravq.net.clone import GLOBAL, STANDBYS, TICKS
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.pubsub import Publisher, Subscriber
 from ravq.net.transport import Inbox, Outlink
@@ -137,21 +137,23 @@ class Pair:
         pub = Publisher.bind(ctx, endpoint(bind, b.pub_port), self.metrics, self.opts)
         inbox = Inbox.bind(ctx, endpoint(bind, b.router_port), "broker", self.metrics, self.limits, self.opts,
                            one_shot_clients=True)
-        sub = Subscriber.connect(ctx, endpoint(b.backup.host, b.backup.pub_port), self.metrics, self.limits,
-                                 self.opts)
+        peer_pub = endpoint(b.backup.host, b.backup.pub_port)
+        # the peer's state on a socket of its own, read at once whatever a snapshot request waits for
+        said = Subscriber.connect(ctx, peer_pub, self.metrics, self.limits, self.opts, [TOPIC])
+        sub = Subscriber.connect(ctx, peer_pub, self.metrics, self.limits, self.opts, [GLOBAL, "c", STANDBYS])
         link = Outlink.connect(ctx, endpoint(b.backup.host, b.backup.router_port), "peer", BROKER,
                                self.metrics, self.limits, self.opts)
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._say_state(pub)), tg.create_task(self._follow(sub, link)),
-                         tg.create_task(self._votes(inbox))]
+                tasks = [tg.create_task(self._say_state(pub)), tg.create_task(self._hear(said)),
+                         tg.create_task(self._follow(sub, link)), tg.create_task(self._votes(inbox))]
                 if self.opts.monitor is not None:  # the Curve (ZAP handler) with CURVE
                     tasks.append(tg.create_task(self.opts.monitor.serve()))
                 await self._wake.wait()
                 for task in tasks:
                     task.cancel()
         finally:
-            for sock in (pub, inbox, sub, link):
+            for sock in (pub, inbox, said, sub, link):
                 sock.sock.setsockopt(zmq.LINGER, 0)
                 sock.close()
             if self.opts.monitor is not None:  # its sockets are of this context; the broker's are its own
@@ -179,14 +181,18 @@ class Pair:
             await pub.publish(self.state_message(), TOPIC)
             await asyncio.sleep(self.interval_s / TICKS)
 
+    async def _hear(self, said: Subscriber) -> None:
+        """The peer's state messages."""
+        while True:
+            self.peer_message(await said.recv())
+            self._check_active()
+
     async def _follow(self, sub: Subscriber, link: Outlink) -> None:
-        """The peer's state messages, and its updates into the replica (a snapshot on a gap)."""
+        """The peer's updates into the replica while it is active (a whole snapshot first and on a gap; the
+        updates that come meanwhile wait in the socket and are applied after it, the clone pattern's way)."""
         while True:
             msg = await sub.recv()
-            if msg.type != MsgType.UPDATE or self.peer_message(msg):
-                self._check_active()
-                continue
-            if self.star.peer != ACTIVE or self.replica.apply_update(msg.meta):
+            if msg.type != MsgType.UPDATE or self.star.peer != ACTIVE or self.replica.apply_update(msg.meta):
                 continue
             with contextlib.suppress(TimeoutError, KeyError, TypeError, ValueError):
                 self.replica.apply_snapshot(await self._snapshot(link), self.clock())

@@ -78,6 +78,7 @@ class Membership(MembershipState):
         """The broker this node talks to (0: the primary, 1: the backup)."""
         self.term = 0
         """The newest term of activity of a pair's broker this node has seen (``brokers.binarystar``)."""
+        self._term_heard_at = clock()
         self._turned_at = clock()
         self.reach_ports: list[str] | None = None
         """The ports this node asked the broker to dial back (``wait_reach``); None before it asked."""
@@ -97,15 +98,17 @@ class Membership(MembershipState):
             self.on, self._turned_at = to, self.clock()
 
     def _stale(self, meta: dict[str, Any]) -> bool:
-        """Whether ``meta`` comes from a broker of an older term than this node has seen (else that term
-        is the newest seen now)."""
+        """Whether ``meta`` comes from a broker of an older term than the one this node heard within
+        ``TURN_AFTER`` intervals (else its term is the one this node follows now: after both brokers
+        restarted, terms start again)."""
         by = meta.get("by")
         term = by.get("term") if isinstance(by, dict) else None
         if not isinstance(term, int):
             return False
-        if term < self.term:
+        now, after_s = self.clock(), TURN_AFTER * self.topology.timeouts.heartbeat_interval_s
+        if term < self.term and now - self._term_heard_at < after_s:
             return True
-        self.term = term
+        self.term, self._term_heard_at = term, now
         return False
 
     def _turn_if_silent(self) -> None:
