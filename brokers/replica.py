@@ -101,7 +101,8 @@ class Replica:
         """What the broker that takes over starts from: ``base`` (this broker's own run as it opened it)
         with the run id and plan followed, the plan's epoch past the one seen (and the time in
         milliseconds, as a restarted broker's), the book's members and clusters as published, each
-        member heard from ``now`` on; topics numbered past ``SEQ_JUMP`` times the term."""
+        member heard from ``now`` on (one published silent: that long before); topics numbered past
+        ``SEQ_JUMP`` times the term."""
         plan = self.plan()
         assert plan is not None, "restore before a whole snapshot"
         epoch = max(plan.epoch + 1, int(time.time() * 1000))
@@ -112,8 +113,10 @@ class Replica:
         in_plan = {n for c in plan.clusters for n in c.nodes}
         book = Book(plan, lost_s=lost_s, now=now, replace_s=replace_s,
                     standbys=[n for n in standbys if n not in in_plan])
-        members = {name[len("member/"):]: _member(value, now) for name, value in self.values.items()
-                   if name.startswith("member/") and isinstance(value, dict)}
+        published = {key[len("member/"):]: value for key, value in self.values.items()
+                     if key.startswith("member/") and isinstance(value, dict)}
+        members = {name: _member(value, now, self.values.get(f"silent/{name}"))
+                   for name, value in published.items()}
         clusters = [_cluster(self.values.get(f"cluster/{c}"), c in plan.excluded, now)
                     for c in range(len(plan.clusters))]
         book.restore(members, clusters)
@@ -123,12 +126,15 @@ class Replica:
         return Restored(run=run, book=book, seqs=seqs, seq=self.seq + SEQ_JUMP * term)
 
 
-def _member(value: dict[str, Any], now: float) -> Member:
+def _member(value: dict[str, Any], now: float, silent_s: Any) -> Member:
+    """A member as published; one the active broker published silent (``silent/<name>``: seconds, as of
+    that update) was last heard that long before ``now`` at least, so its loss is not put off."""
     state = str(value.get("state", "missing"))
     incarnation = value.get("incarnation") if isinstance(value.get("incarnation"), str) else None
     checkpoints = value.get("checkpoints") if isinstance(value.get("checkpoints"), list) else None
     said = Heartbeat(incarnation=incarnation or "", phase=str(value.get("phase", "starting")))
-    return Member(state=state, last_seen=now, incarnation=incarnation, registered=state != "missing",
+    last_seen = now - float(silent_s) if isinstance(silent_s, int | float) else now
+    return Member(state=state, last_seen=last_seen, incarnation=incarnation, registered=state != "missing",
                   said=said, checkpoints=checkpoints, lost_at=now if state in ("lost", "left") else None)
 
 

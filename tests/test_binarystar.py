@@ -12,6 +12,7 @@ from brokers.topology import Broker
 from ravq.cli.main import plan_for
 from ravq.config import parse_topology
 from ravq.metrics import Metrics
+from ravq.net.clone import GLOBAL
 from ravq.net.options import SocketOptions
 from ravq.net.protocol import Heartbeat
 
@@ -140,6 +141,7 @@ def test_a_passive_broker_restores_the_active_ones_run_book_and_numbers(tmp_path
     active = Broker(topology, plan_for(topology, None), Metrics("broker"), SocketOptions(), clock=lambda: now[0])
     for name in ("c0s0", "c0s1", "c1s0", "c1s1", "spare"):
         active.book.register(name, f"inc-{name}", now[0])
+        active.silences.beat(name, now[0])
         phase = "standby" if name == "spare" else "training"
         points = [{"version": 7, "micro_batch": 70}]
         active.book.heartbeat(name, Heartbeat(incarnation=f"inc-{name}", phase=phase, ready=0,
@@ -150,6 +152,11 @@ def test_a_passive_broker_restores_the_active_ones_run_book_and_numbers(tmp_path
     seqs, parts = active.keyed.snapshot(None)
     replica.apply_snapshot([{"items": parts[0], "seqs": seqs, "incarnation": active.incarnation, "seq": 3}]
                            + [{"items": p} for p in parts[1:]], now[0])
+    now[0] = 4.0  # c1s1 silent past 1.4 intervals, as the broker publishes it
+    for name in ("c0s0", "c0s1", "c1s0", "spare"):
+        active.silences.beat(name, now[0])
+    for name in active.silences.due(now[0]):
+        active.keyed.put(f"silent/{name}", GLOBAL, round(now[0] - active.silences.last[name], 3))
     now[0] = 20.0  # c1s1 silent: lost, cluster 1 paused with generation 1
     for name in ("c0s0", "c0s1", "c1s0"):
         active.book.heartbeat(name, Heartbeat(incarnation=f"inc-{name}", phase="training", ready=0), now[0])
@@ -171,4 +178,5 @@ def test_a_passive_broker_restores_the_active_ones_run_book_and_numbers(tmp_path
     assert [(c.state, c.generation) for c in book.clusters] == [("training", 0), ("paused", 1)]
     assert book.standbys == ["spare"] and book.cluster_of("c1s1") == 1
     assert all(restored.seqs[t] == n + 2 * SEQ_JUMP for t, n in active.keyed.seqs.items())
-    assert all(m.last_seen == 30.0 for m in book.members.values())  # each has lost_s from the takeover on
+    # each has lost_s from the takeover on, but one published silent (3 s, at 4.0) has that much less
+    assert {n: m.last_seen for n, m in book.members.items()} == {**dict.fromkeys(book.members, 30.0), "c1s1": 27.0}
