@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from brokers.book import Book
 from ravq.config import ClusterPlan, Plan
 from ravq.net.protocol import Heartbeat
@@ -223,3 +225,33 @@ def test_a_heartbeat_visits_its_own_member_and_cluster_only_and_the_index_follow
         book.check(t)
     assert book.plan.clusters[199].nodes == ["n398", "s"]
     assert book.cluster_of("s") == 199 and book.cluster_of("n399") is None
+
+
+def test_an_events_exclusions_look_at_its_clusters_and_the_timer_says_what_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every registration and heartbeat change ran ``excluded`` over every cluster, and every change the
+    timer found re-published every member and cluster; freshest_source walked every member per recovery."""
+    plan = Plan(clusters=[ClusterPlan(nodes=[f"n{2 * c}", f"n{2 * c + 1}"], cuts=["l3"]) for c in range(300)])
+    book = Book(plan, lost_s=LOST_S, now=0.0)
+    names = [n for c in plan.clusters for n in c.nodes]
+    for n in names:
+        book.register(n, f"i-{n}", 0.0)
+        _beat(book, n, 1.0, stats={"version": 10})
+    assert not book.check(1.0).names and book.excluded() == []
+    looked: list[int] = []
+    idle = Book._idle
+    monkeypatch.setattr(Book, "_idle", lambda self, c: looked.append(c) or idle(self, c))
+    _beat(book, "n11", 1.5, left=True)  # cluster 5 pauses
+    book.exclude_idle([5])
+    assert looked == [5] and book.plan.excluded == [5] and book.plan.epoch == plan.epoch + 1
+    book.exclude_idle([5])  # nothing new: the same plan
+    assert book.plan.excluded == [5] and book.plan.epoch == plan.epoch + 1
+    for n in names:
+        if n not in ("n11", "n21"):  # n21 goes silent: lost at the timer's check, its cluster pauses
+            _beat(book, n, 1.0 + LOST_S, stats={"version": 20 if n in ("n2", "n3") else 10})
+    changes = book.check(1.5 + LOST_S)
+    assert changes.names == {"n21"} and changes.clusters == {10}
+    _beat(book, "n11", 7.0, stats={"version": 10})  # back: cluster 5 recovers from the freshest, cluster 1
+    _beat(book, "n10", 7.0, stats={"version": 10}, generation=1, phase="paused")
+    book.advance(5, 7.0)
+    assert book.clusters[5].state == "recovering" and book.clusters[5].source == 1

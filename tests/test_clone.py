@@ -177,3 +177,35 @@ def test_an_exclusion_republishes_the_plans_head_only_and_is_saved_on_the_timer(
     assert json.loads((tmp_path / RUN_FILE).read_text())["plan"] == saved
     broker._sync_plan(save=True)  # the heartbeat-interval timer
     assert json.loads((tmp_path / RUN_FILE).read_text())["plan"]["excluded"] == [4]
+
+
+def test_a_registration_at_scale_gets_its_own_clusters_state_and_parts_cut_once_per_change() -> None:
+    """At 10,000 emulated members each registration's snapshot carried 5,000 clusters' states and 10,000
+    never-started members' silences (over 1 MB), re-cut per request; a snapshot's silences were cut on the
+    sizes of their first figures, so a part outgrew the 64 KiB a node decodes."""
+    broker, names, now = _broker(clusters=1000)
+    sockets = _Sockets()
+    now[0] = 100.0  # long after the broker started: nobody registered yet
+    assert broker.silences.due(now[0]) == []  # a first start times only those it heard from
+    _send(broker, sockets, "c7s0", MsgType.REGISTER, Register(incarnation="i-c7s0").meta())
+    keys = [k for r in sockets.replies for k, _ in r.meta["items"]]
+    assert "cluster/7" in keys and not [k for k in keys if k.startswith("cluster/") and k != "cluster/7"]
+    assert not [k for k in keys if k.startswith("silent/")]
+    assert broker.keyed.parts(GLOBAL) is broker.keyed.parts(GLOBAL)  # kept between requests
+    kept = broker.keyed.parts(GLOBAL)
+    broker.keyed.put("disrupted", GLOBAL, True)
+    assert broker.keyed.parts(GLOBAL) is not kept and ("disrupted", True) in broker.keyed.parts(GLOBAL)[-1]
+
+    _join(broker, sockets, names)  # then every one falls silent
+    asyncio.run(broker._flush(sockets))  # type: ignore[arg-type]
+    silent = broker.silences.due(now[0] + 2.0)
+    for name in silent:
+        broker.keyed.put(f"silent/{name}", SILENCES, 1.4)
+    assert len(silent) == len(names)
+    now[0] += 12345.0  # each figure now five characters longer than the one its key was put with
+    sockets.replies.clear()
+    _send(broker, sockets, "c3s0", MsgType.SNAPSHOT_REQ, SnapshotRequest(mine=True).meta())
+    limits = DecodeLimits(max_header_bytes=MAX_HEADER, max_frames=4)
+    parts = [decode(encode(r), limits).meta for r in sockets.replies]  # each a node decodes
+    figures = [v for p in parts for k, v in p["items"] if k.startswith("silent/")]
+    assert len(figures) == len(names) - 1 and min(figures) >= 12345.0  # c3s0 asked: it is alive
