@@ -50,8 +50,10 @@ class CurveSettings:
     links: list[tuple[float, float]]
     """Modelled ring links, each (Mbit/s, ms per hop): one virtual clock each, over the same training."""
     slow: float = 1.0
+    step_ms: float | None = None
+    """A step's virtual time; None: the median measured here."""
     """How many times slower than the others the last cluster steps (1: all alike)."""
-    headroom: float = 2.5
+    headroom: float = 5.0
     """A swarm trains at most this many times the budget's samples before it is called short."""
 
 
@@ -155,7 +157,7 @@ def _apply(model: torch.nn.Module, snapshot: list[torch.Tensor], mean: list[torc
 def curve(counts: list[int], s: CurveSettings) -> dict[str, Any]:
     """The target from one cluster, then each count in global and groups mode (once when they agree)."""
     base, timed = train(1, "global", s, None, None, s.budget)
-    step_s = statistics.median(timed)
+    step_s = s.step_ms / 1000 if s.step_ms else statistics.median(timed)
     target = trailing_mean(base.losses[0], s.window)[-1]
     rows = []
     for clusters in counts:
@@ -173,7 +175,8 @@ def curve(counts: list[int], s: CurveSettings) -> dict[str, Any]:
 
 def print_curve(result: dict[str, Any], s: CurveSettings) -> None:
     print(f"target loss {result['target_loss']:.4f}: one cluster's mean of the last {s.window} losses after "
-          f"{s.budget} micro-batches of {s.micro_batch}; step {result['step_s'] * 1000:.1f} ms (median, here)"
+          f"{s.budget} micro-batches of {s.micro_batch}; step {result['step_s'] * 1000:.1f} ms "
+          f"({'given' if s.step_ms else 'median, here'})"
           f"{f', the last cluster {s.slow:g}x slower' if s.slow != 1 else ''}; sync_every {s.sync_every}, "
           f"groups of {s.group_size}")
     one = next((r for r in result["rows"] if r["clusters"] == 1 and r["samples"]), None)

@@ -316,6 +316,8 @@ def main() -> None:
     p.add_argument("--links", default="100:20,1000:1", help="with a list of --clusters: modelled ring links, "
                    "MBIT:MS_PER_HOP,... (one virtual clock each over the same training)")
     p.add_argument("--slow", type=float, default=1.0, help="with a list of --clusters: the last cluster's slowdown")
+    p.add_argument("--step-ms", type=float, default=None, help="with a list of --clusters: a step's virtual time "
+                   "(default: the median measured here, which a loaded machine inflates)")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--sync-every", type=int, default=SYNC_EVERY, help="default: the demo's")
@@ -395,7 +397,8 @@ def group_curve(args: argparse.Namespace, counts: list[int]) -> None:
     s = CurveSettings(task=args.task, micro_batch=args.micro_batch, sync_every=args.sync_every,
                       group_size=args.group_size, budget=args.budget, window=args.window, seed=args.seed,
                       links=[(float(m), float(ms)) for m, _, ms in (x.partition(":") for x in args.links.split(","))],
-                      slow=args.slow)
+                      slow=args.slow, step_ms=args.step_ms,
+                      headroom=args.headroom if "--headroom" in sys.argv else 5.0)
     t0 = time.monotonic()
     for seed in args.seeds or [args.seed]:
         s.seed = seed
