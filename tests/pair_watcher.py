@@ -46,7 +46,9 @@ async def _state(topology: Topology) -> str:
     return str((status.get("pair") or {}).get("state", "?"))
 
 
-async def _client(ctx: zmq.asyncio.Context, topology: Topology, name: str, clients: dict[str, Membership]) -> None:
+async def follow_and_beat(ctx: zmq.asyncio.Context, topology: Topology, name: str,
+                          clients: dict[str, Membership]) -> None:
+    """One node's broker client (in ``clients[name]``): join, follow, and a heartbeat every interval."""
     m = Membership(ctx, topology, name, Metrics("node"), DecodeLimits(), SocketOptions(linger_ms=0))
     clients[name] = m
     await m.join()
@@ -67,7 +69,7 @@ async def main(topology_path: str, out: str, names: list[str]) -> None:
     brokers = {"primary": _alone(topology, False), "backup": _alone(topology, True)}
     async with asyncio.TaskGroup() as tg:
         for name in names:
-            tg.create_task(_client(ctx, topology, name, clients))
+            tg.create_task(follow_and_beat(ctx, topology, name, clients))
         while True:
             states = await asyncio.gather(*(_state(t) for t in brokers.values()))
             sample: dict[str, Any] = {"t": time.time(), **dict(zip(brokers, states, strict=True)),

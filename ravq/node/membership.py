@@ -92,9 +92,9 @@ class Membership(MembershipState):
     def link(self) -> Outlink:
         return self.links[self.on]
 
-    def _turn(self, to: int, why: str) -> None:
+    def _turn(self, to: int, why: str, level: int = logging.WARNING) -> None:
         if to != self.on and to < len(self.links):
-            log.warning("%s: turning to the %s broker (%s)", self.name, BROKERS[to], why)
+            log.log(level, "%s: turning to the %s broker (%s)", self.name, BROKERS[to], why)
             self.on, self._turned_at = to, self.clock()
 
     def _stale(self, meta: dict[str, Any]) -> bool:
@@ -132,7 +132,7 @@ class Membership(MembershipState):
                     self._turn(1 - self.on, "no reply")
                     raise
                 if reply.type == MsgType.REPLY and reply.meta.get("passive") or self._stale(reply.meta):
-                    self._turn(1 - self.on, f"the {BROKERS[self.on]} is passive")
+                    self._turn(1 - self.on, f"the {BROKERS[self.on]} is passive", logging.INFO)
                     await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s / 4)
                     raise BrokerPassive(f"the {BROKERS[1 - self.on]} broker is passive")
                 if reply.type != MsgType.SNAPSHOT:
@@ -170,12 +170,13 @@ class Membership(MembershipState):
                 register = Register(incarnation=self.report.incarnation)
                 parts = await self._request(MsgType.REGISTER, register.meta(), t.request_s)
                 break
-            except TimeoutError:
+            except TimeoutError as err:
                 if time.monotonic() > deadline:
                     raise BrokerUnavailable(
                         f"no answer from the broker at {self.topology.broker.host}:"
                         f"{self.topology.broker.router_port} within {t.connect_s:.0f}s") from None
-                log.info("%s: broker not answering yet; retrying", self.name)
+                if not isinstance(err, BrokerPassive):  # a pair that is starting: no line per turn
+                    log.info("%s: broker not answering yet; retrying", self.name)
         self.apply_snapshot(parts)
         self._follow_topics()
         assert self.plan is not None

@@ -1,0 +1,74 @@
+"""A Binary Star pair in one process on loopback (issue #37 part 3): two ``brokers.pair.Pair`` and a node's
+broker client (``ravq.node.membership.Membership``); the primary stops; the client turns to the backup,
+which takes over from the state it followed: the same run, a later plan epoch, a newer term."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq.asyncio
+
+from brokers.pair import Pair, as_backup
+from ravq.cli.demo import free_ports
+from ravq.cli.main import plan_for
+from ravq.config import parse_topology
+from ravq.metrics import Metrics
+from ravq.net.options import SocketOptions
+from ravq.node.membership import Membership
+from tests.pair_watcher import follow_and_beat
+
+INTERVAL_S = 0.2
+
+
+async def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.02)
+
+
+def test_a_node_turns_to_the_backup_which_takes_over_the_run(tmp_path: Path) -> None:
+    p = free_ports(8)
+    topology = parse_topology({
+        "task": "ravq.tasks.charlm", "timeouts": {"heartbeat_interval_s": INTERVAL_S, "lost_s": 1.0},
+        "training": {"checkpoint_dir": str(tmp_path / "ckpt")},
+        "broker": {"pub_port": p[0], "router_port": p[1],
+                   "backup": {"host": "127.0.0.1", "pub_port": p[2], "router_port": p[3]}},
+        "nodes": [{"name": f"s{i}", "pipeline_port": p[4 + 2 * i], "ring_port": p[5 + 2 * i], "cluster": 0,
+                   "stage": i} for i in range(2)]}, resolve_task=False)
+    plan = plan_for(topology, None)
+
+    async def main() -> None:
+        primary = Pair(topology, plan, Metrics("broker"), SocketOptions(linger_ms=0), primary=True)
+        backup = Pair(as_backup(topology, {}), plan, Metrics("broker"), SocketOptions(linger_ms=0), primary=False)
+        clients: dict[str, Membership] = {}
+        ctx = zmq.asyncio.Context()
+        async with asyncio.TaskGroup() as tg:
+            runs = [tg.create_task(primary.run()), tg.create_task(backup.run())]
+            nodes = [tg.create_task(follow_and_beat(ctx, topology, n, clients)) for n in ("s0", "s1")]
+            await _until("the pair", lambda: primary.star.active and backup.star.state == "passive"
+                         and backup.replica.plan() is not None and len(clients) == 2
+                         and all(m.plan is not None and m.members.get("s1") == "up" for m in clients.values()))
+            assert primary.broker is not None
+            run_id, epoch = primary.broker.run_id, primary.broker.plan.epoch
+            await _until("the replica to hear both", lambda: backup.replica.values.get("member/s1", {})
+                         .get("state") == "up")
+            primary.stop()  # gone without a word, as a killed one
+            await runs[0]
+            await _until("the takeover", lambda: backup.star.active and backup.broker is not None
+                         and all(m.on == 1 and m.incarnation == backup.broker.incarnation
+                                 for m in clients.values()))
+            assert backup.broker is not None and backup.broker.run_id == run_id
+            assert backup.broker.plan.epoch > epoch and backup.star.term > primary.star.term
+            assert backup.star.failovers == 1 and {m.term for m in clients.values()} == {backup.star.term}
+            assert backup.broker.members["s0"].incarnation == clients["s0"].report.incarnation
+            assert all(m.plan == backup.broker.plan for m in clients.values())
+            backup.stop()
+            for task in nodes:
+                task.cancel()
+        for m in clients.values():
+            m.close()
+        ctx.term()
+
+    asyncio.run(main())
