@@ -1,4 +1,4 @@
-"""Nodes' broker clients without training, and a watch on both brokers of a pair (for tests/test_pair_netns.py).
+"""Nodes' broker clients without training, and a watch on both brokers of a pair (tests/test_pair_netns.py).
 
 ``python -m tests.pair_watcher TOPOLOGY OUT NAME...``: each NAME runs a node's broker client
 (``ravq.node.membership.Membership``: join, follow the published state, a heartbeat every interval, turning

@@ -20,7 +20,8 @@ EXPIRY = 2.0
 
 
 def _pair(now: float = 0.0) -> tuple[BinaryStar, BinaryStar]:
-    return BinaryStar(primary=True, expiry_s=EXPIRY, now=now), BinaryStar(primary=False, expiry_s=EXPIRY, now=now)
+    return (BinaryStar(primary=True, expiry_s=EXPIRY, now=now),
+            BinaryStar(primary=False, expiry_s=EXPIRY, now=now))
 
 
 def _exchange(a: BinaryStar, b: BinaryStar, now: float) -> None:
@@ -138,7 +139,8 @@ def test_a_passive_broker_restores_the_active_ones_run_book_and_numbers(tmp_path
     topology = parse_topology({**TOPOLOGY, "broker": {**TOPOLOGY["broker"], "state_dir": str(tmp_path)}},
                               resolve_task=False)
     now = [1.0]
-    active = Broker(topology, plan_for(topology, None), Metrics("broker"), SocketOptions(), clock=lambda: now[0])
+    active = Broker(topology, plan_for(topology, None), Metrics("broker"), SocketOptions(),
+                    clock=lambda: now[0])
     for name in ("c0s0", "c0s1", "c1s0", "c1s1", "spare"):
         active.book.register(name, f"inc-{name}", now[0])
         active.silences.beat(name, now[0])
@@ -179,4 +181,5 @@ def test_a_passive_broker_restores_the_active_ones_run_book_and_numbers(tmp_path
     assert book.standbys == ["spare"] and book.cluster_of("c1s1") == 1
     assert all(restored.seqs[t] == n + 2 * SEQ_JUMP for t, n in active.keyed.seqs.items())
     # each has lost_s from the takeover on, but one published silent (3 s, at 4.0) has that much less
-    assert {n: m.last_seen for n, m in book.members.items()} == {**dict.fromkeys(book.members, 30.0), "c1s1": 27.0}
+    seen = {n: m.last_seen for n, m in book.members.items()}
+    assert seen == {**dict.fromkeys(book.members, 30.0), "c1s1": 27.0}

@@ -63,7 +63,8 @@ def test_the_backup_takes_over_a_primary_killed_during_churn_and_the_old_primary
     swarm = Swarm(tmp_path, topo, env={node["name"]: dict(env) for node in topo["nodes"]})
     primary, backup = PairWatch(swarm, backup=False), PairWatch(swarm, backup=True)
     try:
-        primary.until("training", lambda s: all(_version(s, n) > 10 for n in swarm.nodes), 120, list(swarm.nodes))
+        primary.until("training", lambda s: all(_version(s, n) > 10 for n in swarm.nodes), 120,
+                      list(swarm.nodes))
         assert _pair(primary.poll() or {}).get("state") == "active"
         assert _pair(backup.poll() or {}).get("state") == "passive"
         swarm.nodes["c1s1"].send_signal(signal.SIGKILL)

@@ -41,7 +41,8 @@ def test_a_node_turns_to_the_backup_which_takes_over_the_run(tmp_path: Path) -> 
 
     async def main() -> None:
         primary = Pair(topology, plan, Metrics("broker"), SocketOptions(linger_ms=0), primary=True)
-        backup = Pair(as_backup(topology, {}), plan, Metrics("broker"), SocketOptions(linger_ms=0), primary=False)
+        backup = Pair(as_backup(topology, {}), plan, Metrics("broker"), SocketOptions(linger_ms=0),
+                      primary=False)
         clients: dict[str, Membership] = {}
         ctx = zmq.asyncio.Context()
         async with asyncio.TaskGroup() as tg:
@@ -49,7 +50,8 @@ def test_a_node_turns_to_the_backup_which_takes_over_the_run(tmp_path: Path) -> 
             nodes = [tg.create_task(follow_and_beat(ctx, topology, n, clients)) for n in ("s0", "s1")]
             await _until("the pair", lambda: primary.star.active and backup.star.state == "passive"
                          and backup.replica.plan() is not None and len(clients) == 2
-                         and all(m.plan is not None and m.members.get("s1") == "up" for m in clients.values()))
+                         and all(m.plan is not None and m.members.get("s1") == "up"
+                                 for m in clients.values()))
             assert primary.broker is not None
             run_id, epoch = primary.broker.run_id, primary.broker.plan.epoch
             await _until("the replica to hear both", lambda: backup.replica.values.get("member/s1", {})

@@ -44,7 +44,9 @@ def _topology(path: Path, primary: str, backup: str, nodes: str) -> Path:
 
 
 def _samples(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in out.read_text().splitlines() if line.endswith("}")] if out.exists() else []
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line.endswith("}")]
 
 
 def _until(out: Path, what: str, check: Callable[[dict[str, Any]], bool], timeout_s: float) -> float:
@@ -109,7 +111,8 @@ def test_a_cut_between_the_brokers_never_makes_two_actives(tmp_path: Path) -> No
     # never follow it again, and no one sees two actives at any other time
     after = [s for s in samples if s["t"] >= t_over]
     assert after and all(s["on"] == dict.fromkeys(CLIENTS, 1) for s in after)
-    assert not [s for s in samples if s["primary"] == s["backup"] == "active" and not t_up <= s["t"] <= t_passive]
+    assert not [s for s in samples
+                if s["primary"] == s["backup"] == "active" and not t_up <= s["t"] <= t_passive]
     assert t_over - t_down <= 2 * HEARTBEAT_S + 2.5, f"took over after {t_over - t_down:.1f}s"
     assert [s for s in samples if s["t"] > t_passive][-1]["backup"] == "active"
     print(f"partition: backup took over {t_over - t_down:.2f}s after the primary's line went down; "
