@@ -183,3 +183,17 @@ def test_a_passive_broker_restores_the_active_ones_run_book_and_numbers(tmp_path
     # each has lost_s from the takeover on, but one published silent (3 s, at 4.0) has that much less
     seen = {n: m.last_seen for n, m in book.members.items()}
     assert seen == {**dict.fromkeys(book.members, 30.0), "c1s1": 27.0}
+
+
+def test_status_names_the_serving_broker_and_its_failovers() -> None:
+    from ravq.cli.status import format_status
+
+    star = BinaryStar(primary=False, expiry_s=EXPIRY, now=0.0)
+    star.peer_said(ACTIVE, 1, 0.1)
+    assert star.vote(5.0) is not None
+    pair = {**star.public(6.0), "peer_address": "10.0.0.1:5556"}
+    text = format_status({"seq": 3, "run_id": "r", "plan": {"clusters": []}, "clusters": [], "members": {},
+                          "pair": pair})
+    assert "broker: the backup is active (term 2, 1 failovers here); the other (10.0.0.1:5556) is active, " \
+           "last heard 5.9s ago" in text
+    assert "broker: the" not in format_status({"seq": 3, "plan": {"clusters": []}})
