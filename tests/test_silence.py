@@ -53,7 +53,7 @@ class _BrokerSockets:
         m.link.close()
         self.updates[m.name], self.replies[m.name] = asyncio.Queue(), asyncio.Queue()
         m.sub = _Queue(self.updates[m.name])  # type: ignore[assignment]
-        m.link = _Dealer(self, m.name)  # type: ignore[assignment]
+        m.links = [_Dealer(self, m.name)]  # type: ignore[list-item]
 
     async def publish(self, msg: Message, topic: str = "") -> None:
         for queue in self.updates.values():  # every member follows every topic here
