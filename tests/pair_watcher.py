@@ -22,6 +22,7 @@ from ravq.cli.status import fetch_status
 from ravq.config import Topology, load_topology
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions
+from ravq.net.security import socket_options_for
 from ravq.net.wire import DecodeLimits
 from ravq.node.membership import Membership, beat_on_cadence
 from ravq.swarm.report import Progress
@@ -49,7 +50,10 @@ async def _state(topology: Topology) -> str:
 async def follow_and_beat(ctx: zmq.asyncio.Context, topology: Topology, name: str,
                           clients: dict[str, Membership]) -> None:
     """One node's broker client (in ``clients[name]``): join, follow, and a heartbeat every interval."""
-    m = Membership(ctx, topology, name, Metrics("node"), DecodeLimits(), SocketOptions(linger_ms=0))
+    metrics = Metrics("node")
+    curve = topology.security.curve
+    opts = socket_options_for(topology, name, None, metrics) if curve else SocketOptions(linger_ms=0)
+    m = Membership(ctx, topology, name, metrics, DecodeLimits(), opts)
     clients[name] = m
     await m.join()
     progress = Progress(generation=0, phase="training", ready=0, trained=0, stage_bytes=0)

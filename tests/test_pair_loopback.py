@@ -8,14 +8,16 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import zmq.asyncio
 
 from brokers.pair import Pair, as_backup
 from ravq.cli.demo import free_ports
 from ravq.cli.main import plan_for
-from ravq.config import parse_topology
+from ravq.config import Topology, parse_topology
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions
+from ravq.net.security import keygen, socket_options_for
 from ravq.node.membership import Membership
 from tests.pair_watcher import follow_and_beat
 
@@ -28,20 +30,26 @@ async def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) 
             await asyncio.sleep(0.02)
 
 
-def test_a_node_turns_to_the_backup_which_takes_over_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("curve", [False, True])
+def test_a_node_turns_to_the_backup_which_takes_over_the_run(tmp_path: Path, curve: bool) -> None:
     p = free_ports(8)
+    keys = {n: keygen(n, tmp_path / "keys") for n in ("broker", "s0", "s1")} if curve else {}
     topology = parse_topology({
         "task": "ravq.tasks.charlm", "timeouts": {"heartbeat_interval_s": INTERVAL_S, "lost_s": 1.0},
         "training": {"checkpoint_dir": str(tmp_path / "ckpt")},
-        "broker": {"pub_port": p[0], "router_port": p[1],
+        "security": {"curve": curve, "key_dir": str(tmp_path / "keys")},
+        "broker": {"pub_port": p[0], "router_port": p[1], "public_key": keys.get("broker"),
                    "backup": {"host": "127.0.0.1", "pub_port": p[2], "router_port": p[3]}},
         "nodes": [{"name": f"s{i}", "pipeline_port": p[4 + 2 * i], "ring_port": p[5 + 2 * i], "cluster": 0,
-                   "stage": i} for i in range(2)]}, resolve_task=False)
+                   "stage": i, "public_key": keys.get(f"s{i}")} for i in range(2)]}, resolve_task=False)
     plan = plan_for(topology, None)
 
     async def main() -> None:
-        primary = Pair(topology, plan, Metrics("broker"), SocketOptions(linger_ms=0), primary=True)
-        backup = Pair(as_backup(topology, {}), plan, Metrics("broker"), SocketOptions(linger_ms=0),
+        def opts(served: Topology) -> SocketOptions:  # each broker its own Curve (its ZAP handler)
+            return socket_options_for(served, "broker", None, Metrics("broker")) if curve else SocketOptions()
+
+        primary = Pair(topology, plan, Metrics("broker"), opts(topology), primary=True)
+        backup = Pair(as_backup(topology, {}), plan, Metrics("broker"), opts(as_backup(topology, {})),
                       primary=False)
         clients: dict[str, Membership] = {}
         ctx = zmq.asyncio.Context()
