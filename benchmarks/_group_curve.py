@@ -14,7 +14,8 @@ Wall time is a virtual clock, not this machine's: two shared cores cannot run 8 
 takes ``step_s`` (this task's median measured step time here, times ``--slow`` for the last cluster when
 given); a round ends for a group when its slowest member reaches it plus the ring's time on the modelled
 links: 2(n-1)/n of the model's float32 bytes at ``--link-mbit`` and 2(n-1) hops of ``--latency-ms``
-(float32 rings; ravq's default int8 rings would send about a quarter of those bytes).
+(float32 rings; ravq's default int8 rings would send about a quarter of those bytes).  With ``--slow`` a
+third mode, ``rates``, orders the grid by the clusters' rates (ravq.average.groups' rate-aware places).
 
 The target loss is one cluster's smoothed training loss after ``budget`` micro-batches (the trailing mean
 over ``window`` steps, as bench_convergence's references); for C clusters the swarm reaches it at the first
@@ -85,7 +86,7 @@ def ring_seconds(members: int, nbytes: int, link: tuple[float, float]) -> float:
     return wire + 2 * (members - 1) * latency_ms / 1000
 
 
-def train(clusters: int, mode: Mode, s: CurveSettings, step_s: float | None, target: float | None,
+def train(clusters: int, mode: str, s: CurveSettings, step_s: float | None, target: float | None,
           max_steps: int) -> tuple[Run, list[float]]:
     """Train ``clusters`` clusters for up to ``max_steps`` steps each (stopping ``window`` steps after the
     target is reached); returns the run and the real seconds each step of cluster 0 took."""
@@ -121,7 +122,7 @@ def train(clusters: int, mode: Mode, s: CurveSettings, step_s: float | None, tar
                     clock[c] = max(clock[c], end)
                 _apply(models[c], snapshot, mean)
         if (step + 1) % s.sync_every == 0 and clusters > 1:
-            for group in groups_for(0, run.rounds, range(clusters), mode, s.group_size):
+            for group in _groups(run.rounds, clusters, mode, s):
                 if len(group) < 2:
                     continue
                 snapshots = {c: _floats(models[c]) for c in group}
@@ -139,6 +140,16 @@ def train(clusters: int, mode: Mode, s: CurveSettings, step_s: float | None, tar
         if run.reached_step is not None and step + 1 >= run.reached_step + s.window:
             break
     return run, timed
+
+
+def _groups(round_index: int, clusters: int, mode: str, s: CurveSettings) -> list[tuple[int, ...]]:
+    """The round's groups: ravq's derivation; ``rates`` orders the grid by the clusters' step rates."""
+    if mode == "rates":
+        rates = {c: 1 / s.slow if c == clusters - 1 else 1.0 for c in range(clusters)}
+        return groups_for(0, round_index, range(clusters), "groups", s.group_size, rates)
+    assert mode in ("global", "groups")
+    grid: Mode = "global" if mode == "global" else "groups"
+    return groups_for(0, round_index, range(clusters), grid, s.group_size)
 
 
 def _floats(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -162,9 +173,9 @@ def curve(counts: list[int], s: CurveSettings) -> dict[str, Any]:
     rows = []
     for clusters in counts:
         same = clusters <= s.group_size  # groups mode is then one group of all: global rings
-        for mode in (("global",) if same else ("global", "groups")):
+        for mode in ("global",) if same else ("global", "groups", *(("rates",) if s.slow != 1 else ())):
             max_steps = int(s.headroom * s.budget / clusters) + s.window
-            run, _ = train(clusters, mode, s, step_s, target, max_steps)  # type: ignore[arg-type]
+            run, _ = train(clusters, mode, s, step_s, target, max_steps)
             k = run.reached_step
             rows.append({"clusters": clusters, "mode": mode if not same else "global=groups",
                          "reached_step": k, "samples": k * clusters * s.micro_batch if k else None,
