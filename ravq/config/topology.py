@@ -63,6 +63,10 @@ class TrainingConfig(UserModel):
     times its staleness along the change since the stage's previous update (``ravq.stage.delay``); without
     it Adam with one step of delay stalled a small GPT-2 at the unigram plateau.  0 turns it off.  No
     effect without staleness (max_inflight 1)."""
+    stale_correction: Literal["none", "pipenag"] = "none"
+    """How a stale stage's optimizer steps: ``none``, its own step; ``pipenag``, Nesterov's look-ahead with
+    the momentum raised towards 0.99 with the stage's staleness (PipeNAG, ``ravq.stage.pipenag``; SGD with
+    momentum, Adam, AdamW, ClusterAdam).  No effect without staleness (max_inflight 1)."""
     inflight_warmup_steps: int = Field(INFLIGHT_WARMUP_STEPS, ge=0)
     """Asynchrony warm-up: the cluster's first this many optimizer steps train with one micro-batch in flight
     (synchronous pipeline training), then stage 0 opens the pipeline to ``max_inflight``.  Early on,

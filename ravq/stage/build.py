@@ -61,6 +61,7 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
                            extrapolate_gradients=training.extrapolate_gradients,
+                           stale_correction=training.stale_correction,
                            inflight_warmup_steps=training.inflight_warmup_steps,
                            compress=Format(training.compress.pipeline),
                            int8_block=training.compress.int8_block,

@@ -21,6 +21,7 @@ from torch import nn
 
 from ravq.cut.modules import set_buffer
 from ravq.stage.delay import GradientExtrapolation
+from ravq.stage.pipenag import lookahead_step
 
 PREDICTION_WINDOW = 64
 """Backwards whose mean staleness sets how far ``predict_weights`` extrapolates."""
@@ -56,9 +57,11 @@ class WeightStash:
     """The weights of a stage's forwards, one snapshot per version, and what predicting them needs: the
     last update and the staleness of recent backwards."""
 
-    def __init__(self, params: dict[str, nn.Parameter], extrapolate: float = 0.0, *,
+    def __init__(self, params: dict[str, nn.Parameter], extrapolate: float = 0.0, lookahead: bool = False, *,
                  reuse_update: bool = False) -> None:
         self.params = params
+        self.lookahead = lookahead
+        """PipeNAG's step for stale updates (``stale_correction: pipenag``; ``ravq.stage.pipenag``)."""
         self.extrapolation = GradientExtrapolation(params, extrapolate)
         """Delay compensation of each update's gradient (``extrapolate_gradients``; ``ravq.stage.delay``)."""
         self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -137,13 +140,20 @@ class WeightStash:
                 last = self.last_update or {n: torch.empty_like(p) for n, p in self.params.items()}
                 for n, p in self.params.items():
                     last[n].copy_(p.detach())
-                optimizer.step()
+                self._optimizer_step(optimizer)
                 for n, p in self.params.items():
                     last[n].sub_(p.detach()).neg_()
                 self.last_update = last
         else:
-            optimizer.step()
+            self._optimizer_step(optimizer)
             self.last_update = None
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        recent = self.recent_staleness
+        if self.lookahead and recent:
+            lookahead_step(optimizer, sum(recent) / len(recent))
+        else:
+            optimizer.step()
 
     def record_staleness(self, staleness: int) -> None:
         """A backward's staleness (updates between its forward and its update), for ``prediction_steps``."""

@@ -69,6 +69,9 @@ class StageOptions:
     extrapolated by this many times its staleness along the change since the stage's last update;
     0 hands it the gradient as it is.  No effect without staleness (max_inflight 1).  The last gradient is
     not checkpointed: after a resume the first update is not extrapolated."""
+    stale_correction: str = "none"
+    """``pipenag``: a stale update takes Nesterov's look-ahead step (``ravq.stage.pipenag``); ``none``: the
+    optimizer's own step.  No effect without staleness (max_inflight 1)."""
     inflight_warmup_steps: int = 0
     """Stage 0 keeps one micro-batch in flight (trains synchronously) until its version reaches this many
     optimizer steps, then up to ``max_inflight`` (``ravq.config.TrainingConfig.inflight_warmup_steps``)."""

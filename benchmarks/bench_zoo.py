@@ -1,0 +1,151 @@
+"""Convergence zoo (issue #39): every stale-gradient mechanism against synchronous training on tasks of
+several families (benchmarks/zoo_tasks.py), at 2, 3 and 4 stages and several seeds, with each task's own
+optimizer and learning rate (never tuned per method).
+
+Each (task, stages, seed) trains once synchronously (``max_inflight 1``: one process's training to 1e-5)
+and once per method, one cluster, in-process (tests/pipeline_harness.py).  Untied models run in one thread
+in a fixed order (``run_in_order``: stage i is exactly stages-1-i updates stale, deterministic); models with
+a tied tensor across stages (GPT-2's head, BERT's decoder, T5's shared embedding) need the tied exchange's
+threads and run in threads (``run_workers``, real timing: staleness varies with the load).  Reported per
+method: loss / synchronous loss at 1/4, 1/2, 3/4 and all of the samples (the last stage's loss, mean of the
+``--window`` micro-batches up to there), and the micro-batches it needs to reach synchronous training's final
+loss, as a fraction of the run ("-": not within it).  Wall time here is one process's, so the samples are the
+figure; wall time with real processes is bench_convergence.py --compare-inflight's.
+
+The target (issue #39): with the defaults, <= 1.03x at the end and <= 1.10x at every quarter.
+
+    python benchmarks/bench_zoo.py --quick                      # 8 tasks, 2 stages, seed 0, 60 micro-batches
+    python benchmarks/bench_zoo.py                              # the zoo: 2 3 4 stages, seeds 0 1 2, 160
+    python benchmarks/bench_zoo.py --tasks llama mlp_sgd --stages 3 --seeds 0 --methods default pipenag
+
+Run it under ``flock /tmp/ravq/bench.lock`` on a shared machine; the load average is printed at both ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.zoo_tasks import TASKS
+from ravq.config import TrainingConfig
+from tests.pipeline_harness import make_workers, run_in_order, run_workers
+
+TIED = {"gpt2_tied", "bert_mlm", "t5"}
+"""Tasks with a tensor shared across stages: they run in threads."""
+
+_D = TrainingConfig()
+METHODS: dict[str, dict] = {
+    "default": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
+                "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": _D.stale_correction},
+    "plain": {},
+    "predict": {"predict_weights": _D.predict_weights},
+    "extrapolate": {"extrapolate_gradients": _D.extrapolate_gradients},
+    "warmup": {"inflight_warmup_steps": _D.inflight_warmup_steps},
+    "pipenag": {"stale_correction": "pipenag"},
+    "pipenag_warmup": {"stale_correction": "pipenag", "inflight_warmup_steps": _D.inflight_warmup_steps},
+    "default_pipenag": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
+                        "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": "pipenag"},
+}
+"""Each method's settings; what a method leaves out is off (``plain`` is PipeDream's weight stashing alone)."""
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    seconds: float
+
+
+def train(task: str, stages: int, seed: int, steps: int, micro_batch: int, max_inflight: int, **kw: object) -> Run:
+    workers = make_workers(TASKS[task], stages, steps=steps, max_inflight=max_inflight, micro_batch=micro_batch,
+                           seed=seed, **kw)
+    t0 = time.perf_counter()
+    if task in TIED:
+        run_workers(workers, timeout_s=600)
+    else:
+        run_in_order(workers)
+    losses = list(workers[-1].stats.loss_history)
+    assert len(losses) == steps, (task, len(losses))
+    return Run(losses, time.perf_counter() - t0)
+
+
+def smoothed(losses: list[float], at: int, window: int) -> float:
+    part = losses[max(0, at - window):at]
+    return sum(part) / len(part)
+
+
+def compare(run: Run, sync: Run, window: int) -> dict:
+    n = len(sync.losses)
+    quarters = [round(n * q / 4) for q in (1, 2, 3, 4)]
+    ratios = [smoothed(run.losses, at, window) / smoothed(sync.losses, at, window) for at in quarters]
+    target = smoothed(sync.losses, n, window)
+    reach = next((at for at in range(window, n + 1) if smoothed(run.losses, at, window) <= target), None)
+    return {"quarters": ratios, "end": ratios[-1], "worst": max(ratios), "reach": None if reach is None else reach / n,
+            "final": smoothed(run.losses, n, window), "seconds": run.seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=160, help="micro-batches per run (one optimizer step each)")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--methods", nargs="+", default=["default", "plain", "pipenag", "pipenag_warmup"],
+                    choices=list(METHODS))
+    ap.add_argument("--quick", action="store_true", help="2 stages, seed 0, 60 micro-batches")
+    ap.add_argument("--json", type=Path, help="also write every figure here")
+    args = ap.parse_args()
+    if args.quick:
+        args.stages, args.seeds, args.steps = [2], [0], 60
+    torch.set_num_threads(1)
+    print(f"load average at the start: {os.getloadavg()}", flush=True)
+    rows: list[dict] = []
+    for task in args.tasks:
+        for stages in args.stages:
+            for seed in args.seeds:
+                sync = train(task, stages, seed, args.steps, args.micro_batch, 1)
+                sync_final = smoothed(sync.losses, args.steps, args.window)
+                print(f"{task} {stages} stages seed {seed}: sync final {sync_final:.3f} ({sync.seconds:.1f} s)",
+                      flush=True)
+                for method in args.methods:
+                    got = compare(train(task, stages, seed, args.steps, args.micro_batch, stages,
+                                        **METHODS[method]), sync, args.window)
+                    rows.append({"task": task, "stages": stages, "seed": seed, "method": method,
+                                 "sync_final": sync_final, **got})
+                    quarters = " ".join(f"{r:.3f}" for r in got["quarters"])
+                    reach = "-" if got["reach"] is None else f"{got['reach']:.2f}"
+                    print(f"  {method:16s} {quarters}  reach {reach}  final {got['final']:.3f}", flush=True)
+    print(f"load average at the end: {os.getloadavg()}")
+    summarize(rows, args.methods)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+def summarize(rows: list[dict], methods: list[str]) -> None:
+    """Per method: runs meeting the target, the worst end and worst quarter ratio, median end ratio."""
+    print("\n| method | runs meeting <=1.03 end and <=1.10 every quarter | worst end | worst quarter | median end |")
+    print("| --- | --- | --- | --- | --- |")
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method]
+        if not mine:
+            continue
+        ok = sum(r["end"] <= 1.03 and r["worst"] <= 1.10 for r in mine)
+        ends = sorted(r["end"] for r in mine)
+        worst_end = max(mine, key=lambda r: r["end"])
+        worst_q = max(mine, key=lambda r: r["worst"])
+        print(f"| {method} | {ok}/{len(mine)} | {worst_end['end']:.3f} ({worst_end['task']} {worst_end['stages']}) "
+              f"| {worst_q['worst']:.3f} ({worst_q['task']} {worst_q['stages']}) | {ends[len(ends) // 2]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""PipeNAG: Nesterov's look-ahead for a stage whose gradients arrive a fixed number of updates late.
+
+Ajanthan et al., "Nesterov Method for Asynchronous Pipeline Parallel Optimization" (ICML 2025), train an
+asynchronous pipeline (PipeDream's weight stashing, every stage a fixed delay behind) with Nesterov's
+method whose look-ahead is adapted to the delay: the update moves along the momentum *and* the new
+gradient (Nesterov), and the momentum is raised towards 0.99 with the delay, so that a stale gradient
+is one of ~100 in the direction the weights take rather than most of one step.  Their implementation
+is NAdamW (Dozat's Nesterov-Adam) with beta1 0.99, or, with "adaptive momentum", beta1 raised from the
+user's value in proportion to the stage's delay.  Here, with ``s`` the stage's mean staleness:
+
+- the momentum is ``gamma = beta + (MAX_MOMENTUM - beta) * s / (s + 1)`` (``delayed_momentum``: beta
+  itself without staleness, halfway to 0.99 at one update late, the reference's rule on a first stage);
+- Adam, AdamW and ``ClusterAdam`` take NAdam's step with that beta1 held constant
+  (``(gamma * m_t / (1 - gamma^(t+1)) + (1 - gamma) * g / (1 - gamma^t)) / (sqrt(v_hat) + eps)``,
+  weight decay and the cluster-corrected second moment as the optimizer has them);
+- SGD with momentum takes Nesterov's step with ``gamma``, its gradient scaled by
+  ``(1 - gamma) / (1 - beta)`` so that the steady step length (``lr * g / (1 - beta)``) stays the user's:
+  raising the momentum alone would lengthen every step 2.5x at beta 0.9 and destabilise what it should
+  steady.  On ``f = h x^2 / 2`` with one update of delay, heavy-ball SGD (momentum 0.9) diverges from
+  ``lr * h = 0.15``; this step converges there (tests/test_pipenag.py).
+
+An update with no staleness is the optimizer's own ``step()``, so ``max_inflight: 1`` (and the
+asynchrony warm-up) trains exactly like one process.  Both steps keep the optimizer's own state (Adam's
+``exp_avg``/``exp_avg_sq``/``step``, SGD's ``momentum_buffer``), so checkpoints, optimizer-state
+averaging and the switch between stale and fresh updates need nothing of their own.  Other optimizers
+(and Adam with amsgrad) are not supported: ``check_supported`` names them before training starts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ravq.stage.optim import ClusterAdam, global_second_moment
+
+MAX_MOMENTUM = 0.99
+"""The momentum a stage's look-ahead approaches as its delay grows (the paper's and its code's value)."""
+
+
+def delayed_momentum(beta: float, staleness: float, ceiling: float = MAX_MOMENTUM) -> float:
+    """The momentum of a stage ``staleness`` updates late whose optimizer's own momentum is ``beta``."""
+    if staleness <= 0 or beta >= ceiling:
+        return beta
+    return beta + (ceiling - beta) * staleness / (staleness + 1.0)
+
+
+def _is_adam(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, ClusterAdam))
+
+
+def check_supported(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError unless PipeNAG has a step for this optimizer (SGD with momentum; Adam, AdamW or
+    ClusterAdam without amsgrad)."""
+    name = type(optimizer).__name__
+    for group in optimizer.param_groups:
+        if isinstance(optimizer, torch.optim.SGD):
+            if not group["momentum"] or group.get("maximize") or group["dampening"]:
+                got = f"momentum {group['momentum']}, dampening {group['dampening']}"
+                raise ValueError(f"stale_correction pipenag: needs SGD with momentum, no dampening and no "
+                                 f"maximize (got {got})")
+        elif _is_adam(optimizer):
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError(f"stale_correction pipenag: {name} with amsgrad or maximize: not supported")
+        else:
+            raise ValueError(f"stale_correction pipenag: supports SGD with momentum, Adam, AdamW and "
+                             f"ClusterAdam, not {name}")
+
+
+def _decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+
+
+@torch.no_grad()
+def nadam_step(optimizer: torch.optim.Optimizer, staleness: float) -> None:
+    """One NAdam step (constant momentum ``delayed_momentum(beta1, staleness)``) on an Adam-family
+    optimizer's parameters, gradients and state."""
+    clusters = getattr(optimizer, "clusters", 1)
+    for group in optimizer.param_groups:
+        lr, (beta1, beta2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+        gamma = delayed_momentum(beta1, staleness)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if wd:
+                if _decoupled(optimizer, group):
+                    p.mul_(1 - lr * wd)
+                else:
+                    grad = grad.add(p, alpha=wd)
+            state["step"] += 1
+            t = float(state["step"])
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.lerp_(grad, 1 - gamma)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            bias2 = 1 - beta2 ** t
+            if clusters > 1:
+                second = global_second_moment(exp_avg / (1 - gamma ** t), exp_avg_sq / bias2, clusters)
+                denom = second.sqrt_().add_(eps)
+            else:
+                denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
+            p.addcdiv_(grad, denom, value=-lr * (1 - gamma) / (1 - gamma ** t))
+            p.addcdiv_(exp_avg, denom, value=-lr * gamma / (1 - gamma ** (t + 1)))
+
+
+@torch.no_grad()
+def nesterov_sgd_step(optimizer: torch.optim.SGD, staleness: float) -> None:
+    """One Nesterov step with momentum ``delayed_momentum(momentum, staleness)``, the gradient scaled so
+    the steady step length stays the optimizer's own (see the module docstring)."""
+    for group in optimizer.param_groups:
+        lr, beta, wd = float(group["lr"]), group["momentum"], group["weight_decay"]
+        gamma = delayed_momentum(beta, staleness)
+        scale = (1 - gamma) / (1 - beta)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad if not wd else p.grad.add(p, alpha=wd)
+            grad = grad * scale if scale != 1.0 else grad
+            state = optimizer.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = grad.detach().clone()
+            else:
+                buf.mul_(gamma).add_(grad)
+            p.add_(grad.add(buf, alpha=gamma), alpha=-lr)
+
+
+def lookahead_step(optimizer: torch.optim.Optimizer, staleness: float) -> None:
+    """The optimizer's step for gradients ``staleness`` updates late: its own ``step()`` when there is no
+    staleness, else PipeNAG's (``nadam_step`` / ``nesterov_sgd_step``)."""
+    if staleness <= 0:
+        optimizer.step()
+    elif isinstance(optimizer, torch.optim.SGD):
+        nesterov_sgd_step(optimizer, staleness)
+    else:
+        nadam_step(optimizer, staleness)
