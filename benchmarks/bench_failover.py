@@ -51,6 +51,7 @@ def _until(what: str, check: Any, timeout_s: float) -> float:
 
 
 def _run(tmp: Path, rate: float, steps: int, window_s: float, failover: bool) -> dict[str, float]:
+    tmp.mkdir(parents=True)
     training = {"steps": steps, "micro_batch": 4, "sync_every": 5, "checkpoint_every": 40,
                 "checkpoint_dir": str(tmp / "ckpt")}
     topo = local_topology("tests.churn_task", [2, 2], training,
