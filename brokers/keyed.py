@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from brokers.book import Member
+from brokers.book import Book, Member
 from ravq.config import Plan
 from ravq.net.clone import GLOBAL, Item, chunks, item_bytes
 
@@ -143,6 +143,15 @@ def plan_head(plan: Plan) -> tuple[str, str, Any]:
 def plan_items(plan: Plan) -> list[tuple[str, str, Any]]:
     """The plan as (key, topic, value): its head and ``plan/<c>`` per cluster (its nodes and cuts)."""
     return [plan_head(plan), *((f"plan/{c}", GLOBAL, cl.model_dump()) for c, cl in enumerate(plan.clusters))]
+
+
+def start_flags(book: Book, verdicts: dict[str, str]) -> dict[str, bool]:
+    """The ``start`` key: whether every member of the plan is up (or done) and has a reachability
+    verdict.  A starting node waits for these of every node of the swarm; from this one key, not by
+    polling whole snapshots (every node, five times a second: O(N^2) bytes at a first start)."""
+    nodes = [n for c in book.plan.clusters for n in c.nodes]
+    return {"up": all(n in book.members and book.members[n].state in ("up", "done") for n in nodes),
+            "reached": all(n in verdicts for n in nodes)}
 
 
 def member_value(m: Member) -> dict[str, Any]:

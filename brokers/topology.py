@@ -28,7 +28,7 @@ import zmq.asyncio
 from brokers.binarystar import PRIMARY, Pairing
 from brokers.book import Book, Member
 from brokers.gauges import Gauges
-from brokers.keyed import KeyedState, member_value, plan_head, plan_items
+from brokers.keyed import KeyedState, member_value, plan_head, plan_items, start_flags
 from brokers.reach import Reachability
 from brokers.run import open_run, save_run, state_dir_for
 from brokers.silence import Silences
@@ -293,6 +293,7 @@ class Broker:
                 self._refresh(changes.names, changes.clusters)
             else:
                 self._refresh((), ())  # the rings' exclusions follow the clusters' states
+            self.keyed.put("start", GLOBAL, start_flags(self.book, self.reach.verdicts))
             await self._flush(pub)
             self._count_members()
             for topic in self.keyed.echoes():

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from brokers.keyed import KeyedState
+from brokers.keyed import KeyedState, start_flags
 from brokers.run import RUN_FILE
 from brokers.topology import Broker
 from ravq.cli.main import plan_for
@@ -209,3 +209,19 @@ def test_a_registration_at_scale_gets_its_own_clusters_state_and_parts_cut_once_
     parts = [decode(encode(r), limits).meta for r in sockets.replies]  # each a node decodes
     figures = [v for p in parts for k, v in p["items"] if k.startswith("silent/")]
     assert len(figures) == len(names) - 1 and min(figures) >= 12345.0  # c3s0 asked: it is alive
+
+
+def test_the_start_flags_say_when_every_node_of_the_plan_is_up_and_has_a_verdict() -> None:
+    """A starting node waited for every node of the swarm by polling whole snapshots five times a second:
+    every node's key, from every node, O(N^2) bytes at a start.  Now it reads one global key."""
+    broker, names, _ = _broker(clusters=3)
+    sockets = _Sockets()
+    _join(broker, sockets, names[:-1])
+    assert start_flags(broker.book, broker.reach.verdicts) == {"up": False, "reached": False}
+    _join(broker, sockets, names[-1:])
+    verdicts = dict.fromkeys(names[:-1], "reachable")
+    assert start_flags(broker.book, verdicts) == {"up": True, "reached": False}
+    flags = start_flags(broker.book, {**verdicts, names[-1]: "behind_nat"})
+    node = MembershipState(name="c0s0", metrics=Metrics("node"))
+    node.apply_snapshot([{"items": [("start", flags)], "seqs": {GLOBAL: 1}, "scope": None}])
+    assert node.start == {"up": True, "reached": True}

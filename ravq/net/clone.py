@@ -2,7 +2,8 @@
 
 The state is a map of keys to JSON values: ``run``, ``plan`` (its epoch, exclusions and number of
 clusters) and ``plan/<c>`` (cluster ``c``'s nodes and cuts), ``cluster/<c>`` (whether it trains),
-``disrupted`` (a cluster's generation rose: clusters end at different steps),
+``disrupted`` (a cluster's generation rose: clusters end at different steps), ``start`` (every node of
+the plan is up, and has a reachability verdict: what a starting node waits for),
 ``member/<name>`` (state, phase, incarnation, checkpoints), ``reach/<name>`` (the dial-back verdict)
 and ``silent/<name>`` (a member silent past ``SILENT_AFTER`` heartbeat intervals: how long, as of the
 update; the key goes when it beats again).  A value of None deletes its key.

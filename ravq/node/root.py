@@ -158,6 +158,7 @@ class Node:
                         "newest checkpoint of the broker's run (a new run: `ravq broker --new-run`)",
                         self.name)
         tg.create_task(self._heartbeats())  # from now on: the broker must not think us lost while we build
+        tg.create_task(self.membership.follow())  # and its state as it changes (what start-up waits for)
         if not any(self.name in c.nodes for c in plan.clusters):
             plan = await stand_by(name=self.name, standing=self.standing, report=self.membership.report,
                                   memory_bytes=self._memory_bytes(), poll=self.membership.poll_snapshot,
@@ -287,7 +288,6 @@ class Node:
         assert self.links is not None and self.worker is not None
         tg.create_task(self.links.read_loop(self.worker))
         tg.create_task(self.links.send_loop())
-        tg.create_task(self.membership.follow())
         tg.create_task(self._compute())
         tg.create_task(self.until_forced())
         assert self.churn is not None

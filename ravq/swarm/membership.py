@@ -59,6 +59,8 @@ class MembershipState:
         said)."""
         self._clusters: dict[int, dict[str, Any]] = {}
         self._disrupted = False
+        self.start: dict[str, bool] = {}
+        """The broker's ``start`` flags: every node of the plan is ``up``, and has a verdict (``reached``)."""
         self._plan_parts: dict[str, Any] = {}
         self._topics_plan: Plan | None = None
         self._topics = {GLOBAL, cluster_topic(None)}
@@ -146,6 +148,8 @@ class MembershipState:
                 self._run(value)
             elif kind == "disrupted":
                 self._disrupted = bool(value)
+            elif kind == "start":
+                self.start = dict(value) if isinstance(value, dict) else {}
 
     def _member(self, node: str, value: dict[str, Any] | None) -> None:
         before = self.members.get(node)
