@@ -126,7 +126,7 @@ class LiveView:
         steps, rate, loss = self._progress(status)
         loss_text = f"{loss:.3f}" if loss is not None else "-"
         table = Table(title=f"ravq demo  steps {steps}/{self.steps}  {rate:.1f} samples/s  loss {loss_text}")
-        for col in ("node", "state", "cluster/stage", "version", "busy", "staleness", "in flight", "loss"):
+        for col in ("node", "state", "cluster/stage", "version", "busy", "stale (upd.)", "in flight", "loss"):
             table.add_column(col, justify="right")
         for name, st, state in self._rows(status):
             table.add_row(
@@ -135,7 +135,7 @@ class LiveView:
                 f"{st.get('cluster', '-')}/{st.get('stage', '-')}",
                 str(st.get("version", "-")),
                 f"{st.get('busy_fraction', 0):.2f}",
-                f"{st.get('staleness_mean', 0):.2f}",
+                f"{st.get('staleness_updates', st.get('staleness_mean', 0)):.2f}",
                 str(st.get("inflight", "-")),
                 f"{st['loss_recent']:.3f}" if st.get("loss_recent") is not None else "",
             )
