@@ -111,7 +111,8 @@ class AsynchronyGuard:
                buffers: Mapping[str, torch.Tensor], inputs: list[torch.Tensor],
                output_grads: list[torch.Tensor | None], autocast: Callable[[], Any]) -> float:
         """Both gradients of one micro-batch under the same random numbers; their cosine, recorded."""
-        with torch.random.fork_rng(devices=[]):
+        cuda = sorted({x.device.index or 0 for x in inputs if x.is_cuda})  # their random streams too
+        with torch.random.fork_rng(devices=cuda):
             seed = int(torch.randint(0, 2**62, ()))
             torch.manual_seed(seed)
             at_stale = gradients_at(module, stale, buffers, inputs, output_grads, autocast)
