@@ -97,3 +97,14 @@ def test_the_simulator_sums_as_many_micro_batches_per_step_as_the_nodes_will(
         with pytest.raises(ConfigError, match="enough"):
             cli_simulate.run_simulation(topology, plan, [], [], cli_simulate.settings_for(topology))
         assert seen[-1] == want
+
+
+def test_profiling_measures_micro_batches_whatever_batch_the_run_states(tmp_path: Any) -> None:
+    """The profiler builds stages and rings of its own micro-batches and members: the run's batch (which
+    need not divide them) is not theirs."""
+    from ravq.profile import averaging_cost
+    from tests.test_profile import one_node_topology
+
+    topology = one_node_topology(tmp_path, False, {"micro_batch": 3, "batch": 6})
+    ring = averaging_cost._ring_topology(topology, "a")  # micro-batches of 2, two members: 6 does not divide
+    assert ring.training.batch is None and update_every(ring.training, 2) == 1

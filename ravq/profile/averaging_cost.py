@@ -75,7 +75,8 @@ def _ring_topology(topology: Topology, name: str) -> Topology:
     training = t.model_copy(update={
         "micro_batch": min(MICRO_BATCH, t.micro_batch), "sync_every": 1,
         "averaging_lead": max(1, t.averaging_lead), "overlap_averaging": True,
-        "average_optimizer_state": False, "eval_every": 0, "checkpoint_every": 0, "max_inflight": 1})
+        "average_optimizer_state": False, "eval_every": 0, "checkpoint_every": 0, "max_inflight": 1,
+        "batch": None})  # a step per micro-batch: its own micro-batches and members, not the run's batch
     return topology.model_copy(update={"nodes": nodes, "training": training, "relays": []})
 
 

@@ -116,7 +116,7 @@ def _workers(task: Any, topology: Topology, name: str, stages: int, steps: int,
              max_inflight: int | None, micro_batch: int | None) -> tuple[list[StageWorker], int]:
     me = topology.node(name)
     micro_batch = micro_batch or topology.training.micro_batch
-    training = topology.training.model_copy(update={"steps": steps, "eval_every": 0,
+    training = topology.training.model_copy(update={"steps": steps, "eval_every": 0, "batch": None,
                                                     "max_inflight": max_inflight, "micro_batch": micro_batch})
     cuts = even_cuts(candidate_cuts(build_meta_model(task, 0).model, task), stages) if stages > 1 else []
     built = [build_stage(task, training, seed=0, cuts=cuts, stage=i, cluster=0, clusters=1, device=me.device,
