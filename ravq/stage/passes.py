@@ -50,7 +50,7 @@ class Passes:
         self._feed, self._tied_step = feed, tied_step
         self._raw_output: Any = None
         self.guard = AsynchronyGuard(f"cluster {place.cluster} stage {place.spec.index}")
-        """Samples whether stale gradients still agree with fresh ones (``ravq.stage.guard``)."""
+        """Watches this stage's stale updates and says once when asynchrony hurts (``ravq.stage.guard``)."""
 
     def run_module(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run the module on what the stage received and stash the micro-batch; returns its outputs as a
