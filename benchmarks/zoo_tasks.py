@@ -210,7 +210,7 @@ TASKS: dict[str, SimpleNamespace] = {
                     example=charlm.example_inputs, optimizer=lambda ps: ClusterAdam(ps, lr=charlm.LEARNING_RATE),
                     cuts=charlm.split_points()),
     "mlp_sgd": _task(ResidualMLP, loss=F.mse_loss, batches=teacher_batches, example=lambda mb: (torch.zeros(mb, 16),),
-                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.02, momentum=0.9),
+                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
                      cuts=["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
 }
 """The zoo; GPT-2's head is tied to its embedding (its first and last stages share the tensor)."""
