@@ -467,3 +467,17 @@ def test_in_groups_mode_a_lost_cluster_abandons_only_the_rounds_of_groups_it_tou
         assert r.plan_epochs >= 4
         aborts[mode] = sum(n.allreduce_aborts for n in r.nodes if n.name != "d")
     assert aborts["global"] >= 6 and aborts["groups"] < aborts["global"]
+
+
+def test_a_node_back_before_lost_s_still_takes_its_cluster_out_of_the_rings_when_it_registers() -> None:
+    """Restarted within lost_s, the node's new process registers and the broker pauses its cluster: the rings
+    change then (an epoch, open rounds abandoned) and again when the cluster trains (bench_churn's kills)."""
+    from ravq.simulate import Simulation, collect
+
+    settings = Settings(steps=400, sync_every=5, lost_s=6.0, restart_s=2.0, ring_timeout_s=30.0)
+    sim = Simulation(three_solo(settings))
+    sim.q.at(1.0, sim.churn.fail, sim.nodes["c"])
+    sim.run()
+    r = collect(sim)
+    assert r.plan_epochs == 3                               # c out at its restart, back in, a and b done first
+    assert sum(n.allreduce_aborts for n in r.nodes) >= 2 and r.wall_s < settings.ring_timeout_s

@@ -2,7 +2,8 @@
 
 A failure stops the node's whole cluster: its in-flight micro-batches are lost and redone, and rings with
 a member there abort after ``ring_timeout_s``.  ``lost_s`` later the broker takes the cluster out of the
-rings (a new plan epoch: every node abandons every open round).  After ``restart_s`` the cluster's nodes
+rings (a new plan epoch: every node abandons every open round; a node back sooner than that is, when its
+new process registers).  After ``restart_s`` the cluster's nodes
 fetch their stages' weights from the holders in another cluster (the stage's bytes over that link) and
 rejoin at that cluster's version; the rings take the cluster back (another epoch).  A cluster done while
 another still trains ``lost_s`` later leaves the rings too.
@@ -117,6 +118,9 @@ class Churn:
 
     def _restart(self, c: int, failed_at: float) -> None:
         h = self.host
+        if self.in_rings[c]:  # back before lost_s: its new process registers, the broker pauses the cluster
+            self.in_rings[c] = False
+            h.new_epoch(self._ring_members())
         donors = [d for d, up in enumerate(self.up) if up and d != c]
         net = h.world.network
         catch_up, version = 0.0, None
