@@ -133,3 +133,24 @@ def test_unsupported_optimizers_are_named():
         check_supported(torch.optim.RMSprop(params))
     with pytest.raises(ValueError, match="amsgrad"):
         check_supported(torch.optim.Adam(params, amsgrad=True))
+
+
+def test_a_stage_takes_the_lookahead_only_for_its_stale_updates():
+    """Through the pipeline (in one thread, stage 0 one update stale once the pipeline opens): synchronous
+    updates (the warm-up) are the optimizer's own, stale ones PipeNAG's."""
+    pytest.importorskip("transformers")
+    from tests import zoo_markov
+    from tests.pipeline_harness import make_workers, run_in_order
+
+    torch.set_num_threads(1)
+
+    def losses(**kw: object) -> list[float]:
+        workers = make_workers(zoo_markov.gpt2, 2, steps=24, max_inflight=2, micro_batch=4, **kw)
+        run_in_order(workers)
+        return list(workers[-1].stats.loss_history)
+
+    plain = losses(inflight_warmup_steps=8)
+    lookahead = losses(inflight_warmup_steps=8, stale_correction="pipenag")
+    assert lookahead[:9] == plain[:9]  # synchronous, then the first stale update's loss is still the same
+    assert lookahead[10:] != plain[10:]
+    assert losses(inflight_warmup_steps=24, stale_correction="pipenag") == losses(inflight_warmup_steps=24)
