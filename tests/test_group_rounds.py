@@ -182,3 +182,33 @@ def test_queued_rounds_of_the_replaced_epoch_still_run_in_groups_the_change_did_
     every.touched(plan)
     every.touched(_plan(epoch=6, excluded=(3,)))
     assert not every.spared(5 * ROUNDS_PER_EPOCH + 7, untouched)
+
+
+@pytest.mark.parametrize(("spared", "told"), [(False, 1), (None, 0)])
+def test_a_dropped_queued_round_of_the_old_epoch_is_told_to_its_group_not_in_global_mode(
+        spared: bool | None, told: int) -> None:
+    """Groups mode (spared False): a peer of the round's group may have started it, so it is told at once;
+    global rings (None): every peer drops it too, as before."""
+    import concurrent.futures
+
+    from ravq.average.round_queue import RoundQueue
+    from ravq.metrics import Metrics
+
+    net = MemoryNet(["c0s0", "c1s0"])
+    ring = [Segment(0, ("a.w",), 6, ("c0s0", "c1s0"))]
+    queue = RoundQueue(me="c0s0", plan=lambda: _plan(epoch=2), mailbox=net.boxes["c0s0"], link=net.link("c0s0"),
+                       metrics=Metrics("c0s0"), piece_bytes=8, timeout_s=TIMEOUT_S, notify_s=1.0, compression=None,
+                       spared=lambda round_id, rings: spared)
+    done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+
+    async def main() -> None:
+        queue.enqueue((ROUNDS_PER_EPOCH + 3, {0: torch.ones(6)}, ring, done))
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(queue.run()), tg.create_task(queue.send_skips())]
+            await asyncio.sleep(1.0)
+            for task in tasks:
+                task.cancel()
+
+    run_virtual(main())
+    assert {e.reason for e in done.result().aborted.values()} == {"plan_changed"}
+    assert net.aborts_sent["c0s0"] == told

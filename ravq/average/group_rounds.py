@@ -119,9 +119,12 @@ class RoundGroups:
         self._spare = (old.epoch, nodes)
         return nodes
 
-    def spared(self, round_id: int, rings: list[Segment]) -> bool:
+    def spared(self, round_id: int, rings: list[Segment]) -> bool | None:
         """Whether a queued round of an older epoch still runs (event loop): one of the epoch the newest plan
-        replaced, whose rings reach no node that change touched."""
+        replaced, whose rings reach no node that change touched.  None in global mode: every node drops
+        every such round, so none need be told (``ravq.average.round_queue``)."""
+        if self.mode == "global":
+            return None
         if self._spare is None:
             return False
         epoch, touched = self._spare

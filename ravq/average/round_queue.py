@@ -39,10 +39,12 @@ class RoundQueue:
     def __init__(self, *, me: str, plan: Callable[[], Plan], mailbox: Mailbox, link: RingLink,
                  metrics: Metrics, piece_bytes: int, timeout_s: float, notify_s: float,
                  compression: RingCompression | None,
-                 spared: Callable[[int, list[Segment]], bool] = lambda round_id, rings: False) -> None:
+                 spared: Callable[[int, list[Segment]], bool | None] = lambda round_id, rings: None) -> None:
         self.me, self.plan, self.mailbox, self.link, self.metrics = me, plan, mailbox, link, metrics
         self.spared = spared
-        """Whether a queued round of an older plan epoch still runs (group averaging: its group untouched)."""
+        """Whether a queued round of an older plan epoch still runs (group averaging: its group untouched);
+        False: it is dropped and its ring peers told (a peer may have started it); None: dropped (global
+        rings: every peer drops it too)."""
         self.piece_bytes, self.timeout_s, self.compression = piece_bytes, timeout_s, compression
         self.notify_s = notify_s
         """How long telling one peer of a skipped round may take."""
@@ -88,11 +90,14 @@ class RoundQueue:
 
     async def run(self) -> None:
         """Run the queued rounds in order, for ever; a round of an older plan epoch cannot finish (its
-        rings changed) and is aborted without starting."""
+        rings changed) and is aborted without starting, unless ``spared`` (its group was untouched)."""
         while True:
             round_id, snapshots, segments, done = await self.rounds.get()
             try:
-                if round_id // ROUNDS_PER_EPOCH < self.plan().epoch and not self.spared(round_id, segments):
+                old = round_id // ROUNDS_PER_EPOCH < self.plan().epoch
+                if old and not (runs := self.spared(round_id, segments)):
+                    if runs is False:  # a peer may have started it: tell it
+                        self.skip(round_id, segments)
                     result = RoundResult(aborted={s.ring_id: RingAborted(s.ring_id, round_id, "plan_changed")
                                                   for s in segments})
                 else:
