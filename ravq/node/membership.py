@@ -165,10 +165,13 @@ class Membership(MembershipState):
         """Register with the broker, retrying until ``timeouts.connect_s``; return the plan."""
         t = self.topology.timeouts
         deadline = time.monotonic() + t.connect_s
+        wait_s = t.request_s  # in a pair, a broker silent for TURN_AFTER intervals may be dead: try the other
+        if len(self.links) > 1:
+            wait_s = min(wait_s, TURN_AFTER * t.heartbeat_interval_s)
         while True:
             try:
                 register = Register(incarnation=self.report.incarnation)
-                parts = await self._request(MsgType.REGISTER, register.meta(), t.request_s)
+                parts = await self._request(MsgType.REGISTER, register.meta(), wait_s)
                 break
             except TimeoutError as err:
                 if time.monotonic() > deadline:
