@@ -191,7 +191,7 @@ def print_curve(result: dict[str, Any], s: CurveSettings) -> None:
           f"{f', the last cluster {s.slow:g}x slower' if s.slow != 1 else ''}; sync_every {s.sync_every}, "
           f"groups of {s.group_size}")
     one = next((r for r in result["rows"] if r["clusters"] == 1 and r["samples"]), None)
-    by_count = {r["clusters"]: r for r in result["rows"] if r["mode"] != "groups"}
+    by_count = {r["clusters"]: r for r in result["rows"] if r["mode"].startswith("global")}
     links = "".join(f" {f'{m:g}Mb/{ms:g}ms s':>15} {'x 1 cl':>7}" for m, ms in s.links)
     print(f"{'clusters':>8} {'mode':>14} {'samples':>8} {'x 1 cl':>7} {'x global':>9} {'rounds':>7}{links}")
     for r in result["rows"]:
