@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import zmq
 
-REQUEST_S = 30.0
+REQUEST_S = 60.0
 """A registration or snapshot request not answered within this is sent again."""
 
 
