@@ -212,3 +212,13 @@ def test_a_dropped_queued_round_of_the_old_epoch_is_told_to_its_group_not_in_glo
     run_virtual(main())
     assert {e.reason for e in done.result().aborted.values()} == {"plan_changed"}
     assert net.aborts_sent["c0s0"] == told
+
+
+def test_a_plans_own_averaging_wins_over_the_topologys() -> None:
+    """The planner picks the mode per plan (Plan.averaging); the topology's applies when the plan names none."""
+    segs = segments_for("c0s0", plan_segments(NAMES, NUMELS, OWNERS))
+    grouped = _plan().model_copy(update={"averaging": GROUPS})
+    assert [len(s.ring) for s in RoundGroups(AveragingConfig(), 0, 1).rings(segs, grouped, 0)] == [2]
+    assert [len(s.ring) for s in RoundGroups(AveragingConfig(), 0, 1).rings(segs, _plan(), 0)] == [4]
+    every = _plan().model_copy(update={"averaging": AveragingConfig()})
+    assert [len(s.ring) for s in RoundGroups(GROUPS, 0, 1).rings(segs, every, 0)] == [4]

@@ -51,7 +51,8 @@ class RoundGroups:
     def __init__(self, config: AveragingConfig, cluster: int, sync_every: int, metrics: Metrics | None = None,
                  skip: Callable[[int, list[Segment]], None] = lambda round_id, rings: None,
                  rates: Callable[[Plan], Mapping[int, float] | None] = lambda plan: None) -> None:
-        self.mode, self.group_size, self.cluster = config.mode, config.group_size, cluster
+        self.config, self.cluster = config, cluster
+        """The topology's averaging; a plan that names its own (``Plan.averaging``, the planner's) wins."""
         self.clock, self.metrics, self.skip = RoundClock(sync_every), metrics, skip
         """``skip(round id, rings)``: tell a round's ring peers this node will not run it (compute thread)."""
         self.rates = rates
@@ -66,12 +67,17 @@ class RoundGroups:
         self.last: tuple[int, ...] = ()
         """The group of the newest round ``step`` planned (for the node's stats)."""
 
+    def averaging(self, plan: Plan) -> AveragingConfig:
+        """How the plan's clusters average: the plan's own choice, else the topology's."""
+        return plan.averaging or self.config
+
     def group(self, plan: Plan, round_index: int) -> tuple[int, ...]:
         """The clusters this node's cluster averages with in round ``round_index`` of the plan's epoch."""
         live = live_clusters(plan)
         if self.cluster not in live:
             return (self.cluster,)
-        groups = groups_for(plan.epoch, round_index, live, self.mode, self.group_size, self.rates(plan))
+        mode = self.averaging(plan)
+        groups = groups_for(plan.epoch, round_index, live, mode.mode, mode.group_size, self.rates(plan))
         return group_of(self.cluster, groups)
 
     def step(self, plan: Plan, segments: Callable[[Plan], list[Segment]]) -> tuple[int, list[Segment]] | None:
@@ -80,7 +86,7 @@ class RoundGroups:
         round that it will not run it: members of an untouched group that started it (they were a step
         ahead) then stop at once rather than wait for the ring's timeout."""
         old, self._stepped = self._stepped, plan
-        if old is not None and old.epoch != plan.epoch and self.mode == "groups":
+        if old is not None and old.epoch != plan.epoch and self.averaging(old).mode == "groups":
             k = self.clock.steps // self.clock.sync_every
             if k < FINAL_ROUND and (rings := self.rings(segments(old), old, k)):
                 self.skip(old.epoch * ROUNDS_PER_EPOCH + k, rings)
@@ -97,7 +103,7 @@ class RoundGroups:
     def rings(self, segments: list[Segment], plan: Plan, round_index: int) -> list[Segment]:
         """``segments`` (planned over every live cluster, rings in cluster order) with each ring cut to the
         holders in this round's group; none when the group is this cluster alone."""
-        if self.mode == "global":
+        if self.averaging(plan).mode == "global":
             return segments
         group = set(self.group(plan, round_index))
         if len(group) < 2:
@@ -109,7 +115,8 @@ class RoundGroups:
         """The nodes of the clusters a new plan changed since the last one seen here (dropped, readmitted,
         other nodes or cuts); None: every open round is touched (global mode, or the first plan)."""
         old, self._plan, self._spare = self._plan, plan, None
-        if self.mode == "global" or old is None or len(old.clusters) != len(plan.clusters):
+        if old is None or "global" in (self.averaging(old).mode, self.averaging(plan).mode) \
+                or len(old.clusters) != len(plan.clusters):
             return None
         changed = [c for c, (was, now) in enumerate(zip(old.clusters, plan.clusters))
                    if was != now or (c in old.excluded) != (c in plan.excluded)]
@@ -123,7 +130,7 @@ class RoundGroups:
         """Whether a queued round of an older epoch still runs (event loop): one of the epoch the newest plan
         replaced, whose rings reach no node that change touched.  None in global mode: every node drops
         every such round, so none need be told (``ravq.average.round_queue``)."""
-        if self.mode == "global":
+        if self._plan is None or self.averaging(self._plan).mode == "global":
             return None
         if self._spare is None:
             return False
