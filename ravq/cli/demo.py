@@ -67,6 +67,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight prediction horizon, in multiples of a stage's staleness (0: off)")
     p.add_argument("--extrapolate-gradients", type=float, default=EXTRAPOLATE_GRADIENTS,
                    help="delay compensation of stale updates, in multiples of their staleness (0: off)")
+    p.add_argument("--stale-correction", choices=["none", "pipenag"], default="none",
+                   help="pipenag: stale updates take Nesterov's look-ahead step (ravq.stage.pipenag)")
     p.add_argument(
         "--inflight-warmup-steps",
         type=int,
@@ -185,7 +187,7 @@ def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, A
         "micro_batch": args.micro_batch, "steps": args.steps, "max_inflight": args.max_inflight,
         "batch": _batch(args), "sync_every": args.sync_every, "outer_lr": args.outer_lr,
         "predict_weights": args.predict_weights, "extrapolate_gradients": args.extrapolate_gradients,
-        "inflight_warmup_steps": args.inflight_warmup_steps,
+        "inflight_warmup_steps": args.inflight_warmup_steps, "stale_correction": args.stale_correction,
         "average_optimizer_state": args.average_optimizer_state,
         "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
     }
