@@ -23,7 +23,8 @@ An update with no staleness is the optimizer's own ``step()``, so ``max_inflight
 asynchrony warm-up) trains exactly like one process.  Both steps keep the optimizer's own state (Adam's
 ``exp_avg``/``exp_avg_sq``/``step``, SGD's ``momentum_buffer``), so checkpoints, optimizer-state
 averaging and the switch between stale and fresh updates need nothing of their own.  Other optimizers
-(and Adam with amsgrad) are not supported: ``check_supported`` names them before training starts.
+(and Adam with amsgrad) are not supported: ``check_supported`` names them before training starts.  A tensor
+tied across stages (``ravq.stage.tied_step``) is stepped apart, by the optimizer's own step.
 """
 
 from __future__ import annotations
