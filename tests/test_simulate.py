@@ -481,3 +481,22 @@ def test_a_node_back_before_lost_s_still_takes_its_cluster_out_of_the_rings_when
     r = collect(sim)
     assert r.plan_epochs == 3                               # c out at its restart, back in, a and b done first
     assert sum(n.allreduce_aborts for n in r.nodes) >= 2 and r.wall_s < settings.ring_timeout_s
+
+
+def test_a_stage_holding_back_for_a_silent_cluster_trains_on_after_hold_s() -> None:
+    """c fails; a and b hold back for their round with c only hold_s, then train on and queue rounds (up to
+    the queue's limit), which the exclusion lost_s later abandons (``Averager._gone``); without the
+    release they wait for the exclusion with one round open."""
+    from ravq.simulate import Simulation, collect
+
+    versions, aborts = {}, {}
+    for hold_s in (0.2, 100.0):
+        settings = Settings(steps=400, sync_every=5, lost_s=5.0, restart_s=20.0, hold_s=hold_s)
+        sim = Simulation(three_solo(settings))
+        sim.q.at(1.0, sim.churn.fail, sim.nodes["c"])
+        sim.run(until=5.9)
+        versions[hold_s] = sim.nodes["a"].version
+        sim.q.run(6.5)
+        aborts[hold_s] = collect(sim).nodes[0].allreduce_aborts
+    assert versions[0.2] >= versions[100.0] + 10               # two more rounds' steps before the queue fills
+    assert aborts[0.2] >= 3 and aborts[100.0] == 1           # the open round, and the queued ones skipped

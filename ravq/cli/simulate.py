@@ -42,6 +42,7 @@ def settings_for(topology: Topology, *, steps: int | None = None, churn_per_hour
         piece_bytes=t.ring_chunk_bytes,
         ring_timeout_s=topology.timeouts.ring_step_s,
         lost_s=topology.timeouts.lost_s,
+        hold_s=1.5 * topology.timeouts.heartbeat_interval_s,
         averaging_mode=topology.averaging.mode,
         group_size=topology.averaging.group_size,
         finish_poll_s=WAIT_S,

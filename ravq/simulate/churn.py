@@ -39,6 +39,9 @@ class ChurnHost(Protocol):
     def dispatch(self, node: Node) -> None:
         """Give ``node``'s compute thread its next work, if any."""
 
+    def release_holds(self) -> None:
+        """Nodes holding back for a round with a cluster silent ``hold_s`` train on."""
+
 
 class Churn:
     """Which clusters run (``up``) and which are in the plan's rings (``in_rings``), and the failures that
@@ -48,6 +51,8 @@ class Churn:
         self.host = host
         self.up = [True] * len(host.clusters)
         self.in_rings = [True] * len(host.clusters)
+        self.failed_at = [0.0] * len(host.clusters)
+        """Per cluster: when it last failed."""
 
     def start(self) -> None:
         if self.host.settings.churn_per_hour > 0:
@@ -90,6 +95,8 @@ class Churn:
         for ring in list(h.rings.values()):
             if any(m.cluster == c for m in ring.members):
                 h.q.after(h.settings.ring_timeout_s, ring.abort)
+        self.failed_at[c] = h.q.now
+        h.q.after(h.settings.hold_s, h.release_holds)
         h.q.after(h.settings.lost_s, self._exclude, c)
         h.q.after(h.settings.restart_s, self._restart, c, h.q.now)
 

@@ -243,6 +243,8 @@ class Simulation:
             while node.pending and node.version - node.pending[0].version >= s.averaging_lead:
                 oldest = node.pending[0]
                 if not oldest.done:
+                    if self._member_gone(node, oldest):  # silent member: train on (``Averager._gone``)
+                        break
                     self._block(node, oldest)
                     return False
                 node.pending.pop(0)
@@ -264,6 +266,17 @@ class Simulation:
             self._block(node, nr)
             return False
         return True
+
+    def _member_gone(self, node: Node, nr: NodeRound) -> bool:
+        """A cluster of the round's group has been down ``hold_s`` or longer (its nodes send no heartbeat)."""
+        since = self.q.now - self.settings.hold_s * (1 - 1e-9)     # its timer fires at exactly hold_s
+        return any(not self.up[c] and self.churn.failed_at[c] <= since for c in self._group(node.cluster, nr))
+
+    def release_holds(self) -> None:
+        """``hold_s`` after a failure: nodes holding back for a round with the silent cluster train on."""
+        for n in self.nodes.values():
+            if isinstance(n.blocked, NodeRound) and self._member_gone(n, n.blocked):
+                self._resume(n)
 
     def _block(self, node: Node, what: Any) -> None:
         node.blocked, node.blocked_since = what, self.q.now

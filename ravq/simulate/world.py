@@ -71,6 +71,9 @@ class Settings:
     lost_s: float = 6.0
     """timeouts.lost_s: a failed node's cluster leaves the rings this long after it failed (a new plan
     epoch, which abandons every open round); it is let back in (another epoch) when it trains again."""
+    hold_s: float = 1.5
+    """A stage holding back for a round stops waiting once a cluster of the round has been silent this long
+    (``Averager.hold_s``: 1.5 heartbeat intervals) and trains on."""
     averaging_mode: str = "global"
     """averaging.mode: "global" (one set of rings over every live cluster) or "groups"
     (``ravq.average.groups``: a grid of groups of at most ``group_size`` clusters, a new axis each round)."""
@@ -107,7 +110,7 @@ class Settings:
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
         for name in ("churn_per_hour", "restart_s", "jitter", "ring_timeout_s", "message_overhead_s",
-                     "inflight_warmup_steps", "lost_s", "finish_poll_s"):
+                     "inflight_warmup_steps", "lost_s", "finish_poll_s", "hold_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.averaging_mode not in ("global", "groups") or self.group_size < 2:
