@@ -26,7 +26,7 @@ _LATENCY_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0
 _COMPUTE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 ABORT_REASONS = ("timeout", "send_timeout", "bad_piece", "base_mismatch", "peer_abort", "peer_moved_on",
-                 "skipped", "plan_changed")
+                 "skipped", "plan_changed", "finished")
 """Why an averaging round aborts (``ravq.average``): ``ravq_allreduce_aborts_total{reason}`` exists at 0 for
 each from the start, so a dashboard's ``increase()`` counts the first abort (a labelled counter born at its
 first increment would hide it)."""

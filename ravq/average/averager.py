@@ -80,11 +80,9 @@ class Averager:
         self.metrics = metrics
         t = topology.training
         self.sync_every, self.overlap = t.sync_every, t.overlap_averaging
-        self.piece_bytes = t.ring_chunk_bytes
-        self.timeout_s = topology.timeouts.ring_step_s
+        self.piece_bytes, self.timeout_s = t.ring_chunk_bytes, topology.timeouts.ring_step_s
         self.with_state = t.average_optimizer_state
-        self.outer_lr = t.outer_lr
-        self.lead = t.averaging_lead
+        self.outer_lr, self.lead = t.outer_lr, t.averaging_lead
         ring_format = Format(t.compress.ring)
         self.compression = (RingCompression(ring_format, t.compress.int8_block)
                             if ring_format is not Format.NONE else None)
@@ -98,7 +96,7 @@ class Averager:
         self.owners = owners
         """For each cluster, tensor name -> its holder (renamed when standbys take stages over)."""
         self.plan = plan
-        self.mailbox = Mailbox()
+        self.mailbox = Mailbox(refuse=lambda *abort: self.queue.refuse(*abort))
         self.groups = RoundGroups(topology.averaging, cluster, t.sync_every, metrics, skip=self._skipped)
         self._seen_epoch = -1
         """The newest plan epoch the event loop has acted on (aborting older rounds)."""
@@ -121,8 +119,7 @@ class Averager:
         round): the profiler times it (``ravq.profile.averaging_cost``); by default nothing."""
         self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         """The node's event loop (the Averager is made in it): rounds queue there from the first step on."""
-        self.hold_backs = 0
-        self.held_s = 0.0
+        self.hold_backs, self.held_s = 0, 0.0
         self.port = port
         self.queue = RoundQueue(me=me, plan=plan, mailbox=self.mailbox, link=self.port.link, metrics=metrics,
                                 piece_bytes=self.piece_bytes, timeout_s=self.timeout_s, notify_s=self.hold_s,
@@ -317,6 +314,10 @@ class Averager:
     async def drain(self) -> None:
         """Wait until every queued round has finished (at the end of training)."""
         await self.queue.drain()
+
+    def finish(self) -> None:
+        """Event loop, after the node's last round: every later round a peer starts is refused at once."""
+        self.mailbox.finish()
 
     async def _answer_catchup(self, identity: bytes, msg: Message) -> None:
         """Hand a (re)joining peer our copy of the tensors it asks for, read in the compute thread."""

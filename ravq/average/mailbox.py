@@ -8,7 +8,7 @@ The node's ring socket reader decodes each RING_CHUNK (``received_piece``) and h
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,8 +107,14 @@ class Mailbox:
     nodes; those are bounded by ``max_future_bytes``/``max_future_messages`` (beyond: dropped, counted).
     """
 
-    def __init__(self, *, max_future_bytes: int = 1 << 30, max_future_messages: int = 4096) -> None:
+    def __init__(self, *, max_future_bytes: int = 1 << 30, max_future_messages: int = 4096,
+                 refuse: Callable[[str, int, int], None] = lambda peer, ring_id, round_id: None) -> None:
         self.max_future_bytes, self.max_future_messages = max_future_bytes, max_future_messages
+        self.refuse = refuse
+        """Called with (peer, ring, round) once per round a peer sends to after ``finish``: tell it at once
+        (RING_ABORT "finished") rather than let it wait ``ring_step_s`` for pieces that will never come."""
+        self.finished = False
+        self._refused: dict[tuple[str, int], int] = {}
         self.stale_dropped = 0
         """Messages for rounds already finished or aborted."""
         self.overflow_dropped = 0
@@ -138,7 +144,9 @@ class Mailbox:
             return
         if current is not None and current.round_id < round_id:
             self._moved_on(current, sender)
-        if self._is_stale(ring_id, round_id):
+        if self.finished:
+            self._refuse(sender, ring_id, round_id)
+        elif self._is_stale(ring_id, round_id):
             self.stale_dropped += 1
         elif (self.future_bytes + tensor.nbytes > self.max_future_bytes
               or self.future_messages >= self.max_future_messages):
@@ -147,6 +155,23 @@ class Mailbox:
             self._future.setdefault((ring_id, round_id), []).append((sender, step, piece, tensor))
             self.future_bytes += tensor.nbytes
             self.future_messages += 1
+
+    def finish(self) -> None:
+        """This node runs no more rounds (its training ended and its last round is done): every peer waiting
+        on it, now or later, is refused at once (group averaging decouples the clusters' paces, so a
+        cluster may finish while its partners still train)."""
+        self.finished = True
+        waiting = [(sender, *key) for key, msgs in self._future.items() for sender, *_ in msgs]
+        self._future.clear()
+        self.future_bytes = self.future_messages = 0
+        for sender, ring_id, round_id in waiting:
+            self._refuse(sender, ring_id, round_id)
+
+    def _refuse(self, sender: str, ring_id: int, round_id: int) -> None:
+        self.stale_dropped += 1
+        if self._refused.get((sender, ring_id), -1) < round_id:
+            self._refused[sender, ring_id] = round_id
+            self.refuse(sender, ring_id, round_id)
 
     @staticmethod
     def _moved_on(rnd: OpenRound, sender: str) -> None:

@@ -49,7 +49,8 @@ class RoundQueue:
         self.notify_s = notify_s
         """How long telling one peer of a skipped round may take."""
         self.rounds: asyncio.Queue[QueuedRound] = asyncio.Queue(PENDING_ROUNDS)
-        self._skips: asyncio.Queue[tuple[int, list[Segment]]] = asyncio.Queue()
+        self._skips: asyncio.Queue[tuple[str, int, int, str]] = asyncio.Queue()
+        """RING_ABORTs to send: (peer, ring, round, reason)."""
         self.skipped = 0
         self.completed = 0
         self.seconds_total = 0.0
@@ -67,26 +68,30 @@ class RoundQueue:
             log.warning("%s: round %d skipped: %d rounds already wait for their rings", self.me, round_id,
                         self.rounds.qsize())
             self.skipped += 1
-            self._skips.put_nowait((round_id, segments))
+            self.skip(round_id, segments)
             done.set_result(RoundResult(aborted={s.ring_id: RingAborted(s.ring_id, round_id, "skipped")
                                                  for s in segments}))
 
     def skip(self, round_id: int, segments: list[Segment]) -> None:
         """Tell the round's ring peers this node will not run it (it saw a new plan epoch first)."""
-        self._skips.put_nowait((round_id, segments))
+        for seg in segments:
+            for peer in seg.ring:
+                if peer != self.me:
+                    self._skips.put_nowait((peer, seg.ring_id, round_id, "skipped"))
+
+    def refuse(self, peer: str, ring_id: int, round_id: int) -> None:
+        """Tell ``peer`` this node runs no more rounds (``Mailbox.finish``)."""
+        self._skips.put_nowait((peer, ring_id, round_id, "finished"))
 
     async def send_skips(self) -> None:
-        """Tell ring peers about skipped rounds (best effort: RING_ABORT to every member)."""
+        """Tell ring peers about skipped and refused rounds (best effort: one RING_ABORT each)."""
         while True:
-            round_id, segments = await self._skips.get()
-            for seg in segments:
-                for peer in seg.ring:
-                    if peer != self.me:
-                        try:
-                            async with asyncio.timeout(self.notify_s):
-                                await self.link.send_abort(peer, seg.ring_id, round_id, "skipped")
-                        except TimeoutError:
-                            log.debug("%s: skip of round %d not sent to %s", self.me, round_id, peer)
+            peer, ring_id, round_id, reason = await self._skips.get()
+            try:
+                async with asyncio.timeout(self.notify_s):
+                    await self.link.send_abort(peer, ring_id, round_id, reason)
+            except TimeoutError:
+                log.debug("%s: %s of round %d not sent to %s", self.me, reason, round_id, peer)
 
     async def run(self) -> None:
         """Run the queued rounds in order, for ever; a round of an older plan epoch cannot finish (its

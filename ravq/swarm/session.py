@@ -87,6 +87,8 @@ class TrainingSession:
                 await self.averager.final_round(self.final_round_s)
         if worker.tied is not None and not ending.forced:  # the last rounds' deltas reach every copy
             await asyncio.to_thread(close_tied, worker)
+        if self.averager is not None:
+            self.averager.finish()  # a cluster still training is told at once, not after ring_step_s
         await self.outbox.drained()
         if ending.draining and not ending.forced:
             log.info("%s: drained at step %d", self.name, worker.version)
