@@ -134,9 +134,11 @@ class KeyedState:
 
 
 def plan_head(plan: Plan) -> tuple[str, str, Any]:
-    """The plan's head as (key, topic, value): ``plan``, its epoch, exclusions and number of clusters."""
+    """The plan's head as (key, topic, value): ``plan``, its epoch, exclusions, number of clusters and the
+    averaging the planner chose for it (nodes run it over the topology's)."""
     head = {"epoch": plan.epoch, "excluded": list(plan.excluded), "clusters": len(plan.clusters),
-            "predicted_samples_per_s": plan.predicted_samples_per_s}
+            "predicted_samples_per_s": plan.predicted_samples_per_s,
+            "averaging": plan.averaging.model_dump() if plan.averaging is not None else None}
     return "plan", GLOBAL, head
 
 

@@ -225,3 +225,19 @@ def test_the_start_flags_say_when_every_node_of_the_plan_is_up_and_has_a_verdict
     node = MembershipState(name="c0s0", metrics=Metrics("node"))
     node.apply_snapshot([{"items": [("start", flags)], "seqs": {GLOBAL: 1}, "scope": None}])
     assert node.start == {"up": True, "reached": True}
+
+
+def test_the_averaging_a_plan_was_made_with_reaches_the_nodes() -> None:
+    """The planner picks groups per plan (``Plan.averaging``); the nodes rebuild the plan from the broker's
+    keys, and it was lost there (they averaged in global rings under a plan scored for groups)."""
+    from ravq.config.averaging import AveragingConfig
+
+    topology = parse_topology(local_topology("tests.sgd_task", [1] * 4, {"steps": 10}))
+    plan = plan_for(topology, None).model_copy(update={"averaging": AveragingConfig(mode="groups", group_size=2)})
+    broker = Broker(topology, plan, Metrics("broker"), SocketOptions(), clock=lambda: 1.0)
+    sockets = _Sockets()
+    _send(broker, sockets, "c0s0", MsgType.SNAPSHOT_REQ, SnapshotRequest().meta())
+    node = MembershipState(name="c0s0", metrics=Metrics("node"), clock=lambda: 1.0)
+    node.apply_snapshot([decode(encode(r), DecodeLimits(max_header_bytes=MAX_HEADER)).meta for r in sockets.replies])
+    assert node.plan is not None and node.plan.averaging == AveragingConfig(mode="groups", group_size=2)
+    assert node.plan == broker.plan
