@@ -196,3 +196,32 @@ def test_heartbeats_keep_their_cadence_when_sending_one_takes_time() -> None:
     run_virtual(run())
     regular = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0]  # none skipped, added or moved
     assert sent == pytest.approx(sorted([*regular, 1.1]), abs=1e-6), sent
+
+
+def test_a_rejoining_node_takes_its_peers_verdicts_before_it_links_to_them() -> None:
+    """A node rejoining waits only for its own verdict; the verdicts of its peers in other clusters ride on
+    their clusters' topics, which it does not follow: it takes them with one whole snapshot, or a node
+    behind NAT dials its relayed ring peers directly and never averages (test_nat_netns under load)."""
+    async def main() -> tuple[dict[str, bool], int]:
+        topology = _topology()
+        metrics = Metrics("node")
+        limits = DecodeLimits(max_header_bytes=topology.limits.max_header_bytes,
+                              max_frames=topology.limits.max_frames)
+        m = Membership(zmq.asyncio.Context(), topology, "c0s0", metrics, limits,
+                       socket_options_for(topology, "c0s0", None, metrics))
+        m.reach = {"c0s0": "behind_nat"}  # its own verdict came on its cluster's topic
+        snapshots = 0
+
+        async def whole_snapshot(*, mine: bool = False) -> None:
+            nonlocal snapshots
+            snapshots += 1
+            m.reach = {**m.reach, "c1s0": "behind_nat"}
+
+        m._snapshot = whole_snapshot  # type: ignore[method-assign]
+        verdicts = await m.wait_reach(["c0s0"], ["pipeline", "ring"], 5.0, others=["c1s0"])
+        await m.wait_reach(["c0s0"], ["pipeline", "ring"], 5.0, others=["c1s0"])  # known now: no snapshot
+        m.close()
+        return verdicts, snapshots
+
+    verdicts, snapshots = asyncio.run(main())
+    assert verdicts == {"c0s0": False, "c1s0": False} and snapshots == 1

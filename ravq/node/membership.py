@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import zmq.asyncio
@@ -198,11 +198,14 @@ class Membership(MembershipState):
                 raise TimeoutError(f"nodes never joined within {timeout_s:.0f}s: {', '.join(missing)}")
             await asyncio.sleep(0.2)
 
-    async def wait_reach(self, names: list[str], ports: list[str], timeout_s: float) -> dict[str, bool]:
+    async def wait_reach(self, names: list[str], ports: list[str], timeout_s: float,
+                         others: Collection[str] = ()) -> dict[str, bool]:
         """Ask the broker to dial this node's ``ports`` back, and wait until it has a verdict for every
         named node (this one among them: its cluster's come on its topic, the others' with one whole
         snapshot once the broker's ``start`` flag says every node of the plan has one); returns node ->
-        reachable."""
+        reachable.  ``others``: nodes it will link to without waiting for them (a rejoining node's peers,
+        some of which may be gone): their verdicts, on other clusters' topics, come with one whole snapshot
+        when this node lacks any (a restarted node behind NAT dialled its relayed ring peers directly)."""
         deadline = time.monotonic() + timeout_s
         self.reach_ports = ports
         while True:
@@ -210,6 +213,9 @@ class Membership(MembershipState):
                 await self._ask_reach(ports)
             missing = [n for n in names if n not in self.reach]
             if not missing:
+                if any(n not in self.reach for n in others):
+                    with contextlib.suppress(TimeoutError):
+                        await self._snapshot()
                 return {n: v == "reachable" for n, v in self.reach.items()}
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no reachability verdict within {timeout_s:.0f}s for: "

@@ -210,7 +210,7 @@ class Node:
         everyone = [n for c in plan.clusters for n in c.nodes] if self.averager else cluster.nodes
         await open_routes(name=self.name, topology=self.topology, membership=self.membership,
                           metrics=self.metrics, links=links, ring=ring,
-                          names=[self.name] if self.rejoining else everyone, cluster_nodes=cluster.nodes,
+                          everyone=everyone, rejoining=self.rejoining, cluster_nodes=cluster.nodes,
                           peers=peers | (set(worker.first_destinations()) if worker.is_first else set()))
         self.churn = Churn(name=self.name, topology=self.topology, metrics=self.metrics,
                            broker=self.membership, report=self.membership.report, standing=self.standing,
