@@ -30,7 +30,7 @@ from brokers.run import Run, save_run, state_dir_for
 from brokers.topology import BROKER, Broker
 from ravq.config import BrokerConfig, ConfigError, Plan, Topology
 from ravq.metrics import Metrics
-from ravq.net.clone import GLOBAL, STANDBYS, TICKS
+from ravq.net.clone import GLOBAL, STANDBYS, TICKS, SnapshotParts
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.pubsub import Publisher, Subscriber
 from ravq.net.transport import Inbox, Outlink
@@ -199,17 +199,11 @@ class Pair:
 
     async def _snapshot(self, link: Outlink) -> list[dict[str, Any]]:
         await link.send(Message(type=MsgType.SNAPSHOT_REQ, sender=BROKER, meta={"mine": False}))
-        parts: dict[int, dict[str, Any]] = {}
-        snap = None
+        parts = SnapshotParts()
         while True:
             reply = await link.recv(self.topology.timeouts.request_s)
-            if reply.type != MsgType.SNAPSHOT:
-                continue
-            if reply.meta.get("snap") != snap:
-                snap, parts = reply.meta.get("snap"), {}
-            parts[int(reply.meta["part"])] = reply.meta
-            if len(parts) == int(reply.meta["parts"]) and 0 in parts:
-                return [parts[i] for i in range(len(parts))]
+            if reply.type == MsgType.SNAPSHOT and (whole := parts.add(reply.meta)) is not None:
+                return whole
 
     async def _votes(self, inbox: Inbox) -> None:
         """Nodes' requests: each a vote (``BinaryStar.vote``); one this broker does not serve is answered

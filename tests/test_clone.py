@@ -241,3 +241,13 @@ def test_the_averaging_a_plan_was_made_with_reaches_the_nodes() -> None:
     node.apply_snapshot([decode(encode(r), DecodeLimits(max_header_bytes=MAX_HEADER)).meta for r in sockets.replies])
     assert node.plan is not None and node.plan.averaging == AveragingConfig(mode="groups", group_size=2)
     assert node.plan == broker.plan
+
+
+def test_a_snapshots_parts_come_whole_in_order_and_a_newer_snapshot_starts_over() -> None:
+    from ravq.net.clone import SnapshotParts
+
+    parts = SnapshotParts()
+    assert parts.add({"snap": 1, "part": 1, "parts": 2}) is None
+    assert parts.add({"snap": 2, "part": 1, "parts": 2}) is None  # a newer snapshot: snap 1's part is dropped
+    assert parts.add({"snap": 2, "part": 0, "parts": 2}) == [{"snap": 2, "part": 0, "parts": 2},
+                                                            {"snap": 2, "part": 1, "parts": 2}]

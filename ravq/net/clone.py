@@ -68,3 +68,20 @@ def chunks(items: Iterable[Item], limit: int) -> Iterator[list[Item]]:
         size += n
     if part:
         yield part
+
+
+class SnapshotParts:
+    """The parts of one snapshot as they arrive (each reply says its snapshot, its index and how many there
+    are): a part of a newer snapshot starts over; ``add`` returns them in order once all are in."""
+
+    def __init__(self) -> None:
+        self._snap: Any = None
+        self._parts: dict[int, dict[str, Any]] = {}
+
+    def add(self, meta: dict[str, Any]) -> list[dict[str, Any]] | None:
+        if meta.get("snap") != self._snap:
+            self._snap, self._parts = meta.get("snap"), {}
+        self._parts[int(meta["part"])] = meta
+        if len(self._parts) == int(meta["parts"]) and 0 in self._parts:
+            return [self._parts[i] for i in range(len(self._parts))]
+        return None

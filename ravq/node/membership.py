@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
-from ravq.net.clone import GLOBAL
+from ravq.net.clone import GLOBAL, SnapshotParts
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.protocol import ReachRequest, Register, SnapshotRequest
 from ravq.net.pubsub import Subscriber
@@ -123,8 +123,7 @@ class Membership(MembershipState):
         whose request timed out, is passed over)."""
         async with self._asking:
             await self.link.send(Message(type=kind, sender=self.name, meta=meta))
-            parts: dict[int, dict[str, Any]] = {}
-            snap = None
+            parts = SnapshotParts()
             while True:
                 try:
                     reply = await self.link.recv(timeout_s)
@@ -135,13 +134,8 @@ class Membership(MembershipState):
                     self._turn(1 - self.on, f"the {BROKERS[self.on]} is passive", logging.INFO)
                     await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s / 4)
                     raise BrokerPassive(f"the {BROKERS[1 - self.on]} broker is passive")
-                if reply.type != MsgType.SNAPSHOT:
-                    continue
-                if reply.meta.get("snap") != snap:
-                    snap, parts = reply.meta.get("snap"), {}
-                parts[int(reply.meta["part"])] = reply.meta
-                if len(parts) == int(reply.meta["parts"]) and 0 in parts:
-                    return [parts[i] for i in range(len(parts))]
+                if reply.type == MsgType.SNAPSHOT and (whole := parts.add(reply.meta)) is not None:
+                    return whole
 
     async def _snapshot(self, *, mine: bool = False) -> None:
         """Ask for the broker's state (``mine``: only this node's topics) and apply it (TimeoutError after
