@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.distributed.pipelining._IR import Pipe
 
 
 def _owner_and_leaf(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -115,9 +114,13 @@ def hf_init_weights(model: nn.Module, module: nn.Module) -> None:
 
 def pipe_export_trace() -> Callable[..., Any]:
     """The function torch's pipelining traces a model with."""
+    from torch.distributed.pipelining._IR import Pipe  # seconds to import: only where a model is cut
+
     return Pipe._trace_with_export  # noqa: SLF001
 
 
 def set_pipe_export_trace(trace: Callable[..., Any]) -> None:
     """Make torch's pipelining trace with ``trace`` (callers hold a lock and restore the previous one)."""
+    from torch.distributed.pipelining._IR import Pipe
+
     Pipe._trace_with_export = staticmethod(trace)  # type: ignore[method-assign, assignment]  # noqa: SLF001
