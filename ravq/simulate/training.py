@@ -77,6 +77,11 @@ class Simulation:
         self.cluster_done_at: list[float | None] = [None] * len(self.clusters)
         self.cluster_start: list[float | None] = [None] * len(self.clusters)
         self.seg_index = {id(seg): i for i, seg in enumerate(world.segments)}
+        self.period = list(s.round_steps or [s.sync_every] * len(self.clusters))
+        """Per cluster, optimizer steps between its rounds (rate pacing: ``ravq.planner.pacing``)."""
+        self.cluster_steps = [max(1, round(s.steps * p / s.sync_every)) for p in self.period]
+        """Per cluster, micro-batches it trains: ``steps``, or under rate pacing its share of as many
+        rounds."""
 
     # ------------------------------------------------------------------ running
     def run(self, until: float = INF) -> None:
@@ -128,7 +133,7 @@ class Simulation:
             self._compute(node, "bwd", node.bwd_queue.popleft())
         elif node.fwd_queue:
             self._compute(node, "last" if node.last else "fwd", node.fwd_queue.popleft())
-        elif (node.stage == 0 and node.started < self.settings.steps
+        elif (node.stage == 0 and node.started < self.cluster_steps[node.cluster]
               and len(node.stash) < (1 if node.version < self.settings.inflight_warmup_steps
                                      else self.inflight[node.cluster])):
             mb = node.started
@@ -192,7 +197,7 @@ class Simulation:
     def _after_backward(self, node: Node) -> None:
         if (
             node.stage == 0
-            and node.backwards >= self.settings.steps
+            and node.backwards >= self.cluster_steps[node.cluster]
             and self.cluster_done_at[node.cluster] is None
         ):
             self.cluster_done_at[node.cluster] = self.q.now
@@ -248,7 +253,8 @@ class Simulation:
                     self._block(node, oldest)
                     return False
                 node.pending.pop(0)
-        if (node.steps_in_epoch % s.sync_every or len(self.epoch_live[node.plan_epoch]) < 2
+        period = self.period[node.cluster]
+        if (node.steps_in_epoch % period or len(self.epoch_live[node.plan_epoch]) < 2
                 or node.cluster not in self.epoch_live[node.plan_epoch] or not self.node_segments[node.name]):
             return True
         if node.snapshot_version == node.version:
@@ -256,7 +262,7 @@ class Simulation:
         if len(node.queued) >= s.pending_rounds:
             self._block(node, "queue")
             return False
-        nr = NodeRound(round_id=node.steps_in_epoch // s.sync_every - 1, version=node.version,
+        nr = NodeRound(round_id=node.steps_in_epoch // period - 1, version=node.version,
                        plan_epoch=node.plan_epoch)
         node.snapshot_version = node.version
         node.pending.append(nr)

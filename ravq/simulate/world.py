@@ -80,6 +80,10 @@ class Settings:
     group_size: int = 2
     group_rates: tuple[float, ...] | None = None
     """Per cluster, the plan's predicted rate: groups place clusters by it (fastest first); None: shuffled."""
+    round_steps: tuple[int, ...] | None = None
+    """Per cluster, optimizer steps between its rounds (rate pacing, ``ravq.planner.pacing.round_steps``):
+    each cluster then trains ``steps`` x its share / ``sync_every`` micro-batches, as many rounds as the
+    others; None: every cluster ``sync_every`` (steps pacing)."""
     finish_poll_s: float = 0.0
     """A later stage done with its micro-batches learns that stage 0 finished when its compute thread
     next wakes: at a message or an averaging round, else after this long (``ravq.stage.schedule.WAIT_S``);
@@ -116,6 +120,8 @@ class Settings:
         if self.averaging_mode not in ("global", "groups") or self.group_size < 2:
             raise ValueError(f"averaging: mode global or groups and group_size >= 2, got "
                              f"{self.averaging_mode!r} and {self.group_size}")
+        if self.round_steps is not None and min(self.round_steps, default=1) < 1:
+            raise ValueError(f"round_steps: every cluster's must be >= 1, got {self.round_steps}")
         for name in ("pipeline_wire", "ring_wire"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(

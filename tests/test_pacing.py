@@ -1,0 +1,51 @@
+"""Rounds paced by rate (issue #38): each cluster's steps per round, the samples-weighted mix, and what the
+simulator makes of a cluster three times slower than the others."""
+
+from __future__ import annotations
+
+import pytest
+
+from ravq.planner.pacing import mix_weights, round_steps, send_scale
+from ravq.simulate import SegmentSpec, Settings, simulate
+from tests.test_simulate import stage, world
+
+
+def test_the_fastest_cluster_takes_sync_every_steps_a_round_and_slower_ones_their_share() -> None:
+    assert round_steps(10, [30.0, 10.0, 30.0, 14.9]) == [10, 3, 10, 5]
+    assert round_steps(10, [1.0, 0.01]) == [10, 1]            # never fewer than one step
+
+
+def test_without_rates_every_cluster_keeps_sync_every() -> None:
+    assert round_steps(7, [0.0, 0.0]) == [7, 7]
+    assert round_steps(7, [2.0, 0.0]) == [7, 7]                # no rate: nobody can pace that cluster
+    assert round_steps(7, []) == []
+
+
+def test_a_round_mixes_each_cluster_by_the_samples_it_trained_since_its_last_mix() -> None:
+    steps = [10, 3, 10, 5]
+    assert mix_weights((1, 3), steps) == {1: pytest.approx(3 / 8), 3: pytest.approx(5 / 8)}
+    # scaled so that a ring's plain mean of m members is the weighted average
+    x = {1: 2.0, 3: 10.0}
+    ring_mean = sum(x[c] * send_scale(c, (1, 3), steps) for c in x) / 2
+    assert ring_mean == pytest.approx((3 * 2.0 + 5 * 10.0) / 8)
+    assert send_scale(0, (0, 2), steps) == 1.0                 # equal shares: the plain mean
+
+
+def test_rate_pacing_frees_the_fast_clusters_of_a_slow_one_in_the_simulator() -> None:
+    """Four clusters, d three times slower, averaging every 10 steps.  Paced by steps every cluster trains at
+    d's pace (global rings and groups of two alike); paced by rate the others train at three times that, d at
+    its own, and every cluster still runs every round."""
+    names = "abcd"
+    segment = SegmentSpec(blocks=(0, 1), nbytes=1e6, holders=tuple(names))
+    clusters = [[stage(n, 0.03 if n == "d" else 0.01, 0.03 if n == "d" else 0.01)] for n in names]
+    paced = tuple(round_steps(10, [1.0, 1.0, 1.0, 1 / 3]))
+    for mode in ("global", "groups"):
+        held, free = (simulate(world(clusters, Settings(steps=300, sync_every=10, averaging_mode=mode,
+                                                          round_steps=pace), bandwidth=1e8, segments=[segment]))
+                      for pace in (None, paced))
+        fast_held = min(c.samples_per_s for c in held.clusters[:3])
+        assert max(c.samples_per_s for c in held.clusters) < 1.05 * held.clusters[3].samples_per_s
+        assert min(c.samples_per_s for c in free.clusters[:3]) > 2.5 * fast_held
+        assert free.clusters[3].samples_per_s == pytest.approx(held.clusters[3].samples_per_s, rel=0.15)
+        assert [n.allreduce_rounds for n in free.nodes] == [30] * 4
+        assert [c.samples * 10 for c in free.clusters] == [free.clusters[0].samples * k for k in (10, 10, 10, 3)]
