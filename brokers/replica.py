@@ -19,6 +19,7 @@ from typing import Any
 from brokers.book import Book, ClusterState, Member
 from brokers.run import Run
 from ravq.config import Plan
+from ravq.net.clone import plan_from
 from ravq.net.protocol import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -88,13 +89,7 @@ class Replica:
 
     def plan(self) -> Plan | None:
         """The plan as published (None: not whole yet)."""
-        head = self.values.get("plan")
-        if not isinstance(head, dict):
-            return None
-        parts = [self.values.get(f"plan/{c}") for c in range(int(head["clusters"]))]
-        if not all(isinstance(p, dict) for p in parts):
-            return None
-        return Plan.model_validate({k: v for k, v in head.items() if k != "clusters"} | {"clusters": parts})
+        return plan_from(self.values)
 
     def restore(self, base: Run, *, lost_s: float, replace_s: float, standbys: list[str], now: float,
                 term: int) -> Restored:

@@ -28,7 +28,7 @@ import zmq.asyncio
 from brokers.binarystar import PRIMARY, Pairing
 from brokers.book import Book, Member
 from brokers.gauges import Gauges
-from brokers.keyed import KeyedState, member_value, plan_head, plan_items, start_flags
+from brokers.keyed import KeyedState, member_value, out_items, plan_head, plan_items, start_flags
 from brokers.reach import Reachability
 from brokers.run import open_run, save_run, state_dir_for
 from brokers.silence import Silences
@@ -123,9 +123,10 @@ class Broker:
         if plan is not before:
             self._published_plan = plan
             if before is not None and plan.clusters is before.clusters:  # the exclusions or epoch only
-                self.keyed.put(*plan_head(plan))
+                for key, topic, value in [plan_head(plan), *out_items(plan, before)]:
+                    self.keyed.put(key, topic, value)
             else:  # a stage changed hands: every cluster's key, and every member's topic, may have moved
-                for key, topic, value in plan_items(plan):
+                for key, topic, value in plan_items(plan, before):
                     self.keyed.put(key, topic, value)
                 names = list(self.members)
         names = list(names)

@@ -10,7 +10,8 @@ from typing import Any
 
 import orjson
 
-from brokers.keyed import KeyedState, start_flags
+from brokers.keyed import KeyedState, out_items, plan_head, plan_items, start_flags
+from brokers.replica import Replica
 from brokers.run import RUN_FILE
 from brokers.topology import Broker
 from ravq.cli.main import plan_for
@@ -173,7 +174,8 @@ def test_an_exclusion_republishes_the_plans_head_only_and_is_saved_on_the_timer(
     _send(broker, sockets, "c4s1", MsgType.HEARTBEAT, _beat("c4s1", left=True))  # cluster 4 pauses
     asyncio.run(broker._flush(sockets))  # type: ignore[arg-type]
     keys = [k for _, m in sockets.published for k, _ in m.meta["items"]]
-    assert sorted(keys) == ["cluster/4", "disrupted", "member/c4s1", "plan"] and broker.plan.excluded == [4]
+    assert sorted(keys) == ["cluster/4", "disrupted", "member/c4s1", "out/4", "plan"]
+    assert broker.plan.excluded == [4] and "excluded" not in broker.keyed.values["plan"]
     assert json.loads((tmp_path / RUN_FILE).read_text())["plan"] == saved
     broker._sync_plan(save=True)  # the heartbeat-interval timer
     assert json.loads((tmp_path / RUN_FILE).read_text())["plan"]["excluded"] == [4]
@@ -251,3 +253,33 @@ def test_a_snapshots_parts_come_whole_in_order_and_a_newer_snapshot_starts_over(
     assert parts.add({"snap": 2, "part": 1, "parts": 2}) is None  # a newer snapshot: snap 1's part is dropped
     assert parts.add({"snap": 2, "part": 0, "parts": 2}) == [{"snap": 2, "part": 0, "parts": 2},
                                                             {"snap": 2, "part": 1, "parts": 2}]
+
+
+def test_each_excluded_cluster_is_a_key_of_its_own_which_nodes_and_the_passive_broker_read() -> None:
+    """The plan's head carried the exclusions as a list: 23 KiB at 10,000 members, re-sent to every node
+    with every pause and rejoin."""
+    topology = parse_topology(local_topology("tests.sgd_task", [2] * 8, {"steps": 10}))
+    plan = plan_for(topology, None)
+    out = plan.model_copy(update={"excluded": [2, 5], "epoch": plan.epoch + 1})
+    back = out.model_copy(update={"excluded": [5], "epoch": plan.epoch + 2})
+    assert out_items(out, plan) == [("out/2", GLOBAL, True), ("out/5", GLOBAL, True)]
+    assert out_items(back, out) == [("out/2", GLOBAL, None)]  # only the cluster that came back
+    assert "excluded" not in plan_head(out)[2]
+    keyed = KeyedState(limit=4000)
+    for key, topic, value in plan_items(out):
+        keyed.put(key, topic, value)
+    keyed.flush()
+    seqs, parts = keyed.snapshot(None)
+    snapshot = [{"items": p, "seqs": seqs if i == 0 else {}, "scope": None, "incarnation": "b"}
+                for i, p in enumerate(parts)]
+    node, replica = MembershipState(name="c0s0", metrics=Metrics("node")), Replica()
+    node.apply_snapshot(snapshot)
+    replica.apply_snapshot(snapshot, 0.0)
+    assert node.plan == out and replica.plan() == out
+    for key, topic, value in [plan_head(back), *out_items(back, out)]:
+        keyed.put(key, topic, value)
+    (update,) = keyed.flush()
+    meta = {"kind": "delta", "incarnation": "b", "topic": update.topic, "seq": update.seq,
+            "items": update.items, "more": update.more}
+    assert node.apply_update(meta) and replica.apply_update(meta)
+    assert node.plan == back and replica.plan() == back and node.plan.excluded == [5]

@@ -1,7 +1,8 @@
 """The broker's state as keyed updates (ZeroMQ's Clone pattern), shared by the broker and its clients.
 
-The state is a map of keys to JSON values: ``run``, ``plan`` (its epoch, exclusions and number of
-clusters) and ``plan/<c>`` (cluster ``c``'s nodes and cuts), ``cluster/<c>`` (whether it trains),
+The state is a map of keys to JSON values: ``run``, ``plan`` (its epoch and number of clusters),
+``plan/<c>`` (cluster ``c``'s nodes and cuts), ``out/<c>`` (the rings leave cluster ``c`` out: a key per
+cluster, not a list that grows in the plan's head), ``cluster/<c>`` (whether it trains),
 ``disrupted`` (a cluster's generation rose: clusters end at different steps), ``start`` (every node of
 the plan is up, and has a reachability verdict: what a starting node waits for),
 ``member/<name>`` (state, phase, incarnation, checkpoints), ``reach/<name>`` (the dial-back verdict)
@@ -24,6 +25,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import orjson
+
+from ravq.config import Plan
 
 GLOBAL = "g."
 SILENCES = "g.s."
@@ -68,6 +71,20 @@ def chunks(items: Iterable[Item], limit: int) -> Iterator[list[Item]]:
         size += n
     if part:
         yield part
+
+
+def plan_from(values: dict[str, Any]) -> Plan | None:
+    """The plan from its published keys (``plan``, ``plan/<c>``, ``out/<c>``; None: not whole yet), as a
+    node and the passive broker hold them."""
+    head = values.get("plan")
+    if not isinstance(head, dict):
+        return None
+    parts = [values.get(f"plan/{c}") for c in range(int(head["clusters"]))]
+    if not all(isinstance(p, dict) for p in parts):
+        return None
+    excluded = [c for c in range(len(parts)) if values.get(f"out/{c}")]
+    return Plan.model_validate({k: v for k, v in head.items() if k not in ("clusters", "excluded")}
+                               | {"clusters": parts, "excluded": excluded})
 
 
 class SnapshotParts:

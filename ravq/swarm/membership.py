@@ -22,7 +22,7 @@ from typing import Any
 
 from ravq.config import Plan
 from ravq.metrics import Metrics
-from ravq.net.clone import GLOBAL, cluster_topic
+from ravq.net.clone import GLOBAL, cluster_topic, plan_from
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class MembershipState:
         self.start: dict[str, bool] = {}
         """The broker's ``start`` flags: every node of the plan is ``up``, and has a verdict (``reached``)."""
         self._plan_parts: dict[str, Any] = {}
+        self._plan_dirty = False
+        """A key of the plan changed since it was last made of them (``_settle``)."""
         self._topics_plan: Plan | None = None
         self._topics = {GLOBAL, cluster_topic(None)}
         self.changed = asyncio.Event()
@@ -138,8 +140,9 @@ class MembershipState:
                 self._member(name, value)
             elif kind == "cluster":
                 _put(self._clusters, int(name), value)
-            elif kind == "plan":
+            elif kind in ("plan", "out"):  # the plan's head, a cluster's nodes and cuts, an exclusion
                 _put(self._plan_parts, key, value)
+                self._plan_dirty = True
             elif kind == "reach":
                 _put(self.reach, name, None if value is None else str(value))
             elif kind == "silent":
@@ -180,12 +183,10 @@ class MembershipState:
 
     def _settle(self) -> None:
         """A change set is whole: the plan from its parts (once they are all here), and the clusters."""
-        head = self._plan_parts.get("plan")
-        if isinstance(head, dict):
-            parts = [self._plan_parts.get(f"plan/{c}") for c in range(int(head["clusters"]))]
-            if all(isinstance(p, dict) for p in parts):
-                self.plan = Plan.model_validate({k: v for k, v in head.items() if k != "clusters"}
-                                                | {"clusters": parts})
+        if self._plan_dirty:
+            plan = plan_from(self._plan_parts)
+            if plan is not None:
+                self.plan, self._plan_dirty = plan, False
         n = len(self.plan.clusters) if self.plan is not None else 1 + max(self._clusters, default=-1)
         self.clusters = [self._clusters.get(c, dict(_DEFAULT_CLUSTER)) for c in range(n)]
         self.changed.set()
