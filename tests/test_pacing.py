@@ -4,9 +4,17 @@ simulator makes of a cluster three times slower than the others."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from ravq.average.group_rounds import RoundGroups
+from ravq.average.rounds import ROUNDS_PER_EPOCH
+from ravq.average.segments import plan_segments, segments_for
+from ravq.config import Plan
+from ravq.config.averaging import AveragingConfig
 from ravq.planner.pacing import mix_weights, round_steps, send_scale
 from ravq.simulate import SegmentSpec, Settings, simulate
+from tests.test_allreduce import MemoryNet
+from tests.test_group_rounds import CLUSTERS, GROUPS, NAMES, NODES, NUMELS, OWNERS, _plan, _round, _start
 from tests.test_simulate import stage, world
 
 
@@ -49,3 +57,45 @@ def test_rate_pacing_frees_the_fast_clusters_of_a_slow_one_in_the_simulator() ->
         assert free.clusters[3].samples_per_s == pytest.approx(held.clusters[3].samples_per_s, rel=0.15)
         assert [n.allreduce_rounds for n in free.nodes] == [30] * 4
         assert [c.samples * 10 for c in free.clusters] == [free.clusters[0].samples * k for k in (10, 10, 10, 3)]
+
+
+def _paced_plan(mode: str = "global") -> Plan:
+    averaging = AveragingConfig(mode=mode, group_size=2, pace="rate", rates=[3.0, 3.0, 3.0, 1.0])
+    return _plan().model_copy(update={"averaging": averaging})
+
+
+@pytest.mark.parametrize("mode", ["global", "groups"])
+def test_a_node_ends_its_rounds_after_its_clusters_share_of_steps_with_the_same_round_ids(mode: str) -> None:
+    """Rates 3:3:3:1 and sync_every 6: clusters 0-2 end round k at their step 6(k+1), cluster 3 at its step
+    2(k+1); every cluster's rings name the same round ids and (groups) the same groups."""
+    plan = _paced_plan(mode)
+    ended: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}
+    for c in range(CLUSTERS):
+        groups = RoundGroups(GROUPS, c, sync_every=6)
+        assert groups.round_steps(plan) == [6, 6, 6, 2]
+        segments = lambda p, c=c: segments_for(f"c{c}s0", plan_segments(NAMES, NUMELS, OWNERS, p.excluded))
+        ended[c] = [(step, due[0], groups.last) for step in range(1, 13)
+                    if (due := groups.step(plan, segments)) is not None]
+    assert [s for s, _, _ in ended[0]] == [6, 12] and [s for s, _, _ in ended[3]] == [2, 4, 6, 8, 10, 12]
+    first = plan.epoch * ROUNDS_PER_EPOCH
+    assert [r for _, r, _ in ended[0]] == [first, first + 1] == [r for _, r, _ in ended[3]][:2]
+    for c in range(CLUSTERS):
+        partners = ended[c][0][2]
+        assert all(ended[p][0][2] == partners for p in partners)
+
+
+def test_a_paced_rounds_rings_move_every_cluster_to_the_samples_weighted_average() -> None:
+    """Cluster c holds c; steps per round 6, 6, 6, 2: each sends its snapshot scaled (RoundGroups.weighed), the
+    real rings take the plain mean, and the result is (6 * (0 + 1 + 2) + 2 * 3) / 20 = 1.2, not the mean 1.5."""
+    plan, net, values = _paced_plan(), MemoryNet(NODES), _start()
+    sent = {n: RoundGroups(GROUPS, int(n[1]), 6).weighed(plan, plan.epoch * ROUNDS_PER_EPOCH, values[n])
+            for n in NODES}
+    assert sent["c3s0"] is not values["c3s0"]                                  # a scaled copy
+    assert all(torch.equal(flat, torch.full_like(flat, 3.0)) for flat in values["c3s0"].values())
+    results = _round(net, sent, plan, 0, AveragingConfig())
+    for result in results.values():
+        assert not result.aborted
+        for flat in result.averaged.values():
+            assert torch.allclose(flat, torch.full_like(flat, 1.2))
+    steps_paced = RoundGroups(AveragingConfig(pace="rate"), 0, 6)   # no rates: paced by steps, sent as it is
+    assert steps_paced.weighed(_plan(), 0, values["c0s0"]) is values["c0s0"]

@@ -16,7 +16,7 @@ others start, whatever its own version.  When the epoch changes, every open roun
 abandoned at once on every node (their rings cannot finish), and a stage never holds back for longer
 than a heartbeat or two on a round that does not finish: a dead member costs the others no training time.
 In groups mode (``ravq.average.group_rounds``) a round's rings span its group only, and a new epoch
-abandons only the rounds of groups it touched.
+abandons only the rounds of groups it touched; paced by rate, each cluster's round comes after its share.
 
 The ring sockets are the node's (``ravq.node.ring_port``): the averager gets them built, as a ``Port``.
 """
@@ -37,7 +37,7 @@ import torch
 from ravq.average import catchup
 from ravq.average.compute import in_compute
 from ravq.average.correction import PendingRound, correct, keep_non_negative_state, outer_step, record_applied
-from ravq.average.group_rounds import RoundGroups
+from ravq.average.group_rounds import RoundGroups, live_clusters
 from ravq.average.mailbox import Mailbox
 from ravq.average.owners import averaged_tensors
 from ravq.average.port import Port
@@ -128,8 +128,7 @@ class Averager:
 
     def live_clusters(self, plan: Plan | None = None) -> int:
         """Clusters averaging with this node under the plan (1 once its own cluster is dropped)."""
-        plan = plan or self.plan()
-        live = [c for c in range(len(plan.clusters)) if c not in plan.excluded]
+        live = live_clusters(plan or self.plan())
         return len(live) if self.cluster in live else 1
 
     def segments(self, plan: Plan | None = None) -> list[Segment]:
@@ -166,7 +165,8 @@ class Averager:
         named = self.tensors()
         snapshots = snapshot_segments(named, segments)
         done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
-        self.loop.call_soon_threadsafe(self.queue.enqueue, (round_id, snapshots, segments, done))
+        sent = self.groups.weighed(plan, round_id, snapshots)  # samples-weighted mix under rate pacing
+        self.loop.call_soon_threadsafe(self.queue.enqueue, (round_id, sent, segments, done))
         if not self.overlap:
             t0 = time.monotonic()
             finished = self._wait_round(worker, done, round_id) == "done"

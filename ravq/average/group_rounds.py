@@ -12,12 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from torch import Tensor
+
 from ravq.average.groups import group_of, groups_for
 from ravq.average.rounds import FINAL_ROUND, ROUNDS_PER_EPOCH
 from ravq.average.segments import Segment
 from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
 from ravq.metrics import Metrics
+from ravq.planner.pacing import round_steps, send_scale
 
 
 def live_clusters(plan: Plan) -> list[int]:
@@ -26,22 +29,24 @@ def live_clusters(plan: Plan) -> list[int]:
 
 
 class RoundClock:
-    """Which optimizer step ends which round: every ``sync_every``-th step since the stage saw the plan
-    epoch ends round k of it (compute thread).  Every member of a ring counts alike, so all agree on
-    round ids without talking to the broker (``ravq.average.averager``)."""
+    """Which optimizer step ends which round: every ``period``-th step since the stage saw the plan epoch
+    ends round k of it (compute thread): ``sync_every``, or under rate pacing the cluster's own share of it
+    (``ravq.planner.pacing``).  Every member of a ring counts alike, so all agree on round ids without
+    talking to the broker (``ravq.average.averager``)."""
 
     def __init__(self, sync_every: int) -> None:
         self.sync_every = sync_every
         self.epoch, self.steps = -1, 0
 
-    def step(self, epoch: int) -> int | None:
+    def step(self, epoch: int, period: int | None = None) -> int | None:
         """Count one optimizer step under plan epoch ``epoch``; the index in it of the round it ends."""
+        period = period or self.sync_every
         if epoch != self.epoch:
             self.epoch, self.steps = epoch, 0
         self.steps += 1  # every step counts, or this stage's round ids drift from its peers'
-        if self.steps % self.sync_every:
+        if self.steps % period:
             return None
-        return min(self.steps // self.sync_every - 1, FINAL_ROUND - 1)
+        return min(self.steps // period - 1, FINAL_ROUND - 1)
 
 
 class RoundGroups:
@@ -71,6 +76,34 @@ class RoundGroups:
         """How the plan's clusters average: the plan's own choice, else the topology's."""
         return plan.averaging or self.config
 
+    def round_steps(self, plan: Plan) -> list[int]:
+        """Each plan cluster's optimizer steps between its rounds: ``sync_every``, or its share of it when the
+        plan's averaging paces rounds by rate (``ravq.planner.pacing``)."""
+        mode, count = self.averaging(plan), len(plan.clusters)
+        if mode.pace != "rate" or mode.rates is None or len(mode.rates) != count:
+            return [self.clock.sync_every] * count
+        return round_steps(self.clock.sync_every, mode.rates)
+
+    def scale(self, plan: Plan, round_index: int) -> float:
+        """What this node multiplies its snapshot by before round ``round_index``'s rings, so that their plain
+        mean weighs each cluster by the samples it trained since its last mix (1.0 under steps pacing)."""
+        mode = self.averaging(plan)
+        group = live_clusters(plan) if mode.mode == "global" else self.group(plan, round_index)
+        if self.cluster not in group:
+            return 1.0
+        return send_scale(self.cluster, group, self.round_steps(plan))
+
+    def weighed(self, plan: Plan, round_id: int, snapshots: dict[int, Tensor]) -> dict[int, Tensor]:
+        """The flats this node sends into round ``round_id``'s rings: its snapshots, scaled (a copy) when the
+        round mixes clusters by samples (rate pacing); the snapshots themselves stay for the round's apply."""
+        scale = self.scale(plan, round_id % ROUNDS_PER_EPOCH)
+        return snapshots if scale == 1.0 else {r: flat * scale for r, flat in snapshots.items()}
+
+    def period(self, plan: Plan) -> int:
+        """This node's cluster's optimizer steps between its rounds under ``plan``."""
+        steps = self.round_steps(plan)
+        return steps[self.cluster] if self.cluster < len(steps) else self.clock.sync_every
+
     def group(self, plan: Plan, round_index: int) -> tuple[int, ...]:
         """The clusters this node's cluster averages with in round ``round_index`` of the plan's epoch."""
         live = live_clusters(plan)
@@ -87,10 +120,10 @@ class RoundGroups:
         ahead) then stop at once rather than wait for the ring's timeout."""
         old, self._stepped = self._stepped, plan
         if old is not None and old.epoch != plan.epoch and self.averaging(old).mode == "groups":
-            k = self.clock.steps // self.clock.sync_every
+            k = self.clock.steps // self.period(old)
             if k < FINAL_ROUND and (rings := self.rings(segments(old), old, k)):
                 self.skip(old.epoch * ROUNDS_PER_EPOCH + k, rings)
-        index = self.clock.step(plan.epoch)
+        index = self.clock.step(plan.epoch, self.period(plan))
         if index is None:
             return None
         self.last = self.group(plan, index)
