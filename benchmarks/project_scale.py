@@ -55,7 +55,7 @@ from ravq.planner import (
     ravnest_plan,
 )
 from ravq.planner.groups import rounds_to_mix
-from ravq.simulate import Settings, build_world, simulate
+from ravq.simulate import Settings, averaging_settings, build_world, simulate
 from ravq.simulate.worldwide import (
     naive_plan,
     projection_plan,
@@ -80,9 +80,9 @@ SCORE: dict[str, Any] = {"micro_batch": MICRO_BATCH, "sync_every": SYNC_EVERY, "
 def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], steps: int) -> dict[str, Any]:
     averaging = plan.averaging  # the planner's choice of averaging (global rings when None)
     settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=SYNC_EVERY,
-                        pipeline_wire=WIRE.pipeline, ring_wire=WIRE.ring,
-                        averaging_mode="global" if averaging is None else averaging.mode,
-                        group_size=2 if averaging is None else averaging.group_size)
+                        pipeline_wire=WIRE.pipeline, ring_wire=WIRE.ring)
+    if averaging is not None:  # mode, group size and pace (rate pacing: each cluster's steps per round)
+        settings = averaging_settings(settings, averaging)
     t0 = time.perf_counter()
     world = build_world(plan, nodes, blocks, settings)
     result = simulate(world)
@@ -95,8 +95,11 @@ def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], 
         predicted = None
         print(f"  (cost model: {err})")
     return {"clusters": len(plan.clusters), "pcs_used": len(used),
-            "averaging": "global" if averaging is None else f"groups of {averaging.group_size}",
-            "mixes_within_rounds": 1 if averaging is None else rounds_to_mix(len(plan.clusters), averaging.group_size),
+            "averaging": "global" if averaging is None else (
+                ("global" if averaging.mode == "global" else f"groups of {averaging.group_size}")
+                + (", paced by rate" if averaging.pace == "rate" else "")),
+            "mixes_within_rounds": 1 if averaging is None or averaging.mode == "global"
+            else rounds_to_mix(len(plan.clusters), averaging.group_size),
             "allreduce_rounds": max(n.allreduce_rounds for n in result.nodes),
             "stages_per_cluster": statistics.median(len(c.nodes) for c in plan.clusters),
             "predicted_samples_per_s": predicted, "simulated_samples_per_s": result.samples_per_s,

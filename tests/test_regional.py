@@ -38,16 +38,21 @@ def value(clusters: list[ClusterPlan], nodes: list[NodeProfile], blocks: list[Bl
     return evaluate_plan(plan, nodes, blocks, **SETTINGS).samples_per_s
 
 
-def test_a_slow_cluster_is_left_out_even_when_it_shares_a_region_with_fast_ones() -> None:
-    # region a: two fast PCs and one 20x slower; region b: one fast PC.  The union is held to the slow
-    # PC's pace and each region alone lacks the other's fast PCs: the best is the three fast PCs.
+def test_a_slow_cluster_in_a_region_of_fast_ones_trains_in_rounds_paced_by_rate() -> None:
+    # region a: two fast PCs and one 20x slower; region b: one fast PC.  Paced by steps the union is held to
+    # the slow PC's pace and each region alone lacks the other's fast PCs; paced by rate (issue #38) the slow
+    # PC trains at its own pace beside the three fast ones, which keep theirs: all four, paced by rate.
     nodes, blocks = world([1e12, 1e12, 5e10, 1e12], [125e6] * 4)
     groups = [[solo("pc0"), solo("pc1"), solo("pc2")], [solo("pc3")]]
     chosen, got, averaging = best_subset(groups, nodes, blocks, **SETTINGS)
-    assert sorted(c.nodes[0] for c in chosen) == ["pc0", "pc1", "pc3"]
+    assert sorted(c.nodes[0] for c in chosen) == ["pc0", "pc1", "pc2", "pc3"]
+    assert averaging.pace == "rate" and len(averaging.rates) == 4
+    assert min(averaging.rates) == pytest.approx(max(averaging.rates) / 20, rel=0.05)
     assert got == pytest.approx(value(chosen, nodes, blocks, averaging))
     union = value([c for g in groups for c in g], nodes, blocks)
+    fast = value([solo("pc0"), solo("pc1"), solo("pc3")], nodes, blocks)
     assert got > 1.4 * max(union, value(groups[0], nodes, blocks), value(groups[1], nodes, blocks))
+    assert got > fast
 
 
 def test_a_cluster_behind_a_slow_uplink_is_left_out_when_its_rounds_cost_more_than_it_brings() -> None:

@@ -16,7 +16,7 @@ from ravq.config import ConfigError, Plan, Topology, load_plan, load_topology, r
 from ravq.config.batch import update_every
 from ravq.planner import BlockProfile, NodeProfile, PlanError, Wire
 from ravq.simulate.report import SimResult, simulate
-from ravq.simulate.world import Settings, build_world
+from ravq.simulate.world import Settings, averaging_settings, build_world
 from ravq.stage.schedule import WAIT_S
 
 
@@ -94,8 +94,7 @@ def run_simulation(topology: Topology, plan: Plan, nodes: list[NodeProfile], blo
             points = relays(topology)
             nodes = priced_profiles(nodes, relayed_links(plan, behind, points), points)
         if plan.averaging is not None:  # the planner scored the plan with this averaging
-            settings = dataclasses.replace(settings, averaging_mode=plan.averaging.mode,
-                                           group_size=plan.averaging.group_size)
+            settings = averaging_settings(settings, plan.averaging)
         world = build_world(plan, nodes, blocks, settings, hosts=hosts, host_cores=cores)
     except ValueError as err:
         raise ConfigError(str(err)) from None

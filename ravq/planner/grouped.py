@@ -13,8 +13,14 @@ held to the slowest one (the simulator shows it: four clusters, one five times s
 all four at the slow one's pace).  The clusters' period is therefore the cost model's, with the grouped
 round in it (``ravq.planner.cost``).
 
-``best_averaging`` picks global rings or groups, and the group size, by this score; groups only when
-every cluster mixes with every other within ``MIX_ROUNDS`` rounds.  ``recut`` then keeps nodes behind
+Rounds paced by rate (``ravq.planner.pacing``) end that tie: each cluster ends a round after its own
+share of ``sync_every`` steps, so round k falls due everywhere at once and every cluster trains at its own
+rate r_c.  The round period is then the fastest cluster's S/r_max, or the round itself when longer (with
+``averaging_lead`` L: max(S/r_max, T, S/r_max + T - L/r_max)), and samples/s = micro_batch * sum of each
+cluster's steps per round S_c / that period (``paced_samples_per_s``).
+
+``best_averaging`` picks global rings or groups, the group size and the pace by this score; groups only
+when every cluster mixes with every other within ``MIX_ROUNDS`` rounds.  ``recut`` then keeps nodes behind
 slow links off stages that hold large segments: their stages' parameter bytes are capped in proportion
 to their slowest link to another cluster, when the shorter round gains more than the pipeline loses.
 """
@@ -23,11 +29,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ravq.config.averaging import AveragingConfig
 from ravq.planner.cost import Layout, averaging_round_s, cluster_rate, score
 from ravq.planner.groups import groups_for, rounds_to_mix
+from ravq.planner.pacing import round_steps
 from ravq.planner.problem import INF, Problem
 
 GRID_EPOCHS = 4
@@ -42,21 +49,57 @@ class Averaging:
 
     mode: str = "global"
     group_size: int = 2
+    pace: str = "steps"
+    """``steps`` (every cluster averages every ``sync_every`` steps) or ``rate`` (each after its share)."""
+    rates: tuple[float, ...] = ()
+    """Rate pacing: each cluster's predicted samples/s in plan order (``paced``), which the nodes pace by."""
 
 
 GLOBAL = Averaging()
 
 
 def averaging_config(averaging: Averaging) -> AveragingConfig | None:
-    """What a plan says of its averaging (``Plan.averaging``): None for global rings (the default)."""
-    if averaging.mode == "global":
+    """What a plan says of its averaging (``Plan.averaging``): None for global rings paced by steps (the
+    default)."""
+    if averaging.mode == "global" and averaging.pace == "steps":
         return None
-    return AveragingConfig(mode="groups", group_size=averaging.group_size)
+    rate = averaging.pace == "rate" and bool(averaging.rates)
+    return AveragingConfig(mode=averaging.mode, group_size=averaging.group_size,
+                           pace="rate" if rate else "steps", rates=list(averaging.rates) if rate else None)
 
 
 def averaging_of(config: AveragingConfig | None) -> Averaging:
     """The averaging a plan's ``averaging`` (None: global rings) stands for."""
-    return GLOBAL if config is None else Averaging(config.mode, config.group_size)
+    if config is None:
+        return GLOBAL
+    return Averaging(config.mode, config.group_size, config.pace, tuple(config.rates or ()))
+
+
+def paced(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> Averaging:
+    """``averaging`` with the clusters' predicted samples/s it paces rounds by (rate pacing only)."""
+    if averaging.pace != "rate":
+        return averaging
+    return replace(averaging, rates=tuple(p.micro_batch * r for r in _rates(p, layouts, averaging)))
+
+
+def paced_samples_per_s(p: Problem, rates: Sequence[float], averaging_s: float) -> float:
+    """Samples/s of clusters at ``rates`` (micro-batches/s) whose rounds are paced by rate, a round lasting
+    ``averaging_s``: each trains its own share of steps a period, the fastest's S/r_max or the round's."""
+    live = [r for r in rates if r > 0]
+    if len(live) < 2:
+        return p.micro_batch * sum(live)
+    s, lead, top = p.sync_every, p.averaging_lead, max(live)
+    period = s / top
+    if p.overlap_averaging:
+        period = max(period, averaging_s, period + averaging_s - lead / top)
+    else:
+        period += averaging_s
+    return p.micro_batch * sum(round_steps(s, live)) / period
+
+
+def _rates(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> list[float]:
+    grouped = averaging.mode == "groups" and len(layouts) > averaging.group_size
+    return [cluster_rate(p, lay, averaging.group_size if grouped else len(layouts)) for lay in layouts]
 
 
 def group_sizes(clusters: int) -> list[int]:
@@ -79,19 +122,24 @@ def grouped_round_s(p: Problem, layouts: Sequence[Layout], group_size: int) -> f
 
 def score_with(p: Problem, layouts: Sequence[Layout], averaging: Averaging = GLOBAL) -> float:
     """Predicted samples/s of these clusters averaging as ``averaging`` says."""
-    if averaging.mode == "global" or len(layouts) <= averaging.group_size:
+    grouped = averaging.mode == "groups" and len(layouts) > averaging.group_size
+    if not grouped and averaging.pace == "steps":
         return score(p, layouts)
-    rates = [cluster_rate(p, lay, averaging.group_size) for lay in layouts]
-    return p.samples_per_s(rates, grouped_round_s(p, layouts, averaging.group_size))
+    round_s = grouped_round_s(p, layouts, averaging.group_size) if grouped else averaging_round_s(p, layouts)
+    if averaging.pace == "rate":
+        return paced_samples_per_s(p, _rates(p, layouts, averaging), round_s)
+    return p.samples_per_s(_rates(p, layouts, averaging), round_s)
 
 
 def best_averaging(p: Problem, layouts: Sequence[Layout]) -> tuple[Averaging, float]:
-    """The averaging that scores these clusters highest, and its score (global on a tie)."""
+    """The averaging that scores these clusters highest, and its score (global rings paced by steps on a
+    tie); rate pacing's carries no rates yet (``paced`` adds them for the chosen clusters)."""
     best, value = GLOBAL, score(p, layouts)
-    for m in group_sizes(len(layouts)):
-        got = score_with(p, layouts, Averaging("groups", m))
+    for choice in (Averaging(pace="rate"), *(Averaging("groups", m, pace) for m in group_sizes(len(layouts))
+                                             for pace in ("steps", "rate"))):
+        got = score_with(p, layouts, choice)
         if got > value * (1 + 1e-9):
-            best, value = Averaging("groups", m), got
+            best, value = choice, got
     return best, value
 
 

@@ -13,9 +13,11 @@ Until issue #26 the choice was only "the union or the best region", and at 1,024
 region's 16-PC pipeline, below what 256 PCs got.
 
 Averaging is not free between regions (issue #38): every subset is scored with the averaging that suits
-it best, global rings or groups of a size that mixes every cluster with every other within three rounds
-(``ravq.planner.grouped``), and the chosen clusters are re-cut so that nodes behind slow links to the
-other clusters hold small stages.  The plan says which averaging it was scored with (``Plan.averaging``).
+it best, global rings or groups of a size that mixes every cluster with every other within three rounds,
+rounds paced by steps or by rate (``ravq.planner.grouped``: paced by rate, a slow cluster no longer holds
+the others to its pace, so slow clusters are kept when they add samples), and the chosen clusters are
+re-cut so that nodes behind slow links to the other clusters hold small stages.  The plan says which
+averaging it was scored with (``Plan.averaging``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from ravq.config import ClusterPlan, Plan
 from ravq.planner.cost import Layout, cluster_rate, fixed_layout
-from ravq.planner.grouped import Averaging, averaging_config, best_averaging, recut
+from ravq.planner.grouped import Averaging, averaging_config, best_averaging, paced, recut
 from ravq.planner.plans import make_plan
 from ravq.planner.problem import Problem
 from ravq.planner.types import BlockProfile, NodeProfile, PlanError, Wire
@@ -95,7 +97,7 @@ def best_subset(
         layouts, averaging, value = cut, cut_averaging, cut_value
     chosen = [ClusterPlan(nodes=[p.names[i] for i in lay.order],
                           cuts=[blocks[b].name for b in lay.bounds[1:-1]]) for lay in layouts]
-    return chosen, value, averaging
+    return chosen, value, paced(p, layouts, averaging)
 
 
 def _layouts(p: Problem, pool: Sequence[ClusterPlan], blocks: Sequence[BlockProfile]) -> list[Layout]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ravq.config import ClusterPlan, Plan
 from ravq.planner.cost import Layout, averaging_round_s, cluster_rate
-from ravq.planner.grouped import GLOBAL, Averaging, averaging_config, grouped_round_s
+from ravq.planner.grouped import GLOBAL, Averaging, averaging_config, grouped_round_s, paced_samples_per_s
 from ravq.planner.problem import Problem
 from ravq.planner.types import GIB, ClusterReport, Explanation, PlanError, StageReport, size_text
 
@@ -43,11 +43,12 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str],
         clusters=reports, block_names=[b.name for b in p.blocks], micro_batch=p.micro_batch,
         sync_every=p.sync_every, idle={p.names[i]: why for i, why in sorted(idle.items())},
         averaging_s=round_s, samples_per_s_without_averaging=p.micro_batch * sum(rates),
-        samples_per_s=p.samples_per_s(rates, round_s))
+        samples_per_s=(paced_samples_per_s(p, rates, round_s) if averaging.pace == "rate"
+                       else p.samples_per_s(rates, round_s)))
     plan = Plan(epoch=0, clusters=[ClusterPlan(nodes=[p.names[i] for i in lay.order],
                                       cuts=[p.blocks[b].name for b in lay.bounds[1:-1]]) for lay in layouts],
                 predicted_samples_per_s=explanation.samples_per_s,
-                averaging=averaging_config(averaging) if grouped else None)
+                averaging=averaging_config(averaging) if grouped or averaging.pace == "rate" else None)
     return plan, explanation
 
 

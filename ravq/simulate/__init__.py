@@ -10,7 +10,15 @@ is ``ravq.cli.simulate``).
 
 from ravq.simulate.report import ClusterResult, NodeResult, SimResult, collect, simulate
 from ravq.simulate.training import Simulation
-from ravq.simulate.world import SegmentSpec, Settings, StageSpec, World, build_world, ring_segments
+from ravq.simulate.world import (
+    SegmentSpec,
+    Settings,
+    StageSpec,
+    World,
+    averaging_settings,
+    build_world,
+    ring_segments,
+)
 
 __all__ = ["ClusterResult", "NodeResult", "SegmentSpec", "Settings", "SimResult", "Simulation", "StageSpec",
-           "World", "build_world", "collect", "ring_segments", "simulate"]
+           "World", "averaging_settings", "build_world", "collect", "ring_segments", "simulate"]

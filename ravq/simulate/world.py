@@ -10,10 +10,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ravq.config import Plan
+from ravq.config.averaging import AveragingConfig
 from ravq.planner import BlockProfile, NodeProfile
+from ravq.planner.pacing import round_steps
 from ravq.planner.types import message_seconds
 
 INF = math.inf
@@ -128,6 +130,14 @@ class Settings:
                     f"{name}: wire bytes per float32 byte must be in (0, 1], got {getattr(self, name)}"
                 )
 
+
+
+def averaging_settings(settings: Settings, averaging: AveragingConfig) -> Settings:
+    """``settings`` averaging as ``averaging`` says (a topology's, or the plan's own): mode, group size and,
+    paced by rate with the plan's rates, each cluster's steps between its rounds."""
+    paced = averaging.pace == "rate" and averaging.rates is not None
+    return replace(settings, averaging_mode=averaging.mode, group_size=averaging.group_size,
+                   round_steps=tuple(round_steps(settings.sync_every, averaging.rates)) if paced else None)
 
 @dataclass(kw_only=True, slots=True)
 class Network:
