@@ -30,14 +30,18 @@ PORT_FIELDS = {"pipeline": "pipeline_port", "ring": "ring_port"}
 
 
 class Reachability:
-    def __init__(self, topology: Topology, metrics: Metrics, curve: Curve | None = None) -> None:
+    def __init__(self, topology: Topology, metrics: Metrics, curve: Curve | None = None,
+                 verdicts: dict[str, str] | None = None) -> None:
+        """``verdicts``: those a broker that took over followed (``brokers.replica.Restored``)."""
         self.topology, self.metrics, self.curve = topology, metrics, curve
-        self.verdicts: dict[str, str] = {}
+        self.verdicts: dict[str, str] = dict(verdicts or {})
         self.tried: dict[str, str] = {}
         """What was tried for each node, in a few words (``ravq status``)."""
         self._running: set[str] = set()
-        self._last: dict[str, str] = {}
+        self._last: dict[str, str] = dict(self.verdicts)
         """Each node's latest verdict, kept across its restarts (to log a change)."""
+        for node, verdict in self.verdicts.items():
+            metrics.node_reachable.labels(node).set(float(verdict == REACHABLE))
 
     def public(self) -> dict[str, str]:
         return dict(self.verdicts)

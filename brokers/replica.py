@@ -39,6 +39,9 @@ class Restored:
     """Each topic's next numbers go on from here."""
     seq: int
     """The broker's count of updates goes on from here."""
+    reach: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The reachability verdicts published (node -> verdict): nodes are not dialled back again (every
+    node asked again after a takeover, and a rejoining one waited for its peers' verdicts)."""
 
 
 class Replica:
@@ -118,7 +121,9 @@ class Replica:
         log.warning("taking over run %s at plan epoch %d: %d members, clusters %s", run.run_id, epoch,
                     len(members), [cs.state for cs in clusters])
         seqs = {t: n + SEQ_JUMP * term for t, n in self.seqs.items()}
-        return Restored(run=run, book=book, seqs=seqs, seq=self.seq + SEQ_JUMP * term)
+        reach = {key[len("reach/"):]: str(value) for key, value in self.values.items()
+                 if key.startswith("reach/") and isinstance(value, str)}
+        return Restored(run=run, book=book, seqs=seqs, seq=self.seq + SEQ_JUMP * term, reach=reach)
 
 
 def _member(value: dict[str, Any], now: float, silent_s: Any) -> Member:

@@ -85,7 +85,7 @@ class Broker:
                          replace_s=topology.timeouts.replace_s,
                          standbys=[n.name for n in topology.nodes if n.name not in in_plan])
         self._stop = asyncio.Event()
-        self.reach = Reachability(topology, metrics, opts.curve)
+        self.reach = Reachability(topology, metrics, opts.curve, restored.reach if restored else None)
         self._tg: asyncio.TaskGroup | None = None
         self.gauges = Gauges(metrics)
         self.keyed = KeyedState(budget(topology.limits.max_header_bytes), restored.seqs if restored else None)

@@ -3,10 +3,14 @@ passive broker's followed state restored into a broker that takes over.  No sock
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 
+import zmq.asyncio
+
 from brokers.binarystar import ACTIVE, BACKUP, PASSIVE, PRIMARY, BinaryStar
+from brokers.pair import ActiveSide, Pair, as_backup
 from brokers.replica import SEQ_JUMP, Replica
 from brokers.topology import Broker
 from ravq.cli.main import plan_for
@@ -197,3 +201,33 @@ def test_status_names_the_serving_broker_and_its_failovers() -> None:
     assert "broker: the backup is active (term 2, 1 failovers here); the other (10.0.0.1:5556) is active, " \
            "last heard 5.9s ago" in text
     assert "broker: the" not in format_status({"seq": 3, "plan": {"clusters": []}})
+
+
+def test_a_broker_that_takes_over_serves_the_reachability_verdicts_it_followed(tmp_path: Path) -> None:
+    """The verdicts the active broker published come back in the broker that takes over: nodes are not
+    dialled again and a rejoining node does not wait for its peers to be (they asked again after the
+    takeover, each a dial-back, before a restarted node could link to them)."""
+    nodes = [{**n, "reachable": n["name"] != "c1s0"} for n in TOPOLOGY["nodes"]]
+    backup = {"host": "127.0.0.1", "pub_port": 5002, "router_port": 5003, "state_dir": str(tmp_path / "b")}
+    topology = parse_topology({**TOPOLOGY, "nodes": nodes, "broker": {
+        **TOPOLOGY["broker"], "state_dir": str(tmp_path / "p"), "backup": backup}}, resolve_task=False)
+    plan = plan_for(topology, None)
+    active = Broker(topology, plan, Metrics("broker"), SocketOptions())
+    for name in ("c0s0", "c1s0"):  # declared in the topology: no dial-back, no socket
+        asyncio.run(active.reach.check(zmq.asyncio.Context.instance(), name, ["pipeline"]))
+    active._refresh(list(active.members), range(2))
+    replica = Replica()
+    seqs, parts = active.keyed.snapshot(None)
+    replica.apply_snapshot([{"items": parts[0], "seqs": seqs, "incarnation": active.incarnation, "seq": 3}]
+                           + [{"items": p} for p in parts[1:]], 1.0)
+    restored = replica.restore(active.the_run, lost_s=6.0, replace_s=30.0, standbys=["spare"], now=2.0,
+                               term=2)
+    assert restored.reach == {"c0s0": "reachable", "c1s0": "behind_nat"}
+    pair = Pair(as_backup(topology, {}), plan, Metrics("broker"), SocketOptions(), primary=False)
+    taken = Broker(as_backup(topology, {}), plan, Metrics("broker"), SocketOptions(),
+                   pair=ActiveSide(pair, restored))
+    assert taken.reach.public() == restored.reach
+    assert not taken.reach.wants("c0s0") and not taken.reach.wants("c1s0") and taken.reach.wants("c0s1")
+    seqs, parts = taken.keyed.snapshot(None)  # and its snapshots carry them
+    items = dict(item for part in parts for item in part)
+    assert items["reach/c0s0"] == "reachable" and items["reach/c1s0"] == "behind_nat"
