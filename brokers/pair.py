@@ -73,7 +73,7 @@ class Pair:
         self.new_run, self.clock = new_run, clock
         self.interval_s = topology.timeouts.heartbeat_interval_s
         self.star = BinaryStar(primary=primary, expiry_s=EXPIRY * self.interval_s, now=clock())
-        self.replica = Replica()
+        self.replica = Replica(clock)
         limits = topology.limits
         self.limits = DecodeLimits(max_header_bytes=limits.max_header_bytes, max_frames=limits.max_frames,
                                    max_tensor_bytes=opts.max_message_bytes)
@@ -105,7 +105,7 @@ class Pair:
             await self.broker.run()
             self.broker = None
             self._gauges()
-            self.replica = Replica()
+            self.replica = Replica(self.clock)
 
     def _gauges(self) -> None:
         self.metrics.broker_active.labels(self.star.role).set(1 if self.star.active else 0)

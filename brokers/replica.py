@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +46,13 @@ class Restored:
 
 
 class Replica:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        """When an update arrives (the passive broker's clock, as ``restore``'s ``now``)."""
         self.values: dict[str, Any] = {}
         """Key -> its value, as the active broker published it."""
+        self._silent_at: dict[str, float] = {}
+        """Member -> when its ``silent/<name>`` (seconds silent as of then) arrived."""
         self.seqs: dict[str, int] = {}
         """Topic -> the number of its latest update applied."""
         self.incarnation: str | None = None
@@ -89,6 +94,8 @@ class Replica:
                 self.values.pop(str(key), None)
             else:
                 self.values[str(key)] = value
+            if str(key).startswith("silent/"):
+                self._silent_at[str(key)[len("silent/"):]] = self.clock()
 
     def plan(self) -> Plan | None:
         """The plan as published (None: not whole yet)."""
@@ -99,8 +106,8 @@ class Replica:
         """What the broker that takes over starts from: ``base`` (this broker's own run as it opened it)
         with the run id and plan followed, the plan's epoch past the one seen (and the time in
         milliseconds, as a restarted broker's), the book's members and clusters as published, each
-        member heard from ``now`` on (one published silent: that long before); topics numbered past
-        ``SEQ_JUMP`` times the term."""
+        member heard from ``now`` on (one published silent: that long before the update saying so
+        arrived); topics numbered past ``SEQ_JUMP`` times the term."""
         plan = self.plan()
         assert plan is not None, "restore before a whole snapshot"
         epoch = max(plan.epoch + 1, int(time.time() * 1000))
@@ -113,8 +120,8 @@ class Replica:
                     standbys=[n for n in standbys if n not in in_plan])
         published = {key[len("member/"):]: value for key, value in self.values.items()
                      if key.startswith("member/") and isinstance(value, dict)}
-        members = {name: _member(value, now, self.values.get(f"silent/{name}"))
-                   for name, value in published.items()}
+        members = {name: _member(value, now, self._silent_at.get(name, now),
+                                 self.values.get(f"silent/{name}")) for name, value in published.items()}
         clusters = [_cluster(self.values.get(f"cluster/{c}"), c in plan.excluded, now)
                     for c in range(len(plan.clusters))]
         book.restore(members, clusters)
@@ -126,14 +133,16 @@ class Replica:
         return Restored(run=run, book=book, seqs=seqs, seq=self.seq + SEQ_JUMP * term, reach=reach)
 
 
-def _member(value: dict[str, Any], now: float, silent_s: Any) -> Member:
+def _member(value: dict[str, Any], now: float, silent_at: float, silent_s: Any) -> Member:
     """A member as published; one the active broker published silent (``silent/<name>``: seconds, as of
-    that update) was last heard that long before ``now`` at least, so its loss is not put off."""
+    that update, which arrived at ``silent_at``) was last heard that long before it, so its loss is not put
+    off by the takeover (it was, by the time from that update to ``now``: a node killed a second before
+    the primary was lost that much later than with the broker alone)."""
     state = str(value.get("state", "missing"))
     incarnation = value.get("incarnation") if isinstance(value.get("incarnation"), str) else None
     checkpoints = value.get("checkpoints") if isinstance(value.get("checkpoints"), list) else None
     said = Heartbeat(incarnation=incarnation or "", phase=str(value.get("phase", "starting")))
-    last_seen = now - float(silent_s) if isinstance(silent_s, int | float) else now
+    last_seen = silent_at - float(silent_s) if isinstance(silent_s, int | float) else now
     return Member(state=state, last_seen=last_seen, incarnation=incarnation, registered=state != "missing",
                   said=said, checkpoints=checkpoints, lost_at=now if state in ("lost", "left") else None)
 
