@@ -1,10 +1,12 @@
 """A Binary Star pair in one process on loopback (issue #37 part 3): two ``brokers.pair.Pair`` and a node's
 broker client (``ravq.node.membership.Membership``); the primary stops; the client turns to the backup,
-which takes over from the state it followed: the same run, a later plan epoch, a newer term."""
+which takes over from the state it followed: the same run, a later plan epoch, a newer term; a node that
+starts after the takeover asks the backup once it hears it publish."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from ravq.config import Topology, parse_topology
 from ravq.metrics import Metrics
 from ravq.net.options import SocketOptions
 from ravq.net.security import keygen, socket_options_for
+from ravq.net.wire import DecodeLimits
 from ravq.node.membership import Membership
 from tests.pair_watcher import follow_and_beat
 
@@ -31,7 +34,8 @@ async def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) 
 
 
 @pytest.mark.parametrize("curve", [False, True])
-def test_a_node_turns_to_the_backup_which_takes_over_the_run(tmp_path: Path, curve: bool) -> None:
+def test_a_node_turns_to_the_backup_which_takes_over_the_run(tmp_path: Path, curve: bool,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
     p = free_ports(8)
     keys = {n: keygen(n, tmp_path / "keys") for n in ("broker", "s0", "s1")} if curve else {}
     topology = parse_topology({
@@ -74,6 +78,21 @@ def test_a_node_turns_to_the_backup_which_takes_over_the_run(tmp_path: Path, cur
             assert backup.star.failovers == 1 and {m.term for m in clients.values()} == {backup.star.term}
             assert backup.broker.members["s0"].incarnation == clients["s0"].report.incarnation
             assert all(m.plan == backup.broker.plan for m in clients.values())
+            # a node that starts now asks the dead primary first: it turns to the backup as soon as it hears
+            # it publish, not after TURN_AFTER intervals of its own (here 40 s) with no reply
+            slow = topology.model_copy(update={"timeouts": topology.timeouts.model_copy(
+                update={"heartbeat_interval_s": 16.0, "request_s": 60.0})})
+            with caplog.at_level(logging.INFO, logger="ravq.swarm.membership"):
+                caplog.clear()
+                late = Membership(ctx, slow, "s1", Metrics("node"), DecodeLimits(),
+                                  socket_options_for(slow, "s1", None, Metrics("node")) if curve
+                                  else SocketOptions(linger_ms=0))
+                async with asyncio.timeout(30):
+                    assert await late.join() == backup.broker.plan
+            assert late.on == 1 and late.term == backup.star.term
+            turns = [r.getMessage() for r in caplog.records if "turning to" in r.getMessage()]
+            assert turns == ["s1: turning to the backup broker (it publishes)"], turns
+            late.close()
             backup.stop()
             for task in nodes:
                 task.cancel()

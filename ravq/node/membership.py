@@ -15,7 +15,9 @@ updates it hears (each says ``by``: its role and term), and turns to the other o
 been silent for ``TURN_AFTER`` heartbeat intervals: its heartbeats there are its vote for a failover.  A
 passive broker answers a request it does not serve with ``passive`` and the node turns back at once.  A
 broker of an older term than the node has seen (an active one cut off from everyone while the other took
-over, before it hears the other and turns passive) is neither followed nor asked.
+over, before it hears the other and turns passive) is neither followed nor asked.  A node registering
+turns at once to the broker it hears publish while the one it asked is silent (restarted while the
+primary is dead, it waited ``TURN_AFTER`` intervals for it).
 """
 
 from __future__ import annotations
@@ -118,24 +120,60 @@ class Membership(MembershipState):
         if len(self.links) > 1 and now - self._heard_at > after_s and now - self._turned_at > after_s:
             self._turn(1 - self.on, f"no word from the {BROKERS[self.on]} for {now - self._heard_at:.1f}s")
 
-    async def _request(self, kind: MsgType, meta: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+    async def _request(self, kind: MsgType, meta: dict[str, Any], timeout_s: float, *,
+                       hear: bool = False) -> list[dict[str, Any]]:
         """Send a REGISTER or SNAPSHOT_REQ and return the snapshot's parts (a part of an earlier snapshot, one
-        whose request timed out, is passed over)."""
+        whose request timed out, is passed over).  ``hear`` (before ``follow`` reads the PUBs): in a pair,
+        ask the other broker at once when it is heard publishing while this one does not answer."""
         async with self._asking:
             await self.link.send(Message(type=kind, sender=self.name, meta=meta))
             parts = SnapshotParts()
             while True:
                 try:
-                    reply = await self.link.recv(timeout_s)
+                    if hear and len(self.links) > 1:
+                        reply = await self._reply_or_publisher(timeout_s)
+                    else:
+                        reply = await self.link.recv(timeout_s)
                 except TimeoutError:
                     self._turn(1 - self.on, "no reply")
                     raise
+                if reply is None:  # the other broker publishes: it is active, ask it
+                    await self.link.send(Message(type=kind, sender=self.name, meta=meta))
+                    parts = SnapshotParts()
+                    continue
                 if reply.type == MsgType.REPLY and reply.meta.get("passive") or self._stale(reply.meta):
                     self._turn(1 - self.on, f"the {BROKERS[self.on]} is passive", logging.INFO)
                     await asyncio.sleep(self.topology.timeouts.heartbeat_interval_s / 4)
                     raise BrokerPassive(f"the {BROKERS[1 - self.on]} broker is passive")
                 if reply.type == MsgType.SNAPSHOT and (whole := parts.add(reply.meta)) is not None:
                     return whole
+
+    async def _reply_or_publisher(self, timeout_s: float) -> Message | None:
+        """The reply on the link to the broker asked, or None once the other broker of the pair is heard
+        publishing (only the active one does; this node now talks to it).  A node that starts while the
+        primary is dead asked it first and waited out ``TURN_AFTER`` intervals before it asked the backup
+        (bench_failover: its cluster's rejoin took that much longer).  The updates read here precede the
+        snapshot asked for, which holds them; TimeoutError after ``timeout_s``."""
+        poller = zmq.asyncio.Poller()
+        poller.register(self.link.sock, zmq.POLLIN)
+        poller.register(self.sub.sock, zmq.POLLIN)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (remaining := deadline - loop.time()) > 0:
+            ready = dict(await poller.poll(remaining * 1000))
+            if self.link.sock in ready:
+                return await self.link.recv(max(0.0, deadline - loop.time()))
+            if self.sub.sock not in ready:
+                continue
+            async with asyncio.timeout_at(deadline):  # (one it cannot decode is skipped: wait no longer)
+                msg = await self.sub.recv()
+            by = msg.meta.get("by")
+            if msg.type != MsgType.UPDATE or not isinstance(by, dict) or by.get("role") not in BROKERS:
+                continue
+            if not self._stale(msg.meta) and BROKERS.index(by["role"]) != self.on:
+                self._turn(BROKERS.index(by["role"]), "it publishes", logging.INFO)
+                return None
+        raise TimeoutError(f"no reply from the {BROKERS[self.on]} broker within {timeout_s:.1f}s")
 
     async def _snapshot(self, *, mine: bool = False) -> None:
         """Ask for the broker's state (``mine``: only this node's topics) and apply it (TimeoutError after
@@ -165,7 +203,7 @@ class Membership(MembershipState):
         while True:
             try:
                 register = Register(incarnation=self.report.incarnation)
-                parts = await self._request(MsgType.REGISTER, register.meta(), wait_s)
+                parts = await self._request(MsgType.REGISTER, register.meta(), wait_s, hear=True)
                 break
             except TimeoutError as err:
                 if time.monotonic() > deadline:
