@@ -11,8 +11,9 @@ from ravq.average.rounds import ROUNDS_PER_EPOCH
 from ravq.average.segments import plan_segments, segments_for
 from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
+from ravq.planner.grouped import Averaging, averaging_config, averaging_of
 from ravq.planner.pacing import mix_weights, round_steps, send_scale
-from ravq.simulate import SegmentSpec, Settings, simulate
+from ravq.simulate import SegmentSpec, Settings, averaging_settings, simulate
 from tests.test_allreduce import MemoryNet
 from tests.test_group_rounds import CLUSTERS, GROUPS, NAMES, NODES, NUMELS, OWNERS, _plan, _round, _start
 from tests.test_simulate import stage, world
@@ -99,3 +100,17 @@ def test_a_paced_rounds_rings_move_every_cluster_to_the_samples_weighted_average
             assert torch.allclose(flat, torch.full_like(flat, 1.2))
     steps_paced = RoundGroups(AveragingConfig(pace="rate"), 0, 6)   # no rates: paced by steps, sent as it is
     assert steps_paced.weighed(_plan(), 0, values["c0s0"]) is values["c0s0"]
+
+
+def test_a_plans_rate_pacing_reaches_the_simulator_and_survives_the_plans_keys() -> None:
+    """The planner's choice (Averaging) goes into Plan.averaging and back unchanged; the simulator paces each
+    cluster by it (ravq simulate and project_scale), and without rates as before."""
+    chosen = Averaging("groups", 2, "rate", (30.0, 10.0, 30.0))
+    config = averaging_config(chosen)
+    assert config is not None and config.pace == "rate" and config.rates == [30.0, 10.0, 30.0]
+    assert averaging_of(AveragingConfig.model_validate(config.model_dump())) == chosen
+    assert averaging_config(Averaging()) is None                       # global rings paced by steps: the default
+    assert averaging_config(Averaging(pace="rate")) is None            # no rates: nothing to pace by
+    settings = averaging_settings(Settings(sync_every=10), config)
+    assert (settings.averaging_mode, settings.group_size, settings.round_steps) == ("groups", 2, (10, 3, 10))
+    assert averaging_settings(settings, AveragingConfig(mode="groups")).round_steps is None

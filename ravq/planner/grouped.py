@@ -61,9 +61,9 @@ GLOBAL = Averaging()
 def averaging_config(averaging: Averaging) -> AveragingConfig | None:
     """What a plan says of its averaging (``Plan.averaging``): None for global rings paced by steps (the
     default)."""
-    if averaging.mode == "global" and averaging.pace == "steps":
-        return None
     rate = averaging.pace == "rate" and bool(averaging.rates)
+    if averaging.mode == "global" and not rate:
+        return None
     return AveragingConfig(mode=averaging.mode, group_size=averaging.group_size,
                            pace="rate" if rate else "steps", rates=list(averaging.rates) if rate else None)
 
