@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.zoo_tasks import TASKS
 from ravq.config import TrainingConfig
+from ravq.config.batch import default_inflight
 from tests.pipeline_harness import make_workers, run_in_order, run_workers
 
 TIED = {"gpt2_tied", "bert_mlm", "t5"}
@@ -44,9 +45,11 @@ TIED = {"gpt2_tied", "bert_mlm", "t5"}
 
 _D = TrainingConfig()
 METHODS: dict[str, dict] = {
+    "previous": {"predict_weights": 2.0, "extrapolate_gradients": 2.0, "inflight_warmup_steps": 20},
     "default": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
                 "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": _D.stale_correction},
     "plain": {},
+    "predict_extrapolate": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients},
     "predict": {"predict_weights": _D.predict_weights},
     "extrapolate": {"extrapolate_gradients": _D.extrapolate_gradients},
     "warmup": {"inflight_warmup_steps": _D.inflight_warmup_steps},
@@ -55,6 +58,8 @@ METHODS: dict[str, dict] = {
                            "extrapolate_gradients": _D.extrapolate_gradients},
     "pipenag": {"stale_correction": "pipenag"},
     "pipenag_warmup": {"stale_correction": "pipenag", "inflight_warmup_steps": _D.inflight_warmup_steps},
+    "nag_predict": {"predict_weights": _D.predict_weights, "inflight_warmup_steps": _D.inflight_warmup_steps,
+                    "stale_correction": "pipenag"},
     "default_pipenag": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
                         "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": "pipenag"},
 }
@@ -67,9 +72,10 @@ class Run:
     seconds: float
 
 
-def train(task: str, stages: int, seed: int, steps: int, micro_batch: int, max_inflight: int, **kw: object) -> Run:
+def train(task: str, stages: int, seed: int, steps: int, micro_batch: int, max_inflight: int,
+          update_every: int = 1, **kw: object) -> Run:
     workers = make_workers(TASKS[task], stages, steps=steps, max_inflight=max_inflight, micro_batch=micro_batch,
-                           seed=seed, **kw)
+                           seed=seed, update_every=update_every, **kw)
     t0 = time.perf_counter()
     if task in TIED:
         run_workers(workers, timeout_s=600)
@@ -102,6 +108,8 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=160, help="micro-batches per run (one optimizer step each)")
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--update-every", type=int, default=1,
+                    help="micro-batches per optimizer step (the stated batch over the micro-batch)")
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--methods", nargs="+", default=["default", "plain", "pipenag", "pipenag_warmup"],
                     choices=list(METHODS))
@@ -116,12 +124,13 @@ def main() -> None:
     for task in args.tasks:
         for stages in args.stages:
             for seed in args.seeds:
-                sync = train(task, stages, seed, args.steps, args.micro_batch, 1)
+                sync = train(task, stages, seed, args.steps, args.micro_batch, 1, args.update_every)
                 sync_final = smoothed(sync.losses, args.steps, args.window)
                 print(f"{task} {stages} stages seed {seed}: sync final {sync_final:.3f} ({sync.seconds:.1f} s)",
                       flush=True)
                 for method in args.methods:
-                    got = compare(train(task, stages, seed, args.steps, args.micro_batch, stages,
+                    inflight = default_inflight(stages, args.update_every)
+                    got = compare(train(task, stages, seed, args.steps, args.micro_batch, inflight, args.update_every,
                                         **METHODS[method]), sync, args.window)
                     rows.append({"task": task, "stages": stages, "seed": seed, "method": method,
                                  "sync_final": sync_final, **got})

@@ -67,8 +67,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight prediction horizon, in multiples of a stage's staleness (0: off)")
     p.add_argument("--extrapolate-gradients", type=float, default=EXTRAPOLATE_GRADIENTS,
                    help="delay compensation of stale updates, in multiples of their staleness (0: off)")
-    p.add_argument("--stale-correction", choices=["none", "pipenag"], default="none",
-                   help="pipenag: stale updates take Nesterov's look-ahead step (ravq.stage.pipenag)")
+    p.add_argument("--stale-correction", choices=["auto", "none", "pipenag"], default="auto",
+                   help="pipenag: stale updates take Nesterov's look-ahead step (ravq.stage.pipenag); auto "
+                        "(default): pipenag with an update per micro-batch")
     p.add_argument(
         "--inflight-warmup-steps",
         type=int,

@@ -99,3 +99,11 @@ def staleness_bound(max_inflight: int, update_every: int) -> float:
     """The first stage's staleness in optimizer updates with ``max_inflight`` micro-batches in flight: the
     micro-batches that finish between a forward and its backward, over those an update sums."""
     return (max_inflight - 1) / update_every
+
+
+def default_inflight(stages: int, update_every: int) -> int:
+    """``max_inflight`` when the topology leaves it unset: every stage busy (``stages``) with an update per
+    micro-batch; with a stated batch of ``update_every`` > 1 micro-batches per update at most
+    ``update_every``, so the first stage is less than one update stale (``staleness_bound`` < 1) and the
+    micro-batches in flight span at most two weight versions (PipeDream-2BW's regime: one stashed copy)."""
+    return stages if update_every <= 1 else min(stages, update_every)

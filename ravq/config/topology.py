@@ -45,7 +45,9 @@ class TrainingConfig(UserModel):
     steps: int = Field(200, ge=1)
     """Micro-batches each cluster trains on."""
     max_inflight: int | None = Field(None, ge=1)
-    """Micro-batches in flight per cluster; bounds memory and staleness. Default: number of stages."""
+    """Micro-batches in flight per cluster; bounds memory and staleness. Default: number of stages with an
+    update per micro-batch, else at most ``update_every`` (a micro-batch less than one update stale;
+    ``ravq.config.batch.default_inflight``)."""
     update_every: int = Field(1, ge=1)
     """Backwards accumulated before each optimizer step of a stage (derived from ``batch`` when it is set)."""
     batch: int | None = Field(None, ge=1)
@@ -63,10 +65,12 @@ class TrainingConfig(UserModel):
     times its staleness along the change since the stage's previous update (``ravq.stage.delay``); without
     it Adam with one step of delay stalled a small GPT-2 at the unigram plateau.  0 turns it off.  No
     effect without staleness (max_inflight 1)."""
-    stale_correction: Literal["none", "pipenag"] = "none"
+    stale_correction: Literal["auto", "none", "pipenag"] = "auto"
     """How a stale stage's optimizer steps: ``none``, its own step; ``pipenag``, Nesterov's look-ahead with
     the momentum raised towards 0.99 with the stage's staleness (PipeNAG, ``ravq.stage.pipenag``; SGD with
-    momentum, Adam, AdamW, ClusterAdam).  No effect without staleness (max_inflight 1)."""
+    momentum, Adam, AdamW, ClusterAdam); ``auto`` (default), ``pipenag`` with an update per micro-batch
+    (a whole update stale) when the optimizer is one of those, else ``none``.  No effect without staleness
+    (max_inflight 1)."""
     inflight_warmup_steps: int = Field(INFLIGHT_WARMUP_STEPS, ge=0)
     """Asynchrony warm-up: the cluster's first this many optimizer steps train with one micro-batch in flight
     (synchronous pipeline training), then stage 0 opens the pipeline to ``max_inflight``.  Early on,

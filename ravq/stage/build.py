@@ -21,7 +21,7 @@ import torch
 
 from ravq.codec.compress import Format
 from ravq.config import TrainingConfig
-from ravq.config.batch import for_clusters
+from ravq.config.batch import default_inflight, for_clusters
 from ravq.cut.materialize import materialize
 from ravq.cut.meta import build_meta_model, example_args, retarget_device
 from ravq.cut.split import StageSpec, build_task_model, split_model, stage_input_specs
@@ -57,7 +57,8 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
     example = example_args(task, training.micro_batch)
     model, specs, in_specs = _traced(task, seed, example, cuts, stage, device,
                                      cache_dir(training.checkpoint_dir), training.init_from)
-    options = StageOptions(steps=training.steps, max_inflight=training.max_inflight or len(specs),
+    inflight = training.max_inflight or default_inflight(len(specs), training.update_every)
+    options = StageOptions(steps=training.steps, max_inflight=inflight,
                            update_every=training.update_every, micro_batch=training.micro_batch,
                            predict_weights=training.predict_weights,
                            extrapolate_gradients=training.extrapolate_gradients,

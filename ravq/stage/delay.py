@@ -29,6 +29,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+MAX_UPDATES = 1.0
+"""The staleness the extrapolation is capped at: ``g - g_prev`` is one update's change, and carried
+further (``k * s`` = 6 on the first of 4 stages) it multiplied the gradient's noise (variance by
+``(1 + k s)^2 + (k s)^2``, 85x) until SGD with momentum diverged (the zoo's SGD MLP at 4 stages); Adam's
+second moment absorbed it.  Capped at one update the same MLP trained (docs/convergence.md)."""
+
 
 class GradientExtrapolation:
     """Keeps the gradient of the stage's last update and extrapolates the next one when it is stale."""
@@ -46,7 +52,7 @@ class GradientExtrapolation:
         if staleness <= 0:  # nothing stale: nothing to extrapolate, and no copy of the gradients kept
             self.previous.clear()
             return
-        step = self.factor * staleness
+        step = self.factor * min(staleness, MAX_UPDATES)
         with torch.no_grad():
             for name, p in self.params.items():
                 if p.grad is None:

@@ -33,7 +33,7 @@ from ravq.cut.split import StageSpec
 from ravq.stage.arrivals import Arrivals
 from ravq.stage.feed import Batch, DataFeed, DataSource
 from ravq.stage.passes import Passes
-from ravq.stage.pipenag import check_supported
+from ravq.stage.pipenag import uses_lookahead
 from ravq.stage.recipe import Recipe, build_optimizer, expected_at
 from ravq.stage.schedule import Scheduler
 from ravq.stage.stash import GradientSum, WeightStash, fresh_buffers
@@ -82,9 +82,8 @@ class StageWorker:
         self.state = StageState(expected_fwd=expected_at(options.recipe.precision, expected))
         self.stats = StageStats(clock=clock, metrics=metrics)
         extrapolate = options.extrapolate_gradients * (options.max_inflight > 1)
-        lookahead = options.stale_correction == "pipenag" and options.max_inflight > 1
-        if lookahead:
-            check_supported(self.optimizer)
+        lookahead = uses_lookahead(options.stale_correction, self.optimizer, options.update_every)
+        lookahead = lookahead and options.max_inflight > 1
         self.forward_weights = WeightStash(self.params, extrapolate, lookahead, reuse_update=not spec.tied)
         self._grads = GradientSum(self.params, options.update_every)
         self._sched = Scheduler(forward_sources(spec, num_stages), spec.consumer_stages,

@@ -68,6 +68,22 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
                              f"ClusterAdam, not {name}")
 
 
+def uses_lookahead(setting: str, optimizer: torch.optim.Optimizer, update_every: int) -> bool:
+    """Whether a stage steps stale updates with PipeNAG: ``pipenag`` (ValueError for an optimizer it has no
+    step for), or ``auto`` with an update per micro-batch (a micro-batch a whole update stale, where the zoo
+    needed it: docs/convergence.md) and an optimizer it supports."""
+    if setting == "pipenag":
+        check_supported(optimizer)
+        return True
+    if setting != "auto" or update_every > 1:
+        return False
+    try:
+        check_supported(optimizer)
+    except ValueError:
+        return False
+    return True
+
+
 def _decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
 

@@ -69,7 +69,7 @@ class StageOptions:
     extrapolated by this many times its staleness along the change since the stage's last update;
     0 hands it the gradient as it is.  No effect without staleness (max_inflight 1).  The last gradient is
     not checkpointed: after a resume the first update is not extrapolated."""
-    stale_correction: str = "none"
+    stale_correction: str = "auto"
     """``pipenag``: a stale update takes Nesterov's look-ahead step (``ravq.stage.pipenag``); ``none``: the
     optimizer's own step.  No effect without staleness (max_inflight 1)."""
     inflight_warmup_steps: int = 0
