@@ -4,9 +4,9 @@ State = the plan plus the membership book (``brokers.book``): per node its state
 phase, per cluster whether it trains, pauses or recovers.  It is published as keyed updates
 (``ravq.net.clone``, ``brokers.keyed``): each change sends only the keys that changed, on their topic
 (``g.`` for every node, ``c<i>.`` for cluster ``i``'s members), with the topic's next sequence number;
-a node that sees a gap asks for a snapshot, in parts under the header limit.  ``TICKS`` times an
-interval a tick on ``g.`` carries its sequence number (and says the broker is alive); each interval the
-topics updated in the last one are echoed.  A member silent for ``SILENT_AFTER`` intervals is published
+a node that sees a gap asks for a snapshot, in parts under the header limit.  Every ``TICK_INTERVALS``
+a tick on ``g.`` carries its sequence number (and says the broker is alive); each interval the topics
+updated in the last one are echoed.  A member silent for ``SILENT_AFTER`` intervals is published
 once (``silent/<name>``, from a heap of deadlines: ``brokers.silence``) and cleared when it beats.  A
 heartbeat costs O(1): its member, its cluster; the checks over every member run on a timer.  The data
 plane never waits on the broker: nodes talk to it at start-up and send heartbeats without waiting.
@@ -32,13 +32,13 @@ from brokers.keyed import KeyedState, member_value, out_items, plan_head, plan_i
 from brokers.reach import Reachability
 from brokers.run import open_run, save_run, state_dir_for
 from brokers.silence import Silences
-from ravq.config import Plan, RelayConfig, Topology
+from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
-from ravq.net.clone import GLOBAL, SILENCES, SILENT_AFTER, TICKS, budget, cluster_topic
+from ravq.net.clone import GLOBAL, SILENCES, SILENT_AFTER, TICK_INTERVALS, TICKS, budget, cluster_topic
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.protocol import Heartbeat, ReachRequest, Register, SnapshotRequest
 from ravq.net.pubsub import Publisher
-from ravq.net.relay import Relay
+from ravq.net.relay import broker_relay
 from ravq.net.transport import Inbox
 from ravq.net.wire import DecodeLimits, Message, MsgType, WireError
 
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 BROKER = "broker"
 
+GATHER = 0.01
+"""Of a heartbeat interval, how long the broker lets messages queue once it has handled those queued."""
 _NODE_MESSAGES: dict[MsgType, type[Register | Heartbeat | ReachRequest | SnapshotRequest]] = {
     MsgType.REGISTER: Register, MsgType.HEARTBEAT: Heartbeat, MsgType.REACH_REQ: ReachRequest,
     MsgType.SNAPSHOT_REQ: SnapshotRequest}
@@ -279,9 +281,14 @@ class Broker:
             await inbox.reply(identity, Message(type=MsgType.SNAPSHOT, sender=BROKER, meta=meta), node)
 
     async def _serve(self, inbox: Inbox, pub: Publisher) -> None:
+        """Handle the queued messages, then gather for ``GATHER`` of an interval: heartbeats spread over
+        the interval came one per wake-up of the event loop, whose cost was most of the broker's CPU."""
+        gather_s = GATHER * self.topology.timeouts.heartbeat_interval_s
         while True:
             identity, msg = await inbox.recv()
             await self._handle(inbox, pub, identity, msg)
+            if not inbox.queued():
+                await asyncio.sleep(gather_s)
 
     async def _watch_heartbeats(self, pub: Publisher) -> None:
         """Each heartbeat interval: mark silent nodes lost and move clusters along (``Book.check``, over every
@@ -302,17 +309,18 @@ class Broker:
 
     async def _publish_silence(self, pub: Publisher) -> None:
         """``TICKS`` times an interval: publish the global topic's changes (silences among them: members
-        silent for ``SILENT_AFTER`` intervals, found by their deadlines) and a tick with its sequence
-        number.  A node reads a member's silence as the published figure plus the time since, and one not
-        published as the time since the broker's last tick: a live member never reads more silent than a
-        tick period (and the network's delay), a dead one reaches ``Averager.hold_s`` (1.5 intervals)
-        within a sixteenth of an interval of when it truly does."""
+        silent for ``SILENT_AFTER`` intervals, found by their deadlines); every ``TICK_INTERVALS`` a tick
+        with its sequence number.  A node reads a member's silence as the published figure plus the time
+        since, and one not published as the time since the broker's last message less the tick period: a
+        live member never reads more silent than the network's delay, a dead one reaches
+        ``Averager.hold_s`` (1.5 intervals) within a sixteenth of an interval of when it truly does."""
         interval_s = self.topology.timeouts.heartbeat_interval_s
-        period, step = interval_s / TICKS, interval_s / 16
-        next_tick = self.clock() + period
+        period, step, tick_s = interval_s / TICKS, interval_s / 16, TICK_INTERVALS * interval_s
+        next_flush = self.clock() + period
+        next_tick = self.clock() + tick_s
         while True:
             deadline = self.silences.next_deadline()
-            wake = next_tick if deadline is None else min(next_tick, max(deadline, self.clock() + step))
+            wake = next_flush if deadline is None else min(next_flush, max(deadline, self.clock() + step))
             await asyncio.sleep(max(0.0, wake - self.clock()))
             now = self.clock() + 1e-6  # a clock of coarser grain wakes a hair early
             silent = self.silences.due(now)
@@ -320,9 +328,11 @@ class Broker:
                 self.keyed.put(f"silent/{name}", SILENCES, round(now - self.silences.last[name], 3))
             if silent:  # at once: a node reads the figure on from when it arrives
                 await self._flush(pub)
-            if now >= next_tick:
-                next_tick = max(next_tick + period, now)
+            if now >= next_flush:
+                next_flush = max(next_flush + period, now)
                 await self._flush(pub)
+            if now >= next_tick:
+                next_tick = max(next_tick + tick_s, now)
                 await self._tick(pub, GLOBAL)
 
     async def _tick(self, pub: Publisher, topic: str) -> None:
@@ -346,7 +356,7 @@ class Broker:
         pub = Publisher.bind(ctx, endpoint(bind, b.pub_port), self.metrics, self.opts)
         inbox = Inbox.bind(ctx, endpoint(bind, b.router_port), "broker", self.metrics, self.limits, self.opts,
                            one_shot_clients=True, peers_as="node")  # `ravq status` asks once and leaves
-        relay = self._relay(ctx)
+        relay = broker_relay(ctx, self.topology, self.known, self.metrics, self.opts, BROKER)
         log.info("broker up: pub %d, router %d, %d nodes in plan%s", b.pub_port, b.router_port,
                  sum(len(c.nodes) for c in self.plan.clusters),
                  f"; relaying on {b.relay_port}" if relay is not None else "")
@@ -375,17 +385,6 @@ class Broker:
                 self.opts.monitor.close()
             ctx.term()
             log.info("broker stopped")
-
-    def _relay(self, ctx: zmq.asyncio.Context) -> Relay | None:
-        """The relay this PC runs by default for nodes behind NAT (``broker.relay_port``)."""
-        b = self.topology.broker
-        if b.relay_port is None:
-            return None
-        opts = dataclasses.replace(self.opts, max_message_bytes=self.topology.limits.max_message_bytes
-                                   or RelayConfig.model_fields["queue_bytes"].default)
-        return Relay(ctx, endpoint(b.bind_host or b.host, b.relay_port), self.known, self.metrics, opts,
-                     name=BROKER, queue_bytes=RelayConfig.model_fields["queue_bytes"].default)
-
 
 class _Stopped(Exception):
     pass

@@ -6,7 +6,8 @@ heartbeat intervals (``Averager.hold_s``).  With the full state published once a
 that beat just after each publication read up to two intervals silent, and fast clusters trained past
 rounds of slow live ones (issue #14: six clusters, a full-core PC skipping rounds of 0.14-core PCs).
 Now the broker publishes a member's silence once it passes ``SILENT_AFTER`` intervals (a threshold
-event, issue #37), and a member it did not publish reads as the time since the broker's last tick.
+event, issue #37), and a member it did not publish reads as the time since the broker's last message less
+the period of its ticks (one an interval: ``TICK_INTERVALS``).
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ async def _max_silence(watch_s: float) -> tuple[float, int, float, float]:
 def test_a_live_member_never_looks_silent_for_much_more_than_its_heartbeat_interval() -> None:
     worst, beats, over, detected = run_virtual(_max_silence(watch_s=12 * INTERVAL_S))
     assert beats >= 12, f"the node beat only {beats} times"
-    # a live member is never published silent: it reads as the time since the broker's last tick (a
-    # quarter of an interval); with the silence published once an interval only, this read two intervals
+    # a live member is never published silent: it reads as the time since the broker's last message less
+    # the tick period; with the silence published once an interval only, this read two intervals
     assert worst <= 0.25 * INTERVAL_S + 1e-6, f"a live member looked {worst:.3f}s silent (interval {INTERVAL_S}s)"
     # a dead one reads its true silence once published (SILENT_AFTER intervals, found within a sixteenth
     # of one), and above Averager.hold_s within a sixteenth of an interval of truly being so

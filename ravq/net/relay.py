@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -30,9 +31,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from ravq.config import RelayConfig, Topology
 from ravq.metrics import HopCount, Metrics
 from ravq.net import listen
-from ravq.net.options import SocketOptions
+from ravq.net.options import SocketOptions, endpoint
 from ravq.net.socket_io import SocketIo, configure
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,18 @@ class Relay:
 
     def close(self) -> None:
         self._io.close(0)
+
+
+def broker_relay(ctx: zmq.asyncio.Context, topology: Topology, nodes: Iterable[str], metrics: Metrics,
+                 opts: SocketOptions, name: str) -> Relay | None:
+    """The relay the broker's PC runs by default for nodes behind NAT (``broker.relay_port``; None: none)."""
+    b = topology.broker
+    if b.relay_port is None:
+        return None
+    queue_bytes = RelayConfig.model_fields["queue_bytes"].default
+    opts = dataclasses.replace(opts, max_message_bytes=topology.limits.max_message_bytes or queue_bytes)
+    return Relay(ctx, endpoint(b.bind_host or b.host, b.relay_port), nodes, metrics, opts, name=name,
+                 queue_bytes=queue_bytes)
 
 
 def _user_id(frame: Any) -> str | None:

@@ -202,6 +202,11 @@ class SocketIo:
         self._after_direct_call()
         return frames
 
+    def queued(self) -> bool:
+        """Whether a message is queued (a NOBLOCK receive would return one)."""
+        self._check_open()
+        return bool(cast(int, self._shadow.get(zmq.EVENTS)) & zmq.POLLIN)
+
     async def recv(self) -> list[Any]:
         waited = False
         while True:

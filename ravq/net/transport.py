@@ -134,6 +134,10 @@ class Inbox:
         """Whether a message (perhaps a malformed one) arrives within ``timeout_s``."""
         return await self._io.readable(timeout_s)
 
+    def queued(self) -> bool:
+        """Whether a message (perhaps a malformed one) is queued: ``recv`` would not wait for it."""
+        return self._io.queued()
+
     async def reply(self, identity: bytes, msg: Message, peer: str = "") -> None:
         """Send ``msg`` to the peer that sent ``identity``'s message; one gone meanwhile is skipped."""
         frames = encode(msg)

@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from ravq.config import Plan, Topology
 from ravq.metrics import Metrics
-from ravq.net.clone import GLOBAL, SnapshotParts
+from ravq.net.clone import GLOBAL, TICK_INTERVALS, SnapshotParts
 from ravq.net.options import SocketOptions, endpoint
 from ravq.net.protocol import ReachRequest, Register, SnapshotRequest
 from ravq.net.pubsub import Subscriber
@@ -65,7 +65,8 @@ class Membership(MembershipState):
     def __init__(self, ctx: zmq.asyncio.Context, topology: Topology, name: str, metrics: Metrics,
                  limits: DecodeLimits, opts: SocketOptions, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(name=name, metrics=metrics, clock=clock)
+        super().__init__(name=name, metrics=metrics, clock=clock,
+                         tick_s=TICK_INTERVALS * topology.timeouts.heartbeat_interval_s)
         self.topology = topology
         b = topology.broker
         self.sub = Subscriber.connect(ctx, endpoint(b.host, b.pub_port), metrics, limits, opts, [GLOBAL])

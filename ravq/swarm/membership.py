@@ -30,8 +30,11 @@ _DEFAULT_CLUSTER = {"state": "starting", "generation": 0, "trained": 0, "catchup
 
 
 class MembershipState:
-    def __init__(self, *, name: str, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, name: str, metrics: Metrics, clock: Callable[[], float] = time.monotonic,
+                 tick_s: float = 0.0) -> None:
         self.name, self.metrics = name, metrics
+        self.tick_s = tick_s
+        """Seconds between the broker's ticks (``TICK_INTERVALS``): it is heard that often at least."""
         self.clock = clock
         """What silences are read on (seconds; tests pass a virtual one)."""
         self.seqs: dict[str, int] = {}
@@ -194,11 +197,13 @@ class MembershipState:
     def silent_s(self, node: str) -> float:
         """Seconds since ``node``'s last heartbeat reached the broker, as the broker published it (a member
         silent past ``SILENT_AFTER`` intervals) or, for one it did not, the time since the broker's last
-        message: with the broker away, everyone looks silent."""
+        message less the period of its ticks: with the broker away, everyone looks silent (that period
+        later; without it a live member would read up to a whole period silent: at one tick an interval,
+        two thirds of ``Averager.hold_s``)."""
         published = self._silent.get(node)
         if published is not None:
             return published[0] + self.clock() - published[1]
-        return self.clock() - self._heard_at
+        return max(0.0, self.clock() - self._heard_at - self.tick_s)
 
     def cluster_state(self, cluster: int) -> dict[str, Any]:
         """The broker's view of one cluster (``starting`` until the broker said otherwise)."""
