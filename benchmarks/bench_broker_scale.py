@@ -8,10 +8,13 @@ heartbeat every interval like a training node's, with its checkpoints (three poi
 ``--checkpoint-s``) and its cluster's generation.  Nothing trains.  Members read frames of any size (a
 node drops headers over 64 KiB: the largest frame is printed), so the old tree's members join too.
 Printed per tree and size, over a window after every member joined: the broker's CPU (cores, from
-/proc: its own process, whatever the emulators take), PUB bytes per second (what all SUBs received),
-the largest frame a SUB received, and the worst member's staleness: the longest a member went without
-knowing its view current (new: a tick of the global topic with the number it holds, or a snapshot; old:
-a full-state update), sampled twice a second.  The load average is printed beside.
+/proc: its own process, whatever the emulators take; and its event loop's thread alone), PUB bytes per
+second (what all SUBs received), the largest frame a SUB received, and the worst member's view: the
+longest a member lacked an update the broker had published (the next number of one of its topics, timed
+from when the first member of its emulator process received it; old: the next whole state), sampled
+twice a second.  Then what says whether the emulator kept up (``_emulator_behind``): its beats more than
+a quarter interval late, its worst lag, its processes' CPU; a line under the figures says when it fell
+behind, so that a shortfall is not read as the broker's.  The load average is printed beside.
 
     python benchmarks/bench_broker_scale.py --members 1000 10000 --old /tmp/ravq/old [--window-s 30]
 
@@ -40,8 +43,10 @@ REPO = Path(__file__).resolve().parents[1]
 STAGES = 2
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_s(pid: int, task: int | None = None) -> float:
+    """CPU seconds of process ``pid`` (or of its thread ``task``)."""
+    path = f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -141,11 +146,12 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
         procs.append(proc)
         conns.append(parent)
     time.sleep(max(0.0, window_at - time.time()))
-    cpu0, w0 = _cpu_s(broker.pid), time.time()
+    cpu0, main0, w0 = _cpu_s(broker.pid), _cpu_s(broker.pid, broker.pid), time.time()
     time.sleep(max(0.0, end_at - time.time()))
-    cpu1, w1 = _cpu_s(broker.pid), time.time()
+    cpu1, main1, w1 = _cpu_s(broker.pid), _cpu_s(broker.pid, broker.pid), time.time()
     load = Path("/proc/loadavg").read_text().split()[0]
-    lost = {"bytes": 0, "largest": 0, "stale": float("inf"), "joined": 0, "gaps": 0, "late": 0, "retries": 0}
+    lost = {"bytes": 0, "largest": 0, "stale": float("inf"), "joined": 0, "gaps": 0, "late": 0, "retries": 0,
+            "beats": 0, "lag": float("inf"), "cpu_s": 0.0}
     stats = [c.recv() if c.poll(120) else lost for c in conns]
     for proc in procs:
         proc.join(10)
@@ -159,12 +165,28 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     seconds = w1 - w0
     return {"tree": tree, "members": n, "subscribers": min(n, args.max_subs),
             "joined": sum(s["joined"] for s in stats), "broker_cores": (cpu1 - cpu0) / seconds,
+            "broker_loop_cores": (main1 - main0) / seconds,
             "pub_mb_s": sum(s["bytes"] for s in stats) / seconds / 1e6,
             "largest_frame_kib": max(s["largest"] for s in stats) / 1024,
             "worst_stale_intervals": max(s["stale"] for s in stats) / args.interval_s,
             "gaps": sum(s["gaps"] for s in stats), "late_beats": sum(s["late"] for s in stats),
+            "beats": sum(s["beats"] for s in stats), "emulator_lag_s": max(s["lag"] for s in stats),
+            "emulator_cores": sum(s["cpu_s"] for s in stats) / (end_at - t0),
             "register_retries": sum(s["retries"] for s in stats),
             "loadavg": float(load), "window_s": seconds}
+
+
+def _emulator_behind(r: dict[str, Any], args: argparse.Namespace) -> str:
+    """Why the emulator, not the broker, may account for a shortfall ('' when it kept up): beats it sent
+    over a quarter interval late (the broker then sees members silent), fewer beats than its members owe
+    in the window, or a registration it never sent."""
+    owed = r["joined"] * r["window_s"] / args.interval_s
+    why = []
+    if r["late_beats"] > 0.01 * max(owed, 1):
+        why.append(f"{r['late_beats']} beats over a quarter interval late, lag up to {r['emulator_lag_s']:.1f}s")
+    if r["beats"] < 0.95 * owed:
+        why.append(f"{r['beats']} beats sent of {owed:.0f} owed")
+    return "; ".join(why)
 
 
 def main() -> None:
@@ -190,11 +212,15 @@ def main() -> None:
             rows.append(r)
             label = "new" if tree == str(REPO) else "old"
             print(f"{label} {n:>6} members ({r['subscribers']} subscribed, {r['joined']} joined): "
-                  f"broker {r['broker_cores']:.3f} cores, "
+                  f"broker {r['broker_cores']:.3f} cores ({r['broker_loop_cores']:.3f} its event loop), "
                   f"PUB {r['pub_mb_s']:.2f} MB/s, largest frame {r['largest_frame_kib']:.1f} KiB, worst view "
                   f"{r['worst_stale_intervals']:.2f} intervals stale, {r['gaps']} gaps, "
-                  f"{r['late_beats']} late beats, {r['register_retries']} registrations retried  "
+                  f"{r['late_beats']} late beats, {r['register_retries']} registrations retried; emulators "
+                  f"{r['emulator_cores']:.2f} cores, their worst lag {r['emulator_lag_s']:.2f}s  "
                   f"[load {r['loadavg']:.2f}, window {r['window_s']:.0f}s]", flush=True)
+            if behind := _emulator_behind(r, args):
+                print(f"  ^ the emulator fell behind ({behind}): these figures are not the broker's alone",
+                      flush=True)
     for n in args.members:
         new, old = ([r for r in rows if r["members"] == n and (r["tree"] == str(REPO)) == want]
                     for want in (True, False))
