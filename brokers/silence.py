@@ -13,11 +13,14 @@ every member from its start (one that died while no broker watched is found sile
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 class Silences:
-    def __init__(self, after_s: float, names: Iterable[str], now: float) -> None:
+    def __init__(self, after_s: float, names: Iterable[str], now: float,
+                 heard_at: Mapping[str, float] | None = None) -> None:
+        """``heard_at``: when each of ``names`` was last heard, if before ``now`` (a broker that takes over
+        a pair's run: a member silent then is published silent at once, not ``after_s`` later)."""
         self.after_s = after_s
         self.last: dict[str, float] = {}
         """Each member's latest heartbeat (or when this broker started, for one not heard from yet)."""
@@ -25,7 +28,7 @@ class Silences:
         """Members whose silence was published (they have not beaten since)."""
         self._heap: list[tuple[float, str]] = []
         for name in names:
-            self.beat(name, now)
+            self.beat(name, min(now, (heard_at or {}).get(name, now)))
 
     def beat(self, name: str, now: float) -> bool:
         """``name`` beat at ``now``; True when it was published silent (its key goes)."""

@@ -94,7 +94,8 @@ class Broker:
         """The state as published: keys, topics, sequence numbers (``brokers.keyed``)."""
         interval_s = topology.timeouts.heartbeat_interval_s
         heard = self.members if self.the_run.created_at < float(self.incarnation) else ()  # brokers.silence
-        self.silences = Silences(SILENT_AFTER * interval_s, heard, clock())
+        self.silences = Silences(SILENT_AFTER * interval_s, heard, clock(),
+                                 {n: m.last_seen for n, m in self.members.items()} if restored else None)
         self._published_plan: Plan | None = None
         self._unsaved = False
         self._snapshots = 0

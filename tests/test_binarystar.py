@@ -14,7 +14,7 @@ from brokers.pair import ActiveSide, Pair, as_backup
 from brokers.replica import SEQ_JUMP, Replica
 from brokers.topology import Broker
 from ravq.cli.main import plan_for
-from ravq.config import parse_topology
+from ravq.config import Topology, parse_topology
 from ravq.metrics import Metrics
 from ravq.net.clone import GLOBAL
 from ravq.net.options import SocketOptions
@@ -193,6 +193,13 @@ def test_a_passive_broker_restores_the_active_ones_run_book_and_numbers(tmp_path
     # its loss is not put off by the 26 s from that update to the takeover
     seen = {n: m.last_seen for n, m in book.members.items()}
     assert seen == {**dict.fromkeys(book.members, 30.0), "c1s1": 1.0}
+    # and the broker that takes over publishes it silent at once (nodes stop holding rounds back for it)
+    now[0] = 30.0
+    pair = Pair(as_backup(topology_with_backup(topology), {}), active.plan, Metrics("broker"), SocketOptions(),
+                primary=False)
+    taken = Broker(as_backup(topology_with_backup(topology), {}), active.plan, Metrics("broker"),
+                   SocketOptions(), clock=lambda: now[0], pair=ActiveSide(pair, restored))
+    assert taken.silences.due(now[0]) == ["c1s1"] and taken.silences.figures(now[0]) == [("silent/c1s1", 29.0)]
 
 
 def test_status_names_the_serving_broker_and_its_failovers() -> None:
@@ -207,6 +214,12 @@ def test_status_names_the_serving_broker_and_its_failovers() -> None:
     assert "broker: the backup is active (term 2, 1 failovers here); the other (10.0.0.1:5556) is active, " \
            "last heard 5.9s ago" in text
     assert "broker: the" not in format_status({"seq": 3, "plan": {"clusters": []}})
+
+
+def topology_with_backup(topology: Topology) -> Topology:
+    backup = {"host": "127.0.0.1", "pub_port": 5002, "router_port": 5003, "state_dir": topology.broker.state_dir}
+    data = topology.model_dump(exclude_none=True)
+    return parse_topology({**data, "broker": {**data["broker"], "backup": backup}}, resolve_task=False)
 
 
 def test_a_broker_that_takes_over_serves_the_reachability_verdicts_it_followed(tmp_path: Path) -> None:
