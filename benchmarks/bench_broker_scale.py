@@ -128,7 +128,9 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     with (tmp / "broker.log").open("w") as log:
         argv = [sys.executable, "-c", run_cli, "broker", "--topology", str(path), "--new-run"]
         broker = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
-    time.sleep(3.0)
+    up_by = time.time() + 120  # 10,000 nodes' topology takes seconds to load: members join once it listens
+    while "broker up" not in (tmp / "broker.log").read_text() and time.time() < up_by and broker.poll() is None:
+        time.sleep(0.2)
     t0 = time.time()
     join_by, window_at = t0 + args.join_s, t0 + args.join_s + args.settle_s
     end_at = window_at + args.window_s
