@@ -15,7 +15,10 @@ takes ``step_s`` (this task's median measured step time here, times ``--slow`` f
 given); a round ends for a group when its slowest member reaches it plus the ring's time on the modelled
 links: 2(n-1)/n of the model's float32 bytes at ``--link-mbit`` and 2(n-1) hops of ``--latency-ms``
 (float32 rings; ravq's default int8 rings would send about a quarter of those bytes).  With ``--slow`` a
-third mode, ``rates``, orders the grid by the clusters' rates (ravq.average.groups' rate-aware places).
+third mode, ``rates``, orders the grid by the clusters' rates (ravq.average.groups' rate-aware places), and
+a fourth, ``paced``, paces rounds by rate (``ravq.planner.pacing``): the slow cluster trains its share of
+each round's ``sync_every`` steps (round(sync_every / slow)), so it no longer holds the others, and the
+groups (as ``groups``) mix each cluster by the samples it trained since its last round.
 
 The target loss is one cluster's smoothed training loss after ``budget`` micro-batches (the trailing mean
 over ``window`` steps, as bench_convergence's references); for C clusters the swarm reaches it at the first
@@ -35,6 +38,7 @@ import torch
 
 from ravq.average.groups import Mode, groups_for
 from ravq.cut.split import build_task_model
+from ravq.planner.pacing import mix_weights, round_steps
 from ravq.stage.optim import set_clusters
 
 
@@ -67,6 +71,8 @@ class Run:
     """Per link model: virtual seconds at which the slowest cluster finished each step."""
     rounds: int = 0
     reached_step: int | None = None
+    samples: list[int] = field(default_factory=list)
+    """Per step of the loop, the micro-batches all clusters trained so far."""
 
 
 def trailing_mean(values: list[float], window: int) -> list[float]:
@@ -103,8 +109,14 @@ def train(clusters: int, mode: str, s: CurveSettings, step_s: float | None, targ
     timed: list[float] = []
     pending: dict[int, tuple[int, list[float], list[torch.Tensor], list[torch.Tensor]]] = {}
     """Cluster -> (step after which its round applies, when the round ends, its snapshot, the mean)."""
+    slow = s.slow if clusters > 1 else 1.0
+    share = round_steps(s.sync_every, [1.0] * (clusters - 1) + [1.0 / slow]) if mode == "paced" else None
+    trained = 0
     for step in range(max_steps):
         for c in range(clusters):
+            if share is not None and (step + 1) * share[c] // s.sync_every == step * share[c] // s.sync_every:
+                continue  # paced by rate: not this cluster's turn (its own pace: share[c] of every sync_every)
+            trained += 1
             inputs, targets = next(data[c])
             t0 = time.perf_counter()
             loss = task.loss_fn(models[c](*inputs), targets)
@@ -114,9 +126,9 @@ def train(clusters: int, mode: str, s: CurveSettings, step_s: float | None, targ
             if c == 0:
                 timed.append(time.perf_counter() - t0)
             run.losses[c].append(float(loss.detach()))
-            for clock in clocks:
-                clock[c] += (step_s or timed[-1]) * (s.slow if c == clusters - 1 and clusters > 1 else 1.0)
-            if c in pending and pending[c][0] == step:  # averaging_lead 1: wait for the round, then apply
+            for clock in clocks:  # paced: the slow cluster's fewer steps take as long as the others' steps
+                clock[c] += (step_s or timed[-1]) * (slow if c == clusters - 1 else 1.0)
+            if c in pending and pending[c][0] <= step:  # averaging_lead 1: wait for the round, then apply
                 _, ends, snapshot, mean = pending.pop(c)
                 for clock, end in zip(clocks, ends):
                     clock[c] = max(clock[c], end)
@@ -126,15 +138,17 @@ def train(clusters: int, mode: str, s: CurveSettings, step_s: float | None, targ
                 if len(group) < 2:
                     continue
                 snapshots = {c: _floats(models[c]) for c in group}
-                mean = [torch.stack(list(t)).sum(0) / len(group) for t in zip(*snapshots.values())]
+                weights = mix_weights(group, share) if share is not None else dict.fromkeys(group, 1 / len(group))
+                mean = [sum(weights[c] * x for c, x in zip(group, t)) for t in zip(*snapshots.values())]
                 ends = [max(clock[c] for c in group) + ring_seconds(len(group), nbytes, link)
                         for clock, link in zip(clocks, s.links)]
                 pending.update({c: (step + 1, ends, snapshots[c], mean) for c in group})
             run.rounds += 1
+        run.samples.append(trained * s.micro_batch)
         for finished, clock in zip(run.finished_s, clocks):
             finished.append(max(clock))
         if target is not None and run.reached_step is None:
-            smooth = [sum(losses[-s.window:]) / s.window for losses in run.losses]
+            smooth = [sum(losses[-s.window:]) / max(1, len(losses[-s.window:])) for losses in run.losses]
             if step + 1 >= s.window and sum(smooth) / clusters <= target:
                 run.reached_step = step + 1
         if run.reached_step is not None and step + 1 >= run.reached_step + s.window:
@@ -144,6 +158,8 @@ def train(clusters: int, mode: str, s: CurveSettings, step_s: float | None, targ
 
 def _groups(round_index: int, clusters: int, mode: str, s: CurveSettings) -> list[tuple[int, ...]]:
     """The round's groups: ravq's derivation; ``rates`` orders the grid by the clusters' step rates."""
+    if mode == "paced":
+        mode = "groups"
     if mode == "rates":
         rates = {c: 1 / s.slow if c == clusters - 1 else 1.0 for c in range(clusters)}
         return groups_for(0, round_index, range(clusters), "groups", s.group_size, rates)
@@ -173,12 +189,13 @@ def curve(counts: list[int], s: CurveSettings) -> dict[str, Any]:
     rows = []
     for clusters in counts:
         same = clusters <= s.group_size  # groups mode is then one group of all: global rings
-        for mode in ("global",) if same else ("global", "groups", *(("rates",) if s.slow != 1 else ())):
+        slowed = ("rates", "paced") if s.slow != 1 and clusters > 1 else ()
+        for mode in ("global", *(("paced",) if slowed else ())) if same else ("global", "groups", *slowed):
             max_steps = int(s.headroom * s.budget / clusters) + s.window
             run, _ = train(clusters, mode, s, step_s, target, max_steps)
             k = run.reached_step
-            rows.append({"clusters": clusters, "mode": mode if not same else "global=groups",
-                         "reached_step": k, "samples": k * clusters * s.micro_batch if k else None,
+            rows.append({"clusters": clusters, "mode": mode if not same or mode == "paced" else "global=groups",
+                         "reached_step": k, "samples": run.samples[k - 1] if k else None,
                          "virtual_s": [f[k - 1] for f in run.finished_s] if k else None, "rounds": run.rounds,
                          "trained_steps": len(run.losses[0])})
     return {"target_loss": target, "step_s": step_s, "rows": rows}
