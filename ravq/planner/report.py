@@ -20,7 +20,7 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str],
     ``idle`` maps the nodes left out to the reason; the clusters average as ``averaging`` says.  In groups
     the clusters keep their order: a cluster's place in the plan is its place on the grid."""
     grouped = averaging.mode == "groups" and len(layouts) > averaging.group_size
-    if not grouped:
+    if not grouped and averaging.pace != "rate":  # paced by rate: the rates are in the clusters' order
         layouts = sorted(layouts, key=lambda lay: p.names[lay.order[0]])
     peers = averaging.group_size if grouped else len(layouts)
     reports = []
