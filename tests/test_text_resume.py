@@ -15,7 +15,7 @@ from tests.swarm import Swarm, local_topology
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.fault]
 
-STEPS = 240
+STEPS = 120
 SMALL = {"layers": 2, "hidden": 32, "heads": 2, "context": 32}
 """A smaller GPT-2 than the task's default: this checks the data path, not learning."""
 
