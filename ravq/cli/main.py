@@ -342,9 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--topology", required=True)
     pr.add_argument("--name", required=True)
     pr.add_argument("--out", default=".", help="directory for profile-NAME.json")
-    pr.add_argument("--peers-wait", type=float, default=120.0,
-                    help="seconds to wait for each peer's profile to answer (PCs are started by hand, and a small "
-                         "one takes a while to start)")
+    pr.add_argument("--peers-wait", type=float, default=120.0, help="seconds to wait for the peers' profiles")
     pr.set_defaults(func=cmd_profile)
 
     pl = sub.add_parser("plan", help="choose clusters, stage order and cut points from profiles")
