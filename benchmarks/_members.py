@@ -47,6 +47,8 @@ class _Member:
     """When its pending request (a registration or a snapshot) was sent; None: none pending."""
     points: list[dict[str, int]] = field(default_factory=list)
     next_point: float = 0.0
+    unsent: tuple[Any, dict[str, Any]] | None = None
+    """A request its DEALER could not send yet (no connection): sent again shortly."""
     frames: list[bytes] | None = None
     """Its heartbeat, encoded: the same until its checkpoints or generation change (encoding one per beat
     was most of the emulator's time at 10,000 members)."""
@@ -70,7 +72,7 @@ class Emulator:
         self._order = 0
         self.window_at = float("inf")
         self.stats = {"bytes": 0, "largest": 0, "stale": 0.0, "joined": 0, "gaps": 0, "late": 0, "retries": 0,
-                      "beats": 0, "lag": 0.0, "cpu_s": 0.0}
+                      "beats": 0, "lag": 0.0, "cpu_s": 0.0, "unconnected": 0}
         self.seen: dict[str, dict[int, float]] = {}
         """Topic -> sequence number -> when a member of this process first heard of it (an update, or a tick
         saying it): when the broker published it, as far as this process can tell."""
@@ -148,10 +150,24 @@ class Emulator:
         self._ask(m, self.MsgType.REGISTER, self.register(m.incarnation), now)
 
     def _ask(self, m: _Member, kind: Any, meta: dict[str, Any], now: float) -> None:
+        """Send a request; while the DEALER has no connection yet (its CURVE handshake waits on the broker)
+        try again a tenth of a second later: a blocking send stalled every member of the process."""
         assert m.dealer is not None
-        m.dealer.send_multipart(self.encode(self.Message(type=kind, sender=m.name, meta=meta)))
+        try:
+            m.dealer.send_multipart(self.encode(self.Message(type=kind, sender=m.name, meta=meta)), zmq.NOBLOCK)
+        except zmq.Again:
+            self.stats["unconnected"] += 1
+            m.unsent = (kind, meta)
+            self.at(now + 0.1, "resend", m.name)
+            return
         m.asked_at = now
         self.at(now + REQUEST_S, "retry", m.name)
+
+    def _resend(self, m: _Member, when: float, now: float) -> None:
+        if m.unsent is not None:
+            kind, meta = m.unsent
+            m.unsent = None
+            self._ask(m, kind, meta, now)
 
     def _retry(self, m: _Member, when: float, now: float) -> None:
         if m.asked_at is not None and m.asked_at + REQUEST_S <= now:
@@ -169,7 +185,10 @@ class Emulator:
         if m.frames is None:
             m.frames = self.encode(self.Message(type=self.MsgType.HEARTBEAT, sender=m.name,
                                                 meta=self.beat_meta(m.incarnation, m.points, m.generation)))
-        m.dealer.send_multipart(m.frames, copy=False)
+        try:
+            m.dealer.send_multipart(m.frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # no connection to the broker (its queue full, or the link went): not sent
+            self.stats["unconnected"] += 1
         if now >= self.window_at:
             self.stats["beats"] += 1
             self.stats["lag"] = max(self.stats["lag"], now - due)

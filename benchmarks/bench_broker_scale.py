@@ -153,7 +153,7 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     cpu1, main1, w1 = _cpu_s(broker.pid), _cpu_s(broker.pid, broker.pid), time.time()
     load = Path("/proc/loadavg").read_text().split()[0]
     lost = {"bytes": 0, "largest": 0, "stale": float("inf"), "joined": 0, "gaps": 0, "late": 0, "retries": 0,
-            "beats": 0, "lag": float("inf"), "cpu_s": 0.0}
+            "beats": 0, "lag": float("inf"), "cpu_s": 0.0, "unconnected": 0}
     stats = [c.recv() if c.poll(120) else lost for c in conns]
     for proc in procs:
         proc.join(10)
@@ -172,7 +172,7 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
             "largest_frame_kib": max(s["largest"] for s in stats) / 1024,
             "worst_stale_intervals": max(s["stale"] for s in stats) / args.interval_s,
             "gaps": sum(s["gaps"] for s in stats), "late_beats": sum(s["late"] for s in stats),
-            "beats": sum(s["beats"] for s in stats), "emulator_lag_s": max(s["lag"] for s in stats),
+            "beats": sum(s["beats"] for s in stats), "unconnected": sum(s["unconnected"] for s in stats), "emulator_lag_s": max(s["lag"] for s in stats),
             "emulator_cores": sum(s["cpu_s"] for s in stats) / (end_at - t0),
             "register_retries": sum(s["retries"] for s in stats),
             "loadavg": float(load), "window_s": seconds}
@@ -217,7 +217,8 @@ def main() -> None:
                   f"broker {r['broker_cores']:.3f} cores ({r['broker_loop_cores']:.3f} its event loop), "
                   f"PUB {r['pub_mb_s']:.2f} MB/s, largest frame {r['largest_frame_kib']:.1f} KiB, worst view "
                   f"{r['worst_stale_intervals']:.2f} intervals stale, {r['gaps']} gaps, "
-                  f"{r['late_beats']} late beats, {r['register_retries']} registrations retried; emulators "
+                  f"{r['late_beats']} late beats, {r['register_retries']} registrations retried, "
+                  f"{r['unconnected']} sends with no connection to the broker yet; emulators "
                   f"{r['emulator_cores']:.2f} cores, their worst lag {r['emulator_lag_s']:.2f}s  "
                   f"[load {r['loadavg']:.2f}, window {r['window_s']:.0f}s]", flush=True)
             if behind := _emulator_behind(r, args):
