@@ -136,7 +136,7 @@ def test_the_averager_tells_the_optimizer_how_many_clusters_average() -> None:
     avg.loop, avg._pending, avg.lead, avg.sync_every, avg.cluster = object(), [], 1, 1000, 0
     avg.groups = RoundGroups(AveragingConfig(), 0, 1000)
     avg.compute_timer = contextlib.nullcontext
-    avg.plan = lambda: SimpleNamespace(clusters=[0, 1, 2], excluded=excluded, epoch=0)
+    avg.plan = lambda: SimpleNamespace(clusters=[0, 1, 2], excluded=excluded, epoch=0, averaging=None)
     opt = ClusterAdam([torch.nn.Parameter(torch.zeros(1))])
     worker = SimpleNamespace(version=1, optimizer=opt)
     avg.on_update(worker)
