@@ -65,7 +65,8 @@ def run_workers(workers: list[StageWorker], timeout_s: float = 60.0) -> None:
             tensors = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _over_the_wire(v)
                        for k, v in out.tensors.items()}
             meta = orjson.loads(orjson.dumps(out.meta))  # as the header carries it
-            assert workers[out.dest].deliver(out.kind, out.micro_batch, src, tensors, meta) is None
+            refused = workers[out.dest].deliver(out.kind, out.micro_batch, src, tensors, meta)
+            assert refused is None, f"stage {out.dest} refused {out.kind} {out.micro_batch} from {src}: {refused}"
         return emit
 
     errors: list[BaseException] = []

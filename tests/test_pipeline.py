@@ -208,3 +208,17 @@ def test_an_idle_wait_is_timed_on_the_stage_clock_and_counted_by_its_reason(reas
     assert got == [("control", print)]
     assert sum(seconds for _, seconds in stage.waits) == (2.5 if reason else 0.0)
     assert {r for r, _ in stage.waits} == ({reason} if reason else set())
+
+
+def test_a_part_that_completes_a_waiting_micro_batch_is_taken_at_the_limit_and_a_round_fits() -> None:
+    """The limit bounds micro-batches waiting, not parts: at the limit, a new micro-batch is refused but
+    the second part of one already waiting is taken.  The eval queue holds a whole round on top."""
+    sched = Scheduler([0, 1], [], 2, eval_round=3)
+    expected = {"x": ((2,), torch.float32)}
+    part = {"x": torch.zeros(2)}
+    with sched.cond:
+        assert [sched.put("fwd", (0, i), 0, part, expected) for i in range(3)] == [None, None, "queue_full"]
+        assert sched.put("fwd", (0, 1), 1, part, expected) is None
+        assert sched.pop_ready("fwd") == ((0, 1), {0: part, 1: part})
+        assert [sched.put("eval", (0, i), 0, part, expected) for i in range(6)] == [None] * 5 + ["queue_full"]
+        assert all(sched.put("eval", (0, i), 1, part, expected) is None for i in range(5))

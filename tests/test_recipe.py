@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -270,6 +271,33 @@ def test_traced_stages_ignore_eval_mode_so_a_second_graph_is_needed() -> None:
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(eval_runs[0], model(x), rtol=0, atol=1e-5)
+
+
+def test_an_eval_round_larger_than_the_queue_reaches_the_last_stage_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 0 sends a round's targets straight to the last stage, all at once: with 3 stages and a round
+    of 24 where 8 micro-batches may wait, the last stage must still take every one (it refused the 9th
+    half-arrived one, and the round never ended)."""
+    recipe = RecipeOptions(eval_every=1, eval_count=24, eval_batches=recipe_tasks.dropout_bn.eval_batches)
+    workers = make_workers(recipe_tasks.dropout_bn, 3, steps=2, max_inflight=1, recipe=recipe)
+    held: list[tuple[Any, ...]] = []
+    deliver = workers[1].deliver
+
+    def hold_a_round(kind: str, *rest: Any) -> str | None:
+        """Stage 1 takes each round only once stage 0 has sent all of it: the last stage has the targets of
+        the whole round waiting before a forward comes (the order a slow stage 1 gives)."""
+        if kind != "eval":
+            return deliver(kind, *rest)
+        held.append((kind, *rest))
+        if len(held) < 24:
+            return None
+        refused = [deliver(*args) for args in held]
+        held.clear()
+        return next((r for r in refused if r is not None), None)
+
+    monkeypatch.setattr(workers[1], "deliver", hold_a_round)
+    run_workers(workers, timeout_s=30)
+    assert [v for v, _ in workers[-1].recipe.evaluator.history] == [1, 2]
+    assert all(w.recipe.evaluator.rounds_done == 2 for w in workers)
 
 
 def test_eval_rounds_run_between_micro_batches_in_flight() -> None:

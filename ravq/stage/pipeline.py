@@ -87,7 +87,8 @@ class StageWorker:
         self.forward_weights = WeightStash(self.params, extrapolate, lookahead, reuse_update=not spec.tied)
         self._grads = GradientSum(self.params, options.update_every)
         self._sched = Scheduler(forward_sources(spec, num_stages), spec.consumer_stages,
-                                4 * options.max_inflight + 4, clock)
+                                4 * options.max_inflight + 4, clock,
+                                eval_round=options.recipe.eval_count if options.recipe.eval_every else 0)
         self._timer = OpTimer(clock)
         self.outbox = Outbox(self.state, cluster, options.compress, options.int8_block)
         self._cluster_done: Callable[[], bool] = lambda: True

@@ -56,15 +56,17 @@ class Scheduler:
     ``cond`` held (the caller looks at its stash under it), every other method takes it itself."""
 
     def __init__(self, forward_sources: list[int], backward_sources: list[int], limit: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, eval_round: int = 0) -> None:
         self.cond = threading.Condition()
         self.clock = clock
         """Seconds, monotonic: what an idle wait is timed on (the stage's clock)."""
         self.sources = {"fwd": forward_sources, "bwd": backward_sources, "eval": forward_sources}
         self.parts: dict[str, OrderedDict[MicroBatch, dict[int, dict[str, torch.Tensor | Packed]]]] = {
             "fwd": OrderedDict(), "bwd": OrderedDict(), "eval": OrderedDict()}
-        self.limit = limit
-        """Micro-batches with parts waiting, per direction, beyond which arrivals are refused."""
+        self.limits = {"fwd": limit, "bwd": limit, "eval": limit + eval_round}
+        """Micro-batches with parts waiting, per direction, beyond which a part of another micro-batch is
+        refused.  Stage 0 sends an evaluation round (``eval_round`` micro-batches) at once, outside the
+        credit window, so a stage fed by two sources may hold all of it half-arrived."""
         self.control: list[Control] = []
         self.paused = False
         self.stopping = False
@@ -86,7 +88,7 @@ class Scheduler:
         reason = check_tensors(tensors, expected, exact=kind != "bwd")
         if reason is not None:
             return reason
-        if len(parts) >= self.limit:
+        if micro_batch not in parts and len(parts) >= self.limits[kind]:
             return "queue_full"
         parts.setdefault(micro_batch, {})[source] = tensors
         self.cond.notify()
