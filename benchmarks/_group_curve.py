@@ -3,12 +3,12 @@ rings against group averaging, for C = 1, 2, 4, 8 clusters of one stage each (``
 --clusters 1,2,4,8``).
 
 Every cluster is the task's unsplit model from the same seed with its own optimizer (the task's: the demo
-task's ClusterAdam, told C as a node tells it) and its own data shard, trained in this one process.  Every
-``sync_every`` steps the clusters average: global mode in one group of all C, groups mode in the groups
-``ravq.average.groups.groups_for`` derives (the node's own derivation, grid places shuffled per cycle).  As
-ravq's defaults do (overlap_averaging, averaging_lead 1), a round averages snapshots while its members
-train on; one step later each member waits for its round to end, then adds (group mean - its snapshot)
-to its weights, keeping the step it took meanwhile.
+task's ClusterAdam, told C as a node tells it: fewer in effect when paced by rate) and its own data shard,
+trained in this one process.  Every ``sync_every`` steps the clusters average: global mode in one group of
+all C, groups mode in the groups ``ravq.average.groups.groups_for`` derives (the node's own derivation, grid
+places shuffled per cycle).  As ravq's defaults do (overlap_averaging, averaging_lead 1), a round averages
+snapshots while its members train on; one step later each member waits for its round to end, then adds
+(group mean - its snapshot) to its weights, keeping the step it took meanwhile.
 
 Wall time is a virtual clock, not this machine's: two shared cores cannot run 8 PCs.  A cluster's step
 takes ``step_s`` (this task's median measured step time here, times ``--slow`` for the last cluster when
@@ -38,7 +38,7 @@ import torch
 
 from ravq.average.groups import Mode, groups_for
 from ravq.cut.split import build_task_model
-from ravq.planner.pacing import mix_weights, round_steps
+from ravq.planner.pacing import effective_clusters, mix_weights, round_steps
 from ravq.stage.optim import set_clusters
 
 
@@ -100,8 +100,10 @@ def train(clusters: int, mode: str, s: CurveSettings, step_s: float | None, targ
     torch.set_num_threads(1)
     models = [build_task_model(task, s.seed) for _ in range(clusters)]
     opts = [task.make_optimizer(m.parameters()) for m in models]
-    for opt in opts:
-        set_clusters(opt, clusters)
+    slow = s.slow if clusters > 1 else 1.0
+    share = round_steps(s.sync_every, [1.0] * (clusters - 1) + [1.0 / slow]) if mode == "paced" else None
+    for opt in opts:  # as a node tells it: every cluster, fewer in effect when paced (ravq.planner.pacing)
+        set_clusters(opt, effective_clusters(share) if share is not None else clusters)
     data = [task.train_batches(s.micro_batch, c, clusters, s.seed) for c in range(clusters)]
     nbytes = sum(p.numel() * 4 for p in models[0].parameters())
     run = Run(clusters, mode, losses=[[] for _ in range(clusters)], finished_s=[[] for _ in s.links])
@@ -109,8 +111,6 @@ def train(clusters: int, mode: str, s: CurveSettings, step_s: float | None, targ
     timed: list[float] = []
     pending: dict[int, tuple[int, list[float], list[torch.Tensor], list[torch.Tensor]]] = {}
     """Cluster -> (step after which its round applies, when the round ends, its snapshot, the mean)."""
-    slow = s.slow if clusters > 1 else 1.0
-    share = round_steps(s.sync_every, [1.0] * (clusters - 1) + [1.0 / slow]) if mode == "paced" else None
     trained = 0
     for step in range(max_steps):
         for c in range(clusters):

@@ -11,6 +11,7 @@ import torch
 from ravq.average.averager import Averager
 from ravq.average.group_rounds import RoundGroups
 from ravq.config.averaging import AveragingConfig
+from ravq.planner.pacing import effective_clusters
 from ravq.stage.optim import ClusterAdam, global_second_moment, set_clusters
 
 
@@ -149,3 +150,33 @@ def test_the_averager_tells_the_optimizer_how_many_clusters_average() -> None:
     assert opt.clusters == 1
     worker.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     avg.on_update(worker)  # no set_clusters: nothing to do
+
+
+@pytest.mark.parametrize("mode", ["global", "groups"])
+def test_under_rate_pacing_the_averager_tells_the_optimizer_what_its_mix_is_worth(mode: str) -> None:
+    """Rates 3:3:3:1 and sync_every 6: rounds mix the clusters 6:6:6:2 by samples, which averages away the
+    noise of 3.41 clusters, not 4 (``effective_clusters``); the node tells ClusterAdam that, so a cluster that
+    mixed with faster ones takes no step sized for equal weights.  Without the slow cluster the shares are
+    equal again: 3; paced by steps: every live cluster, 4."""
+    excluded: set[int] = set()
+    paced = AveragingConfig(mode=mode, pace="rate", rates=[3.0, 3.0, 3.0, 1.0])
+    plan = SimpleNamespace(clusters=[0, 1, 2, 3], excluded=excluded, epoch=0, averaging=paced)
+    avg = Averager.__new__(Averager)
+    avg.loop, avg._pending, avg.lead, avg.sync_every, avg.cluster = object(), [], 1, 6, 3
+    avg.groups = RoundGroups(AveragingConfig(), 3, 6)
+    avg.compute_timer = contextlib.nullcontext
+    avg.plan = lambda: plan
+    opt = ClusterAdam([torch.nn.Parameter(torch.zeros(1))])
+    worker = SimpleNamespace(version=1, optimizer=opt)
+    avg.on_update(worker)
+    assert opt.clusters == pytest.approx(effective_clusters([6, 6, 6, 2])) == pytest.approx(20 * 112 / 656)
+    assert opt.clusters < 3.5
+    avg.cluster = 0
+    avg.groups = RoundGroups(AveragingConfig(), 0, 6)
+    excluded.add(3)
+    avg.on_update(worker)
+    assert opt.clusters == 3
+    plan.averaging = None
+    excluded.clear()
+    avg.on_update(worker)
+    assert opt.clusters == 4

@@ -12,7 +12,7 @@ from ravq.average.segments import plan_segments, segments_for
 from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
 from ravq.planner.grouped import Averaging, averaging_config, averaging_of
-from ravq.planner.pacing import mix_weights, round_steps, send_scale
+from ravq.planner.pacing import effective_clusters, mix_weights, round_steps, send_scale
 from ravq.simulate import SegmentSpec, Settings, averaging_settings, simulate
 from tests.test_allreduce import MemoryNet
 from tests.test_group_rounds import CLUSTERS, GROUPS, NAMES, NODES, NUMELS, OWNERS, _plan, _round, _start
@@ -114,3 +114,48 @@ def test_a_plans_rate_pacing_reaches_the_simulator_and_survives_the_plans_keys()
     settings = averaging_settings(Settings(sync_every=10), config)
     assert (settings.averaging_mode, settings.group_size, settings.round_steps) == ("groups", 2, (10, 3, 10))
     assert averaging_settings(settings, AveragingConfig(mode="groups")).round_steps is None
+
+
+def test_groups_mixed_by_samples_keep_the_samples_weighted_mean_of_every_cluster() -> None:
+    """Groups of 2 paced 6:6:6:2, two rounds of real rings: each cluster's value changes, and the samples-weighted
+    mean over all four, 1.2, stays where it was after each round.  That mean is the groups' consensus, so
+    ClusterAdam counts the noise every live cluster's steps average away, not only the round's group's."""
+    plan, net, values = _paced_plan("groups"), MemoryNet(NODES), _start()
+    steps = RoundGroups(GROUPS, 0, 6).round_steps(plan)
+
+    def value(node: str) -> float:
+        (flat,) = values[node].values()                   # each node holds one ring: a.w on s0, b.w on s1
+        return float(flat[0])
+
+    def weighted_mean() -> float:
+        return sum(steps[int(n[1])] * value(n) for n in NODES if n.endswith("s0")) / sum(steps)
+
+    assert weighted_mean() == pytest.approx(1.2)
+    for k in range(2):
+        sent = {n: RoundGroups(GROUPS, int(n[1]), 6).weighed(plan, plan.epoch * ROUNDS_PER_EPOCH + k, values[n])
+                for n in NODES}
+        before = {n: value(n) for n in NODES}
+        values = {n: r.averaged for n, r in _round(net, sent, plan, k, AveragingConfig()).items()}
+        assert all(value(n) != before[n] for n in NODES)
+        assert all(value(f"c{c}s1") == pytest.approx(value(f"c{c}s0")) for c in range(CLUSTERS))
+        assert weighted_mean() == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("steps", [(3, 3, 3, 1), (4, 2, 2), (6, 1), (2, 2, 2)])
+def test_a_mix_by_samples_averages_away_the_noise_of_its_effective_clusters(steps: tuple[int, ...]) -> None:
+    """Monte Carlo: cluster c trains steps[c] unit steps of gradient 1 + N(0, 1) and counts steps[c] / S in the
+    mix.  The mix moves T = sum(s^2) / S steps with the noise of T steps on b clusters' batches, b =
+    effective_clusters(steps); equal shares are worth every cluster, unequal ones less (3:3:3:1 is not 4)."""
+    gen = torch.Generator().manual_seed(0)
+    trials, total = 40_000, sum(steps)
+    mixed = sum((s / total) * (1.0 + torch.randn(trials, s, generator=gen, dtype=torch.float64)).sum(dim=1)
+                for s in steps)
+    t = sum(s * s for s in steps) / total
+    assert float(mixed.mean()) == pytest.approx(t, rel=0.01)
+    measured = t / float(mixed.var())          # T steps of variance 1 / b each
+    assert measured == pytest.approx(effective_clusters(steps), rel=0.04)
+    if len(set(steps)) == 1:
+        assert effective_clusters(steps) == len(steps)
+    else:
+        assert measured < 0.92 * len(steps)
+    assert effective_clusters([5]) == 1.0

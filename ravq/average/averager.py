@@ -124,7 +124,7 @@ class Averager:
         self.queue = RoundQueue(me=me, plan=plan, mailbox=self.mailbox, link=self.port.link, metrics=metrics,
                                 piece_bytes=self.piece_bytes, timeout_s=self.timeout_s, notify_s=self.hold_s,
                                 compression=self.compression, spared=self.groups.spared)
-        set_clusters(worker.optimizer, self.live_clusters())  # before the compute thread's first step
+        set_clusters(worker.optimizer, self.groups.effective_clusters(plan()))  # before the first step
 
     def live_clusters(self, plan: Plan | None = None) -> int:
         """Clusters averaging with this node under the plan (1 once its own cluster is dropped)."""
@@ -156,8 +156,8 @@ class Averager:
     def _after_step(self, worker: StageWorker) -> None:
         self._hold_back(worker)
         plan = self.plan()
-        # the next step's count (a dropped cluster counts no more)
-        set_clusters(worker.optimizer, self.live_clusters(plan))
+        # the next step's count (a dropped cluster counts no more; unequal shares count less)
+        set_clusters(worker.optimizer, self.groups.effective_clusters(plan))
         due = self.groups.step(plan, self.segments)  # this round's group's rings
         if due is None or self.loop is None:
             return

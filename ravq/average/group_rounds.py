@@ -20,7 +20,7 @@ from ravq.average.segments import Segment
 from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
 from ravq.metrics import Metrics
-from ravq.planner.pacing import round_steps, send_scale
+from ravq.planner.pacing import effective_clusters, round_steps, send_scale
 
 
 def live_clusters(plan: Plan) -> list[int]:
@@ -83,6 +83,16 @@ class RoundGroups:
         if mode.pace != "rate" or mode.rates is None or len(mode.rates) != count:
             return [self.clock.sync_every] * count
         return round_steps(self.clock.sync_every, mode.rates)
+
+    def effective_clusters(self, plan: Plan) -> float:
+        """How many clusters' gradient noise this node's rounds average away under the plan, for ClusterAdam:
+        the live clusters, fewer in effect under rate pacing (``ravq.planner.pacing.effective_clusters``); 1
+        once this node's own cluster is dropped."""
+        live = live_clusters(plan)
+        if self.cluster not in live:
+            return 1.0
+        steps = self.round_steps(plan)
+        return effective_clusters([steps[c] for c in live])
 
     def scale(self, plan: Plan, round_index: int) -> float:
         """What this node multiplies its snapshot by before round ``round_index``'s rings, so that their plain

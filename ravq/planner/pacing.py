@@ -14,7 +14,9 @@ node), never a node's own measurement, so every member of a round derives the sa
 A round then mixes unequal amounts of training: each cluster's weights count in proportion to the samples
 it trained since its last mix (its steps per round), so the average is the one a single run over all
 those samples would move to, and a slow cluster's few steps do not pull the fast ones back as much as
-they would in a plain mean.  Everything here is pure: the node, the simulator and the planner call it.
+they would in a plain mean.  Such a mix averages away less gradient noise than a plain mean of as many
+clusters: ``effective_clusters`` says how much, for ClusterAdam (``ravq.stage.optim``), which otherwise takes
+steps sized for equal weights.  Everything here is pure: the node, the simulator and the planner call it.
 """
 
 from __future__ import annotations
@@ -48,3 +50,20 @@ def send_scale(cluster: int, group: Iterable[int], steps: Mapping[int, int] | Se
     equal)."""
     weights = mix_weights(group, steps)
     return len(weights) * weights[cluster]
+
+
+def effective_clusters(steps: Sequence[int]) -> float:
+    """How many clusters' worth of gradient noise a round's samples-weighted mix averages away: the b for
+    which the mix moves as T = sum(s^2) / S steps of one optimizer on b clusters' batches would (S = sum(s)),
+    when cluster c trains ``steps[c]`` = s_c steps per round (each step one micro-batch's noise, variance v)
+    and counts s_c / S.  The mix's mean is T steps' and its variance sum(s^3) / S^2 * v, so
+    b = S * sum(s^2) / sum(s^3): exactly C for C equal shares, less for unequal ones (3:3:3:1 -> 3.41, not 4;
+    3:1 -> 1.43), and 1 for one cluster.
+
+    ``steps`` are every live cluster's, not only the round's group: a samples-weighted mix within any group
+    keeps the samples-weighted mean over all clusters where it was (the groups' consensus moves by it), so
+    groups average away the same noise as global rings, a few rounds later."""
+    total, square, cube = sum(steps), sum(s * s for s in steps), sum(s ** 3 for s in steps)
+    if cube <= 0:
+        return float(max(1, len(steps)))
+    return max(1.0, total * square / cube)

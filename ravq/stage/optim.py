@@ -13,6 +13,12 @@ gradient, and the global batch's is C times smaller, so the step divides by the 
 ``min(m^2, v) + max(v - m^2, 0) / C``.  Only local state is used; with C = 1 (one cluster, or the
 others dropped) it is exactly ``torch.optim.Adam`` / ``AdamW``.  The node sets C from the plan
 (``set_clusters``); a task opts in by returning it from ``make_optimizer``.
+
+C is the noise the clusters' mix averages away, not a head count: with rounds paced by rate a round weighs
+each cluster by the samples it trained since its last mix, and such a mix of C unequal shares averages away
+less noise than a plain mean (``ravq.planner.pacing.effective_clusters``: 3.41 for shares 3:3:3:1), so the
+node tells that, a real number >= 1.  The moments themselves are local: kept across rounds, neither reset nor
+rescaled; with ``average_optimizer_state`` they are mixed like the weights, by the same samples weights.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 import torch
 
 
-def global_second_moment(m_hat: torch.Tensor, v_hat: torch.Tensor, clusters: int) -> torch.Tensor:
+def global_second_moment(m_hat: torch.Tensor, v_hat: torch.Tensor, clusters: float) -> torch.Tensor:
     """The second moment one optimizer would see on ``clusters`` clusters' batches together, from one
     cluster's bias-corrected moments (a new tensor; with one cluster a copy of ``v_hat``)."""
     if clusters <= 1:
@@ -41,7 +47,7 @@ class ClusterAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled_weight_decay: bool = False,
-                 clusters: int = 1) -> None:
+                 clusters: float = 1) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"ClusterAdam: lr, eps and weight_decay must be >= 0 "
                              f"(got {lr}, {eps}, {weight_decay})")
@@ -49,13 +55,14 @@ class ClusterAdam(torch.optim.Optimizer):
             raise ValueError(f"ClusterAdam: betas must lie in [0, 1) (got {betas})")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                                   "decoupled_weight_decay": decoupled_weight_decay})
-        self.clusters = 1
+        self.clusters = 1.0
         self.set_clusters(clusters)
 
-    def set_clusters(self, clusters: int) -> None:
-        if clusters < 1:
+    def set_clusters(self, clusters: float) -> None:
+        """How many clusters' gradient noise the averaging divides away (>= 1; need not be whole)."""
+        if not clusters >= 1:
             raise ValueError(f"ClusterAdam: clusters must be >= 1 (got {clusters})")
-        self.clusters = int(clusters)
+        self.clusters = float(clusters)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -96,8 +103,9 @@ class ClusterAdam(torch.optim.Optimizer):
         return loss
 
 
-def set_clusters(optimizer: torch.optim.Optimizer, clusters: int) -> None:
-    """Tell an optimizer how many clusters average with it (a no-op for optimizers that don't ask)."""
+def set_clusters(optimizer: torch.optim.Optimizer, clusters: float) -> None:
+    """Tell an optimizer how many clusters' noise its averaging divides away (a no-op for optimizers that
+    don't ask): the live clusters, fewer in effect when rounds mix them by unequal samples."""
     setter = getattr(optimizer, "set_clusters", None)
     if callable(setter):
         setter(max(1, clusters))
