@@ -174,8 +174,8 @@ class Book:
             return
         excluded = sorted(self._out)
         if excluded != list(self.plan.excluded):
+            log.info("rings now exclude clusters %s", _listed(excluded, self.plan.excluded))
             self.plan = self.plan.model_copy(update={"excluded": excluded, "epoch": self.plan.epoch + 1})
-            log.info("rings now exclude clusters %s", excluded or "none")
 
     def register(self, node: str, incarnation: str | None, now: float) -> bool:
         """A node (re)started; True when the book changed."""
@@ -373,3 +373,13 @@ class Book:
 def _int(value: Any, default: int) -> int:
     return value if type(value) is int else default
 
+
+
+def _listed(excluded: list[int], before: list[int], most: int = 16) -> str:
+    """The excluded clusters for a log line: the list while short, else how many and what changed (the
+    whole list, once per pause and rejoin, was O(N) a line: thousands at a 10,000-member start)."""
+    if len(excluded) <= most:
+        return str(excluded) if excluded else "none"
+    now, was = set(excluded), set(before)
+    added, back = sorted(now - was)[:most], sorted(was - now)[:most]
+    return f"({len(excluded)} in all): now also {added}, no longer {back}"

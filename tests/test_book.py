@@ -255,3 +255,24 @@ def test_an_events_exclusions_look_at_its_clusters_and_the_timer_says_what_chang
     _beat(book, "n10", 7.0, stats={"version": 10}, generation=1, phase="paused")
     book.advance(5, 7.0)
     assert book.clusters[5].state == "recovering" and book.clusters[5].source == 1
+
+
+def test_the_exclusions_log_line_stays_short_when_thousands_of_clusters_are_out(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Each pause and rejoin logged the whole excluded list: O(N) a line, thousands of lines at a
+    10,000-member start.  A short list is still logged whole."""
+    plan = Plan(clusters=[ClusterPlan(nodes=[f"n{2 * c}", f"n{2 * c + 1}"], cuts=["l3"]) for c in range(100)])
+    book = Book(plan, lost_s=LOST_S, now=0.0)
+    names = [n for c in plan.clusters for n in c.nodes]
+    for n in names:
+        book.register(n, f"i-{n}", 0.0)
+        _beat(book, n, 1.0)
+    book.check(1.0)
+    with caplog.at_level("INFO", logger="brokers.book"):
+        for c in range(40):
+            _beat(book, f"n{2 * c}", 2.0, left=True)
+            book.exclude_idle([c])
+    lines = [r.getMessage() for r in caplog.records if "rings now exclude" in r.getMessage()]
+    assert len(lines) == 40 and lines[0] == "rings now exclude clusters [0]"
+    assert lines[-1] == "rings now exclude clusters (40 in all): now also [39], no longer []"
+    assert book.plan.excluded == list(range(40))
