@@ -8,7 +8,8 @@ second in case an edge was missed), parses the JSON header only, and keeps each 
 A member registers (retrying after ``REQUEST_S`` as a node does), follows the published state as a node
 does (its topics' sequence numbers, a snapshot of its topics on a gap; the old tree: every whole-state
 update) without applying it, and beats on a fixed cadence with three checkpoint points (a new one every
-``checkpoint_s``) and the generation of its cluster it last saw, ready for it, as a node that caught up.
+``checkpoint_s``) and the generation of its cluster it last saw, ready for it, as a node that caught up;
+it says it trains once the broker's ``start`` key says every member is up (the old tree: at once).
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class Emulator:
         self.window_at = float("inf")
         self.stats = {"bytes": 0, "largest": 0, "stale": 0.0, "joined": 0, "gaps": 0, "late": 0, "retries": 0,
                       "beats": 0, "lag": 0.0, "cpu_s": 0.0, "unconnected": 0}
+        self.started = False
+        """Whether its members say they train: once one heard that every member of the plan is up (the
+        ``start`` key), as nodes at a first start do; before, they say they are starting (a broker marks
+        nobody lost before training began: members joining over a minute paused and recovered clusters)."""
         self.seen: dict[str, dict[int, float]] = {}
         """Topic -> sequence number -> when a member of this process first heard of it (an update, or a tick
         saying it): when the broker published it, as far as this process can tell."""
@@ -184,7 +189,8 @@ class Emulator:
         assert m.dealer is not None
         if m.frames is None:
             m.frames = self.encode(self.Message(type=self.MsgType.HEARTBEAT, sender=m.name,
-                                                meta=self.beat_meta(m.incarnation, m.points, m.generation)))
+                                                meta=self.beat_meta(m.incarnation, m.points, m.generation,
+                                                                    self.started or not self.new)))
         try:
             m.dealer.send_multipart(m.frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:  # no connection to the broker (its queue full, or the link went): not sent
@@ -210,6 +216,10 @@ class Emulator:
         for key, value in items:
             if key == mine and isinstance(value, dict) and value["generation"] != m.generation:
                 m.generation, m.frames = value["generation"], None
+            elif key == "start" and isinstance(value, dict) and value.get("up") and not self.started:
+                self.started = True  # every member of this process trains from now (those with no SUB too)
+                for other in self.members.values():
+                    other.frames = None
 
     def _reply(self, m: _Member, frames: list[bytes]) -> None:
         header = orjson.loads(frames[0])

@@ -29,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,19 +72,20 @@ def _emulate(tree: str, names: list[str], keys: dict[str, tuple[str, str]], brok
 
 def _control_messages(tree: str) -> tuple[Any, Any]:
     """REGISTER's and HEARTBEAT's meta as ``tree``'s broker reads them: the typed messages where it has them
-    (``ravq.net.protocol``), else the dictionaries dc9d577's broker read (``gen``, not ``generation``)."""
+    (``ravq.net.protocol``), else the dictionaries dc9d577's broker read (``gen``, not ``generation``).  A
+    heartbeat's phase: training, or starting while the member has not heard that every member is up."""
     stats = {"loss": 2.5, "samples_per_s": 12.0, "rss_bytes": 1 << 30}
     try:
         from ravq.net.protocol import Heartbeat, Register
     except ImportError:
         return (lambda inc: {"incarnation": inc},
-                lambda inc, points, gen: {"incarnation": inc, "phase": "training", "gen": gen, "ready": gen,
-                                          "trained": points[0]["trained"], "stage_bytes": 1 << 28,
-                                          "checkpoints": points, "stats": stats})
+                lambda inc, points, gen, _: {"incarnation": inc, "phase": "training", "gen": gen, "ready": gen,
+                                             "trained": points[0]["trained"], "stage_bytes": 1 << 28,
+                                             "checkpoints": points, "stats": stats})
     return (lambda inc: Register(incarnation=inc).meta(),
-            lambda inc, points, gen: Heartbeat(incarnation=inc, phase="training", generation=gen, ready=gen,
-                                               trained=points[0]["trained"], stage_bytes=1 << 28,
-                                               checkpoints=points, stats=stats).meta())
+            lambda inc, points, gen, training: Heartbeat(
+                incarnation=inc, phase="training" if training else "starting", generation=gen, ready=gen,
+                trained=points[0]["trained"], stage_bytes=1 << 28, checkpoints=points, stats=stats).meta())
 
 
 def _free_ports(n: int) -> list[int]:
@@ -122,9 +124,13 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     path.write_text(yaml.safe_dump(topology))
     env = {**os.environ, "PYTHONPATH": tree}
     run_cli = "import sys; from ravq.cli.main import main; sys.exit(main())"
-    if args.profile and tree == str(REPO):  # the broker under cProfile, written when it stops (SIGTERM)
+    profiled = bool(args.profile) and tree == str(REPO)
+    if profiled:  # the broker's event loop under cProfile over the window (SIGUSR1), written when it stops
         out = Path(args.profile).resolve() / f"broker-{n}.prof"
-        run_cli = f"import cProfile; from ravq.cli.main import main; cProfile.run('main()', {str(out)!r})"
+        run_cli = ("import cProfile, signal, time; from ravq.cli.main import main\n"
+                   "p = cProfile.Profile(time.thread_time)\n"
+                   "signal.signal(signal.SIGUSR1, lambda *_: p.enable())\n"
+                   f"try:\n    main()\nfinally:\n    p.disable(); p.dump_stats({str(out)!r})")
     with (tmp / "broker.log").open("w") as log:
         argv = [sys.executable, "-c", run_cli, "broker", "--topology", str(path), "--new-run"]
         broker = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
@@ -148,6 +154,8 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
         procs.append(proc)
         conns.append(parent)
     time.sleep(max(0.0, window_at - time.time()))
+    if profiled:
+        broker.send_signal(signal.SIGUSR1)
     cpu0, main0, w0 = _cpu_s(broker.pid), _cpu_s(broker.pid, broker.pid), time.time()
     time.sleep(max(0.0, end_at - time.time()))
     cpu1, main1, w1 = _cpu_s(broker.pid), _cpu_s(broker.pid, broker.pid), time.time()
@@ -203,7 +211,8 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=4, help="emulator processes")
     parser.add_argument("--max-subs", type=int, default=9800,
                         help="members past this many send heartbeats only (the broker may hold 20,000 files)")
-    parser.add_argument("--profile", help="write this tree's broker's cProfile to DIR/broker-N.prof")
+    parser.add_argument("--profile", help="write this tree's broker's cProfile (its event loop's CPU time, "
+                        "over the window) to DIR/broker-N.prof")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
