@@ -286,10 +286,11 @@ class Broker:
         the interval came one per wake-up of the event loop, whose cost was most of the broker's CPU."""
         gather_s = GATHER * self.topology.timeouts.heartbeat_interval_s
         while True:
-            identity, msg = await inbox.recv()
-            await self._handle(inbox, pub, identity, msg)
-            if not inbox.queued():
-                await asyncio.sleep(gather_s)
+            got: tuple[bytes, Message] | None = await inbox.recv()
+            while got is not None:  # the burst queued, without a coroutine and a look at EVENTS each
+                await self._handle(inbox, pub, *got)
+                got = inbox.recv_queued()
+            await asyncio.sleep(gather_s)
 
     async def _watch_heartbeats(self, pub: Publisher) -> None:
         """Each heartbeat interval: mark silent nodes lost and move clusters along (``Book.check``, over every

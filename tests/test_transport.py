@@ -148,6 +148,43 @@ def test_malformed_frames_are_dropped_counted_and_the_next_message_arrives(
     assert sample(metrics, "ravq_bytes_received_total", **hop) == len(header) + len(payload)
 
 
+def test_recv_queued_drains_what_is_queued_dropping_the_malformed_and_returns_none_when_empty(
+        zmq_ctx: zmq.asyncio.Context) -> None:
+    """The broker handles a burst of heartbeats with ``recv_queued``: the same checks as ``recv``, in order."""
+    metrics = Metrics("broker")
+    msgs = [forward(i, n=4) for i in range(4)]
+
+    async def scenario() -> tuple[list[tuple[bytes, Message]], tuple[bytes, Message] | None]:
+        inbox = Inbox.bind(zmq_ctx, ANY_PORT, "pipeline", metrics, LIMITS, OPTS)
+        raw = zmq_ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.IDENTITY, b"peer")
+        try:
+            raw.connect(bound_endpoint(inbox.sock))
+            for i, msg in enumerate(msgs):
+                await raw.send_multipart(encode(msg))
+                if i == 1:
+                    await raw.send_multipart([b"\x80not json"])
+            got = [await inbox.recv()]
+            while len(got) < len(msgs):  # the rest may still be on its way: wait a little when none is
+                if (one := inbox.recv_queued()) is None:
+                    await asyncio.sleep(0.01)
+                else:
+                    got.append(one)
+            return got, inbox.recv_queued()
+        finally:
+            raw.close()
+            inbox.close()
+
+    got, after = run(scenario())
+    assert [identity for identity, _ in got] == [b"peer"] * 4 and after is None
+    for (_, m), sent in zip(got, msgs, strict=True):
+        assert_same(m, sent)
+    assert sample(metrics, "ravq_bad_messages_total", socket="pipeline", reason="bad_json") == 1
+    hop = {"socket": "pipeline", "peer": "stage-0", "type": "fwd"}
+    assert sample(metrics, "ravq_messages_received_total", **hop) == 4
+
+
 def test_inbox_applies_its_decode_limits(zmq_ctx: zmq.asyncio.Context) -> None:
     metrics = Metrics()
 

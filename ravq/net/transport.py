@@ -89,34 +89,49 @@ class Inbox:
     async def recv(self) -> tuple[bytes, Message]:
         """The next valid message and the identity of the peer that sent it."""
         while True:
-            frames = await self._io.recv()
-            if len(frames) < 2:
-                self.metrics.bad_messages.labels(self.name, "no_identity").inc()
-                continue
-            identity = frames[0].bytes
-            source: str | None = None
-            if self.relays and identity.decode(errors="replace") in self.relays:
-                if len(frames) < 3:  # relayed: [relay, source node, header, tensors...]
-                    self.metrics.bad_messages.labels(self.name, "no_source").inc()
-                    continue
-                source, frames = frames[1].bytes.decode(errors="replace"), [frames[0], *frames[2:]]
+            if (got := self._accept(await self._io.recv())) is not None:
+                return got
+
+    def recv_queued(self) -> tuple[bytes, Message] | None:
+        """The next valid message already queued (None when none is): a receiver drains a burst without a
+        coroutine and a look at the socket's state per message (a broker's thousands of heartbeats)."""
+        while True:
             try:
-                msg = decode(frames[1:], self.limits)
-            except WireError as err:
-                self.metrics.bad_messages.labels(self.name, err.reason).inc()
-                log.debug("%s: dropped malformed message: %s", self.name, err)
-                continue
-            # With CURVE a direct sender is the key's name; a relayed one is the relay's key's name and the
-            # source the relay stamped (it stamps its own authenticated peer, not what the sender claims).
-            if source is not None and source != msg.sender:
-                self.metrics.bad_messages.labels(self.name, "sender_mismatch").inc()
-                continue
-            expected = msg.sender if source is None else identity.decode(errors="replace")
-            if self.authenticated and not self._authentic(identity, frames[1], expected):
-                self.metrics.bad_messages.labels(self.name, "sender_mismatch").inc()
-                continue
-            self._hops.received(msg.sender, msg, frames[1:], latency=True)
-            return (identity if source is None else source.encode()), msg
+                frames = self._io.recv_now()
+            except zmq.Again:
+                return None
+            if (got := self._accept(frames)) is not None:
+                return got
+
+    def _accept(self, frames: list[Any]) -> tuple[bytes, Message] | None:
+        """A received message decoded and checked (None: dropped and counted)."""
+        if len(frames) < 2:
+            self.metrics.bad_messages.labels(self.name, "no_identity").inc()
+            return None
+        identity = frames[0].bytes
+        source: str | None = None
+        if self.relays and identity.decode(errors="replace") in self.relays:
+            if len(frames) < 3:  # relayed: [relay, source node, header, tensors...]
+                self.metrics.bad_messages.labels(self.name, "no_source").inc()
+                return None
+            source, frames = frames[1].bytes.decode(errors="replace"), [frames[0], *frames[2:]]
+        try:
+            msg = decode(frames[1:], self.limits)
+        except WireError as err:
+            self.metrics.bad_messages.labels(self.name, err.reason).inc()
+            log.debug("%s: dropped malformed message: %s", self.name, err)
+            return None
+        # With CURVE a direct sender is the key's name; a relayed one is the relay's key's name and the
+        # source the relay stamped (it stamps its own authenticated peer, not what the sender claims).
+        if source is not None and source != msg.sender:
+            self.metrics.bad_messages.labels(self.name, "sender_mismatch").inc()
+            return None
+        expected = msg.sender if source is None else identity.decode(errors="replace")
+        if self.authenticated and not self._authentic(identity, frames[1], expected):
+            self.metrics.bad_messages.labels(self.name, "sender_mismatch").inc()
+            return None
+        self._hops.received(msg.sender, msg, frames[1:], latency=True)
+        return (identity if source is None else source.encode()), msg
 
     def _authentic(self, identity: bytes, frame: Any, expected: str) -> bool:
         """Whether ``expected`` sent ``frame`` under CURVE.  On connections others made to this ROUTER,
