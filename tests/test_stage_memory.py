@@ -1,13 +1,20 @@
-"""What weight prediction and delay compensation hold (issue #39 part 4): nothing while nothing is stale, one
-buffer each while it is, and the same numbers as the copies they replaced."""
+"""What a stage holds (issue #39 part 4): weight prediction and delay compensation nothing while nothing is stale,
+one buffer each while it is, and the same numbers as the copies they replaced; a stated batch's gradient sum one
+copy of the gradients."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
+import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
+from ravq.cut.split import build_task_model
 from ravq.stage.delay import GradientExtrapolation
 from ravq.stage.stash import WeightStash
+from tests.pipeline_harness import make_workers, merged_state, run_in_order
 
 
 def _stage(seed: int = 0) -> tuple[dict[str, nn.Parameter], torch.optim.Optimizer]:
@@ -116,3 +123,82 @@ def test_the_last_gradient_is_kept_only_while_stale_and_extrapolates_as_before()
     _set_grads(params, 3)
     extrapolation.apply(0.0)
     assert not extrapolation.previous  # staleness gone: the copy is freed
+
+
+class _Deep:
+    """A task of eight equal layers, so one layer's gradient is an eighth of the stage's."""
+
+    WIDTH, LAYERS = 128, 8
+
+    @staticmethod
+    def build_model() -> nn.Module:
+        layers = [m for _ in range(_Deep.LAYERS) for m in (nn.Linear(_Deep.WIDTH, _Deep.WIDTH), nn.Tanh())]
+        return nn.Sequential(*layers)
+
+    @staticmethod
+    def split_points() -> list[str]:
+        return [str(2 * i) for i in range(1, _Deep.LAYERS)]
+
+    @staticmethod
+    def example_inputs(micro_batch: int) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(micro_batch, _Deep.WIDTH),)
+
+    @staticmethod
+    def loss_fn(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return ((out - targets) ** 2).mean()
+
+    @staticmethod
+    def train_batches(micro_batch: int, shard: int, num_shards: int,
+                      seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+        gen = torch.Generator().manual_seed(seed * 31 + shard)
+        while True:
+            yield (torch.randn(micro_batch, _Deep.WIDTH, generator=gen),), torch.randn(micro_batch, _Deep.WIDTH,
+                                                                                     generator=gen)
+
+    @staticmethod
+    def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.05)
+
+
+def _allocated_peak(fn: Callable[[], None]) -> int:
+    """The most bytes torch's CPU allocator held at once while ``fn`` ran, over what it held before (the
+    profiler's allocation and free events, in order: exact, whatever the process's resident size)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_a_stated_batch_sums_gradients_in_place_without_a_second_copy() -> None:
+    """Several micro-batches per update: autograd adds each backward's gradients to the sum layer by layer,
+    so the stage holds its gradients once (it held each backward's gradients and their scaled sum: twice)."""
+    (worker,) = make_workers(_Deep, 1, steps=8, max_inflight=1, update_every=4, micro_batch=4)  # type: ignore[arg-type]
+    stage = sum(p.numel() * p.element_size() for p in worker.params.values())
+    peak = _allocated_peak(lambda: run_in_order([worker]))
+    assert worker.version == 2
+    assert peak < 1.4 * stage, f"{peak / stage:.2f} stages of memory over the weights"
+
+
+@pytest.mark.parametrize("update_every", [3, 4])
+def test_the_summed_update_is_the_mean_of_its_micro_batches_gradients(update_every: int) -> None:
+    """The sum autograd accumulates is scaled once per update: the same weights as one process taking
+    the mean of ``update_every`` micro-batches' losses each step."""
+    workers = make_workers(_Deep, 2, steps=4 * update_every, max_inflight=1, update_every=update_every)  # type: ignore[arg-type]
+    run_in_order(workers)
+    model = build_task_model(_Deep, 0)  # type: ignore[arg-type]
+    optimizer = _Deep.make_optimizer(model.parameters())
+    batches = _Deep.train_batches(4, 0, 1, 0)
+    for _ in range(4):
+        optimizer.zero_grad()
+        for _ in range(update_every):
+            (x,), targets = next(batches)
+            (_Deep.loss_fn(model(x), targets) / update_every).backward()
+        optimizer.step()
+    got = merged_state(workers)
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6, msg=name)

@@ -142,13 +142,18 @@ class Passes:
         """Backward of ``roots`` (weighted by ``root_grads``) at the stashed weights; the input-gradients
         to their producers; the update, when this backward completes one."""
         state, stats = self._state, self._stats
-        weight_grads, grad_of = stash.gradients(roots, root_grads)
-        weight_grads, scale = self._recipe.unscale(mb, weight_grads)
+        if self._recipe.scales_apart:
+            weight_grads, grad_of = stash.gradients(roots, root_grads)
+            weight_grads, scale = self._recipe.unscale(mb, weight_grads)
+            due = self._grads.add(weight_grads, stash.version)
+            del weight_grads
+        else:  # autograd adds each weight's gradient to the sum: no second copy of the stage's gradients
+            grad_of, scale = stash.gradients_into(roots, root_grads, self._weights.params), None
+            due = self._grads.summed(stash.version)
         del state.stash[mb]
         if self._feed is not None and self._feed.complete(mb):
             stats.record_completed(mb[1])
         stats.record_inflight(len(state.stash))
-        due = self._grads.add(weight_grads, stash.version)
         if due and self._tied_step is not None:  # before the input-gradients: upstream holders need it first
             self._tied_step.contribute()
         meta = self._recipe.backward_meta(mb, due, scale)

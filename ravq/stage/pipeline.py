@@ -347,6 +347,7 @@ class StageWorker:
 
     def _flush_update(self) -> None:
         if self._grads.versions:
+            self._grads.finish()
             if self.tied_step is not None:
                 self.tied_step.contribute()
             self._step()

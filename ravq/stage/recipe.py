@@ -153,6 +153,12 @@ class Recipe:
         return loss * self.loss_scale.scale
 
     # ----------------------------------------------------------------- backwards and steps
+    @property
+    def scales_apart(self) -> bool:
+        """fp16: each micro-batch's weight gradients are divided by its own loss scale (``unscale``), so they
+        are taken apart rather than added to the sum by autograd."""
+        return self.exchange is not None and self.precision == "fp16"
+
     def unscale(self, mb: MicroBatch, grads: dict[str, torch.Tensor | None]
                 ) -> tuple[dict[str, torch.Tensor | None], float | None]:
         """fp16: the micro-batch's weight gradients divided by the loss scale its loss used."""

@@ -52,6 +52,25 @@ class Stashed:
             grads = (None,) * (len(weights) + len(grad_inputs))
         return dict(zip(names, grads[: len(names)])), dict(zip(map(id, grad_inputs), grads[len(names):]))
 
+    def gradients_into(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
+                       params: dict[str, nn.Parameter]) -> dict[int, torch.Tensor | None]:
+        """Like ``gradients``, but each weight's gradient is added by autograd, in place and layer by layer,
+        to the ``.grad`` of the parameter of its name in ``params``: the stage never holds a second copy of
+        its gradients besides their sum.  The gradient of each input that takes one, by ``id``."""
+        names = [n for n, w in self.params.items() if w.requires_grad]
+        weights = [self.params[n] for n in names]
+        grad_inputs = [x for x in self.inputs if x.requires_grad]
+        if not roots:
+            return dict.fromkeys(map(id, grad_inputs))
+        for name, w in zip(names, weights):  # the snapshot's leaves add into the live parameters' sums
+            w.grad = params[name].grad
+        try:
+            torch.autograd.backward(roots, root_grads, inputs=weights + grad_inputs)
+        finally:
+            for name, w in zip(names, weights):
+                params[name].grad, w.grad = w.grad, None
+        return {id(x): x.grad for x in grad_inputs}
+
 
 class WeightStash:
     """The weights of a stage's forwards, one snapshot per version, and what predicting them needs: the
@@ -175,14 +194,37 @@ class WeightStash:
 
 class GradientSum:
     """The weight gradients of the backwards since the last update, summed into the live parameters
-    (each scaled by 1 / ``update_every``), and the version each of those backwards' forward used."""
+    (scaled by 1 / ``update_every``), and the version each of those backwards' forward used."""
 
     def __init__(self, params: dict[str, nn.Parameter], update_every: int) -> None:
         self.params, self.update_every = params, update_every
         self.versions: list[int] = []
+        self._unscaled = False
+        """The ``.grad`` sums hold backwards added by ``summed``, not yet scaled by 1 / ``update_every``."""
+
+    def summed(self, version: int) -> bool:
+        """One backward's gradients (taken at the weights of ``version``) were added to the parameters'
+        ``.grad`` unscaled (``Stashed.gradients_into``); whether an update is due (the sum is then scaled)."""
+        self.versions.append(version)
+        self._unscaled = True
+        due = len(self.versions) >= self.update_every
+        if due:
+            self.finish()
+        return due
+
+    def finish(self) -> None:
+        """Scale what ``summed`` added by 1 / ``update_every``, as ``add`` scales each backward (before an
+        update reads the sum; also a last partial one)."""
+        if self._unscaled and self.update_every != 1:
+            with torch.no_grad():
+                for p in self.params.values():
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / self.update_every)
+        self._unscaled = False
 
     def add(self, grads: dict[str, torch.Tensor | None], version: int) -> bool:
-        """Add one backward's gradients (taken at the weights of ``version``); whether an update is due."""
+        """Add one backward's gradients (taken at the weights of ``version``) apart from autograd (fp16: each
+        divided by its own loss scale first); whether an update is due."""
         scale = 1.0 / self.update_every
         for name, g in grads.items():
             if g is None:
