@@ -73,7 +73,7 @@ class Emulator:
         self._order = 0
         self.window_at = float("inf")
         self.stats = {"bytes": 0, "largest": 0, "stale": 0.0, "joined": 0, "gaps": 0, "late": 0, "retries": 0,
-                      "beats": 0, "lag": 0.0, "cpu_s": 0.0, "unconnected": 0}
+                      "beats": 0, "lag": 0.0, "cpu_s": 0.0, "unconnected": 0, "join_waits": []}
         self.started = False
         """Whether its members say they train: once one heard that every member of the plan is up (the
         ``start`` key), as nodes at a first start do; before, they say they are starting (a broker marks
@@ -234,6 +234,8 @@ class Emulator:
                 return
         else:
             m.seq, m.broker = meta["seq"], meta["incarnation"]
+        if not m.joined and m.asked_at is not None:  # how long the broker took to answer its registration
+            self.stats["join_waits"].append(now - m.asked_at)
         m.synced, m.asked_at = now, None
         if not m.joined:
             m.joined = True

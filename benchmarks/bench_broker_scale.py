@@ -183,6 +183,7 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
             "beats": sum(s["beats"] for s in stats), "unconnected": sum(s["unconnected"] for s in stats), "emulator_lag_s": max(s["lag"] for s in stats),
             "emulator_cores": sum(s["cpu_s"] for s in stats) / (end_at - t0),
             "register_retries": sum(s["retries"] for s in stats),
+            "join_waits": sorted(w for s in stats for w in s.get("join_waits", [])),
             "loadavg": float(load), "window_s": seconds}
 
 
@@ -230,6 +231,9 @@ def main() -> None:
                   f"{r['unconnected']} sends with no connection to the broker yet; emulators "
                   f"{r['emulator_cores']:.2f} cores, their worst lag {r['emulator_lag_s']:.2f}s  "
                   f"[load {r['loadavg']:.2f}, window {r['window_s']:.0f}s]", flush=True)
+            if waits := r["join_waits"]:
+                print(f"  registrations answered in {waits[len(waits) // 2]:.2f}s (median), "
+                      f"{waits[int(0.9 * (len(waits) - 1))]:.2f}s (90%), {waits[-1]:.2f}s (longest)", flush=True)
             if behind := _emulator_behind(r, args):
                 print(f"  ^ the emulator fell behind ({behind}): these figures are not the broker's alone",
                       flush=True)
@@ -242,7 +246,7 @@ def main() -> None:
             print(f"{n} members, old/new: broker CPU {cpu:.1f}x, "
                   f"PUB {b['pub_mb_s'] / max(a['pub_mb_s'], 1e-9):.1f}x")
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps([{k: v for k, v in r.items() if k != "join_waits"} for r in rows]))
 
 
 if __name__ == "__main__":
