@@ -1,11 +1,13 @@
 """Issue #39's defaults for stale updates, each mechanism alone: the in-flight window a stated batch gets
-(``default_inflight``), PipeNAG chosen by ``stale_correction: auto`` with an update per micro-batch, the
-delay compensation capped at one update, and the SGD-momentum MLP of the zoo at 4 stages, which diverged
-with the previous defaults.  In-process, no sockets."""
+(``default_inflight``, and the planner's and ``ravq check``'s estimates with it), PipeNAG chosen by
+``stale_correction: auto`` with an update per micro-batch, the delay compensation capped at one update,
+and the SGD-momentum MLP of the zoo at 4 stages, which diverged with the previous defaults.  In-process, no
+sockets."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +93,49 @@ def test_the_zoo_sgd_momentum_mlp_at_4_stages_trains_with_the_defaults() -> None
 
     sync, stale = final(1), final(4)
     assert math.isfinite(stale) and stale < 1.5 * sync
+
+
+def test_the_planner_counts_the_window_a_stated_batch_gives() -> None:
+    """A stated batch of 2 micro-batches per step keeps 2 in flight on 4 stages (``default_inflight``), so a
+    stage holds 2 micro-batches' stashes, not 4; with 2 clusters the step is 1 micro-batch: one per stage."""
+    from ravq.planner import training_settings
+    from ravq.planner.problem import Problem
+    from tests.test_planner import block, node
+
+    nodes = [node(f"n{i}", 1e10, 8.0) for i in range(4)]
+    blocks = [block(f"b{i}", 1e9, 0.5, inflight_gib=0.25) for i in range(4)]
+    training = TrainingConfig(micro_batch=8, batch=16)
+    one = Problem(nodes, blocks, **training_settings(training, clusters=1))
+    assert one.inflight_for(4) == 2 and one.inflight_for(1) == 1
+    assert one.mem_span(4)[0, 1] == pytest.approx((0.5 + 2 * 0.25) * 2**30)
+    two = Problem(nodes, blocks, **training_settings(training, clusters=2))
+    assert two.inflight_for(4) == 4
+    unknown = Problem(nodes, blocks, **training_settings(training))  # a search over clusters: the widest
+    assert unknown.inflight_for(4) == 4
+    stated = Problem(nodes, blocks, **training_settings(TrainingConfig(micro_batch=8, update_every=3)))
+    assert stated.inflight_for(4) == 3
+
+
+def test_ravq_check_counts_the_window_a_stated_batch_gives(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`ravq check --topology` estimates each stage with the micro-batches its node keeps in flight."""
+    import json
+
+    import yaml
+
+    from ravq.cli.main import main
+    from tests.swarm import local_topology
+
+    reports = {}
+    for name, extra in (("batch", {"batch": 8}), ("none", {})):
+        topology = local_topology("tests.check_zoo:tiny", [3], {"micro_batch": 4, **extra})
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(topology))
+        out = tmp_path / f"{name}.json"
+        assert main(["check", "--topology", str(path), "--profiles", str(tmp_path), "--meta-only",
+                     "--json", str(out)]) == 0
+        reports[name] = json.loads(out.read_text())[0]
+    capsys.readouterr()
+    assert reports["batch"]["max_inflight"] == 2 and reports["none"]["max_inflight"] == 3
+    first = [r["memory"][0] for r in (reports["batch"], reports["none"])]
+    assert first[0]["activations"] > 0 and first[0]["activations"] * 3 == first[1]["activations"] * 2

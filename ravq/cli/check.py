@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ravq.config import ConfigError, Plan, Topology, TrainingConfig, load_topology
+from ravq.config.batch import update_every
 
 if TYPE_CHECKING:  # ravq.preflight imports torch: `ravq keygen` and `ravq status` build this parser too
     from ravq.preflight import CheckSettings, PlacedMemory, Report
@@ -118,6 +119,7 @@ def _settings(args: argparse.Namespace, plan_for: PlanFor) -> tuple[str, list[Ch
             topology.training, args, args.seed if args.seed is not None else topology.seed
         )
         settings.cuts = list(cluster.cuts)
+        settings.update_every = update_every(topology.training, len(plan.clusters))
         settings.evaluate = topology.training.eval_every > 0
         settings.task_options = {**(topology.task_options or {}), **options} or None
         settings.placed = _placed(topology, list(cluster.nodes), args.profiles)

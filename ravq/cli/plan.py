@@ -35,9 +35,10 @@ def plan_main(topology_path: str, profiles_dir: str, out_path: str) -> int:
         return 2
     training = topology.training
     blocks = profile_blocks(task, training.micro_batch, max_inflight=training.max_inflight or 1)
-    settings = training_settings(training)
+    fixed = all(n.cluster is not None for n in topology.nodes if not n.standby)
+    settings = training_settings(training, len(topology_clusters(topology)) if fixed else None)
     def make(profiles: Sequence[NodeProfile]) -> tuple[Plan, Explanation]:
-        if all(n.cluster is not None for n in topology.nodes if not n.standby):
+        if fixed:
             return cut_plan(topology_clusters(topology), profiles, blocks, **settings)
         return make_plan(profiles, blocks, **settings)
 

@@ -13,6 +13,7 @@ from typing import Any, Required, TypedDict, Unpack
 import numpy as np
 
 from ravq.config import ClusterPlan, Plan, Topology, TrainingConfig
+from ravq.config.batch import update_every as micro_batches_per_step
 from ravq.planner.cost import Layout, coarsen, fixed_layout
 from ravq.planner.grouped import averaging_of
 from ravq.planner.problem import Problem
@@ -21,10 +22,15 @@ from ravq.planner.search import Search, explore
 from ravq.planner.types import GIB, BlockProfile, Explanation, NodeProfile, PlanError, Wire, size_text
 
 
-def training_settings(training: TrainingConfig) -> dict[str, Any]:
+def training_settings(training: TrainingConfig, clusters: int | None = None) -> dict[str, Any]:
     """The planner's settings (keyword arguments of ``make_plan``, ``evaluate_plan`` and the rest) as a
-    topology's ``training`` section sets them: the same cost model wherever a plan is made or judged."""
-    return {"micro_batch": training.micro_batch, "sync_every": training.sync_every,
+    topology's ``training`` section sets them: the same cost model wherever a plan is made or judged.
+    ``clusters``: how many the plan has, when fixed; a stated ``batch`` then gives the micro-batches per
+    step, which bound the window.  Unknown (a search over clusters): one, the widest window."""
+    per_step = training.update_every if training.batch is None else 1
+    if clusters is not None:
+        per_step = micro_batches_per_step(training, clusters)
+    return {"micro_batch": training.micro_batch, "sync_every": training.sync_every, "update_every": per_step,
             "max_inflight": training.max_inflight, "overlap_averaging": training.overlap_averaging,
             "averaging_lead": training.averaging_lead,
             "wire": Wire.of(training.compress.pipeline, training.compress.ring, training.compress.int8_block,
@@ -33,11 +39,13 @@ def training_settings(training: TrainingConfig) -> dict[str, Any]:
 
 class CostSettings(TypedDict, total=False):
     """The cost model's settings, as ``cut_plan`` and ``evaluate_plan`` take them (``training_settings``
-    makes them from a topology).  ``max_inflight`` None: a k-stage cluster keeps k micro-batches in flight."""
+    makes them from a topology).  ``max_inflight`` None: a k-stage cluster keeps k micro-batches in flight,
+    at most ``update_every`` (micro-batches per step) when that is above 1."""
 
     micro_batch: Required[int]
     sync_every: Required[int]
     max_inflight: int | None
+    update_every: int
     overlap_averaging: bool
     averaging_lead: int | None
     wire: Wire | None
@@ -107,6 +115,7 @@ def _search(
     sync_every: int,
     max_clusters: int | None = None,
     max_inflight: int | None = None,
+    update_every: int = 1,
     overlap_averaging: bool = False,
     averaging_lead: int | None = None,
     allow_idle: bool = True,
@@ -114,7 +123,8 @@ def _search(
     wire: Wire | None = None,
 ) -> tuple[Problem, Search, list[tuple[float, list[tuple[int, ...]]]], list[int], dict[int, str]]:
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
+                overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire,
+                update_every=update_every)
     usable, idle = _usable_nodes(p)
     if not usable or (idle and not allow_idle):
         raise memory_error(p)
@@ -123,7 +133,7 @@ def _search(
     if p.B > _COARSE_BLOCKS:
         coarse = Problem(nodes, coarsen(blocks, _COARSE_BLOCKS), max_inflight=max_inflight,
                           micro_batch=micro_batch, sync_every=sync_every, overlap_averaging=overlap_averaging,
-                          averaging_lead=averaging_lead, wire=wire)
+                          averaging_lead=averaging_lead, wire=wire, update_every=update_every)
         rough = Search(
             coarse, usable=usable, max_clusters=limit, allow_idle=allow_idle, budget_s=0.8 * effort
         )

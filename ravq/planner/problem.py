@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ravq.config.batch import default_inflight
 from ravq.planner.types import BlockProfile, NodeProfile, PlanError, Wire, message_seconds
 
 INF = math.inf
@@ -28,7 +29,7 @@ class Problem:
     def __init__(self, nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *,
                  micro_batch: int, sync_every: int, max_inflight: int | None = None,
                  overlap_averaging: bool = False, averaging_lead: int | None = None,
-                 wire: Wire | None = None) -> None:
+                 wire: Wire | None = None, update_every: int = 1) -> None:
         _check_inputs(nodes, blocks, micro_batch, sync_every)
         self.wire = wire or Wire()
         """Compression of pipeline messages and ring pieces: link times and rounds count wire bytes."""
@@ -36,6 +37,8 @@ class Problem:
         self.names = [n.name for n in nodes]
         self.n, self.B = len(nodes), len(blocks)
         self.max_inflight, self.micro_batch, self.sync_every = max_inflight, micro_batch, sync_every
+        self.update_every = update_every
+        """Micro-batches a cluster's optimizer step sums: with ``max_inflight`` unset it bounds the window."""
         self.overlap_averaging = overlap_averaging
         self.averaging_lead = sync_every if averaging_lead is None else min(averaging_lead, sync_every)
         """Steps a stage trains past a round's snapshot before it waits for the round (overlapped
@@ -94,7 +97,11 @@ class Problem:
         """Rough time of one stage step, to turn a time budget into a (deterministic) step budget."""
 
     def inflight_for(self, stages: int) -> int:
-        return self.max_inflight if self.max_inflight is not None else stages
+        """Micro-batches in flight in a ``stages``-stage cluster: ``max_inflight``, else the window of
+        its stage 0 (``ravq.config.batch.default_inflight``: one per stage, at most ``update_every``)."""
+        if self.max_inflight is not None:
+            return self.max_inflight
+        return default_inflight(stages, self.update_every)
 
     def mem_span(self, stages: int) -> np.ndarray:
         """mem_span[s, e]: memory of a stage holding blocks [s, e) in a cluster of ``stages`` stages."""

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from ravq.config import ConfigError, Topology, resolve_task_module
+from ravq.config.batch import default_inflight
 from ravq.preflight import interface, memory, model, numerics
 from ravq.preflight.report import GIB, Report, StageMemory
 from ravq.tuning import rss_bytes, usable_memory_bytes
@@ -36,7 +37,10 @@ class CheckSettings:
     cuts: list[str] | None = None
     """The planned cuts; None: ``stages`` stages, cut evenly."""
     max_inflight: int | None = None
-    """None: one per stage (a topology's default)."""
+    """None: the window a node takes (``ravq.config.batch.default_inflight``: one per stage, at most
+    ``update_every`` when that is above 1)."""
+    update_every: int = 1
+    """Micro-batches an optimizer step sums (a topology's ``batch`` over its micro-batch and clusters)."""
     seed: int = 0
     predict_weights: float = 0.0
     extrapolate_gradients: float = 0.0
@@ -101,7 +105,8 @@ def _run(spec: str, settings: CheckSettings, report: Report) -> None:
     )
     if cuts is None or batches is None:
         return
-    report.cuts, report.max_inflight, report.planned = cuts, settings.max_inflight or len(cuts) + 1, True
+    window = settings.max_inflight or default_inflight(len(cuts) + 1, settings.update_every)
+    report.cuts, report.max_inflight, report.planned = cuts, window, True
     example, train, held_out = batches
     specs = model.split(whole, example, cuts, report, task if on_meta else None, settings.seed)
     if specs is None:
