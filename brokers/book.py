@@ -194,12 +194,15 @@ class Book:
         return True
 
     def heartbeat(self, node: str, beat: Heartbeat, now: float) -> bool:
-        """A heartbeat with the node's own view; True when the book changed."""
+        """A heartbeat with the node's own view; True when the book changed.  Its cluster moves along
+        (``advance``) when the heartbeat changed the book or what a cluster's move depends on (the member's
+        state, phase, readiness, generation): most heartbeats change nothing, and visit nothing more."""
         m = self.members.get(node)
         if m is None:
             m = self.members[node] = Member(last_seen=now)
         changed = False
         c = self.cluster_of(node)
+        was = (m.state, m.registered, m.said.phase, m.said.ready, m.said.generation)
         if m.incarnation is not None and beat.incarnation != m.incarnation:
             changed |= self.register(node, beat.incarnation, now)  # restarted and its REGISTER went missing
         m.last_seen, m.incarnation, m.stats = now, beat.incarnation, beat.stats
@@ -218,6 +221,8 @@ class Book:
         if c is not None:
             changed |= self._note(c, node, m, beat.kept)
             changed |= self._adopt(c, node, m, now)
+            if changed or was != (m.state, m.registered, beat.phase, beat.ready, beat.generation):
+                changed |= self._advance(c, self.clusters[c], now)
         return changed
 
     def _left(self, node: str, m: Member, c: int | None, now: float) -> bool:

@@ -224,7 +224,7 @@ class Broker:
         (the global topic's changes wait for the next tick: a start-up's thousands of heartbeats are a
         few updates to every node, not one each)."""
         c = self.book.cluster_of(node)
-        changed = self.book.heartbeat(node, beat, now) | self.book.advance(c, now)
+        changed = self.book.heartbeat(node, beat, now)  # its cluster moved along if the beat may move it
         self._beat(node, now)
         if changed:
             self._observe_recoveries()

@@ -97,8 +97,8 @@ def test_a_restarted_node_is_noticed_even_while_it_was_still_up() -> None:
     assert "restarted" in book.clusters[0].reason
     # a heartbeat with a new incarnation (its REGISTER went missing) is a restart too
     book2 = _started()
-    _beat(book2, "b0", 2.0, incarnation="other")
-    assert book2.clusters[1].state == "paused"
+    _beat(book2, "b0", 2.0, incarnation="other")  # its cluster moves along at once: every member is up
+    assert book2.clusters[1].state == "recovering" and book2.clusters[1].generation == 1
 
 
 def test_a_restarted_broker_rebuilds_from_heartbeats_and_marks_missing_nodes_lost() -> None:
@@ -118,8 +118,8 @@ def test_a_restarted_broker_rebuilds_from_heartbeats_and_marks_missing_nodes_los
 def test_a_node_restarted_while_the_broker_was_down_is_noticed() -> None:
     book = Book(PLAN, lost_s=LOST_S, now=100.0)
     book.register("b1", "fresh", 100.2)  # a fresh process registers before b0's first heartbeat
-    _beat(book, "b0", 100.5, generation=0, trained=80)
-    assert book.clusters[1].state == "paused" and book.clusters[1].generation == 1
+    _beat(book, "b0", 100.5, generation=0, trained=80)  # paused, and recovering at once: both are up
+    assert book.clusters[1].state == "recovering" and book.clusters[1].generation == 1
 
 
 def test_a_standby_whose_memory_fits_takes_a_lost_nodes_stage_after_replace_s() -> None:
@@ -276,3 +276,26 @@ def test_the_exclusions_log_line_stays_short_when_thousands_of_clusters_are_out(
     assert len(lines) == 40 and lines[0] == "rings now exclude clusters [0]"
     assert lines[-1] == "rings now exclude clusters (40 in all): now also [39], no longer []"
     assert book.plan.excluded == list(range(40))
+
+
+def test_a_heartbeat_that_changes_nothing_moves_no_cluster_and_one_saying_ready_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker moved the member's cluster along after every heartbeat (visiting its members); the book
+    now does it when the beat changed what a move depends on: here readiness, which no published key
+    shows."""
+    book = _started()
+    _beat(book, "a0", 2.0, left=True)  # cluster 0 pauses, then a0 comes back: it recovers
+    book.register("a0", "i-a0", 2.5)
+    _beat(book, "a0", 3.0, phase="catching_up", generation=1)
+    _beat(book, "a1", 3.0, phase="catching_up", generation=1)
+    assert book.clusters[0].state == "recovering" and book.clusters[0].generation == 1
+    moved: list[int] = []
+    advance = Book._advance
+    monkeypatch.setattr(Book, "_advance", lambda self, c, cs, now: moved.append(c) or advance(self, c, cs, now))
+    for t in (4.0, 5.0):  # the same beats again: nothing to move
+        _beat(book, "a0", t, phase="catching_up", generation=1)
+        _beat(book, "b0", t)
+    assert moved == [] and book.clusters[0].state == "recovering"
+    _beat(book, "a0", 6.0, phase="catching_up", generation=1, ready=1)
+    _beat(book, "a1", 6.0, phase="catching_up", generation=1, ready=1)
+    assert moved == [0, 0] and book.clusters[0].state == "training"
