@@ -98,6 +98,8 @@ class Book:
         self.standbys = list(standbys or [])
         self.members: dict[str, Member] = {n: Member(last_seen=now) for c in plan.clusters for n in c.nodes}
         self.clusters = [ClusterState() for _ in plan.clusters]
+        self.began = False
+        """Training began (``running``)."""
         self.recoveries: list[float] = []
         """Seconds from a disruption to training again, one per recovery (the broker observes them)."""
         self._ranked: list[int] | None = None
@@ -129,8 +131,10 @@ class Book:
 
     @property
     def running(self) -> bool:
-        """Whether training has begun (a cluster left ``starting``)."""
-        return any(cs.state != "starting" for cs in self.clusters)
+        """Whether training has begun: a cluster trained (or nodes said so to a restarted broker).  Not
+        "a cluster left ``starting``": a member that registered and went silent during a first start pauses
+        its own cluster, and that made every member not registered yet lost (at 10,000 members, 8,624)."""
+        return self.began
 
     def public(self) -> dict[str, Any]:
         return {"members": {n: m.state for n, m in self.members.items()},
@@ -161,6 +165,7 @@ class Book:
         assert len(clusters) == len(self.plan.clusters), (len(clusters), len(self.plan.clusters))
         self.members.update(members)
         self.clusters, self._ranked = clusters, None
+        self.began = self.began or any(cs.state != "starting" for cs in clusters)
 
     def exclude_idle(self, clusters: Iterable[int] | None = None) -> None:
         """The plan's excluded clusters follow ``excluded``, looking at ``clusters`` only (those an event
@@ -251,7 +256,7 @@ class Book:
         if cs.state == "starting" and not m.registered and m.said.phase not in ("starting", "standby"):
             cs.generation = max(cs.generation, m.said.generation)
             cs.state = "training" if m.said.phase in ("training", "finishing") else "paused"
-            self._ranked = None
+            self._ranked, self.began = None, True
             cs.trained = m.said.trained
             if cs.state == "paused":
                 cs.disrupted_at = now
@@ -279,12 +284,13 @@ class Book:
         """Time-driven transitions (the broker runs it on a timer, never per heartbeat: it visits every
         member); what changed (false when nothing did)."""
         changed, self._ranked = Changes(), None  # the versions moved on
+        running = self.running  # once, not per silent member: O(N) each at a 10,000-member start
         for name, m in self.members.items():
-            c = self.cluster_of(name)
             silent = now - m.last_seen > self.lost_s
             if not silent or m.state not in ("up", "missing"):
                 continue
-            if m.state == "missing" and (c is None or not self.running):
+            c = self.cluster_of(name)
+            if m.state == "missing" and (c is None or not running):
                 continue  # a first start: everyone waits for it
             log.warning("node %s silent for %.1fs: lost", name, now - m.last_seen)
             m.state, m.lost_at = "lost", now
@@ -342,7 +348,7 @@ class Book:
         up = all(m.state in ("up", "done") for m in members)
         if cs.state == "starting" and all(m.state in ("up", "done") and m.registered
                                           and m.said.phase in ("training", "finishing") for m in members):
-            cs.state, self._ranked = "training", None  # a first start: every member got past waiting
+            cs.state, self._ranked, self.began = "training", None, True  # a first start: all got past waiting
             return True
         if cs.state == "paused" and up:
             cs.state = "recovering"

@@ -299,3 +299,23 @@ def test_a_heartbeat_that_changes_nothing_moves_no_cluster_and_one_saying_ready_
     _beat(book, "a0", 6.0, phase="catching_up", generation=1, ready=1)
     _beat(book, "a1", 6.0, phase="catching_up", generation=1, ready=1)
     assert moved == [0, 0] and book.clusters[0].state == "training"
+
+
+def test_a_member_silent_during_a_first_start_pauses_its_cluster_only_and_nobody_missing_is_lost() -> None:
+    """A registered member that went silent before training began paused its starting cluster, which
+    counted as training having begun: every member not registered yet was then lost (at 10,000 emulated
+    members, 8,624 lost and their clusters paused while the swarm joined)."""
+    plan = Plan(clusters=[*PLAN.clusters, ClusterPlan(nodes=["c0", "c1"], cuts=["l3"])])
+    book = Book(plan, lost_s=LOST_S, now=0.0)
+    for n in ("a0", "a1", "b0", "b1", "c0"):
+        book.register(n, f"i-{n}", 0.0)
+    for n in ("a0", "b0", "b1", "c0"):  # a1 died after registering; c1 has not started yet
+        _beat(book, n, 5.5, phase="starting")
+    changes = book.check(6.0)
+    assert changes.names == {"a1"} and book.members["a1"].state == "lost"
+    assert [c.state for c in book.clusters] == ["paused", "starting", "starting"]
+    assert book.members["c1"].state == "missing" and not book.running
+    book.register("c1", "i-c1", 6.5)  # it comes: its cluster starts as if nothing happened elsewhere
+    for n in ("b0", "b1", "c0", "c1"):
+        _beat(book, n, 7.0)
+    assert [c.state for c in book.clusters] == ["paused", "training", "training"] and book.running
