@@ -28,6 +28,7 @@ def test_a_heartbeat_register_and_reach_request_decode_to_what_was_encoded() -> 
 @pytest.mark.parametrize(("change", "reason"), [
     ({"ready": None}, "bad_field"), ({"generation": True}, "bad_field"), ({"phase": "dancing"}, "bad_field"),
     ({"checkpoints": [{"version": "40"}]}, "bad_field"), ({"gen": 2}, "bad_field"), ({"done": 0}, "bad_field"),
+    ({"checkpoints": [{"version": 40}, [40]]}, "bad_field"), ({"checkpoints": [{"version": 4.0}]}, "bad_field"),
 ])
 def test_a_heartbeat_with_a_wrong_or_unknown_field_is_refused(change: dict[str, object], reason: str) -> None:
     with pytest.raises(WireError) as err:
