@@ -131,7 +131,8 @@ class Book:
 
     @property
     def running(self) -> bool:
-        """Whether training has begun: a cluster trained (or nodes said so to a restarted broker).  Not
+        """Whether training has begun: a cluster went from starting to training (or nodes said they train
+        to a restarted broker; a broker that took over: a cluster left starting).  Not
         "a cluster left ``starting``": a member that registered and went silent during a first start pauses
         its own cluster, and that made every member not registered yet lost (at 10,000 members, 8,624)."""
         return self.began
