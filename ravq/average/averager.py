@@ -57,7 +57,7 @@ from ravq.metrics import Metrics
 from ravq.net.wire import Message
 from ravq.stage.optim import set_clusters
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.tied_step import hand_over, held_params, tied_sinks
+from ravq.stage.tied_hold import hand_over, held_params, tied_sinks
 
 log = logging.getLogger(__name__)
 

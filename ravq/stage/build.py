@@ -34,7 +34,7 @@ from ravq.stage.frames import largest_inbound_frame
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.recipe import recipe_options
 from ravq.stage.tensors import model_input_needs
-from ravq.stage.tied_step import tied_meta
+from ravq.stage.tied_hold import tied_meta
 from ravq.stage.types import StageOptions
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,8 +63,10 @@ class TiedExchange:
         self.cond = threading.Condition()
         self._grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         """(holder stage, step) -> its contribution's gradients, by group key."""
-        self._deltas: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-        """(group key, step it follows) -> an averaging delta, by averaged name."""
+        self._deltas: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
+        """(group key, step it follows) -> the averaging deltas, each by averaged name, in the order sent:
+        rounds that end while the stage makes no step (its last rounds, drained at its end) follow the same
+        step, and each is added on its own, as the key holder added it."""
         self.others = sorted({h for g in groups for h in g.holders} - {stage})
         """The other stages holding a copy of any of this stage's tied weights."""
         self.closed: set[int] = set()
@@ -102,13 +104,16 @@ class TiedExchange:
             grads = {n.removeprefix(GRAD): t for n, t in tensors.items() if n.startswith(GRAD)}
             if grads:
                 self._grads.setdefault((source, step), {}).update(grads)
+            deltas: dict[str, dict[str, torch.Tensor]] = {}
             for name, t in tensors.items():
                 if name.startswith(DELTA):
                     full = name.removeprefix(DELTA)
-                    self._deltas.setdefault((full.split(SEP)[0], step), {})[full] = t
+                    deltas.setdefault(full.split(SEP)[0], {})[full] = t
                 elif name.startswith(SET):
                     full = name.removeprefix(SET)
                     self._sets.setdefault(full.split(SEP)[0], {})[full] = t
+            for key, delta in deltas.items():
+                self._deltas.setdefault((key, step), []).append(delta)
             if FIN in tensors:
                 self.closed.add(source)
             self.cond.notify_all()
@@ -161,9 +166,12 @@ class TiedExchange:
         """The primary's averaging deltas (by averaged name): every holder adds them after the tied step this
         stage contributed last."""
         after = self.contributed
+        by_key: dict[str, dict[str, torch.Tensor]] = {}
+        for name, d in deltas.items():
+            by_key.setdefault(name.split(SEP)[0], {})[name] = d.detach().clone()
         with self.cond:
-            for name, d in deltas.items():
-                self._deltas.setdefault((name.split(SEP)[0], after), {})[name] = d.detach().clone()
+            for key, delta in by_key.items():
+                self._deltas.setdefault((key, after), []).append(delta)
         for dest in self.others:
             send(dest, after, {f"{DELTA}{n}": d.detach() for n, d in deltas.items()
                                if dest in self._group(n.split(SEP)[0]).holders})
@@ -183,7 +191,7 @@ class TiedExchange:
                 self._take_copy(g.key, copy, optimizer)
             while True:
                 with self.cond:
-                    delta = self._deltas.pop((g.key, self.applied[g.key]), None)
+                    delta = _first(self._deltas, (g.key, self.applied[g.key]))
                     step = self.applied[g.key] + 1
                     parts = [self._grads.get((h, step), {}).get(g.key) for h in g.holders]
                 if delta is None and any(p is None for p in parts):
@@ -259,6 +267,18 @@ class TiedExchange:
                 _, _, state_key = name.partition(SEP)
                 target = optimizer.state[p][state_key] if state_key else p
                 target.add_(d.to(target.device))
+
+
+def _first(deltas: dict[tuple[str, int], list[dict[str, torch.Tensor]]],
+           at: tuple[str, int]) -> dict[str, torch.Tensor] | None:
+    """The oldest delta waiting ``at`` (group key, step), taken off; None if none."""
+    waiting = deltas.get(at)
+    if not waiting:
+        return None
+    delta = waiting.pop(0)
+    if not waiting:
+        del deltas[at]
+    return delta
 
 
 def _call(fn: Callable[[], None]) -> bool:
@@ -339,62 +359,3 @@ class TiedStep:
         if moved:
             self.exchange.defer_delta(moved, self.send)
             self.apply()
-
-
-class TiedHolder(Protocol):
-    """What the node's end and the averager hand the functions below: a stage (``StageWorker``)."""
-
-    @property
-    def tied(self) -> TiedExchange | None: ...
-
-    @property
-    def tied_step(self) -> TiedStep | None: ...
-
-    @property
-    def params(self) -> dict[str, nn.Parameter]: ...
-
-    @property
-    def module(self) -> nn.Module: ...
-
-
-def close_tied(worker: TiedHolder) -> None:
-    """``TiedStep.close`` of the worker's tied weights (a node's end)."""
-    assert worker.tied_step is not None
-    worker.tied_step.close()
-
-
-# ----------------------------------------------------------------- averaging (``ravq.average.averager``)
-def held_params(worker: TiedHolder) -> dict[str, nn.Parameter]:
-    """The stage's parameters under every name it holds them by (a tied weight's key among them)."""
-    if getattr(worker, "tied", None) is None:  # (tests average fake stages without a module)
-        return dict(worker.params)
-    return dict(worker.module.named_parameters(remove_duplicate=False))
-
-
-def tied_sinks(worker: TiedHolder, named: Mapping[str, torch.Tensor]
-               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``named`` with a zero tensor in place of each tied weight (and its optimizer state), and those
-    zeros: an averaging round's delta lands there, and ``hand_over`` gives it to every holder in step
-    order."""
-    tied: TiedExchange | None = getattr(worker, "tied", None)  # (tests average fake stages without one)
-    if tied is None:
-        return dict(named), {}
-    keys = {g.key for g in tied.groups}
-    sinks = {n: torch.zeros_like(t) for n, t in named.items() if n.split(SEP)[0] in keys}
-    return {**named, **sinks}, sinks
-
-
-def hand_over(worker: TiedHolder, sinks: Mapping[str, torch.Tensor]) -> None:
-    """Compute thread: ``TiedStep.hand_over`` of the worker's tied weights."""
-    if any(bool(d.any()) for d in sinks.values()):
-        assert worker.tied_step is not None
-        worker.tied_step.hand_over(sinks)
-
-
-def tied_meta(tied: TiedExchange | None) -> list[dict[str, Any]]:
-    """What a stage checkpoint records of its tied copies: each group's names and the tied steps applied
-    (``ravq.persist.export`` writes the copy furthest along under every name)."""
-    if tied is None:
-        return []
-    return [{"key": g.key, "names": list(g.names), "holders": list(g.holders), "applied": tied.applied[g.key]}
-            for g in tied.groups]

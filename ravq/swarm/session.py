@@ -18,7 +18,7 @@ from typing import Protocol
 
 from ravq.average.averager import Averager
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.tied_step import close_tied
+from ravq.stage.tied_hold import close_tied
 from ravq.stage.types import Outbound
 
 log = logging.getLogger("ravq.node")  # the node's own lines
