@@ -125,11 +125,8 @@ def test_malformed_frames_are_dropped_counted_and_the_next_message_arrives(
 
     async def scenario() -> tuple[bytes, Message]:
         inbox = Inbox.bind(zmq_ctx, ANY_PORT, "pipeline", metrics, LIMITS, OPTS)
-        raw = zmq_ctx.socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.setsockopt(zmq.IDENTITY, b"intruder")
+        raw = _raw_dealer(zmq_ctx, b"intruder", inbox)
         try:
-            raw.connect(bound_endpoint(inbox.sock))
             for frames in malformed.values():
                 await raw.send_multipart(frames)
             await raw.send_multipart([header, payload])
@@ -148,6 +145,15 @@ def test_malformed_frames_are_dropped_counted_and_the_next_message_arrives(
     assert sample(metrics, "ravq_bytes_received_total", **hop) == len(header) + len(payload)
 
 
+def _raw_dealer(zmq_ctx: zmq.asyncio.Context, identity: bytes, inbox: Inbox) -> zmq.asyncio.Socket:
+    """A bare DEALER named ``identity`` connected to ``inbox``: it sends whatever frames a test gives it."""
+    raw = zmq_ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.IDENTITY, identity)
+    raw.connect(bound_endpoint(inbox.sock))
+    return raw
+
+
 def test_recv_queued_drains_what_is_queued_dropping_the_malformed_and_returns_none_when_empty(
         zmq_ctx: zmq.asyncio.Context) -> None:
     """The broker handles a burst of heartbeats with ``recv_queued``: the same checks as ``recv``, in order."""
@@ -156,11 +162,8 @@ def test_recv_queued_drains_what_is_queued_dropping_the_malformed_and_returns_no
 
     async def scenario() -> tuple[list[tuple[bytes, Message]], tuple[bytes, Message] | None]:
         inbox = Inbox.bind(zmq_ctx, ANY_PORT, "pipeline", metrics, LIMITS, OPTS)
-        raw = zmq_ctx.socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.setsockopt(zmq.IDENTITY, b"peer")
+        raw = _raw_dealer(zmq_ctx, b"peer", inbox)
         try:
-            raw.connect(bound_endpoint(inbox.sock))
             for i, msg in enumerate(msgs):
                 await raw.send_multipart(encode(msg))
                 if i == 1:
