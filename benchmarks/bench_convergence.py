@@ -104,6 +104,8 @@ import torch
 from ravq.cli.demo import SYNC_EVERY
 from ravq.cut.split import build_task_model
 
+from _group_curve import trailing_mean  # benchmarks/, the script's own directory
+
 
 def one_process_losses(task_name: str, steps: int, micro_batch: int, seed: int) -> list[float]:
     import importlib
@@ -122,16 +124,6 @@ def one_process_losses(task_name: str, steps: int, micro_batch: int, seed: int) 
         opt.step()
         losses.append(float(loss.detach()))
     return losses
-
-
-def trailing_mean(values: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
 
 
 def ravq_losses(args: argparse.Namespace, steps: int) -> tuple[list[list[float]], dict]:
