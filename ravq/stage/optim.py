@@ -40,6 +40,38 @@ def global_second_moment(m_hat: torch.Tensor, v_hat: torch.Tensor, clusters: flo
     return torch.minimum(mean_sq, v_hat).add_(noise)
 
 
+def adam_moments(state: dict, p: torch.Tensor, *, lr: float, wd: float, decoupled: bool, beta1: float,
+                 beta2: float) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bookkeeping every Adam-family step here shares, for one parameter with a gradient: its state made
+    on first use, weight decay (decoupled: the weight shrinks; else added to the gradient), the step
+    counted and both moments moved (the first with ``beta1``).  Returns the step, the gradient with weight
+    decay, and the two moments."""
+    grad = p.grad
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if wd:
+        if decoupled:
+            p.mul_(1 - lr * wd)
+        else:
+            grad = grad.add(p, alpha=wd)
+    state["step"] += 1
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    return float(state["step"]), grad, exp_avg, exp_avg_sq
+
+
+def adam_denominator(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, bias1: float, bias2: float, eps: float,
+                     clusters: float) -> torch.Tensor:
+    """Adam's denominator, with the second moment of the global gradient when averaging divides away
+    ``clusters`` clusters' noise; with one cluster Adam's own arithmetic, to the bit."""
+    if clusters == 1:
+        return (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
+    return global_second_moment(exp_avg / bias1, exp_avg_sq / bias2, clusters).sqrt_().add_(eps)
+
+
 class ClusterAdam(torch.optim.Optimizer):
     """Adam (``decoupled_weight_decay=True``: AdamW) whose step is the global batch's over ``clusters``
     clusters; see the module docstring.  State keys are Adam's (``step``, ``exp_avg``,
@@ -75,30 +107,13 @@ class ClusterAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad
-                if grad.is_sparse:
+                if p.grad.is_sparse:
                     raise RuntimeError("ClusterAdam does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if wd:
-                    if group["decoupled_weight_decay"]:
-                        p.mul_(1 - lr * wd)
-                    else:
-                        grad = grad.add(p, alpha=wd)
-                state["step"] += 1
-                t = float(state["step"])
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias1, bias2 = 1 - beta1 ** t, 1 - beta2 ** t
-                if self.clusters == 1:  # Adam's own arithmetic, to the bit
-                    denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
-                else:
-                    second = global_second_moment(exp_avg / bias1, exp_avg_sq / bias2, self.clusters)
-                    denom = second.sqrt_().add_(eps)
+                t, _, exp_avg, exp_avg_sq = adam_moments(
+                    self.state[p], p, lr=lr, wd=wd, decoupled=group["decoupled_weight_decay"], beta1=beta1,
+                    beta2=beta2)
+                bias1 = 1 - beta1 ** t
+                denom = adam_denominator(exp_avg, exp_avg_sq, bias1, 1 - beta2 ** t, eps, self.clusters)
                 p.addcdiv_(exp_avg, denom, value=-lr / bias1)
         return loss
 

@@ -29,11 +29,9 @@ tied across stages (``ravq.stage.tied_step``) is stepped apart, by the optimizer
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ravq.stage.optim import ClusterAdam, global_second_moment
+from ravq.stage.optim import ClusterAdam, adam_denominator, adam_moments
 
 MAX_MOMENTUM = 0.99
 """The momentum a stage's look-ahead approaches as its delay grows (the paper's and its code's value)."""
@@ -99,28 +97,10 @@ def nadam_step(optimizer: torch.optim.Optimizer, staleness: float) -> None:
         for p in group["params"]:
             if p.grad is None:
                 continue
-            grad = p.grad
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if wd:
-                if _decoupled(optimizer, group):
-                    p.mul_(1 - lr * wd)
-                else:
-                    grad = grad.add(p, alpha=wd)
-            state["step"] += 1
-            t = float(state["step"])
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(grad, 1 - gamma)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bias2 = 1 - beta2 ** t
-            if clusters > 1:
-                second = global_second_moment(exp_avg / (1 - gamma ** t), exp_avg_sq / bias2, clusters)
-                denom = second.sqrt_().add_(eps)
-            else:
-                denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
+            t, grad, exp_avg, exp_avg_sq = adam_moments(
+                optimizer.state[p], p, lr=lr, wd=wd, decoupled=_decoupled(optimizer, group), beta1=gamma,
+                beta2=beta2)
+            denom = adam_denominator(exp_avg, exp_avg_sq, 1 - gamma ** t, 1 - beta2 ** t, eps, clusters)
             p.addcdiv_(grad, denom, value=-lr * (1 - gamma) / (1 - gamma ** t))
             p.addcdiv_(exp_avg, denom, value=-lr * gamma / (1 - gamma ** (t + 1)))
 
