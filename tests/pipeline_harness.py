@@ -25,7 +25,8 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
                  seed: int = 0, update_every: int = 1, cluster: int = 0,
                  num_clusters: int = 1, predict_weights: float = 0.0, extrapolate_gradients: float = 0.0,
                  inflight_warmup_steps: int = 0, compress: Format = Format.NONE, recipe: RecipeOptions | None = None,
-                 clocks: list[Callable[[], float]] | None = None, stale_correction: str = "none") -> list[StageWorker]:
+                 clocks: list[Callable[[], float]] | None = None, stale_correction: str = "none",
+                 synchronous: bool = False) -> list[StageWorker]:
     """One StageWorker per stage of ``task``, cut evenly; ``clocks``: each stage's clock (default
     time.monotonic)."""
     model = build_task_model(task, seed)
@@ -38,7 +39,7 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
     opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch,
                         predict_weights=predict_weights, extrapolate_gradients=extrapolate_gradients,
                         inflight_warmup_steps=inflight_warmup_steps, compress=compress, recipe=recipe,
-                        stale_correction=stale_correction)
+                        stale_correction=stale_correction, synchronous=synchronous)
     batches = task.train_batches(micro_batch, cluster, num_clusters, seed)
     workers = [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
                            batches=batches if spec.index == 0 else None, cluster=cluster,

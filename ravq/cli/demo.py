@@ -70,6 +70,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stale-correction", choices=["auto", "none", "pipenag"], default="auto",
                    help="pipenag: stale updates take Nesterov's look-ahead step (ravq.stage.pipenag); auto "
                         "(default): pipenag with an update per micro-batch")
+    p.add_argument("--schedule", choices=["async", "sync"], default="async",
+                   help="sync: 1F1B with a flush at every update (exactly synchronous; training.schedule)")
     p.add_argument(
         "--inflight-warmup-steps",
         type=int,
@@ -189,7 +191,7 @@ def demo_topology(args: argparse.Namespace, listeners: Listeners) -> dict[str, A
         "batch": _batch(args), "sync_every": args.sync_every, "outer_lr": args.outer_lr,
         "predict_weights": args.predict_weights, "extrapolate_gradients": args.extrapolate_gradients,
         "inflight_warmup_steps": args.inflight_warmup_steps, "stale_correction": args.stale_correction,
-        "average_optimizer_state": args.average_optimizer_state,
+        "schedule": args.schedule, "average_optimizer_state": args.average_optimizer_state,
         "checkpoint_every": args.checkpoint_every, "checkpoint_dir": args.checkpoint_dir,
     }
     training["compress"] = {"pipeline": args.compress_pipeline, "ring": args.compress_ring}

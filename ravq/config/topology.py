@@ -45,15 +45,13 @@ class TrainingConfig(UserModel):
     steps: int = Field(200, ge=1)
     """Micro-batches each cluster trains on."""
     max_inflight: int | None = Field(None, ge=1)
-    """Micro-batches in flight per cluster; bounds memory and staleness. Default: number of stages with an
-    update per micro-batch, else at most ``update_every`` (a micro-batch less than one update stale;
-    ``ravq.config.batch.default_inflight``)."""
+    """Micro-batches in flight per cluster; bounds memory and staleness.  Default: the number of stages, with
+    a stated batch at most ``update_every`` (less than one update stale; ``ravq.config.batch``)."""
     update_every: int = Field(1, ge=1)
     """Backwards accumulated before each optimizer step of a stage (derived from ``batch`` when it is set)."""
     batch: int | None = Field(None, ge=1)
-    """Samples per optimizer step over all clusters, the batch one process would train with: each step of a
-    stage sums batch / (micro_batch x clusters) micro-batches (``update_every``, derived from the plan;
-    ``ravq.config.batch``).  None: ``update_every`` micro-batches per step, per cluster."""
+    """Samples per optimizer step over all clusters, as one process would train: a stage's step sums batch /
+    (micro_batch x clusters) micro-batches (``update_every``; ``ravq.config.batch``).  None: update_every."""
     _batch = model_validator(mode="after")(check_batch_fields)
     predict_weights: float = Field(PREDICT_WEIGHTS, ge=0, le=8)
     """Weight prediction: each forward runs at the weights extrapolated along the stage's last update
@@ -71,6 +69,8 @@ class TrainingConfig(UserModel):
     momentum, Adam, AdamW, ClusterAdam); ``auto`` (default), ``pipenag`` with an update per micro-batch
     (a whole update stale) when the optimizer is one of those, else ``none``.  No effect without staleness
     (max_inflight 1)."""
+    schedule: Literal["async", "sync"] = "async"
+    """``sync``: 1F1B with a flush per optimizer update, exactly synchronous (docs/convergence.md)."""
     inflight_warmup_steps: int = Field(INFLIGHT_WARMUP_STEPS, ge=0)
     """Asynchrony warm-up: the cluster's first this many optimizer steps train with one micro-batch in flight
     (synchronous pipeline training), then stage 0 opens the pipeline to ``max_inflight``.  Early on,

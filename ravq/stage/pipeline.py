@@ -81,9 +81,9 @@ class StageWorker:
         expected = expected_forward(spec, num_stages, input_specs, target_example)
         self.state = StageState(expected_fwd=expected_at(options.recipe.precision, expected))
         self.stats = StageStats(clock=clock, metrics=metrics)
-        extrapolate = options.extrapolate_gradients * (options.max_inflight > 1)
-        lookahead = uses_lookahead(options.stale_correction, self.optimizer, options.update_every)
-        lookahead = lookahead and options.max_inflight > 1
+        stale = options.max_inflight > 1 and not options.synchronous  # else no gradient is ever stale
+        extrapolate = options.extrapolate_gradients * stale
+        lookahead = stale and uses_lookahead(options.stale_correction, self.optimizer, options.update_every)
         self.forward_weights = WeightStash(self.params, extrapolate, lookahead, reuse_update=not spec.tied)
         self._grads = GradientSum(self.params, options.update_every)
         self._sched = Scheduler(forward_sources(spec, num_stages), spec.consumer_stages,
@@ -96,7 +96,8 @@ class StageWorker:
         self.should_abort: Callable[[], bool] = lambda: False
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
         every_name = dict(self.module.named_parameters(remove_duplicate=False))
-        tied = TiedExchange(spec.index, spec.tied, every_name, options.max_inflight) if spec.tied else None
+        lag = 1 if options.synchronous else options.max_inflight  # 1: every forward sees every tied update
+        tied = TiedExchange(spec.index, spec.tied, every_name, lag) if spec.tied else None
         self.tied = tied
         """This stage's copies of tied weights (``ravq.stage.tied_step``), or None."""
         self.tied_step = None if self.tied is None else TiedStep(
@@ -297,11 +298,15 @@ class StageWorker:
         left."""
         more = self._feed is not None and self._feed.has_more(self.options.steps)
         return (self.is_first and not self._sched.stopping and more
-                and len(self.state.stash) < self.options.inflight_limit(self.version) and self.may_forward())
+                and len(self.state.stash) < self.options.inflight_limit(self.version) and self.may_forward()
+                and (not self.options.synchronous  # 1F1B's flush: this update's micro-batches only
+                     or len(self._grads.versions) + len(self.state.stash) < self.options.update_every))
 
     def may_forward(self) -> bool:
-        """Tied copies are no more than ``max_inflight - 1`` tied steps behind (``ravq.stage.tied_step``)."""
-        return self.tied is None or not self.tied.behind()
+        """Tied copies are no more than ``max_inflight - 1`` tied steps behind (``ravq.stage.tied_step``);
+        synchronous (``training.schedule: sync``): no step of this stage waits for its global norm."""
+        synced = not (self.options.synchronous and self.recipe.holding())
+        return synced and (self.tied is None or not self.tied.behind())
 
     def finished(self) -> bool:
         """``steps`` micro-batches trained here (later stages: and stage 0 finished), or stopped and

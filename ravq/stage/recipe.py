@@ -240,10 +240,13 @@ class Recipe:
         when due."""
         self.evaluator.after_step()
 
+    def holding(self) -> bool:
+        """Steps wait here for their global norm (clipping)."""
+        return self.exchange is not None and bool(self.exchange.held)
+
     def unfinished(self) -> bool:
         """Steps wait here for their global norm, or evaluation rounds are owed (the stage is not done)."""
-        held = self.exchange is not None and bool(self.exchange.held)
-        return held or self.evaluator.owed(self._state.version)
+        return self.holding() or self.evaluator.owed(self._state.version)
 
     def screen(self, kind: str, mb: MicroBatch, meta: dict[str, Any]) -> tuple[str, str | None]:
         """Event loop, the stage's lock held: (the queue an arrival goes to, None) to queue it, or (kind,

@@ -75,6 +75,9 @@ class StageOptions:
     inflight_warmup_steps: int = 0
     """Stage 0 keeps one micro-batch in flight (trains synchronously) until its version reaches this many
     optimizer steps, then up to ``max_inflight`` (``ravq.config.TrainingConfig.inflight_warmup_steps``)."""
+    synchronous: bool = False
+    """``training.schedule: sync``: 1F1B with a flush at every update (stage 0 starts no micro-batch of the
+    next update before it took this one; no stage forwards while its update waits), so nothing is stale."""
     compress: Format = Format.NONE
     """How activations and gradients leave this stage (``ravq.codec.compress``); model inputs and targets
     never are compressed, and what arrives compressed is restored to the dtype this stage expects."""
@@ -83,4 +86,5 @@ class StageOptions:
 
     def inflight_limit(self, version: int) -> int:
         """Micro-batches stage 0 may keep in flight at its weight version ``version``."""
-        return 1 if version < self.inflight_warmup_steps else self.max_inflight
+        warming = version < self.inflight_warmup_steps and not self.synchronous  # sync: nothing stale to warm
+        return 1 if warming else self.max_inflight
