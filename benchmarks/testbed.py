@@ -80,6 +80,12 @@ class Scenario:
     layouts: dict[str, list[list[str]]] = field(default_factory=dict)
     """Candidate layouts to train as plans, by name: clusters of PC names in stage order; ``cut_plan``
     cuts them from the profiles."""
+    averaging: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per layout name, the averaging its plan records (``Plan.averaging``; a layout given as ``{clusters:
+    ..., averaging: ...}``).  ``pace: rate`` without ``rates`` takes the cost model's rate of each cluster,
+    as the planner records them."""
+    curve_every_s: float = 0.0
+    """When > 0, ``ravq status`` every this many seconds of the window: samples and loss over time."""
     plans: list[str] = field(default_factory=list)
     """Plans ``bench_testbed.py`` trains by default (planner, ravnest, naive or layout names)."""
 
@@ -129,11 +135,22 @@ def load_scenario(path: str | Path) -> Scenario:
                 raise ValueError(f"{path}: pcs[{i}]: {key} missing")
         if pc["region"] not in data["regions"]:
             raise ValueError(f"{path}: pcs[{i}].region: {pc['region']!r} is not in regions")
+    layouts, averaging = {}, {}
+    for kind, given in (data.get("layouts") or {}).items():
+        if isinstance(given, dict):  # {clusters: [...], averaging: {...}}
+            if set(given) - {"clusters", "averaging"} or "clusters" not in given:
+                raise ValueError(f"{path}: layouts.{kind}: a list of clusters or {{clusters, averaging}}, got "
+                                 f"{sorted(given)}")
+            layouts[kind] = given["clusters"]
+            if given.get("averaging"):
+                averaging[kind] = dict(given["averaging"])
+        else:
+            layouts[kind] = given
     scenario = Scenario(name=data.get("name", Path(path).stem), task=data["task"], training=data.get("training", {}),
                         regions=data["regions"], pcs=pcs, broker_region=data.get("broker_region", pcs[0]["region"]),
                         train_s=float(data.get("train_s", 60)), seed=int(data.get("seed", 1234)),
-                        description=data.get("description", ""), layouts=data.get("layouts") or {},
-                        plans=list(data.get("plans") or []))
+                        description=data.get("description", ""), layouts=layouts, averaging=averaging,
+                        plans=list(data.get("plans") or []), curve_every_s=float(data.get("curve_every_s", 0)))
     names = {p["name"] for p in pcs}
     for kind, clusters in scenario.layouts.items():
         unknown = [n for c in clusters for n in c if n not in names]
@@ -258,6 +275,17 @@ class Testbed:
                       str(self.run_dir / "profiles"), "--out", str(path), timeout_s=600)
         info = make_plans(self.topology_path, self.run_dir / "profiles", kind, path,
                           layout=self.scenario.layouts.get(kind))
+        averaging = self.scenario.averaging.get(kind)
+        if averaging and not info.get("error"):
+            if averaging.get("pace") == "rate" and not averaging.get("rates"):  # as the planner records them
+                averaging["rates"] = [round(r, 3) for r in info["cluster_rates"]]
+            data = yaml.safe_load(path.read_text())
+            data["plan"]["averaging"] = averaging
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
+            from testbed_plans import predict  # the cost model on the plan with its averaging
+
+            info["averaging"] = averaging
+            info["predicted_samples_per_s"] = predict(self.topology_path, self.run_dir / "profiles", path, {})
         return path, info
 
     def train(self, plan_path: Path, train_s: float, tag: str) -> dict[str, Any]:
@@ -274,8 +302,14 @@ class Testbed:
                                        self.run_dir / f"{tag}-{n}.log", env=self.env(n)) for n in nodes]
             first = self._wait_training(nodes, procs, tag)
             cpu0, t0 = {n: process_cpu_s(p.pid) for n, p in zip(nodes, procs[1:])}, time.monotonic()
-            time.sleep(train_s)
+            curve = [curve_point(first, last)]
+            every = self.scenario.curve_every_s / self.dilation
+            while every > 0 and time.monotonic() + every < t0 + train_s:
+                time.sleep(every)
+                curve.append(curve_point(self.status(), last))
+            time.sleep(max(0.0, t0 + train_s - time.monotonic()))
             end = self.status()
+            curve.append(curve_point(end, last))
             shown = self.ravq("broker", "status", "--topology", str(self.topology_path), "--timeout", "10",
                               timeout_s=90, limited=False)  # what an operator sees
             (self.run_dir / f"{tag}-status.txt").write_text(shown)
@@ -286,6 +320,8 @@ class Testbed:
         after = self.host_speed(nodes)
         result = measure(first, end, nodes, last, plan)
         result["status_text"] = shown
+        if self.scenario.curve_every_s > 0:
+            result["curve"] = curve
         quotas = {p["name"]: p["cpu"] * self.dilation if p.get("cpu") else None for p in self.scenario.pcs}
         for n in nodes:  # what each PC really got: under its quota when the machine is oversubscribed
             result["nodes"][n]["cpu_cores"] = round((cpu1[n] - cpu0[n]) / (t1 - t0), 3)
@@ -403,12 +439,13 @@ def measure(first: dict[str, Any], end: dict[str, Any], nodes: Sequence[str], la
     """Samples/s of the window between two status answers: per cluster, its last stage's samples over
     that stage's own wall clock (both from one heartbeat), summed over clusters."""
     a, b = first["members"], end["members"]
-    rate, losses = 0.0, []
+    rate, losses, per_cluster = 0.0, [], {}
     for n in last:
         s0, s1 = a[n]["stats"], b[n]["stats"]
         wall = s1["wall_s"] - s0["wall_s"]
         if wall > 0:
-            rate += (s1["samples"] - s0["samples"]) / wall
+            per_cluster[n] = (s1["samples"] - s0["samples"]) / wall
+            rate += per_cluster[n]
         if s1.get("loss_recent") is not None:
             losses.append(s1["loss_recent"])
     per_node = {}
@@ -421,9 +458,19 @@ def measure(first: dict[str, Any], end: dict[str, Any], nodes: Sequence[str], la
                        "cluster": s1.get("cluster"), "stage": s1.get("stage"),
                        # the window's compute, as the stage timed it (for the simulator's validation)
                        **{k: s1.get(k, 0) - s0.get(k, 0) for k in WINDOW_COUNTERS}}
-    return {"samples_per_s": rate, "loss": sum(losses) / len(losses) if losses else None,
+    return {"samples_per_s": rate, "cluster_samples_per_s": per_cluster,
+            "loss": sum(losses) / len(losses) if losses else None,
             "window_s": max(b[n]["stats"]["wall_s"] - a[n]["stats"]["wall_s"] for n in last),
             "clusters": [c["nodes"] for c in plan["clusters"]], "nodes": per_node}
+
+
+def curve_point(status: dict[str, Any], last: set[str]) -> dict[str, Any]:
+    """From one status answer: the samples every cluster's last stage trained so far (in all and per last
+    stage) and the clusters' mean recent training loss."""
+    stats = {n: status["members"][n]["stats"] for n in sorted(last)}
+    losses = [s["loss_recent"] for s in stats.values() if s.get("loss_recent") is not None]
+    return {"samples": sum(s["samples"] for s in stats.values()), "per_cluster": {n: s["samples"] for n, s in stats.items()},
+            "loss": sum(losses) / len(losses) if losses else None}
 
 
 def _sigterm_to_exit(signum: int, frame: Any) -> None:
@@ -472,7 +519,7 @@ def run_scenario(path: str | Path, plans: Sequence[str] = ("planner",), *, train
                 if info.get("error"):
                     result["plans"][kind] = info
                     continue
-                layout = yaml.safe_load(plan_path.read_text())["plan"]["clusters"]
+                layout = yaml.safe_load(plan_path.read_text())["plan"]  # clusters, cuts and averaging
                 same = next((k for k, (other, _) in trained.items() if other == layout), None)
                 if same is not None:  # the very same plan: one run of it says all there is to say
                     result["plans"][kind] = {**result["plans"][same], **info, "same_plan_as": same}

@@ -77,6 +77,7 @@ def make_plans(topology_path: Path, profiles_dir: Path, kind: str, out: Path,
         out.write_text(yaml.safe_dump({"plan": plan.model_dump(mode="json")}, sort_keys=False))
     return {"kind": kind, "predicted_samples_per_s": explanation.samples_per_s,
             "predicted_without_averaging": explanation.samples_per_s_without_averaging,
+            "cluster_rates": [topology.training.micro_batch * c.rate_micro_batches_per_s for c in explanation.clusters],
             "explanation": explanation.format()}
 
 

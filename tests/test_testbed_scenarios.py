@@ -139,3 +139,38 @@ def test_the_prediction_from_fresh_compute_scales_each_pc_by_its_probe_over_its_
     assert v["fresh_met"] and v["fresh_simulated_met"]
     plans["paired"]["predicted_fresh"] = 50
     assert not judge({"plans": plans})["fresh_met"]                  # 70/50
+
+
+def test_a_layout_may_record_the_averaging_its_plan_trains_with(tmp_path: Path) -> None:
+    path = tmp_path / "groups.yaml"
+    path.write_text("""
+task: ravq.tasks.charlm
+regions: {a: {a: 5}}
+curve_every_s: 5
+pcs:
+  - {name: p1, region: a, upload_mbit: 1000, cpu: 0.5}
+  - {name: p2, region: a, upload_mbit: 1000, cpu: 0.25}
+layouts:
+  plain: [[p1], [p2]]
+  paced: {clusters: [[p1], [p2]], averaging: {mode: groups, pace: rate}}
+""")
+    s = load_scenario(path)
+    assert s.layouts == {"plain": [["p1"], ["p2"]], "paced": [["p1"], ["p2"]]}
+    assert s.averaging == {"paced": {"mode": "groups", "pace": "rate"}} and s.curve_every_s == 5
+    path.write_text(path.read_text().replace("averaging: {mode", "average: {mode"))
+    with pytest.raises(ValueError, match="layouts.paced"):
+        load_scenario(path)
+
+
+def test_the_slow_cluster_bench_reads_both_curves_at_equal_samples() -> None:
+    from benchmarks.bench_slow_cluster import compare, loss_at
+
+    curve = [{"samples": 0, "loss": 4.0}, {"samples": 100, "loss": 3.0}, {"samples": 300, "loss": 2.0}]
+    assert loss_at(curve, 200) == pytest.approx(2.5) and loss_at(curve, 400) is None
+    result = {"plans": {
+        "global_rings": {"cluster_samples_per_s": {"a": 10.0, "b": 10.0, "s": 9.0}, "curve": curve},
+        "groups_rate": {"cluster_samples_per_s": {"a": 16.0, "b": 14.0, "s": 5.0},
+                        "curve": [{"samples": 0, "loss": 4.0}, {"samples": 600, "loss": 1.6}]}}}
+    v = compare(result)
+    assert v["slow"] == "s" and v["fast_rate_ratio"] == {"a": 1.6, "b": 1.4} and not v["rate_met"]
+    assert v["equal_samples"] == 300 and v["loss_groups"] == pytest.approx(2.8) and not v["loss_met"]
