@@ -51,6 +51,21 @@ def _cpu_s(pid: int, task: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _threads_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each of process ``pid``'s threads, by name and id (the event loop's, ZeroMQ's I/O
+    thread ``ZMQbg/IO/0``, its reaper, ...), and under "<name>:<id> sys" the kernel's part of them."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            out[f"{name}:{task.name}"] = _cpu_s(pid, int(task.name))
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[f"{name}:{task.name} sys"] = int(fields[12]) / os.sysconf("SC_CLK_TCK")  # of that, the kernel's
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
 def _emulate(tree: str, names: list[str], keys: dict[str, tuple[str, str]], broker_key: str, pub: str,
              router: str, args: argparse.Namespace, join_by: float, end_at: float, window_at: float,
              conn: Any) -> None:
@@ -127,10 +142,25 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     profiled = bool(args.profile) and tree == str(REPO)
     if profiled:  # the broker's event loop under cProfile over the window (SIGUSR1), written when it stops
         out = Path(args.profile).resolve() / f"broker-{n}.prof"
-        run_cli = ("import cProfile, signal, time; from ravq.cli.main import main\n"
+        run_cli = ("import cProfile, gc, json, signal, time; from ravq.cli.main import main\n"
                    "p = cProfile.Profile(time.thread_time)\n"
-                   "signal.signal(signal.SIGUSR1, lambda *_: p.enable())\n"
-                   f"try:\n    main()\nfinally:\n    p.disable(); p.dump_stats({str(out)!r})")
+                   "gcs = {'on': False, 't0': 0.0, 's': 0.0, 'n': [0, 0, 0], 'collected': 0}\n"
+                   "def _gc(phase, info):\n"
+                   "    if not gcs['on']: return\n"
+                   "    if phase == 'start': gcs['t0'] = time.thread_time(); return\n"
+                   "    gcs['s'] += time.thread_time() - gcs['t0']; gcs['n'][info['generation']] += 1\n"
+                   "    gcs['collected'] += info['collected']\n"
+                   "gc.callbacks.append(_gc)\n"
+                   "def _on(*_): gcs.update(on=True); p.enable()\n"
+                   "signal.signal(signal.SIGUSR1, _on)\n"
+                   f"try:\n    main()\nfinally:\n    p.disable(); p.dump_stats({str(out)!r})\n"
+                   f"    open({str(out) + '.gc.json'!r}, 'w').write(json.dumps(gcs))")
+    if args.account and tree == str(REPO):  # the loop's time by step (``_account.py``), over the window
+        out = Path(args.account).resolve() / f"account-{n}.json"
+        profiled = True  # SIGUSR1 at the window
+        run_cli = (f"import sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); import _account\n"
+                   f"dump = _account.install({str(out)!r})\nfrom ravq.cli.main import main\n"
+                   "try:\n    main()\nfinally:\n    dump()")
     with (tmp / "broker.log").open("w") as log:
         argv = [sys.executable, "-c", run_cli, "broker", "--topology", str(path), "--new-run"]
         broker = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
@@ -157,8 +187,10 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     if profiled:
         broker.send_signal(signal.SIGUSR1)
     cpu0, main0, w0 = _cpu_s(broker.pid), _cpu_s(broker.pid, broker.pid), time.time()
+    threads0 = _threads_s(broker.pid)
     time.sleep(max(0.0, end_at - time.time()))
     cpu1, main1, w1 = _cpu_s(broker.pid), _cpu_s(broker.pid, broker.pid), time.time()
+    threads = {k: (v - threads0.get(k, 0.0)) / (w1 - w0) for k, v in _threads_s(broker.pid).items()}
     load = Path("/proc/loadavg").read_text().split()[0]
     lost = {"bytes": 0, "largest": 0, "stale": float("inf"), "joined": 0, "gaps": 0, "late": 0, "retries": 0,
             "beats": 0, "lag": float("inf"), "cpu_s": 0.0, "unconnected": 0}
@@ -184,7 +216,8 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
             "emulator_cores": sum(s["cpu_s"] for s in stats) / (end_at - t0),
             "register_retries": sum(s["retries"] for s in stats),
             "join_waits": sorted(w for s in stats for w in s.get("join_waits", [])),
-            "loadavg": float(load), "window_s": seconds}
+            "loadavg": float(load), "window_s": seconds,
+            "threads": {k: round(v, 3) for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v > 0.0005}}
 
 
 def _emulator_behind(r: dict[str, Any], args: argparse.Namespace) -> str:
@@ -214,6 +247,8 @@ def main() -> None:
                         help="members past this many send heartbeats only (the broker may hold 20,000 files)")
     parser.add_argument("--profile", help="write this tree's broker's cProfile (its event loop's CPU time, "
                         "over the window) to DIR/broker-N.prof")
+    parser.add_argument("--account", help="write this tree's broker's event-loop time by step (a few methods "
+                        "timed, _account.py) over the window to DIR/account-N.json")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
@@ -231,6 +266,7 @@ def main() -> None:
                   f"{r['unconnected']} sends with no connection to the broker yet; emulators "
                   f"{r['emulator_cores']:.2f} cores, their worst lag {r['emulator_lag_s']:.2f}s  "
                   f"[load {r['loadavg']:.2f}, window {r['window_s']:.0f}s]", flush=True)
+            print(f"  broker threads (cores): {r['threads']}", flush=True)
             if waits := r["join_waits"]:
                 print(f"  registrations answered in {waits[len(waits) // 2]:.2f}s (median), "
                       f"{waits[int(0.9 * (len(waits) - 1))]:.2f}s (90%), {waits[-1]:.2f}s (longest)", flush=True)
