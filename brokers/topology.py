@@ -46,8 +46,10 @@ log = logging.getLogger(__name__)
 
 BROKER = "broker"
 
-GATHER = 0.01
-"""Of a heartbeat interval, how long the broker lets messages queue once it has handled those queued."""
+GATHER = 0.05
+"""Of an interval, how long the broker lets messages queue after handling those queued: each wake-up of a busy
+PC's loop starts with cold caches (``benchmarks/_account.py``); a beat is timed at most this late (<< 0.4,
+``SILENT_AFTER``'s margin, and < 1/16, the grain silences are found at)."""
 _NODE_MESSAGES: dict[MsgType, type[Register | Heartbeat | ReachRequest | SnapshotRequest]] = {
     MsgType.REGISTER: Register, MsgType.HEARTBEAT: Heartbeat, MsgType.REACH_REQ: ReachRequest,
     MsgType.SNAPSHOT_REQ: SnapshotRequest}
