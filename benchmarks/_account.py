@@ -1,6 +1,12 @@
 """The broker's event-loop time split by step, without a profiler's per-call cost (``bench_broker_scale.py
 --account DIR``): a few methods are wrapped to add their thread CPU time and calls to counters, written to
-DIR/account-N.json when the broker stops.  Nested steps are counted in their callers too."""
+DIR/account-N.json when the broker stops.  Nested steps are counted in their callers too.
+
+At 1,000 members (gather 5%, load 3.98; the wrappers' own cost included) the loop took 210 us a heartbeat:
+recv_now 27, accept 39 (wire.decode 20, hop metrics 8), handle 76 (Book.heartbeat 28, flush 11), and 68
+outside them (wake-ups, the silence and interval timers, Book.check 6); in-process, hot, decode and handle
+take 4 and 18 us.  Nothing is called per heartbeat that should not be (0.04 publishes, no reply, no timer):
+each step runs several times slower in the broker than in a hot loop."""
 
 from __future__ import annotations
 
