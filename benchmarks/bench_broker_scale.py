@@ -17,6 +17,11 @@ a quarter interval late, its worst lag, its processes' CPU; a line under the fig
 behind, so that a shortfall is not read as the broker's.  The load average is printed beside.
 
     python benchmarks/bench_broker_scale.py --members 1000 10000 --old /tmp/ravq/old [--window-s 30]
+    python benchmarks/bench_broker_scale.py --members 1000 --pin 1:0   # the broker alone on CPU 1
+
+A broker runs on a PC of its own; here it shares two cores with the emulated members, whose thousands of
+sockets evict its caches between heartbeats, so its CPU time per heartbeat is inflated.  ``--pin B:E`` puts
+the broker (all its threads) on CPUs B and the emulators on CPUs E, closer to a broker's own PC.
 
 Run timed figures under ``flock /tmp/ravq/bench.lock``.  Each tree's code runs from its own checkout (its
 broker, and its ``ravq.net.wire`` for what members send; the heartbeat's fields as that tree names them).
@@ -66,11 +71,20 @@ def _threads_s(pid: int) -> dict[str, float]:
     return out
 
 
+def _cpus(pin: str) -> tuple[set[int], set[int]]:
+    """``--pin`` 'B:E' (each a comma-separated list of CPU numbers) as the broker's and the emulators' CPUs."""
+    broker, emulators = pin.split(":")
+    return {int(c) for c in broker.split(",")}, {int(c) for c in emulators.split(",")}
+
+
 def _emulate(tree: str, names: list[str], keys: dict[str, tuple[str, str]], broker_key: str, pub: str,
              router: str, args: argparse.Namespace, join_by: float, end_at: float, window_at: float,
              conn: Any) -> None:
     """One emulator process: ``names`` members (``_members.Emulator``); sends its figures on ``conn``."""
     from _members import Emulator
+
+    if args.pin:
+        os.sched_setaffinity(0, _cpus(args.pin)[1])
 
     sys.path.insert(0, tree)
     from ravq.net.pubsub import Subscriber
@@ -163,6 +177,8 @@ def measure(tree: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
                    "try:\n    main()\nfinally:\n    dump()")
     with (tmp / "broker.log").open("w") as log:
         argv = [sys.executable, "-c", run_cli, "broker", "--topology", str(path), "--new-run"]
+        if args.pin:  # every thread the broker starts inherits the CPUs
+            argv = ["taskset", "-c", ",".join(map(str, sorted(_cpus(args.pin)[0]))), *argv]
         broker = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
     up_by = time.time() + 120  # 10,000 nodes' topology takes seconds to load: members join once it listens
     while "broker up" not in (tmp / "broker.log").read_text() and time.time() < up_by and broker.poll() is None:
@@ -249,6 +265,9 @@ def main() -> None:
                         "over the window) to DIR/broker-N.prof")
     parser.add_argument("--account", help="write this tree's broker's event-loop time by step (a few methods "
                         "timed, _account.py) over the window to DIR/account-N.json")
+    parser.add_argument("--pin", help="BROKER_CPUS:EMULATOR_CPUS, e.g. 1:0: the broker (every thread) on its own "
+                        "CPU, as on its own PC, and the emulated members on the other (sharing one core with "
+                        "them inflates the broker's CPU time: cold caches on every wake-up)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
