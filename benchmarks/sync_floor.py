@@ -2,9 +2,12 @@
 together (batch 16*C, each step one micro-batch from each of C shards, as C clusters draw them), Adam at the
 task's lr and at scaled lrs; micro-batches to the curve's target (one cluster's trailing-40 loss after 400).
 
-Usage: python benchmarks/sync_floor.py 8,4 1,2,2.83,4   (cluster counts, then lr scales)."""
+Usage: python benchmarks/sync_floor.py 8,4 1,2,2.83,4   (cluster counts, then lr scales)
+       RAVQ_FLOOR_MB=4 RAVQ_FLOOR_BUDGET=3200 python benchmarks/sync_floor.py 8 1,2.83   (another micro-batch
+       and budget: the one-cluster target is then its loss after that budget)."""
 
 import importlib
+import os
 import sys
 import time
 
@@ -16,7 +19,8 @@ from ravq.stage.optim import ClusterAdam
 
 task = importlib.import_module("ravq.tasks.charlm")
 torch.set_num_threads(1)
-SEED, MB, WINDOW, BUDGET = 0, 16, 40, 400
+SEED, WINDOW = 0, 40
+MB, BUDGET = int(os.environ.get("RAVQ_FLOOR_MB", "16")), int(os.environ.get("RAVQ_FLOOR_BUDGET", "400"))
 
 
 def run(clusters: int, lr: float, max_steps: int, target: float | None) -> tuple[int | None, list[float]]:
@@ -40,8 +44,8 @@ def run(clusters: int, lr: float, max_steps: int, target: float | None) -> tuple
 
 _, base = run(1, 3e-3, BUDGET, None)
 target = trailing_mean(base, WINDOW)[-1]
-print(f"target {target:.4f} (one cluster, 400 micro-batches; the curve's 2.1131)")
-one = 400 * MB
+print(f"target {target:.4f} (one cluster, {BUDGET} micro-batches of {MB}; the curve's 2.1131 at 400 of 16)")
+one = BUDGET * MB
 for clusters in [int(c) for c in sys.argv[1].split(",")]:
     for scale in [float(s) for s in sys.argv[2].split(",")]:
         t0 = time.monotonic()
