@@ -26,7 +26,7 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
                  num_clusters: int = 1, predict_weights: float = 0.0, extrapolate_gradients: float = 0.0,
                  inflight_warmup_steps: int = 0, compress: Format = Format.NONE, recipe: RecipeOptions | None = None,
                  clocks: list[Callable[[], float]] | None = None, stale_correction: str = "none",
-                 synchronous: bool = False) -> list[StageWorker]:
+                 synchronous: bool = False, split_backward: bool = False) -> list[StageWorker]:
     """One StageWorker per stage of ``task``, cut evenly; ``clocks``: each stage's clock (default
     time.monotonic)."""
     model = build_task_model(task, seed)
@@ -39,7 +39,8 @@ def make_workers(task: ModuleType, stages: int, *, steps: int, max_inflight: int
     opts = StageOptions(steps=steps, max_inflight=max_inflight, update_every=update_every, micro_batch=micro_batch,
                         predict_weights=predict_weights, extrapolate_gradients=extrapolate_gradients,
                         inflight_warmup_steps=inflight_warmup_steps, compress=compress, recipe=recipe,
-                        stale_correction=stale_correction, synchronous=synchronous)
+                        stale_correction=stale_correction, synchronous=synchronous,
+                        split_backward=split_backward)
     batches = task.train_batches(micro_batch, cluster, num_clusters, seed)
     workers = [StageWorker(spec, len(specs), task.make_optimizer, task.loss_fn, opts,
                            batches=batches if spec.index == 0 else None, cluster=cluster,
@@ -117,7 +118,8 @@ def train_one_process(task: ModuleType, *, steps: int, micro_batch: int = 4, see
 
 def run_in_order(workers: list[StageWorker]) -> None:
     """Run the stages in one thread, deterministically: each turn the lowest stage with work ready does
-    one piece of it (``Scheduler.next``'s choice: backward, then forward, then a new micro-batch).  So
+    one piece of it (``Scheduler.next``'s choice: backward, then forward, then a new micro-batch, then a
+    deferred weight pass).  So
     stage 0 fills its credits before later stages run, and in steady state each stage's staleness is
     its distance from the last stage, as on a pipeline whose later stages answer at once."""
     outbox: list[tuple[int, Outbound, int]] = []
@@ -132,7 +134,7 @@ def run_in_order(workers: list[StageWorker]) -> None:
             tensors = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _over_the_wire(v)
                        for k, v in out.tensors.items()}
             assert workers[dest].deliver(out.kind, out.micro_batch, src, tensors) is None
-        ready = [w for w in workers if w._sched.has_ready() or w.may_start()]
+        ready = [w for w in workers if w._sched.has_ready() or w.may_start() or w.has_deferred()]
         if not ready:
             break
         worker = ready[0]
@@ -141,6 +143,8 @@ def run_in_order(workers: list[StageWorker]) -> None:
             worker.passes.start(emits[worker.spec.index])
         elif kind == "bwd":
             worker.passes.backward(arg[0], arg[1], emits[worker.spec.index])
+        elif kind == "weights":
+            worker.passes.run_weights()
         else:
             worker.passes.forward(arg[0], arg[1], emits[worker.spec.index])
     for w in workers:

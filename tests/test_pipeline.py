@@ -180,6 +180,9 @@ class _Stage:
     def may_forward(self) -> bool:
         return True
 
+    def has_deferred(self) -> bool:
+        return False
+
     def finished(self) -> bool:
         return False
 

@@ -70,8 +70,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stale-correction", choices=["auto", "none", "pipenag"], default="auto",
                    help="pipenag: stale updates take Nesterov's look-ahead step (ravq.stage.pipenag); auto "
                         "(default): pipenag with an update per micro-batch")
-    p.add_argument("--schedule", choices=["async", "sync"], default="async",
-                   help="sync: 1F1B with a flush at every update (exactly synchronous; training.schedule)")
+    p.add_argument("--schedule", choices=["async", "sync", "zero_bubble"], default="async",
+                   help="sync: 1F1B with a flush at every update (exactly synchronous; training.schedule); "
+                        "zero_bubble: and each backward split, its weight pass deferred")
     p.add_argument(
         "--inflight-warmup-steps",
         type=int,

@@ -27,6 +27,8 @@ class BatchSettings(Protocol):
     batch: int | None
     micro_batch: int
     update_every: int
+    schedule: str
+    precision: str
 
     @property
     def model_fields_set(self) -> set[str]: ...
@@ -55,7 +57,12 @@ def _not_a_multiple(batch: int, micro_batch: int, clusters: int) -> str:
 
 def check_fields(training: T) -> T:
     """``TrainingConfig``'s own check: ``batch`` and ``update_every`` are one setting stated two ways, and
-    a batch of whole micro-batches (the clusters are checked once they are known)."""
+    a batch of whole micro-batches (the clusters are checked once they are known); and no fp16 loss scaling
+    with split backwards (a micro-batch's scale is not kept for its deferred weight pass)."""
+    if training.schedule == "zero_bubble" and training.precision == "fp16":
+        raise ValueError("training.schedule: zero_bubble does not take precision fp16 (its loss scaling "
+                         "unscales each micro-batch's weight gradients whole); use sync, or precision bf16 "
+                         "or fp32")
     batch = training.batch
     if batch is None:
         return training

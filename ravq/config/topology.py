@@ -69,8 +69,8 @@ class TrainingConfig(UserModel):
     momentum, Adam, AdamW, ClusterAdam); ``auto`` (default), ``pipenag`` with an update per micro-batch
     (a whole update stale) when the optimizer is one of those, else ``none``.  No effect without staleness
     (max_inflight 1)."""
-    schedule: Literal["async", "sync"] = "async"
-    """``sync``: 1F1B with a flush per optimizer update, exactly synchronous (docs/convergence.md)."""
+    schedule: Literal["async", "sync", "zero_bubble"] = "async"
+    """``sync``: 1F1B with a flush per update, exactly synchronous; ``zero_bubble``: and split backwards."""
     inflight_warmup_steps: int = Field(INFLIGHT_WARMUP_STEPS, ge=0)
     """Asynchrony warm-up: the cluster's first this many optimizer steps train with one micro-batch in flight
     (synchronous pipeline training), then stage 0 opens the pipeline to ``max_inflight``.  Early on,

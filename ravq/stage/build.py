@@ -64,7 +64,8 @@ def build_stage(task: Any, training: TrainingConfig, *, seed: int, cuts: list[in
                            extrapolate_gradients=training.extrapolate_gradients,
                            stale_correction=training.stale_correction,
                            inflight_warmup_steps=training.inflight_warmup_steps,
-                           synchronous=training.schedule == "sync",
+                           synchronous=training.schedule in ("sync", "zero_bubble"),
+                           split_backward=training.schedule == "zero_bubble",
                            compress=Format(training.compress.pipeline),
                            int8_block=training.compress.int8_block,
                            recipe=recipe_options(task, training, seed))

@@ -8,6 +8,7 @@ the recipe: ``ravq.stage.recipe``) follows the backward that completes it.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,12 @@ class Passes:
         self._weights, self._grads, self._loss_fn, self._recipe = weights, grads, loss_fn, recipe
         self._stats, self._outbox, self._timer = stats, outbox, timer
         self._feed, self._tied_step = feed, tied_step
+        self._update_every = options.update_every
+        self._split = options.split_backward and not place.is_first and tied_step is None
+        """``training.schedule: zero_bubble``: input-gradients first, weight passes deferred (stage 0 sends no
+        input-gradient; a stage with tied copies contributes its step before its input-gradients)."""
+        self._deferred: deque[tuple[MicroBatch, Stashed, list[torch.Tensor], list[torch.Tensor | None]]]
+        self._deferred = deque()
         self._raw_output: Any = None
         self.guard = AsynchronyGuard(f"cluster {place.cluster} stage {place.spec.index}")
         """Watches this stage's stale updates and says once when asynchrony hurts (``ravq.stage.guard``)."""
@@ -140,8 +147,46 @@ class Passes:
     def backward_from(self, mb: MicroBatch, stash: Stashed, roots: list[torch.Tensor],
                       root_grads: list[torch.Tensor | None], emit: Emit) -> None:
         """Backward of ``roots`` (weighted by ``root_grads``) at the stashed weights; the input-gradients
-        to their producers; the update, when this backward completes one."""
-        state, stats = self._state, self._stats
+        to their producers; the update, when this backward completes one.  Split (``zero_bubble``): the
+        input pass now and its weight pass deferred (``weights``), every one of them before the update."""
+        due = len(self._grads.versions) + len(self._deferred) + 1 >= self._update_every
+        clips = self._recipe.exchange is not None  # the step's norm goes upstream on its input-gradients
+        if not self._split or self._recipe.scales_apart or (due and clips):
+            self.drain()
+            self._whole(mb, stash, roots, root_grads, emit)
+            return
+        grad_of = stash.input_gradients(roots, root_grads)
+        self._deferred.append((mb, stash, roots, root_grads))
+        self._sent(mb, stash, grad_of, False, None, emit)
+        if due:
+            self.drain()
+            self._updated()
+
+    @property
+    def deferred(self) -> int:
+        """Weight passes waiting (``zero_bubble``)."""
+        return len(self._deferred)
+
+    def weights(self) -> MicroBatch:
+        """The oldest deferred weight pass: its gradients added to the sum; returns its micro-batch."""
+        mb, stash, roots, root_grads = self._deferred.popleft()
+        stash.gradients_into(roots, root_grads, self._weights.params, of_inputs=False)
+        self._grads.summed(stash.version)
+        return mb
+
+    def run_weights(self) -> None:
+        """One deferred weight pass, counted as backward time (the compute thread had nothing else)."""
+        t0 = self._timer.clock()
+        self.weights()
+        self._account("backward", t0)
+
+    def drain(self) -> None:
+        """Every deferred weight pass (before an update, a partial last one, or a reset)."""
+        while self._deferred:
+            self.weights()
+
+    def _whole(self, mb: MicroBatch, stash: Stashed, roots: list[torch.Tensor],
+               root_grads: list[torch.Tensor | None], emit: Emit) -> None:
         if self._recipe.scales_apart:
             weight_grads, grad_of = stash.gradients(roots, root_grads)
             weight_grads, scale = self._recipe.unscale(mb, weight_grads)
@@ -150,6 +195,14 @@ class Passes:
         else:  # autograd adds each weight's gradient to the sum: no second copy of the stage's gradients
             grad_of, scale = stash.gradients_into(roots, root_grads, self._weights.params), None
             due = self._grads.summed(stash.version)
+        self._sent(mb, stash, grad_of, due, scale, emit)
+        if due:
+            self._updated()
+
+    def _sent(self, mb: MicroBatch, stash: Stashed, grad_of: dict[int, torch.Tensor | None], due: bool,
+              scale: float | None, emit: Emit) -> None:
+        """The micro-batch's backward is done here: unstash it, send its input-gradients."""
+        state, stats = self._state, self._stats
         del state.stash[mb]
         if self._feed is not None and self._feed.complete(mb):
             stats.record_completed(mb[1])
@@ -161,10 +214,11 @@ class Passes:
             emit(self._outbox.message("bwd", producer, mb, self.pack(tensors), meta))
         stats.record_backward(self._micro_batch)
         state.count_trained()
-        if due:
-            if not self._place.is_last:  # the last stage is never stale
-                self._observe_update()
-            self._recipe.step()
+
+    def _updated(self) -> None:
+        if not self._place.is_last:  # the last stage is never stale
+            self._observe_update()
+        self._recipe.step()
 
     def _sample_guard(self, stash: Stashed, grads: list[torch.Tensor | None]) -> None:
         inputs = stash.inputs[: len(self._place.spec.inputs)]

@@ -214,6 +214,7 @@ class StageWorker:
         with self._sched.cond:
             self._sched.pause()
             self.state.set_generation(generation)
+            self.passes.drain()  # their input-gradients went upstream: those micro-batches may finish
             dropped = len(self.state.stash)
             self.state.stash.clear()
             self._sched.clear_parts()
@@ -269,6 +270,8 @@ class StageWorker:
                     self.passes.start(emit)
                 elif kind == "bwd":
                     self.passes.backward(arg[0], arg[1], emit)
+                elif kind == "weights":
+                    self.passes.run_weights()
                 elif kind == "eval":
                     self.recipe.evaluator.run(arg[0], arg[1])
                 else:
@@ -300,13 +303,18 @@ class StageWorker:
         return (self.is_first and not self._sched.stopping and more
                 and len(self.state.stash) < self.options.inflight_limit(self.version) and self.may_forward()
                 and (not self.options.synchronous  # 1F1B's flush: this update's micro-batches only
-                     or len(self._grads.versions) + len(self.state.stash) < self.options.update_every))
+                     or len(self._grads.versions) + len(self.state.stash) + self.passes.deferred
+                     < self.options.update_every))
 
     def may_forward(self) -> bool:
         """Tied copies are no more than ``max_inflight - 1`` tied steps behind (``ravq.stage.tied_step``);
         synchronous (``training.schedule: sync``): no step of this stage waits for its global norm."""
         synced = not (self.options.synchronous and self.recipe.holding())
         return synced and (self.tied is None or not self.tied.behind())
+
+    def has_deferred(self) -> bool:
+        """Weight passes wait (``training.schedule: zero_bubble``)."""
+        return self.passes.deferred > 0
 
     def finished(self) -> bool:
         """``steps`` micro-batches trained here (later stages: and stage 0 finished), or stopped and
@@ -351,6 +359,7 @@ class StageWorker:
             hook(self)
 
     def _flush_update(self) -> None:
+        self.passes.drain()
         if self._grads.versions:
             self._grads.finish()
             if self.tied_step is not None:

@@ -35,6 +35,9 @@ class Schedulable(Protocol):
     def may_forward(self) -> bool:
         """Its weights are ready for a forward (tied copies not too far behind)."""
 
+    def has_deferred(self) -> bool:
+        """Weight passes of split backwards wait (``training.schedule: zero_bubble``)."""
+
     def finished(self) -> bool:
         """Nothing is left to do: ``steps`` micro-batches trained, or stopped with none in flight."""
 
@@ -48,7 +51,7 @@ class Schedulable(Protocol):
 Control = Callable[[], None]
 """Work submitted to the compute thread (an averaging round's result, a pause's reset, norms)."""
 Work = tuple[str, Any]
-"""("control", fn), ("bwd" | "eval" | "fwd", (micro_batch, parts)) or ("start", None)."""
+"""("control", fn), ("bwd" | "eval" | "fwd", (micro_batch, parts)), ("start" | "weights", None)."""
 
 
 class Scheduler:
@@ -127,6 +130,8 @@ class Scheduler:
                         return kind, ready
                 if stage.may_start():
                     return "start", None
+                if stage.has_deferred():  # a split backward's weight pass fills what would idle
+                    return "weights", None
                 if stage.finished():
                     return None
                 self._idle(stage)

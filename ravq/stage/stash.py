@@ -53,14 +53,16 @@ class Stashed:
         return dict(zip(names, grads[: len(names)])), dict(zip(map(id, grad_inputs), grads[len(names):]))
 
     def gradients_into(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
-                       params: dict[str, nn.Parameter]) -> dict[int, torch.Tensor | None]:
+                       params: dict[str, nn.Parameter], *, of_inputs: bool = True
+                       ) -> dict[int, torch.Tensor | None]:
         """Like ``gradients``, but each weight's gradient is added by autograd, in place and layer by layer,
         to the ``.grad`` of the parameter of its name in ``params``: the stage never holds a second copy of
-        its gradients besides their sum.  The gradient of each input that takes one, by ``id``."""
+        its gradients besides their sum.  The gradient of each input that takes one, by ``id`` (none with
+        ``of_inputs`` False: the weight pass of a split backward, after ``input_gradients``)."""
         names = [n for n, w in self.params.items() if w.requires_grad]
         weights = [self.params[n] for n in names]
-        grad_inputs = [x for x in self.inputs if x.requires_grad]
-        if not roots:
+        grad_inputs = [x for x in self.inputs if x.requires_grad and of_inputs]
+        if not roots or not weights + grad_inputs:
             return dict.fromkeys(map(id, grad_inputs))
         for name, w in zip(names, weights):  # the snapshot's leaves add into the live parameters' sums
             w.grad = params[name].grad
@@ -70,6 +72,18 @@ class Stashed:
             for name, w in zip(names, weights):
                 params[name].grad, w.grad = w.grad, None
         return {id(x): x.grad for x in grad_inputs}
+
+
+    def input_gradients(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None]
+                        ) -> dict[int, torch.Tensor | None]:
+        """The input pass of a split backward (``training.schedule: zero_bubble``): the gradient of each
+        input that takes one, by ``id``, with the graph kept for the weight pass (``gradients_into`` with
+        ``of_inputs`` False)."""
+        grad_inputs = [x for x in self.inputs if x.requires_grad]
+        if not roots or not grad_inputs:
+            return dict.fromkeys(map(id, grad_inputs))
+        grads = torch.autograd.grad(roots, grad_inputs, root_grads, retain_graph=True, allow_unused=True)
+        return dict(zip(map(id, grad_inputs), grads))
 
 
 class WeightStash:

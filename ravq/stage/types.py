@@ -78,6 +78,9 @@ class StageOptions:
     synchronous: bool = False
     """``training.schedule: sync``: 1F1B with a flush at every update (stage 0 starts no micro-batch of the
     next update before it took this one; no stage forwards while its update waits), so nothing is stale."""
+    split_backward: bool = False
+    """``training.schedule: zero_bubble`` (with ``synchronous``): a backward sends its input-gradients first
+    and defers its weight pass to when the stage would idle, or to its update (``ravq.stage.passes``)."""
     compress: Format = Format.NONE
     """How activations and gradients leave this stage (``ravq.codec.compress``); model inputs and targets
     never are compressed, and what arrives compressed is restored to the dtype this stage expects."""

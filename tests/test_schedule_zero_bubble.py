@@ -1,0 +1,113 @@
+"""``training.schedule: zero_bubble``: ``sync``'s flush per update with each backward split (ZB-H1): the
+input-gradients go upstream first and the weight pass waits until the stage would idle or its update is due.
+
+In-process (no sockets): at 2 and 3 stages with a stated batch of 4 micro-batches per update it trains
+exactly as one process, plain, clipped and with tied weights; the weight passes really run after other
+work; and the config refuses fp16 loss scaling with it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from ravq.config import EXTRAPOLATE_GRADIENTS, PREDICT_WEIGHTS, TrainingConfig
+from ravq.stage.pipeline import StageWorker
+from ravq.stage.types import RecipeOptions
+from tests import models_for_tests as skipnet
+from tests import zoo
+from tests.pipeline_harness import make_workers, merged_state, run_in_order, run_workers
+from tests.test_schedule_sync import MAX_NORM, UPDATE_EVERY, UPDATES, one_process
+
+
+def _workers(stages: int, clip: float | None = None, task: ModuleType = skipnet,
+             split: bool = True) -> list[StageWorker]:
+    return make_workers(task, stages, steps=UPDATES * UPDATE_EVERY, max_inflight=stages,
+                        update_every=UPDATE_EVERY, predict_weights=PREDICT_WEIGHTS,
+                        extrapolate_gradients=EXTRAPOLATE_GRADIENTS, stale_correction="auto",
+                        recipe=RecipeOptions(clip_grad_norm=clip), synchronous=True, split_backward=split)
+
+
+def _assert_one_process(workers: list[StageWorker], clip: float | None, task: ModuleType = skipnet) -> None:
+    assert all(w.version == UPDATES for w in workers)
+    assert all(w.stats.staleness_max == 0 for w in workers)
+    assert not any(w.has_deferred() for w in workers)
+    want, got = one_process(UPDATES, UPDATE_EVERY, clip, task), merged_state(workers)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("clip", [None, MAX_NORM], ids=["plain", "clipped"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_zero_bubble_equals_one_process(stages: int, clip: float | None) -> None:
+    workers = _workers(stages, clip)
+    run_workers(workers)
+    _assert_one_process(workers, clip)
+
+
+def test_zero_bubble_keeps_weights_tied_across_stages_exact() -> None:
+    """Stages holding tied copies run their backward whole (their step goes out before the input-gradients);
+    the stage between them splits."""
+    workers = _workers(3, task=zoo.tied)
+    run_workers(workers)
+    _assert_one_process(workers, None, zoo.tied)
+
+
+def _recorded(workers: list[StageWorker]) -> list[list[tuple[str, Any]]]:
+    """Each stage's passes in the order it ran them: F (the last stage: with its backward), B, W."""
+    logs: list[list[tuple[str, Any]]] = []
+    for w in workers:
+        log: list[tuple[str, Any]] = []
+        passes = w.passes
+
+        def traced(name: str, fn: Callable[..., Any], log: list[tuple[str, Any]] = log) -> Callable[..., Any]:
+            def call(*args: Any) -> Any:
+                out = fn(*args)
+                log.append((name, out if name == "W" else args[0]))
+                return out
+            return call
+
+        passes.forward = traced("F", passes.forward)  # type: ignore[method-assign]
+        passes.backward = traced("B", passes.backward)  # type: ignore[method-assign]
+        passes.weights = traced("W", passes.weights)  # type: ignore[method-assign]
+        logs.append(log)
+    return logs
+
+
+def _deferred_past_other_work(log: list[tuple[str, Any]]) -> list[Any]:
+    """Micro-batches whose weight pass ran after other forwards or backwards that followed their B."""
+    found = []
+    for j, (kind, mb) in enumerate(log):
+        if kind == "W":
+            i = log.index(("B", mb))
+            if any(k in ("F", "B") for k, _ in log[i + 1: j]):
+                found.append(mb)
+    return found
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["zero_bubble", "sync"])
+def test_weight_passes_run_after_later_work(split: bool) -> None:
+    """Run in one thread, deterministically: the middle of 3 stages sends a micro-batch's input-gradients,
+    forwards the next micro-batch stage 0 could start, and only then runs the held weight pass; every
+    update still equals one process.  ``sync`` (the control) runs no weight pass apart."""
+    workers = _workers(3, split=split)
+    logs = _recorded(workers)
+    run_in_order(workers)
+    _assert_one_process(workers, None)
+    if split:
+        assert _deferred_past_other_work(logs[1])
+        assert [k for k, _ in logs[0]].count("W") == 0  # stage 0 sends no input-gradient: no split
+    else:
+        assert not any(k == "W" for log in logs for k, _ in log)
+
+
+def test_the_schedule_is_checked() -> None:
+    assert TrainingConfig(schedule="zero_bubble").schedule == "zero_bubble"
+    assert TrainingConfig(schedule="zero_bubble", precision="bf16").precision == "bf16"
+    with pytest.raises(ValueError, match="zero_bubble does not take precision fp16"):
+        TrainingConfig(schedule="zero_bubble", precision="fp16")
+    with pytest.raises(ValueError, match="schedule"):
+        TrainingConfig(schedule="zb-h2")
