@@ -1,4 +1,5 @@
-"""``training.schedule``: the asynchronous pipeline (default) against 1F1B with a flush per update (``sync``).
+"""``training.schedule``: the asynchronous pipeline (default) against 1F1B with a flush per update (``sync``)
+and the same with each backward split, weight passes deferred (``zero_bubble``, ZB-H1).
 
 Throughput: ``ravq demo`` (its default task), one cluster of 2 and of 4 stages, a stated batch of 4 and of 8
 micro-batches per update, each schedule in turn; samples/s is the demo report's (samples over the training
@@ -9,7 +10,7 @@ Convergence: one cluster of 2 stages on a zoo task, both schedules with the same
 synchronous training reaches; the wall time async needs to reach it (from its per-micro-batch losses, timed by
 its last stage's updates) against sync's whole run.
 
-    python benchmarks/bench_schedule.py [--steps 128] [--stages 2 4] [--per-update 4 8]
+    python benchmarks/bench_schedule.py [--steps 128] [--stages 2 4] [--per-update 4 8] [--schedules ...]
     python benchmarks/bench_schedule.py --converge [--task tests.zoo_markov:gpt2] [--steps 240] [--per-update 4]
 """
 
@@ -29,6 +30,7 @@ use_repo_checkout()
 from _group_curve import trailing_mean  # benchmarks/, the script's own directory
 
 SCHEDULES = {"async": ["--schedule", "async"], "sync": ["--schedule", "sync"],
+             "zero_bubble": ["--schedule", "zero_bubble"],
              "async, no warm-up": ["--schedule", "async", "--inflight-warmup-steps", "0"]}
 """The default asynchronous pipeline trains its first 20 updates with one micro-batch in flight (the asynchrony
 warm-up, docs/convergence.md), which a short run feels: the third run shows async without it."""
@@ -56,7 +58,7 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     for stages in args.stages:
         for per_update in args.per_update:
             rates = {}
-            for schedule in SCHEDULES:
+            for schedule in ["async", *(s for s in args.schedules if s != "async")]:  # async: the reference
                 load = loadavg()
                 report, _ = demo(schedule, stages, args.steps, args.micro_batch, per_update, [])
                 rates[schedule] = report["samples_per_second"]
@@ -70,7 +72,7 @@ def throughput(args: argparse.Namespace) -> list[dict]:
 
 def converge(args: argparse.Namespace) -> dict:
     curves = {}
-    for schedule in SCHEDULES:
+    for schedule in ("async", "sync", "async, no warm-up"):
         load = loadavg()
         _, run = demo(schedule, 2, args.steps, args.micro_batch, args.per_update[0], ["--task", args.task])
         summary = json.loads((run / "summary-c0s1.json").read_text())
@@ -98,6 +100,8 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     p.add_argument("--per-update", type=int, nargs="+", default=[4, 8], help="micro-batches per update")
+    p.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES),
+                   help="throughput: the schedules measured (async always, first)")
     p.add_argument("--converge", action="store_true", help="wall time to synchronous training's final loss")
     p.add_argument("--task", default="tests.zoo_markov:gpt2", help="with --converge")
     p.add_argument("--window", type=int, default=40, help="with --converge: micro-batches the loss is averaged on")

@@ -15,6 +15,10 @@ import pytest
 import torch
 
 from ravq.config import EXTRAPOLATE_GRADIENTS, PREDICT_WEIGHTS, TrainingConfig
+from ravq.cut.meta import build_meta_model, to_meta
+from ravq.cut.split import candidate_cuts, even_cuts, split_model
+from ravq.preflight.memory import MemorySettings, estimate
+from ravq.preflight.report import Report
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.types import RecipeOptions
 from tests import models_for_tests as skipnet
@@ -111,3 +115,21 @@ def test_the_schedule_is_checked() -> None:
         TrainingConfig(schedule="zero_bubble", precision="fp16")
     with pytest.raises(ValueError, match="schedule"):
         TrainingConfig(schedule="zb-h2")
+
+
+
+def test_ravq_check_counts_the_graphs_kept_for_weight_passes() -> None:
+    """``ravq check``'s estimate: a split stage (the last here) may hold an update's graphs, 4 where 1F1B
+    holds 1; stage 0 runs its backward whole and holds what it did."""
+    model = build_meta_model(skipnet, 0).model  # as ravq check builds it
+    example = to_meta(skipnet.example_inputs(4))
+    specs = split_model(model, example, even_cuts(candidate_cuts(model, skipnet), 2))
+    _, targets = next(skipnet.train_batches(4, 0, 1, 0))
+
+    def activations(split: int) -> list[int]:
+        settings = MemorySettings(micro_batch=4, max_inflight=2, split_graphs=split)
+        report = Report(task="", cuts=[], stages=2, micro_batch=4, max_inflight=2)
+        return [m.activations for m in estimate(specs, example, targets, skipnet, settings, report, ["", ""])]
+
+    whole, split = activations(0), activations(UPDATE_EVERY)
+    assert split[0] == whole[0] and split[1] == UPDATE_EVERY * whole[1] > 0

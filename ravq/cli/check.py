@@ -63,6 +63,7 @@ def _training_settings(training: TrainingConfig, args: argparse.Namespace, seed:
         seed=seed,
         predict_weights=training.predict_weights,
         extrapolate_gradients=training.extrapolate_gradients,
+        split_backward=training.schedule == "zero_bubble",
         meta_only=args.meta_only,
     )
 

@@ -1,6 +1,8 @@
 """Each stage's memory as a node of the run will hold it, worked out on ``meta`` (no weight made real):
 weights, gradients, the task's optimizer's state, weight snapshots of versions in flight, and per in-flight
 micro-batch the tensors autograd saves, the stage's inputs and outputs; plus the process around the stage.
+``training.schedule: zero_bubble`` keeps a graph past the input-gradients until its deferred weight pass, so
+a split stage may hold up to an update's micro-batches (``MemorySettings.split_graphs``).
 
 The estimate is of the peak, so of the worst case the pipeline allows: every stage but the last may hold
 all ``max_inflight`` micro-batches between their forward and their backward (a slower later stage queues
@@ -37,6 +39,10 @@ class MemorySettings:
     max_inflight: int
     predict_weights: float = 0.0
     extrapolate_gradients: float = 0.0
+    split_graphs: int = 0
+    """``training.schedule: zero_bubble``: the micro-batches whose graphs a stage past the first may hold at
+    once, in flight or kept for a deferred weight pass (its ``update_every``: the flush bounds them); 0: not
+    split.  Stages with tied copies run their backward whole."""
     runtime_bytes: int = 0
     """The process around a stage (``StageMemory.runtime``)."""
 
@@ -150,6 +156,7 @@ def estimate(
         weights = sum(_nbytes(p) for p in params.values()) + sum(_nbytes(b) for b in spec.module.buffers())
         trained = sum(_nbytes(p) for p in params.values() if p.requires_grad)
         inflight = 1 if spec.index == stages - 1 else settings.max_inflight
+        split = settings.split_graphs if spec.index > 0 and not spec.tied else 0
         state = optimizer_bytes(task.make_optimizer, params, report)
         copies = max(0, inflight - 1)
         stale = inflight > 1  # the last stage is never stale: neither mechanism holds anything there
@@ -167,7 +174,7 @@ def estimate(
                 grads=trained,
                 optimizer=state + (trained if state else 0),
                 stash=copies * trained,
-                activations=inflight * activations,
+                activations=max(inflight, split) * activations,
                 runtime=settings.runtime_bytes,
             )
         )

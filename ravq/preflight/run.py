@@ -44,6 +44,8 @@ class CheckSettings:
     seed: int = 0
     predict_weights: float = 0.0
     extrapolate_gradients: float = 0.0
+    split_backward: bool = False
+    """``training.schedule: zero_bubble``: graphs kept for deferred weight passes count (``update_every``)."""
     evaluate: bool = True
     """Check the eval graphs (when the task has ``eval_batches``)."""
     placed: list[PlacedMemory] = field(default_factory=list)
@@ -119,6 +121,7 @@ def _run(spec: str, settings: CheckSettings, report: Report) -> None:
         max_inflight=report.max_inflight,
         predict_weights=settings.predict_weights,
         extrapolate_gradients=settings.extrapolate_gradients,
+        split_graphs=settings.update_every if settings.split_backward else 0,
         runtime_bytes=runtime,
     )
     try:
