@@ -21,7 +21,10 @@ steps sized for equal weights.  Everything here is pure: the node, the simulator
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from ravq.planner.groups import Mode, groups_for
 
 
 def round_steps(sync_every: int, rates: Sequence[float]) -> list[int]:
@@ -67,3 +70,62 @@ def effective_clusters(steps: Sequence[int]) -> float:
     if cube <= 0:
         return float(max(1, len(steps)))
     return max(1.0, total * square / cube)
+
+
+# Pacing by link (issue #38): a cluster whose round of averaging takes longer than the round period (a slow
+# uplink) takes part only in every k-th round, k in the plan beside the rates (``every``), the same on every
+# node.  Round r's takers are the live clusters with r % k == 0 (round 0 of an epoch: all of them), and its
+# groups are formed among the takers alone, so nobody holds back or waits in silence for a cluster that
+# skips.  A cluster that skips mixes, when it next takes part, with weight = its samples since its last mix:
+# k rounds' steps (``mix_steps``), so the samples-weighted mean over all clusters stays where it was.
+
+
+def link_every(averaging_s: float, round_period_s: float) -> int:
+    """The k for a cluster whose round of averaging takes ``averaging_s`` (its link and segment sizes) against
+    the plan's round period: ceil(averaging_s / round_period_s), at least 1, so its averaging keeps up."""
+    if not round_period_s > 0 or not averaging_s > 0:
+        return 1
+    return max(1, math.ceil(averaging_s / round_period_s - 1e-9))
+
+
+def takes_part(round_index: int, every: int) -> bool:
+    """Whether a cluster paced every ``every`` rounds takes part in round ``round_index`` of its epoch."""
+    if every < 1:
+        raise ValueError(f"averaging.every: at least 1, got {every}")
+    return round_index % every == 0
+
+
+def takers(round_index: int, live: Iterable[int], every: Sequence[int] | None) -> list[int]:
+    """The live clusters taking part in round ``round_index`` (all of them without ``every``)."""
+    return sorted(c for c in set(live) if every is None or takes_part(round_index, every[c]))
+
+
+def mix_steps(steps: Sequence[int], every: Sequence[int] | None) -> list[int]:
+    """Each cluster's steps since its last mix when it takes part: its steps per round times its k."""
+    return list(steps) if every is None else [s * k for s, k in zip(steps, every, strict=True)]
+
+
+def rounds_until_mixed(groups_of: Callable[[int, list[int]], Sequence[tuple[int, ...]]], live: Iterable[int],
+                       every: Sequence[int] | None, limit: int = 64) -> int | None:
+    """How many rounds (round indices from 0) until every live cluster's weights hold every other's, when
+    round r mixes within ``groups_of(r, takers of r)``; None if not within ``limit``.  With every-k-th-round
+    clusters, "every cluster mixes with every other within n rounds" counts the slowest's own rounds:
+    ceil(this / max k) <= n."""
+    members = sorted(set(live))
+    held = {c: {c} for c in members}
+    for r in range(limit):
+        if all(len(h) == len(members) for h in held.values()):
+            return r
+        for group in groups_of(r, takers(r, members, every)):
+            union = set().union(*(held[c] for c in group))
+            for c in group:
+                held[c] = set(union)
+    return limit if all(len(h) == len(members) for h in held.values()) else None
+
+
+def round_groups(epoch: int, round_index: int, live: Iterable[int], mode: Mode, group_size: int,
+                 rates: Mapping[int, float] | None = None,
+                 every: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    """Round ``round_index``'s groups among its takers (``groups_for`` over them): a cluster that skips the
+    round is in none, and the others form their groups as if it were not live."""
+    return groups_for(epoch, round_index, takers(round_index, live, every), mode, group_size, rates)

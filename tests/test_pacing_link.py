@@ -1,0 +1,80 @@
+"""Pacing by link (issue #38): a slow-uplink cluster takes part in every k-th round only; which clusters take
+part, the groups among them, the weights they mix with, and how "mixed within n rounds" is counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from ravq.planner.groups import groups_for
+from ravq.planner.pacing import (
+    link_every,
+    mix_steps,
+    mix_weights,
+    round_groups,
+    rounds_until_mixed,
+    takers,
+    takes_part,
+)
+
+
+def test_k_is_the_rounds_a_clusters_averaging_takes_against_the_round_period() -> None:
+    assert link_every(79.0, 79.0) == 1
+    assert link_every(100.0, 79.0) == 2
+    assert link_every(700.0, 79.0) == 9
+    assert link_every(10.0, 79.0) == 1
+    assert link_every(5.0, 0.0) == 1                           # no period known: every round
+
+
+def test_round_takers_are_the_same_on_every_node_whatever_order_it_lists_the_live_clusters() -> None:
+    every = [1, 2, 3, 1]
+    assert takers(0, [3, 0, 2, 1], every) == [0, 1, 2, 3]    # round 0 of an epoch: everyone
+    assert takers(1, [0, 1, 2, 3], every) == takers(1, [3, 2, 1, 0], every) == [0, 3]
+    assert takers(2, {0, 1, 3}, every) == [0, 1, 3]           # a cluster not live is out whatever its k
+    assert takers(5, [0, 1, 2], None) == [0, 1, 2]
+    with pytest.raises(ValueError, match="every: at least 1"):
+        takes_part(3, 0)
+
+
+def test_a_cluster_that_skips_a_round_is_in_none_of_its_groups_and_the_others_group_without_it() -> None:
+    every = [1, 1, 1, 2]
+    for r in range(6):
+        groups = round_groups(7, r, range(4), "groups", 2, every=every)
+        flat = sorted(c for g in groups for c in g)
+        assert flat == takers(r, range(4), every)
+        assert (3 in flat) == (r % 2 == 0)
+        assert groups == round_groups(7, r, [3, 2, 1, 0], "groups", 2, every=every)
+
+
+def test_mixing_each_taker_by_its_samples_since_its_last_mix_keeps_the_samples_weighted_mean() -> None:
+    steps, every = [10, 10, 4], [1, 1, 2]                      # cluster 2: 4 steps a round, every 2nd round
+    since = mix_steps(steps, every)
+    assert since == [10, 10, 8]
+    x = {0: 1.0, 1: 3.0, 2: 11.0}
+    weights = mix_weights((0, 1, 2), since)
+    mixed = sum(weights[c] * x[c] for c in x)
+    assert mixed == pytest.approx((10 * 1.0 + 10 * 3.0 + 8 * 11.0) / 28)
+    assert mix_steps(steps, None) == steps
+
+
+def test_mixed_within_counts_rounds_until_every_cluster_holds_every_others_weights() -> None:
+    def global_groups(r: int, t: list[int]) -> list[tuple[int, ...]]:
+        return groups_for(0, r, t, "global", 2)
+    assert rounds_until_mixed(global_groups, range(5), [1, 1, 2, 3, 1]) == 1   # round 0 takes everyone
+    def pairs(r: int, t: list[int]) -> list[tuple[int, ...]]:
+        return groups_for(0, r, t, "groups", 2)
+    assert rounds_until_mixed(pairs, range(4), None) == 2     # a 2 x 2 grid: one round per axis
+    # round 0 mixes nobody with an every-2nd-round cluster when it would be alone: it waits for round 2
+    def alone_first(r: int, t: list[int]) -> list[tuple[int, ...]]:
+        return [tuple(t)] if r else [(c,) for c in t]
+    assert rounds_until_mixed(alone_first, range(3), [1, 1, 2]) == 3
+
+
+def test_rate_sorted_places_over_a_periodic_set_of_takers_can_leave_clusters_apart_so_the_check_says_so() -> None:
+    rates = {c: 10.0 - c for c in range(7)}
+    every = [1, 1, 1, 1, 2, 2, 3]
+    def by_rate(r: int, t: list[int]) -> list[tuple[int, ...]]:
+        return groups_for(0, r, t, "groups", 2, rates)
+    def shuffled(r: int, t: list[int]) -> list[tuple[int, ...]]:
+        return groups_for(0, r, t, "groups", 2)
+    assert rounds_until_mixed(by_rate, range(7), every) is None
+    assert rounds_until_mixed(shuffled, range(7), every) is not None
