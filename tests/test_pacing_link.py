@@ -4,7 +4,13 @@ part, the groups among them, the weights they mix with, and how "mixed within n 
 from __future__ import annotations
 
 import pytest
+import torch
+from pydantic import ValidationError
 
+from ravq.average.group_rounds import RoundGroups
+from ravq.average.rounds import ROUNDS_PER_EPOCH
+from ravq.average.segments import plan_segments, segments_for
+from ravq.config.averaging import AveragingConfig
 from ravq.planner.groups import groups_for
 from ravq.planner.pacing import (
     link_every,
@@ -15,6 +21,8 @@ from ravq.planner.pacing import (
     takers,
     takes_part,
 )
+from tests.test_allreduce import MemoryNet
+from tests.test_group_rounds import NAMES, NODES, NUMELS, OWNERS, _plan, _round, _start
 
 
 def test_k_is_the_rounds_a_clusters_averaging_takes_against_the_round_period() -> None:
@@ -78,3 +86,33 @@ def test_rate_sorted_places_over_a_periodic_set_of_takers_can_leave_clusters_apa
         return groups_for(0, r, t, "groups", 2)
     assert rounds_until_mixed(by_rate, range(7), every) is None
     assert rounds_until_mixed(shuffled, range(7), every) is not None
+
+
+def test_the_config_takes_one_k_per_cluster_and_refuses_bad_ones() -> None:
+    assert AveragingConfig(mode="groups", every=[1, 3]).every == [1, 3]
+    with pytest.raises(ValidationError, match="round count >= 1"):
+        AveragingConfig(every=[1, 0])
+    with pytest.raises(ValidationError, match="one k per cluster"):
+        AveragingConfig(pace="rate", rates=[2.0, 1.0, 1.0], every=[1, 2])
+
+
+def test_a_skipping_clusters_nodes_run_no_rings_and_the_takers_real_rings_mix_by_samples_since_last_mix() -> None:
+    """Cluster c holds c; cluster 3 takes part every 2nd round.  Round 1: clusters 0-2 average alone (mean 1),
+    cluster 3's nodes run no rings and keep 3.  Round 0 (all take part, one step a round): cluster 3 counts its
+    2 rounds' steps, so the real rings reach (0 + 1 + 2 + 2 * 3) / 5 = 1.8."""
+    config = AveragingConfig(every=[1, 1, 1, 2])
+    plan, net, values = _plan(), MemoryNet(NODES), _start()
+    skipped = {n: RoundGroups(config, int(n[1]), 1).rings(segments_for(n, plan_segments(NAMES, NUMELS, OWNERS)), plan, 1) for n in NODES}
+    assert [n for n, rings in skipped.items() if not rings] == ["c3s0", "c3s1"]
+    assert all(3 not in RoundGroups(config, c, 1).group(plan, 1) for c in range(3))
+    results = _round(net, values, plan, 1, config)
+    for node, result in results.items():
+        assert not result.aborted
+        assert (not result.averaged) == node.startswith("c3")   # cluster 3 ran nothing and keeps its own
+        assert all(torch.allclose(flat, torch.full_like(flat, 1.0)) for flat in result.averaged.values())
+    net = MemoryNet(NODES)
+    sent = {n: RoundGroups(config, int(n[1]), 1).weighed(plan, plan.epoch * ROUNDS_PER_EPOCH, values[n])
+            for n in NODES}
+    for result in _round(net, sent, plan, 0, config).values():
+        assert not result.aborted
+        assert all(torch.allclose(flat, torch.full_like(flat, 1.8)) for flat in result.averaged.values())

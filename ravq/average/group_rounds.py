@@ -14,13 +14,13 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from ravq.average.groups import group_of, groups_for
+from ravq.average.groups import group_of
 from ravq.average.rounds import FINAL_ROUND, ROUNDS_PER_EPOCH
 from ravq.average.segments import Segment
 from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
 from ravq.metrics import Metrics
-from ravq.planner.pacing import effective_clusters, round_steps, send_scale
+from ravq.planner.pacing import effective_clusters, mix_steps, round_groups, round_steps, send_scale
 
 
 def live_clusters(plan: Plan) -> list[int]:
@@ -84,6 +84,16 @@ class RoundGroups:
             return [self.clock.sync_every] * count
         return round_steps(self.clock.sync_every, mode.rates)
 
+    def every(self, plan: Plan) -> list[int] | None:
+        """Pacing by link: each plan cluster takes part in every k-th round only (``AveragingConfig.every``),
+        or None (every round; also when it does not name one k per cluster of the plan)."""
+        every = self.averaging(plan).every
+        return every if every is not None and len(every) == len(plan.clusters) else None
+
+    def mix_steps(self, plan: Plan) -> list[int]:
+        """Each plan cluster's steps since its last mix when it takes part: its round's steps times its k."""
+        return mix_steps(self.round_steps(plan), self.every(plan))
+
     def effective_clusters(self, plan: Plan) -> float:
         """How many clusters' gradient noise this node's rounds average away under the plan, for ClusterAdam:
         the live clusters, fewer in effect under rate pacing (``ravq.planner.pacing.effective_clusters``); 1
@@ -91,17 +101,16 @@ class RoundGroups:
         live = live_clusters(plan)
         if self.cluster not in live:
             return 1.0
-        steps = self.round_steps(plan)
+        steps = self.mix_steps(plan)
         return effective_clusters([steps[c] for c in live])
 
     def scale(self, plan: Plan, round_index: int) -> float:
         """What this node multiplies its snapshot by before round ``round_index``'s rings, so that their plain
         mean weighs each cluster by the samples it trained since its last mix (1.0 under steps pacing)."""
-        mode = self.averaging(plan)
-        group = live_clusters(plan) if mode.mode == "global" else self.group(plan, round_index)
-        if self.cluster not in group:
+        group = self.group(plan, round_index)
+        if self.cluster not in group or len(group) < 2:
             return 1.0
-        return send_scale(self.cluster, group, self.round_steps(plan))
+        return send_scale(self.cluster, group, self.mix_steps(plan))
 
     def weighed(self, plan: Plan, round_id: int, snapshots: dict[int, Tensor]) -> dict[int, Tensor]:
         """The flats this node sends into round ``round_id``'s rings: its snapshots, scaled (a copy) when the
@@ -115,12 +124,14 @@ class RoundGroups:
         return steps[self.cluster] if self.cluster < len(steps) else self.clock.sync_every
 
     def group(self, plan: Plan, round_index: int) -> tuple[int, ...]:
-        """The clusters this node's cluster averages with in round ``round_index`` of the plan's epoch."""
+        """The clusters this node's cluster averages with in round ``round_index`` of the plan's epoch; ()
+        when its cluster skips the round (pacing by link)."""
         live = live_clusters(plan)
         if self.cluster not in live:
             return (self.cluster,)
         mode = self.averaging(plan)
-        groups = groups_for(plan.epoch, round_index, live, mode.mode, mode.group_size, self.rates(plan))
+        groups = round_groups(plan.epoch, round_index, live, mode.mode, mode.group_size, self.rates(plan),
+                              self.every(plan))
         return group_of(self.cluster, groups)
 
     def step(self, plan: Plan, segments: Callable[[Plan], list[Segment]]) -> tuple[int, list[Segment]] | None:
@@ -137,16 +148,16 @@ class RoundGroups:
         if index is None:
             return None
         self.last = self.group(plan, index)
-        if self.metrics is not None:
-            self.metrics.averaging_group.set(min(self.last))
+        if self.metrics is not None:  # a round this cluster skips (pacing by link): group size 0
+            self.metrics.averaging_group.set(min(self.last, default=self.cluster))
             self.metrics.averaging_group_size.set(len(self.last))
         rings = self.rings(segments(plan), plan, index)
         return (plan.epoch * ROUNDS_PER_EPOCH + index, rings) if rings else None
 
     def rings(self, segments: list[Segment], plan: Plan, round_index: int) -> list[Segment]:
         """``segments`` (planned over every live cluster, rings in cluster order) with each ring cut to the
-        holders in this round's group; none when the group is this cluster alone."""
-        if self.averaging(plan).mode == "global":
+        holders in this round's group; none when the group is this cluster alone or it skips the round."""
+        if self.averaging(plan).mode == "global" and self.every(plan) is None:
             return segments
         group = set(self.group(plan, round_index))
         if len(group) < 2:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ravq.config.base import UserModel
 
@@ -26,3 +26,19 @@ class AveragingConfig(UserModel):
     rates: list[float] | None = None
     """Per cluster of the plan, its rate (samples/s) that ``rate`` pacing follows, the same on every node: the
     planner's prediction in a plan's averaging (``Plan.averaging``)."""
+    every: list[int] | None = None
+    """Per cluster of the plan, pacing by link: it takes part in every ``every[c]``-th round of an epoch only
+    (round r when r % k == 0; ``ravq.planner.pacing``), for a cluster whose round of averaging outlasts the
+    round period (a slow uplink); the others form their groups without it and it mixes with its samples since
+    its last mix.  The planner records it beside ``rates``; a user may state it.  None: every round."""
+
+    @model_validator(mode="after")
+    def _every(self) -> AveragingConfig:
+        if self.every is None:
+            return self
+        if any(k < 1 for k in self.every):
+            raise ValueError(f"averaging.every: each cluster's k is a round count >= 1, got {self.every}")
+        if self.rates is not None and len(self.rates) != len(self.every):
+            raise ValueError(f"averaging.every: one k per cluster of the plan, as in rates "
+                             f"({len(self.rates)}), got {len(self.every)}")
+        return self
