@@ -21,8 +21,10 @@ from ravq.planner.pacing import (
     takers,
     takes_part,
 )
+from ravq.simulate import SegmentSpec, Settings, averaging_settings, simulate
 from tests.test_allreduce import MemoryNet
 from tests.test_group_rounds import NAMES, NODES, NUMELS, OWNERS, _plan, _round, _start
+from tests.test_simulate import stage, world
 
 
 def test_k_is_the_rounds_a_clusters_averaging_takes_against_the_round_period() -> None:
@@ -116,3 +118,22 @@ def test_a_skipping_clusters_nodes_run_no_rings_and_the_takers_real_rings_mix_by
     for result in _round(net, sent, plan, 0, config).values():
         assert not result.aborted
         assert all(torch.allclose(flat, torch.full_like(flat, 1.8)) for flat in result.averaged.values())
+
+
+def test_the_simulator_runs_a_cluster_joining_every_2nd_round_in_half_the_rounds_rings() -> None:
+    """Two one-stage clusters, 300 steps, a round every 10 (30 rounds), a 1 MB segment at 10 MB/s: each round's
+    2-member ring sends 1 MB per node and takes 0.1 s.  With b every 2nd round, rounds 0, 2, ..., 28 (15) run
+    rings; a's odd rounds are a group of one and end at once: 15 MB per node, 0.1 s x 15 / 30 a round."""
+    segment = SegmentSpec(blocks=(0, 1), nbytes=1e6, holders=("a", "b"))
+    clusters = [[stage("a", 0.01, 0.01)], [stage("b", 0.01, 0.01)]]
+    for every, rounds_with_rings in ((None, 30), ((1, 2), 15)):
+        result = simulate(world(clusters, Settings(steps=300, sync_every=10, every=every), bandwidth=1e7,
+                                segments=[segment]))
+        for node in result.nodes:
+            assert node.allreduce_rounds == 30
+            assert node.ring_bytes == pytest.approx(1e6 * rounds_with_rings)
+            assert node.allreduce_seconds_mean == pytest.approx(0.1 * rounds_with_rings / 30)
+    with pytest.raises(ValueError, match="every: each cluster's k must be >= 1"):
+        Settings(every=(1, 0))
+    paced = averaging_settings(Settings(), AveragingConfig(every=[1, 3]))
+    assert paced.every == (1, 3)

@@ -38,7 +38,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from ravq.planner.groups import group_of, groups_for
+from ravq.planner.groups import group_of
+from ravq.planner.pacing import round_groups
 from ravq.simulate.churn import Churn
 from ravq.simulate.engine import INF, Connection, EventQueue, SharedResource
 from ravq.simulate.rings import Ring
@@ -325,12 +326,12 @@ class Simulation:
             ring.open(ring.rank(node))
 
     def _group(self, cluster: int, nr: NodeRound) -> tuple[int, ...]:
-        """The clusters ``cluster`` averages with in round ``nr`` (``ravq.average.groups``)."""
+        """The clusters ``cluster`` averages with in round ``nr``; () when it skips it (pacing by link)."""
         s = self.settings
         rates = None if s.group_rates is None else dict(enumerate(s.group_rates))
-        groups = groups_for(nr.plan_epoch, nr.round_id, self.epoch_live[nr.plan_epoch],
-                            "groups" if s.averaging_mode == "groups" else "global", s.group_size, rates)
-        return group_of(cluster, groups)
+        mode, live = ("groups" if s.averaging_mode == "groups" else "global"), self.epoch_live[nr.plan_epoch]
+        return group_of(cluster, round_groups(nr.plan_epoch, nr.round_id, live, mode, s.group_size, rates,
+                                              s.every))
 
     def _moved_on(self, node: Node) -> None:
         """``node`` counts steps in a newer epoch: rounds of older ones it has not snapshotted never get its

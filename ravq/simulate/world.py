@@ -86,6 +86,9 @@ class Settings:
     """Per cluster, optimizer steps between its rounds (rate pacing, ``ravq.planner.pacing.round_steps``):
     each cluster then trains ``steps`` x its share / ``sync_every`` micro-batches, as many rounds as the
     others; None: every cluster ``sync_every`` (steps pacing)."""
+    every: tuple[int, ...] | None = None
+    """Per cluster, pacing by link (``ravq.planner.pacing``): it takes part in every k-th round only, the
+    others' groups formed without it; None: every round."""
     finish_poll_s: float = 0.0
     """A later stage done with its micro-batches learns that stage 0 finished when its compute thread
     next wakes: at a message or an averaging round, else after this long (``ravq.stage.schedule.WAIT_S``);
@@ -124,6 +127,8 @@ class Settings:
                              f"{self.averaging_mode!r} and {self.group_size}")
         if self.round_steps is not None and min(self.round_steps, default=1) < 1:
             raise ValueError(f"round_steps: every cluster's must be >= 1, got {self.round_steps}")
+        if self.every is not None and min(self.every, default=1) < 1:
+            raise ValueError(f"every: each cluster's k must be >= 1, got {self.every}")
         for name in ("pipeline_wire", "ring_wire"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(
@@ -137,7 +142,8 @@ def averaging_settings(settings: Settings, averaging: AveragingConfig) -> Settin
     paced by rate with the plan's rates, each cluster's steps between its rounds."""
     paced = averaging.pace == "rate" and averaging.rates is not None
     return replace(settings, averaging_mode=averaging.mode, group_size=averaging.group_size,
-                   round_steps=tuple(round_steps(settings.sync_every, averaging.rates)) if paced else None)
+                   round_steps=tuple(round_steps(settings.sync_every, averaging.rates)) if paced else None,
+                   every=None if averaging.every is None else tuple(averaging.every))
 
 @dataclass(kw_only=True, slots=True)
 class Network:
