@@ -54,7 +54,8 @@ from ravq.planner import (
     plan_candidates,
     ravnest_plan,
 )
-from ravq.planner.groups import rounds_to_mix
+from ravq.planner.groups import groups_for, rounds_to_mix
+from ravq.planner.pacing import rounds_until_mixed
 from ravq.simulate import Settings, averaging_settings, build_world, simulate
 from ravq.simulate.worldwide import (
     naive_plan,
@@ -77,6 +78,19 @@ SCORE: dict[str, Any] = {"micro_batch": MICRO_BATCH, "sync_every": SYNC_EVERY, "
                          "overlap_averaging": True, "averaging_lead": 1, "wire": WIRE}
 
 
+def _mixed_in(plan: Plan) -> int | None:
+    """Rounds until every cluster holds every other's weights; with every-k-th-round clusters (pacing by link)
+    counted in the slowest's own rounds (ravq.planner.pacing.rounds_until_mixed)."""
+    averaging = plan.averaging
+    if averaging is None or (averaging.mode == "global" and averaging.every is None):
+        return 1
+    if averaging.every is None:
+        return rounds_to_mix(len(plan.clusters), averaging.group_size)
+    mixed = rounds_until_mixed(lambda r, t: groups_for(0, r, t, averaging.mode, averaging.group_size),
+                               range(len(plan.clusters)), averaging.every)
+    return None if mixed is None else -(-mixed // max(averaging.every))
+
+
 def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], steps: int) -> dict[str, Any]:
     averaging = plan.averaging  # the planner's choice of averaging (global rings when None)
     settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=SYNC_EVERY,
@@ -97,9 +111,10 @@ def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], 
     return {"clusters": len(plan.clusters), "pcs_used": len(used),
             "averaging": "global" if averaging is None else (
                 ("global" if averaging.mode == "global" else f"groups of {averaging.group_size}")
-                + (", paced by rate" if averaging.pace == "rate" else "")),
-            "mixes_within_rounds": 1 if averaging is None or averaging.mode == "global"
-            else rounds_to_mix(len(plan.clusters), averaging.group_size),
+                + (", paced by rate" if averaging.pace == "rate" else "")
+                + (f", by link (k {sorted(set(averaging.every))})" if averaging.every else "")),
+            "mixes_within_rounds": _mixed_in(plan),
+            "every": None if averaging is None else averaging.every,
             "allreduce_rounds": max(n.allreduce_rounds for n in result.nodes),
             "stages_per_cluster": statistics.median(len(c.nodes) for c in plan.clusters),
             "predicted_samples_per_s": predicted, "simulated_samples_per_s": result.samples_per_s,

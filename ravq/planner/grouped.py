@@ -34,10 +34,12 @@ from dataclasses import dataclass, replace
 from ravq.config.averaging import AveragingConfig
 from ravq.planner.cost import Layout, averaging_round_s, cluster_rate, score
 from ravq.planner.groups import groups_for, rounds_to_mix
-from ravq.planner.pacing import round_steps
+from ravq.planner.pacing import link_every, round_steps, rounds_until_mixed
 from ravq.planner.problem import INF, Problem
 
 GRID_EPOCHS = 4
+MAX_EVERY = 16
+"""Pacing by link: a cluster whose averaging would take more rounds than this is not kept for it."""
 """Plan epochs whose grids the planner averages a round over."""
 MIX_ROUNDS = 3
 """Groups mode only with a grid of at most this many axes: every cluster mixes with every other within it."""
@@ -53,6 +55,8 @@ class Averaging:
     """``steps`` (every cluster averages every ``sync_every`` steps) or ``rate`` (each after its share)."""
     rates: tuple[float, ...] = ()
     """Rate pacing: each cluster's predicted samples/s in plan order (``paced``), which the nodes pace by."""
+    every: tuple[int, ...] = ()
+    """Pacing by link: each cluster takes part in every k-th round (``linked``); (): every round."""
 
 
 GLOBAL = Averaging()
@@ -62,17 +66,20 @@ def averaging_config(averaging: Averaging) -> AveragingConfig | None:
     """What a plan says of its averaging (``Plan.averaging``): None for global rings paced by steps (the
     default)."""
     rate = averaging.pace == "rate" and bool(averaging.rates)
-    if averaging.mode == "global" and not rate:
+    every = list(averaging.every) if max(averaging.every, default=1) > 1 else None
+    if averaging.mode == "global" and not rate and every is None:
         return None
     return AveragingConfig(mode=averaging.mode, group_size=averaging.group_size,
-                           pace="rate" if rate else "steps", rates=list(averaging.rates) if rate else None)
+                           pace="rate" if rate else "steps", rates=list(averaging.rates) if rate else None,
+                           every=every)
 
 
 def averaging_of(config: AveragingConfig | None) -> Averaging:
     """The averaging a plan's ``averaging`` (None: global rings) stands for."""
     if config is None:
         return GLOBAL
-    return Averaging(config.mode, config.group_size, config.pace, tuple(config.rates or ()))
+    return Averaging(config.mode, config.group_size, config.pace, tuple(config.rates or ()),
+                     tuple(config.every or ()))
 
 
 def paced(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> Averaging:
@@ -123,6 +130,8 @@ def grouped_round_s(p: Problem, layouts: Sequence[Layout], group_size: int) -> f
 def score_with(p: Problem, layouts: Sequence[Layout], averaging: Averaging = GLOBAL) -> float:
     """Predicted samples/s of these clusters averaging as ``averaging`` says."""
     grouped = averaging.mode == "groups" and len(layouts) > averaging.group_size
+    if max(averaging.every, default=1) > 1:
+        return _linked_score(p, layouts, averaging)
     if not grouped and averaging.pace == "steps":
         return score(p, layouts)
     round_s = grouped_round_s(p, layouts, averaging.group_size) if grouped else averaging_round_s(p, layouts)
@@ -140,7 +149,58 @@ def best_averaging(p: Problem, layouts: Sequence[Layout]) -> tuple[Averaging, fl
         got = score_with(p, layouts, choice)
         if got > value * (1 + 1e-9):
             best, value = choice, got
+        linked = link_every_of(p, layouts, choice) if choice.pace == "rate" else None
+        if linked is not None and (got := score_with(p, layouts, linked)) > value * (1 + 1e-9):
+            best, value = linked, got
     return best, value
+
+
+def link_every_of(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> Averaging | None:
+    """``averaging`` (rate pacing) with each cluster's k (``ravq.planner.pacing.link_every``): its part of a
+    round (2(m-1)/m x its largest stage's bytes over that node's best link to another cluster) against
+    the fastest cluster's round period S/r_max; None when every k is 1 or none is, or in groups mode when the
+    takers' groups do not mix every cluster with every other within ``MIX_ROUNDS`` of the slowest's rounds."""
+    if len(layouts) < 2:
+        return None
+    rates = _rates(p, layouts, averaging)
+    top = max(rates, default=0.0)
+    if not top > 0:
+        return None
+    grouped = averaging.mode == "groups" and len(layouts) > averaging.group_size
+    factor = p.ring_factor(averaging.group_size if grouped else len(layouts))
+    everyone = [n for lay in layouts for n in lay.order]
+
+    def part_s(lay: Layout) -> float:  # each node's best link to another cluster: its own uplink's pace
+        others = [n for n in everyone if n not in lay.order]
+        link = p.bw_sym[list(lay.order)][:, others].max(axis=1)
+        held = [p.param_span[lay.bounds[j], lay.bounds[j + 1]] for j in range(len(lay.order))]
+        return max(factor * h / b if b > 0 else INF for h, b in zip(held, link))
+    parts = [part_s(lay) for lay in layouts]
+    every = tuple(min(link_every(t, p.sync_every / top), MAX_EVERY + 1) if t < INF else MAX_EVERY + 1
+                  for t in parts)
+    if max(every) <= 1 or max(every) > MAX_EVERY or min(every) > 1:  # all slow: a longer sync_every, not this
+        return None
+    if grouped:
+        mixed = rounds_until_mixed(lambda r, t: groups_for(0, r, t, "groups", averaging.group_size),
+                                   range(len(layouts)), every, limit=MIX_ROUNDS * max(every) + 1)
+        if mixed is None or -(-mixed // max(every)) > MIX_ROUNDS:
+            return None
+    return replace(averaging, every=every)
+
+
+def _linked_score(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> float:
+    """Samples/s paced by rate and by link: every cluster trains at its own rate; the round period is the
+    fastest's S/r_max or the every-round clusters' round; a slow-uplink cluster averages over k periods."""
+    return paced_samples_per_s(p, _rates(p, layouts, averaging), round_of(p, layouts, averaging))
+
+
+def round_of(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> float:
+    """A round's length under ``averaging``: its groups' (or one ring's) over the clusters taking part in
+    every round (pacing by link: those with k = 1; every cluster otherwise)."""
+    if max(averaging.every, default=1) > 1:
+        layouts = [lay for lay, k in zip(layouts, averaging.every, strict=True) if k == 1]
+    grouped = averaging.mode == "groups" and len(layouts) > averaging.group_size
+    return grouped_round_s(p, layouts, averaging.group_size) if grouped else averaging_round_s(p, layouts)
 
 
 def recut(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> list[Layout]:

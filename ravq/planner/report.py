@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ravq.config import ClusterPlan, Plan
-from ravq.planner.cost import Layout, averaging_round_s, cluster_rate
-from ravq.planner.grouped import GLOBAL, Averaging, averaging_config, grouped_round_s, paced_samples_per_s
+from ravq.planner.cost import Layout, cluster_rate
+from ravq.planner.grouped import GLOBAL, Averaging, averaging_config, paced_samples_per_s, round_of
 from ravq.planner.problem import Problem
 from ravq.planner.types import GIB, ClusterReport, Explanation, PlanError, StageReport, size_text
 
@@ -20,7 +20,7 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str],
     ``idle`` maps the nodes left out to the reason; the clusters average as ``averaging`` says.  In groups
     the clusters keep their order: a cluster's place in the plan is its place on the grid."""
     grouped = averaging.mode == "groups" and len(layouts) > averaging.group_size
-    if not grouped and averaging.pace != "rate":  # paced by rate: the rates are in the clusters' order
+    if not grouped and averaging.pace != "rate" and not averaging.every:  # else k and rates in that order
         layouts = sorted(layouts, key=lambda lay: p.names[lay.order[0]])
     peers = averaging.group_size if grouped else len(layouts)
     reports = []
@@ -37,7 +37,7 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str],
                 param_bytes=int(p.param_span[s, e])))
         reports.append(ClusterReport(nodes=[p.names[i] for i in lay.order], stages=stages,
                                      rate_micro_batches_per_s=cluster_rate(p, lay, peers)))
-    round_s = grouped_round_s(p, layouts, averaging.group_size) if grouped else averaging_round_s(p, layouts)
+    round_s = round_of(p, layouts, averaging)  # pacing by link: over the clusters in every round
     rates = [r.rate_micro_batches_per_s for r in reports]
     explanation = Explanation(
         clusters=reports, block_names=[b.name for b in p.blocks], micro_batch=p.micro_batch,
@@ -48,7 +48,8 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str],
     plan = Plan(epoch=0, clusters=[ClusterPlan(nodes=[p.names[i] for i in lay.order],
                                       cuts=[p.blocks[b].name for b in lay.bounds[1:-1]]) for lay in layouts],
                 predicted_samples_per_s=explanation.samples_per_s,
-                averaging=averaging_config(averaging) if grouped or averaging.pace == "rate" else None)
+                averaging=averaging_config(averaging)
+                if grouped or averaging.pace == "rate" or averaging.every else None)
     return plan, explanation
 
 
