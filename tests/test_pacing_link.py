@@ -12,7 +12,7 @@ from ravq.average.rounds import ROUNDS_PER_EPOCH
 from ravq.average.segments import plan_segments, segments_for
 from ravq.config.averaging import AveragingConfig
 from ravq.planner.cost import fixed_layout
-from ravq.planner.grouped import averaging_config, best_averaging, link_every_of, paced
+from ravq.planner.grouped import Averaging, averaging_config, best_averaging, link_every_of, paced, score_with
 from ravq.planner.groups import groups_for
 from ravq.planner.pacing import (
     link_every,
@@ -143,17 +143,18 @@ def test_the_simulator_runs_a_cluster_joining_every_2nd_round_in_half_the_rounds
     assert paced.every == (1, 3)
 
 
-def test_the_planner_keeps_a_slow_uplink_cluster_every_kth_round_and_the_plan_records_its_k() -> None:
+def test_the_planner_scores_a_slow_uplink_cluster_every_kth_round_and_the_plan_records_its_k() -> None:
     """Four one-PC clusters (1.2 s a micro-batch, a round every 10: 12 s), d behind a 2 MB/s uplink: its 100 MB
     share takes 50 s a round in groups of two, so k = ceil(50 / 12) = 5; kept so, all four train at their own
     rate (4 x 10 / 12 x 4 samples/s = 13.3) against 10 for the three alone; the plan's config carries k."""
     nodes = pcs(["a", "b", "c", "d"], 1e8, slow={"d": 2e6})
     p = Problem(nodes, blocks(), **SETTINGS)
     layouts = [fixed_layout(p, (i,), (0, 4)) for i in range(4)]
-    averaging, value = best_averaging(p, layouts)
-    assert averaging.every == (1, 1, 1, 5) and averaging.pace == "rate"
-    assert value == pytest.approx(4 * 10 / 12 * 4)
+    averaging = link_every_of(p, layouts, Averaging("groups", 2, "rate"))
+    assert averaging is not None and averaging.every == (1, 1, 1, 5)
+    assert score_with(p, layouts, averaging) == pytest.approx(4 * 10 / 12 * 4)
     assert best_averaging(p, layouts[:3])[1] == pytest.approx(10.0)
+    assert best_averaging(p, layouts)[0].every == ()          # not offered by the planner's choice yet
     config = averaging_config(paced(p, layouts, averaging))
     assert config is not None and config.every == [1, 1, 1, 5] and config.rates is not None
     assert link_every_of(Problem(pcs(["a", "b"], 1e8), blocks(), **SETTINGS),

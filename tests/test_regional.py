@@ -55,16 +55,12 @@ def test_a_slow_cluster_in_a_region_of_fast_ones_trains_in_rounds_paced_by_rate(
     assert got > fast
 
 
-def test_a_cluster_behind_a_slow_uplink_is_kept_every_kth_round_when_its_rounds_cost_more_than_a_period() -> None:
-    # four equal PCs, one on a 1 Mbit/s uplink: its averaging round (100 MB at 2(C-1)/C) takes minutes, so
-    # every round it would cost more than it brings; paced by link (issue #38) it takes part in every 14th.
+def test_a_cluster_behind_a_slow_uplink_is_left_out_when_its_rounds_cost_more_than_it_brings() -> None:
+    # four equal PCs, one on a 1 Mbit/s uplink: its averaging round (100 MB at 2(C-1)/C) takes minutes.
     nodes, blocks = world([1e12] * 4, [125e6, 125e6, 125e6, 125e3])
-    chosen, got, averaging = best_subset([[solo(f"pc{i}")] for i in range(4)], nodes, blocks, **SETTINGS)
-    assert sorted(c.nodes[0] for c in chosen) == ["pc0", "pc1", "pc2", "pc3"]
-    slow = [c.nodes[0] for c in chosen].index("pc3")
-    assert averaging.every[slow] > 1 and sorted(averaging.every)[:3] == [1, 1, 1]
+    chosen, got, _ = best_subset([[solo(f"pc{i}")] for i in range(4)], nodes, blocks, **SETTINGS)
+    assert sorted(c.nodes[0] for c in chosen) == ["pc0", "pc1", "pc2"]
     assert got > value([solo(f"pc{i}") for i in range(4)], nodes, blocks)
-    assert got > value([solo(f"pc{i}") for i in range(3)], nodes, blocks)
 
 
 @pytest.mark.parametrize("seed", range(6))
