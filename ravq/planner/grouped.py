@@ -38,9 +38,9 @@ from ravq.planner.pacing import link_every, round_steps, rounds_until_mixed
 from ravq.planner.problem import INF, Problem
 
 GRID_EPOCHS = 4
+"""Plan epochs whose grids the planner averages a round over."""
 MAX_EVERY = 16
 """Pacing by link: a cluster whose averaging would take more rounds than this is not kept for it."""
-"""Plan epochs whose grids the planner averages a round over."""
 MIX_ROUNDS = 3
 """Groups mode only with a grid of at most this many axes: every cluster mixes with every other within it."""
 

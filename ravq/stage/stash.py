@@ -73,7 +73,6 @@ class Stashed:
                 params[name].grad, w.grad = w.grad, None
         return {id(x): x.grad for x in grad_inputs}
 
-
     def input_gradients(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None]
                         ) -> dict[int, torch.Tensor | None]:
         """The input pass of a split backward (``training.schedule: zero_bubble``): the gradient of each
