@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--update-every", type=int, default=1,
                     help="micro-batches per optimizer step (the stated batch over the micro-batch)")
     ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--max-inflight", type=int, help="micro-batches in flight for every method (default: "
+                    "ravq's, ravq.config.batch.default_inflight)")
     ap.add_argument("--methods", nargs="+", default=["default", "plain", "pipenag", "pipenag_warmup"],
                     choices=list(METHODS))
     ap.add_argument("--quick", action="store_true", help="2 stages, seed 0, 60 micro-batches")
@@ -129,7 +131,7 @@ def main() -> None:
                 print(f"{task} {stages} stages seed {seed}: sync final {sync_final:.3f} ({sync.seconds:.1f} s)",
                       flush=True)
                 for method in args.methods:
-                    inflight = default_inflight(stages, args.update_every)
+                    inflight = args.max_inflight or default_inflight(stages, args.update_every)
                     got = compare(train(task, stages, seed, args.steps, args.micro_batch, inflight, args.update_every,
                                         **METHODS[method]), sync, args.window)
                     rows.append({"task": task, "stages": stages, "seed": seed, "method": method,

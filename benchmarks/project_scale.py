@@ -8,8 +8,9 @@ access uplink and hardware are drawn from the distribution stated in ``ravq/simu
 at 30 TFLOP/s with 24 GiB, 8% workstations at 45 TFLOP/s with 48 GiB, each x U(0.8, 1.25); uplinks 20 /
 100 / 1000 Mbit/s at 30 / 40 / 30%).  The model: a GPT-like transformer of 32 layers, d_model 2560
 (about 2.7 B parameters, float32 weights with Adam: ~43 GB before activations), 2,048 tokens per
-micro-batch, micro_batch 4; ravq's defaults otherwise (max_inflight = stages, overlapped averaging,
-averaging_lead 1, int8 pipeline and ring compression) with sync_every 500 (DiLoCo's H).  At sync_every 50 the cost model finds averaging
+micro-batch, micro_batch 4, a stated batch of 50 micro-batches per step and cluster (so max_inflight =
+stages), averaging every 10 steps (500 micro-batches, DiLoCo's H); ravq's defaults otherwise (overlapped
+averaging, averaging_lead 1, int8 pipeline and ring compression).  At sync_every 50 the cost model finds averaging
 2.7 B parameters over these links so slow that the planner keeps to one cluster of 3-5 PCs at every size
 (predicted 9.9-11.6 samples/s, simulated 6.1-6.9: credit-bound, see docs/simulator.md).
 
@@ -68,13 +69,19 @@ from ravq.simulate.worldwide import (
 MICRO_BATCH = 4
 CANDIDATES = 4
 """``ravq plan --simulate``: the planner's best candidates, ranked by simulated samples/s."""
-SYNC_EVERY = 500
+UPDATE_EVERY = 50
+"""A stated batch of 50 micro-batches (400k tokens) per optimizer step and cluster: a window of one
+micro-batch per stage (``ravq.config.batch.default_inflight``: the projections' clusters have up to ~20
+stages) as these projections always assumed; with an update per micro-batch ravq keeps 2 in flight (issue #39)."""
+SYNC_EVERY = 10
+"""Optimizer steps between averaging rounds: 500 micro-batches (DiLoCo's H, as before the stated batch)."""
 STEPS = 1100
 """Micro-batches per cluster: more than two rounds of SYNC_EVERY, so that averaging rounds happen in the
 simulation (with 100, as until issue #38, none did and the simulated figures left averaging out)."""
 WIRE = Wire.of("int8", "int8")
 """ravq's default compression (training.compress): activations, gradients and ring pieces as int8."""
-SCORE: dict[str, Any] = {"micro_batch": MICRO_BATCH, "sync_every": SYNC_EVERY, "max_inflight": None,
+SCORE: dict[str, Any] = {"micro_batch": MICRO_BATCH, "sync_every": SYNC_EVERY, "update_every": UPDATE_EVERY,
+                         "max_inflight": None,
                          "overlap_averaging": True, "averaging_lead": 1, "wire": WIRE}
 
 
@@ -93,7 +100,7 @@ def _mixed_in(plan: Plan) -> int | None:
 
 def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], steps: int) -> dict[str, Any]:
     averaging = plan.averaging  # the planner's choice of averaging (global rings when None)
-    settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=SYNC_EVERY,
+    settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=SYNC_EVERY, update_every=UPDATE_EVERY,
                         pipeline_wire=WIRE.pipeline, ring_wire=WIRE.ring)
     if averaging is not None:  # mode, group size and pace (rate pacing: each cluster's steps per round)
         settings = averaging_settings(settings, averaging)
@@ -166,6 +173,7 @@ def speed_check(count: int, steps: int, seed: int, churn_per_hour: float = 0.0) 
     clusters = [ClusterPlan(nodes=[n.name for n in nodes[i:i + k]], cuts=[blocks[b].name for b in bounds[1:-1]])
                 for i in range(0, count - k + 1, k)]
     settings = Settings(steps=steps, micro_batch=MICRO_BATCH, sync_every=10, churn_per_hour=churn_per_hour,
+                        max_inflight=k,  # one per stage, as before the window of an update per micro-batch was 2
                         pipeline_wire=WIRE.pipeline, ring_wire=WIRE.ring,
                         seed=seed)
     t0 = time.perf_counter()

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ravq.config import ClusterPlan, Plan
+from ravq.config.batch import default_inflight
 from ravq.planner import (
     BlockProfile,
     NodeProfile,
@@ -126,7 +127,7 @@ def test_stages_pay_for_their_messages() -> None:
                          message_s=table) for n in names]
     blocks = [block("x", 3e8, 1, act=50_500), block("y", 3e8, 1, act=50_500), block("z", 3e8, 1)]
     three = Plan(epoch=0, clusters=[ClusterPlan(nodes=names, cuts=["y", "z"])])
-    ex = evaluate_plan(three, nodes, blocks, micro_batch=4, sync_every=10)
+    ex = evaluate_plan(three, nodes, blocks, micro_batch=4, sync_every=10, max_inflight=3)  # every stage busy
     assert [s.compute_s for s in ex.clusters[0].stages] == pytest.approx([0.3 + 0.02, 0.3 + 0.04, 0.3 + 0.02])
     assert ex.clusters[0].rate_micro_batches_per_s == pytest.approx(1 / 0.34)
     one = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a"])])
@@ -264,13 +265,17 @@ def test_averaging_cost_in_samples_per_s() -> None:
     assert single.averaging_s == 0 and single.samples_per_s == pytest.approx(2 * 0.5)
 
 
-def test_stashes_grow_with_pipeline_length_by_default() -> None:
+def test_stashes_grow_with_the_window_the_batch_gives() -> None:
+    """An update per micro-batch keeps 2 in flight (one update stale); a stated batch of 3 micro-batches
+    per update one per stage of 3 (``default_inflight``): the planner counts the stashes of either."""
     links = mesh(["a", "b", "c"], 1e9)
     nodes = [node(n, 1e9, 3, links[n]) for n in "abc"]
     blocks = [block(f"b{i}", 1e9, 1, inflight_gib=0.5) for i in range(3)]
     plan = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a", "b", "c"], cuts=["b1", "b2"])])
     assert evaluate_plan(plan, nodes, blocks, micro_batch=1, sync_every=1).clusters[0].stages[0].memory_bytes \
-        == int(2.5 * GIB)                                           # 1 GiB + 3 in-flight x 0.5 GiB
+        == int(2 * GIB)                                             # 1 GiB + 2 in flight x 0.5 GiB
+    stated = evaluate_plan(plan, nodes, blocks, micro_batch=1, sync_every=1, update_every=3)
+    assert stated.clusters[0].stages[0].memory_bytes == int(2.5 * GIB)  # 1 GiB + 3 in flight x 0.5 GiB
     fixed = evaluate_plan(plan, nodes, blocks, micro_batch=1, sync_every=1, max_inflight=1)
     assert fixed.clusters[0].stages[0].memory_bytes == int(1.5 * GIB)
     with pytest.raises(PlanError, match="needs"):
@@ -295,7 +300,7 @@ def test_memory_limits_are_never_violated() -> None:
         placed = [name for c in plan.clusters for name in c.nodes]
         assert len(placed) == len(set(placed))
         for cluster in plan.clusters:
-            inflight = max_inflight or len(cluster.nodes)
+            inflight = max_inflight or default_inflight(len(cluster.nodes), 1)
             ranges = stage_ranges(cluster, model)
             assert all(len(r) > 0 for r in ranges) and ranges[-1].stop == len(model)
             for name, stage in zip(cluster.nodes, ranges):

@@ -47,10 +47,10 @@ def test_one_stage_runs_at_one_over_its_compute_time() -> None:
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_balanced_pipeline_period_is_one_stage_time(stages: int) -> None:
-    """k equal stages, max_inflight k (the default), free links: one micro-batch per (forward + backward)."""
+    """k equal stages, max_inflight k (every stage busy), free links: one micro-batch per (forward + backward)."""
     def wall(steps: int) -> float:
         clusters = [[stage(f"s{j}", 0.01, 0.02, act=1e3, grad=1e3) for j in range(stages)]]
-        return simulate(world(clusters, Settings(steps=steps))).wall_s
+        return simulate(world(clusters, Settings(steps=steps, max_inflight=stages))).wall_s
 
     assert (wall(100) - wall(50)) / 50 == pytest.approx(0.03, rel=1e-9)
 

@@ -22,7 +22,8 @@ def ravnest_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *
                  sync_every: int, seed: int = 0, max_clusters: int = 5, population: int = 200,
                  generations: int = 500, mutation_rate: float = 0.01, split: str = "memory",
                  max_inflight: int | None = None, overlap_averaging: bool = False,
-                 averaging_lead: int | None = None, wire: Wire | None = None) -> tuple[Plan, Explanation]:
+                 averaging_lead: int | None = None, wire: Wire | None = None,
+                 update_every: int = 1) -> tuple[Plan, Explanation]:
     """Ravnest's planner reimplemented: a genetic algorithm assigns nodes to clusters so that each cluster
     has the model's RAM (penalty 100 x GiB short) and clusters have similar "speed" (sum of RAM/bandwidth);
     each cluster then cuts the model, nodes in listing order, into stages sized in proportion to the
@@ -30,7 +31,8 @@ def ravnest_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *
     (``split="equal"``, as pippy's split_into_equal_size).  Scored with this module's cost model;
     PlanError when its stages do not fit in memory."""
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
+                update_every=update_every, overlap_averaging=overlap_averaging, averaging_lead=averaging_lead,
+                wire=wire)
     rng = np.random.default_rng(seed)
     ram = p.mem / GIB
     links = np.where(np.isfinite(p.bw_sym), p.bw_sym, np.nan)
@@ -105,11 +107,12 @@ def _proportional_bounds(weights: np.ndarray, shares: np.ndarray) -> tuple[int, 
 def optimum_plan(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], *, micro_batch: int,
                  sync_every: int, max_inflight: int | None = None, overlap_averaging: bool = False,
                  averaging_lead: int | None = None, wire: Wire | None = None,
-                 allow_idle: bool = True) -> tuple[Plan, Explanation]:
+                 allow_idle: bool = True, update_every: int = 1) -> tuple[Plan, Explanation]:
     """The best plan under the cost model by enumerating every partition of the nodes into clusters (and
     idle nodes), every node order and every set of cuts.  Exponential: for about 8 nodes and 10 blocks."""
     p = Problem(nodes, blocks, max_inflight=max_inflight, micro_batch=micro_batch, sync_every=sync_every,
-                 overlap_averaging=overlap_averaging, averaging_lead=averaging_lead, wire=wire)
+                update_every=update_every, overlap_averaging=overlap_averaging, averaging_lead=averaging_lead,
+                wire=wire)
     top: dict[tuple[int, ...], float] = {}
     for size in range(1, p.n + 1):
         for members in itertools.combinations(range(p.n), size):

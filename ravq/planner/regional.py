@@ -39,7 +39,8 @@ SWAP_POOL = 48
 
 def regional_plan(nodes: Sequence[NodeProfile], regions: Sequence[str], blocks: Sequence[BlockProfile], *,
                   micro_batch: int, sync_every: int, max_inflight: int | None, overlap_averaging: bool,
-                  averaging_lead: int | None, wire: Wire | None = None, effort: float = 1.0) -> Plan:
+                  averaging_lead: int | None, wire: Wire | None = None, effort: float = 1.0,
+                  update_every: int = 1) -> Plan:
     """``make_plan`` on each region's PCs alone (``regions[i]`` is ``nodes[i]``'s region), then the
     subset of all the regions' clusters the cost model scores highest (``best_subset``)."""
     if len(regions) != len(nodes):
@@ -48,6 +49,7 @@ def regional_plan(nodes: Sequence[NodeProfile], regions: Sequence[str], blocks: 
         "micro_batch": micro_batch,
         "sync_every": sync_every,
         "max_inflight": max_inflight,
+        "update_every": update_every,
         "overlap_averaging": overlap_averaging,
         "averaging_lead": averaging_lead,
         "wire": wire,

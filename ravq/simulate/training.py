@@ -64,7 +64,7 @@ class Simulation:
         """Plan epoch -> the clusters in its rings."""
         self.changed: dict[int, set[int]] = {}
         """Plan epoch -> the clusters that left or came back at its start."""
-        self.inflight = [s.max_inflight or len(stages) for stages in world.clusters]
+        self.inflight = [s.window(len(stages)) for stages in world.clusters]
         self.uplinks = {name: SharedResource(self.q, world.network.uplink[name]) for name in self.nodes}
         self.cpus = {host: SharedResource(self.q, cores) for host, cores in world.host_cores.items()}
         self._conns: dict[tuple[str, str, str], Connection] = {}

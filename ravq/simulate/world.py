@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
+from ravq.config.batch import default_inflight
 from ravq.planner import BlockProfile, NodeProfile
 from ravq.planner.pacing import round_steps
 from ravq.planner.types import message_seconds
@@ -55,7 +56,7 @@ class Settings:
     """Micro-batches each cluster trains on (training.steps)."""
     micro_batch: int = 16
     max_inflight: int | None = None
-    """Micro-batches in flight per cluster; None: its number of stages."""
+    """Micro-batches in flight per cluster; None: as its nodes take it (``window``)."""
     inflight_warmup_steps: int = 0
     """Stage 0 keeps one micro-batch in flight until its version reaches this
     (training.inflight_warmup_steps)."""
@@ -110,6 +111,11 @@ class Settings:
     """Wire bytes per float32 byte of activations and gradients (training.compress.pipeline, ``Wire``)."""
     ring_wire: float = 1.0
     """Wire bytes per float32 byte of ring pieces (training.compress.ring)."""
+
+    def window(self, stages: int) -> int:
+        """Micro-batches in flight in a cluster of ``stages`` stages: ``max_inflight``, else the nodes'
+        default (``ravq.config.batch.default_inflight``: one update stale at most)."""
+        return self.max_inflight or default_inflight(stages, self.update_every)
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch", "update_every", "sync_every", "averaging_lead", "piece_bytes",
