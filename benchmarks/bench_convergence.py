@@ -76,7 +76,7 @@ a fraction of a percent of each activation and gradient.
     python benchmarks/bench_convergence.py --compare-inflight [--tasks T ...] [--seeds N ...] [--steps 120]
                                            [--inflight-headroom 1.5] [--also 'predict-weights 0' ...]
 
-``--compare-inflight`` (issue #25): one cluster of 2 stages on the transformers tasks (GPT-2 and Llama from
+``--compare-inflight`` (issue #25): one cluster of `--stages` stages (default 2) on the transformers tasks (GPT-2 and Llama from
 configs), 1 micro-batch in flight (synchronous) against the defaults and against the defaults without the
 asynchrony warm-up (``--inflight-warmup-steps 0``; and any ``--also`` settings, e.g. 'extrapolate-gradients 0'),
 loss against samples and against wall time; ``--inflight-headroom`` lets those train longer than the synchronous run, so the wall
@@ -222,17 +222,18 @@ IN_FLIGHT_TASKS = ["tests.zoo_markov:gpt2", "tests.zoo_markov:llama", "ravq.task
 Adam lr 3e-3) and the character corpus (ravq.tasks.hf_causal_lm)."""
 
 
-def demo_curve(task: str, steps: int, micro_batch: int, seed: int, extra: list[str]) -> tuple[list[float], list[float]]:
-    """One cluster of 2 stages (``ravq demo``): the last stage's loss per micro-batch and the seconds since
-    its first update at which each was applied."""
+def demo_curve(task: str, steps: int, micro_batch: int, seed: int, extra: list[str],
+               stages: int = 2) -> tuple[list[float], list[float]]:
+    """One cluster of ``stages`` stages (``ravq demo``): the last stage's loss per micro-batch and the seconds
+    since its first update at which each was applied."""
     run = Path(tempfile.mkdtemp(prefix="ravq-inflight-"))
     cmd = [sys.executable, "-m", "ravq", "demo", "--quiet", "--no-curve", "--task", task, "--clusters", "1",
-           "--stages", "2", "--steps", str(steps), "--micro-batch", str(micro_batch), "--seed", str(seed),
+           "--stages", str(stages), "--steps", str(steps), "--micro-batch", str(micro_batch), "--seed", str(seed),
            "--threads", "1", *extra, "--run-dir", str(run), "--report", str(run / "report.json")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"ravq demo failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    summary = json.loads((run / "summary-c0s1.json").read_text())
+    summary = json.loads((run / f"summary-c0s{stages - 1}.json").read_text())
     times = summary["update_times"]
     return summary["loss_history"], [t - times[0] for t in times]
 
@@ -248,7 +249,7 @@ def loss_at_time(smooth: list[float], t: list[float], when: float) -> float | No
 
 
 def compare_inflight(args: argparse.Namespace) -> None:
-    """Per task and seed: 2 stages with 1 micro-batch in flight (synchronous: equals one process) against
+    """Per task and seed: ``--stages`` stages with 1 micro-batch in flight (synchronous: equals one process) against
     the defaults (2 in flight after the asynchrony warm-up, weight prediction, delay compensation) and against
     the defaults without the warm-up (the defaults before it): loss against samples (at the quarters of the
     synchronous run's samples) and against wall time (at the quarters of its time), and the wall time each
@@ -262,7 +263,7 @@ def compare_inflight(args: argparse.Namespace) -> None:
     for task in args.tasks or IN_FLIGHT_TASKS:
         for seed in args.seeds or [args.seed]:
             curves = {name: demo_curve(task, args.steps if name == "1 in flight" else longer, args.micro_batch, seed,
-                                       extra) for name, extra in settings.items()}
+                                       extra, args.stages) for name, extra in settings.items()}
             sync_loss, sync_t = curves["1 in flight"]
             sync_smooth = trailing_mean(sync_loss, window)
             target = sync_smooth[-1]
@@ -332,7 +333,7 @@ def main() -> None:
                         "report the samples each needs over uncompressed ravq's (none:none, run first); target: "
                         "mean over seeds <= 1.05")
     p.add_argument("--compare-inflight", action="store_true",
-                   help="1 cluster of 2 stages: 1 micro-batch in flight against the defaults, on the transformers "
+                   help="1 cluster of --stages stages: 1 micro-batch in flight against the defaults, on the transformers "
                         "tasks (--tasks); loss at the same samples and wall time to the synchronous final loss")
     p.add_argument("--tasks", nargs="+", default=None, help=f"with --compare-inflight (default: {IN_FLIGHT_TASKS})")
     p.add_argument("--steps", type=int, default=120, help="with --compare-inflight: micro-batches per run")

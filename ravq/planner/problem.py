@@ -36,12 +36,16 @@ class Problem:
         self.nodes, self.blocks = list(nodes), list(blocks)
         self.names = [n.name for n in nodes]
         self.n, self.B = len(nodes), len(blocks)
-        self.max_inflight, self.micro_batch, self.sync_every = max_inflight, micro_batch, sync_every
+        self.max_inflight, self.micro_batch = max_inflight, micro_batch
         self.update_every = update_every
         """Micro-batches a cluster's optimizer step sums: with ``max_inflight`` unset it bounds the window."""
+        self.sync_every = sync_every * update_every
+        """Micro-batches between averaging rounds (``sync_every`` optimizer steps of ``update_every``): the
+        cost model's step is a micro-batch (its rates are micro-batches/s), and so is its lead."""
         self.overlap_averaging = overlap_averaging
-        self.averaging_lead = sync_every if averaging_lead is None else min(averaging_lead, sync_every)
-        """Steps a stage trains past a round's snapshot before it waits for the round (overlapped
+        lead = sync_every if averaging_lead is None else min(averaging_lead, sync_every)
+        self.averaging_lead = lead * update_every
+        """Micro-batches a stage trains past a round's snapshot before it waits for the round (overlapped
         averaging)."""
         self.flops = np.array([n.flops for n in nodes], dtype=float)
         self.mem = np.array([n.memory_bytes for n in nodes], dtype=float)

@@ -188,7 +188,7 @@ class Explanation:
         slowest_link = self.slowest_link()
         if slowest_link is not None:
             lines.append(f"slowest link: {slowest_link[0]} {_ms(slowest_link[1])}")
-        lines.append(f"averaging: {_ms(self.averaging_s)} per round every {self.sync_every} steps, "
+        lines.append(f"averaging: {_ms(self.averaging_s)} per round every {self.sync_every} micro-batches, "
                      f"costs {self.averaging_cost_samples_per_s:.4g} samples/s (rounds, and every cluster "
                      "held to the slowest one's pace)")
         lines.append(f"predicted: {self.samples_per_s:.4g} samples/s "
