@@ -214,3 +214,8 @@ TASKS: dict[str, SimpleNamespace] = {
                      cuts=["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
 }
 """The zoo; GPT-2's head is tied to its embedding (its first and last stages share the tensor)."""
+
+# Each task by name, for ``ravq demo --task benchmarks.zoo_tasks:llama`` (real processes; ``charlm`` is
+# ``ravq.tasks.charlm`` itself): bench_convergence.py --compare-inflight's wall time on the zoo.
+gpt2_tied, llama, bert_mlm, t5 = (TASKS[n] for n in ("gpt2_tied", "llama", "bert_mlm", "t5"))
+vit, bn_cnn, mlp_sgd = (TASKS[n] for n in ("vit", "bn_cnn", "mlp_sgd"))
