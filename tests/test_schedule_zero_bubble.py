@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.func import functional_call
 
 from ravq.config import EXTRAPOLATE_GRADIENTS, PREDICT_WEIGHTS, TrainingConfig
 from ravq.cut.meta import build_meta_model, to_meta
@@ -20,6 +21,7 @@ from ravq.cut.split import candidate_cuts, even_cuts, split_model
 from ravq.preflight.memory import MemorySettings, estimate
 from ravq.preflight.report import Report
 from ravq.stage.pipeline import StageWorker
+from ravq.stage.stash import Stashed
 from ravq.stage.types import RecipeOptions
 from tests import models_for_tests as skipnet
 from tests import zoo
@@ -133,3 +135,69 @@ def test_ravq_check_counts_the_graphs_kept_for_weight_passes() -> None:
 
     whole, split = activations(0), activations(UPDATE_EVERY)
     assert split[0] == whole[0] and split[1] == UPDATE_EVERY * whole[1] > 0
+
+
+class _Counted(torch.autograd.Function):
+    """A parameter-free activation that counts its backwards."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _Counted.calls += 1
+        (x,) = ctx.saved_tensors
+        return grad * (1 - torch.tanh(x) ** 2)
+
+
+class _Stage(torch.nn.Module):
+    """A middle stage: linear, counted activation, norm, linear; a second output only a weight reaches; with
+    ``twice`` the first linear is applied again after the activation (a weight used at two places)."""
+
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.norm = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3), torch.nn.LayerNorm(6)
+        self.bias, self.twice = torch.nn.Parameter(torch.ones(3)), twice
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = _Counted.apply(self.a(x))
+        h = self.a(h) if self.twice else h
+        return self.b(self.norm(h)), self.bias * 2
+
+
+def _stashed(module: torch.nn.Module) -> tuple[Stashed, list[torch.Tensor], list[torch.Tensor]]:
+    weights = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    outputs = functional_call(module, weights, (x,))
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(4)) for o in outputs]
+    return Stashed(0, weights, [x], outputs), list(outputs), grads
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["chain", "weight_used_twice"])
+def test_the_weight_pass_reuses_the_input_pass(twice: bool) -> None:
+    """The split backward gives the whole one's gradients, and the activation's backward runs once in it, not
+    twice (the weight pass starts where the weights' side leaves the inputs'); a weight used at two places
+    falls back to a whole walk for the weight pass, still exact."""
+    torch.manual_seed(0)
+    module = _Stage(twice)
+    sums = {n: torch.nn.Parameter(torch.zeros_like(p)) for n, p in module.named_parameters()}
+    stash, roots, grads = _stashed(module)
+    want_inputs = stash.gradients_into(roots, grads, sums)
+    want = {n: p.grad.clone() for n, p in sums.items() if p.grad is not None}
+    assert set(want) == set(sums)
+    for p in sums.values():
+        p.grad = None
+    stash, roots, grads = _stashed(module)
+    _Counted.calls = 0
+    got_inputs, weight_pass = stash.input_gradients(roots, grads)
+    assert (weight_pass.fallback is not None) == twice
+    stash.weights_into(weight_pass, sums)
+    assert _Counted.calls == (2 if twice else 1)
+    for (_, got), (_, expect) in zip(got_inputs.items(), want_inputs.items()):
+        torch.testing.assert_close(got, expect, rtol=0, atol=1e-6)
+    for name, g in want.items():
+        torch.testing.assert_close(sums[name].grad, g, rtol=0, atol=1e-6, msg=name)

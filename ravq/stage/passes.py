@@ -21,6 +21,7 @@ from ravq.cut.split import model_output
 from ravq.stage.feed import DataFeed
 from ravq.stage.guard import AsynchronyGuard
 from ravq.stage.recipe import Recipe
+from ravq.stage.split import WeightPass
 from ravq.stage.stash import GradientSum, Stashed, WeightStash
 from ravq.stage.state import Emit, OpTimer, Outbox, StagePlace, StageState
 from ravq.stage.stats import StageStats
@@ -53,8 +54,7 @@ class Passes:
         self._split = options.split_backward and not place.is_first and tied_step is None
         """``training.schedule: zero_bubble``: input-gradients first, weight passes deferred (stage 0 sends no
         input-gradient; a stage with tied copies contributes its step before its input-gradients)."""
-        self._deferred: deque[tuple[MicroBatch, Stashed, list[torch.Tensor], list[torch.Tensor | None]]]
-        self._deferred = deque()
+        self._deferred: deque[tuple[MicroBatch, Stashed, WeightPass]] = deque()
         self._raw_output: Any = None
         self.guard = AsynchronyGuard(f"cluster {place.cluster} stage {place.spec.index}")
         """Watches this stage's stale updates and says once when asynchrony hurts (``ravq.stage.guard``)."""
@@ -155,8 +155,8 @@ class Passes:
             self.drain()
             self._whole(mb, stash, roots, root_grads, emit)
             return
-        grad_of = stash.input_gradients(roots, root_grads)
-        self._deferred.append((mb, stash, roots, root_grads))
+        grad_of, weight_pass = stash.input_gradients(roots, root_grads)
+        self._deferred.append((mb, stash, weight_pass))
         self._sent(mb, stash, grad_of, False, None, emit)
         if due:
             self.drain()
@@ -169,8 +169,8 @@ class Passes:
 
     def weights(self) -> MicroBatch:
         """The oldest deferred weight pass: its gradients added to the sum; returns its micro-batch."""
-        mb, stash, roots, root_grads = self._deferred.popleft()
-        stash.gradients_into(roots, root_grads, self._weights.params, of_inputs=False)
+        mb, stash, weight_pass = self._deferred.popleft()
+        stash.weights_into(weight_pass, self._weights.params)
         self._grads.summed(stash.version)
         return mb
 

@@ -13,7 +13,8 @@ weights are summed into the live parameters (``GradientSum``) until the stage's 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from ravq.cut.modules import set_buffer
 from ravq.stage.delay import GradientExtrapolation
 from ravq.stage.pipenag import lookahead_step
+from ravq.stage.split import WeightPass, input_pass
 
 PREDICTION_WINDOW = 64
 """Backwards whose mean staleness sets how far ``predict_weights`` extrapolates."""
@@ -53,36 +55,46 @@ class Stashed:
         return dict(zip(names, grads[: len(names)])), dict(zip(map(id, grad_inputs), grads[len(names):]))
 
     def gradients_into(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
-                       params: dict[str, nn.Parameter], *, of_inputs: bool = True
-                       ) -> dict[int, torch.Tensor | None]:
+                       params: dict[str, nn.Parameter]) -> dict[int, torch.Tensor | None]:
         """Like ``gradients``, but each weight's gradient is added by autograd, in place and layer by layer,
         to the ``.grad`` of the parameter of its name in ``params``: the stage never holds a second copy of
-        its gradients besides their sum.  The gradient of each input that takes one, by ``id`` (none with
-        ``of_inputs`` False: the weight pass of a split backward, after ``input_gradients``)."""
-        names = [n for n, w in self.params.items() if w.requires_grad]
-        weights = [self.params[n] for n in names]
-        grad_inputs = [x for x in self.inputs if x.requires_grad and of_inputs]
-        if not roots or not weights + grad_inputs:
+        its gradients besides their sum.  The gradient of each input that takes one, by ``id``."""
+        grad_inputs = [x for x in self.inputs if x.requires_grad]
+        if not roots:
             return dict.fromkeys(map(id, grad_inputs))
-        for name, w in zip(names, weights):  # the snapshot's leaves add into the live parameters' sums
-            w.grad = params[name].grad
-        try:
-            torch.autograd.backward(roots, root_grads, inputs=weights + grad_inputs)
-        finally:
-            for name, w in zip(names, weights):
-                params[name].grad, w.grad = w.grad, None
+        with self._summing_into(params) as weights:
+            if weights + grad_inputs:
+                torch.autograd.backward(roots, root_grads, inputs=weights + grad_inputs)
         return {id(x): x.grad for x in grad_inputs}
 
     def input_gradients(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None]
-                        ) -> dict[int, torch.Tensor | None]:
+                        ) -> tuple[dict[int, torch.Tensor | None], WeightPass]:
         """The input pass of a split backward (``training.schedule: zero_bubble``): the gradient of each
-        input that takes one, by ``id``, with the graph kept for the weight pass (``gradients_into`` with
-        ``of_inputs`` False)."""
+        input that takes one, by ``id``, and its weight pass (``weights_into``), which starts where the
+        weights' side leaves the inputs' (``ravq.stage.split``): nothing is computed twice."""
         grad_inputs = [x for x in self.inputs if x.requires_grad]
-        if not roots or not grad_inputs:
-            return dict.fromkeys(map(id, grad_inputs))
-        grads = torch.autograd.grad(roots, grad_inputs, root_grads, retain_graph=True, allow_unused=True)
-        return dict(zip(map(id, grad_inputs), grads))
+        weights = [w for w in self.params.values() if w.requires_grad]
+        grads, weight_pass = input_pass(roots, root_grads, grad_inputs, weights)
+        return dict(zip(map(id, grad_inputs), grads)), weight_pass
+
+    def weights_into(self, weight_pass: WeightPass, params: dict[str, nn.Parameter]) -> None:
+        """The weight pass of a split backward: each weight's gradient added to the ``.grad`` of the parameter
+        of its name in ``params``, as ``gradients_into`` adds it."""
+        with self._summing_into(params) as weights:
+            weight_pass.run(weights)
+
+    @contextmanager
+    def _summing_into(self, params: dict[str, nn.Parameter]) -> Iterator[list[torch.Tensor]]:
+        """The stashed weights that take a gradient, their ``.grad`` the live parameters' sums meanwhile."""
+        names = [n for n, w in self.params.items() if w.requires_grad]
+        weights = [self.params[n] for n in names]
+        for name, w in zip(names, weights):  # the snapshot's leaves add into the live parameters' sums
+            w.grad = params[name].grad
+        try:
+            yield weights
+        finally:
+            for name, w in zip(names, weights):
+                params[name].grad, w.grad = w.grad, None
 
 
 class WeightStash:
