@@ -55,8 +55,8 @@ from ravq.planner import (
     plan_candidates,
     ravnest_plan,
 )
-from ravq.planner.groups import groups_for, rounds_to_mix
-from ravq.planner.pacing import rounds_until_mixed
+from ravq.planner.groups import rounds_to_mix
+from ravq.planner.pacing import link_groups, rounds_until_mixed
 from ravq.simulate import Settings, averaging_settings, build_world, simulate
 from ravq.simulate.worldwide import (
     naive_plan,
@@ -93,7 +93,7 @@ def _mixed_in(plan: Plan) -> int | None:
         return 1
     if averaging.every is None:
         return rounds_to_mix(len(plan.clusters), averaging.group_size)
-    mixed = rounds_until_mixed(lambda r, t: groups_for(0, r, t, averaging.mode, averaging.group_size),
+    mixed = rounds_until_mixed(lambda r, t, j: link_groups(0, r, t, averaging.mode, averaging.group_size, j),
                                range(len(plan.clusters)), averaging.every)
     return None if mixed is None else -(-mixed // max(averaging.every))
 

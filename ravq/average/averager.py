@@ -162,8 +162,7 @@ class Averager:
         if due is None or self.loop is None:
             return
         round_id, segments = due
-        named = self.tensors()
-        snapshots = snapshot_segments(named, segments)
+        snapshots = snapshot_segments(named := self.tensors(), segments)
         done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
         sent = self.groups.weighed(plan, round_id, snapshots)  # samples-weighted mix under rate pacing
         self.loop.call_soon_threadsafe(self.queue.enqueue, (round_id, sent, segments, done))
@@ -174,7 +173,8 @@ class Averager:
             if finished:
                 self._apply(named, segments, snapshots, done.result())
             return
-        self._pending.append(PendingRound(round_id, worker.version, done, segments, snapshots))
+        extra = self.groups.extra_lead(plan, round_id % ROUNDS_PER_EPOCH)  # a slow ring's span (by link)
+        self._pending.append(PendingRound(round_id, worker.version, done, segments, snapshots, extra=extra))
         done.add_done_callback(lambda f: worker.submit(lambda w: self._apply_finished()))
 
     def _skipped(self, round_id: int, segments: list[Segment]) -> None:
@@ -188,9 +188,9 @@ class Averager:
         trains on without the other clusters' progress, and the steps it runs ahead are steps on a
         model the others have not caught up with.  Bounding the lead keeps the clusters within
         ``averaging_lead`` steps of one another; in-flight micro-batches stay where they are."""
-        while self._pending and worker.version - self._pending[0].version >= self.lead:
+        while self._pending and self._pending[0].overdue(worker.version, self.lead):
             oldest = next((p for p in self._pending if not p.waited), None)
-            if oldest is None or worker.version - oldest.version < self.lead:
+            if oldest is None or not oldest.overdue(worker.version, self.lead):
                 break
             assert oldest.done is not None
             if not oldest.done.done():

@@ -43,6 +43,13 @@ class PendingRound:
     of the rounds applied since; nonzero only with outer_lr != 1, and the same on every cluster."""
     waited: bool = False
     """The stage held back for it once and trained on: it is not waited for again."""
+    extra: int = 0
+    """Steps beyond ``averaging_lead`` the stage trains past the snapshot before holding back for it: a slow
+    ring's span under pacing by link (``RoundGroups.extra_lead``)."""
+
+    def overdue(self, version: int, lead: int) -> bool:
+        """Whether a stage at ``version`` holds back for this round, with ``averaging_lead`` ``lead``."""
+        return version - self.version >= lead + self.extra
 
 
 def correct(pending: PendingRound, segments: list[Segment], snapshots: dict[int, torch.Tensor],

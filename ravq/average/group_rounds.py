@@ -20,7 +20,15 @@ from ravq.average.segments import Segment
 from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
 from ravq.metrics import Metrics
-from ravq.planner.pacing import effective_clusters, mix_steps, round_groups, round_steps, send_scale
+from ravq.planner.pacing import (
+    effective_clusters,
+    mix_steps,
+    round_groups,
+    round_lead,
+    round_plan,
+    round_steps,
+    send_scale,
+)
 
 
 def live_clusters(plan: Plan) -> list[int]:
@@ -110,7 +118,25 @@ class RoundGroups:
         group = self.group(plan, round_index)
         if self.cluster not in group or len(group) < 2:
             return 1.0
-        return send_scale(self.cluster, group, self.mix_steps(plan))
+        every = self.every(plan)
+        if every is None:
+            return send_scale(self.cluster, group, self.mix_steps(plan))
+        mode, steps = self.averaging(plan), self.round_steps(plan)  # by link: samples since each last mix
+        since = round_plan(plan.epoch, round_index, live_clusters(plan), mode.mode, mode.group_size,
+                           self.rates(plan), every).since
+        return send_scale(self.cluster, group, {c: since[c] * steps[c] for c in group})
+
+    def extra_lead(self, plan: Plan, round_index: int) -> int:
+        """Steps beyond ``averaging_lead`` this node trains past round ``round_index``'s snapshot before
+        holding back for it: its own rounds' steps for the rounds its group's ring has beyond one (pacing by
+        link: the span, ``ravq.planner.pacing.round_lead``); 0 otherwise."""
+        every = self.every(plan)
+        if every is None or self.cluster not in live_clusters(plan):
+            return 0
+        mode = self.averaging(plan)
+        span = round_plan(plan.epoch, round_index, live_clusters(plan), mode.mode, mode.group_size,
+                          self.rates(plan), every).span.get(self.cluster, 1)
+        return round_lead(0, self.period(plan), span)
 
     def weighed(self, plan: Plan, round_id: int, snapshots: dict[int, Tensor]) -> dict[int, Tensor]:
         """The flats this node sends into round ``round_id``'s rings: its snapshots, scaled (a copy) when the

@@ -22,9 +22,12 @@ steps sized for equal weights.  Everything here is pure: the node, the simulator
 from __future__ import annotations
 
 import math
+import random
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
-from ravq.planner.groups import Mode, groups_for
+from ravq.planner.groups import Mode, group_of, groups_for
 
 
 def round_steps(sync_every: int, rates: Sequence[float]) -> list[int]:
@@ -74,10 +77,22 @@ def effective_clusters(steps: Sequence[int]) -> float:
 
 # Pacing by link (issue #38): a cluster whose round of averaging takes longer than the round period (a slow
 # uplink) takes part only in every k-th round, k in the plan beside the rates (``every``), the same on every
-# node.  Round r's takers are the live clusters with r % k == 0 (round 0 of an epoch: all of them), and its
-# groups are formed among the takers alone, so nobody holds back or waits in silence for a cluster that
-# skips.  A cluster that skips mixes, when it next takes part, with weight = its samples since its last mix:
-# k rounds' steps (``mix_steps``), so the samples-weighted mean over all clusters stays where it was.
+# node: it is due in rounds r with r % k == k - 1, after k rounds of training.  A round's takers are the live
+# clusters due in it and free: a group's ring lasts as long as its slowest member's part, up to ``span`` = the
+# largest k in the group rounds, so every member of the group sits out the next span - 1 rounds (its nodes
+# run no rings and hold back for that round only span rounds late: ``round_lead``); no fast cluster queues
+# its later rounds behind a slow ring, and none of its partners wait for it.  Groups form among the takers
+# alone, and a taker mixes with weight = its samples since its last mix (``RoundPlan.since`` rounds of its
+# steps), so the samples-weighted mean over all clusters stays where it was.  Every node derives the same
+# schedule from (plan epoch, live clusters, per-cluster k), walking the rounds from the epoch's first.
+# (2026-11-29: due at r % k == k - 1, not 0, and the busy rule; before, a fast cluster grouped with a slow
+# taker queued its next rounds behind that ring, and round 0 weighed a k-cluster's one round as k.)
+
+GroupsOf = Callable[[int, list[int], int], Sequence[tuple[int, ...]]]
+"""Round r's groups among a list of takers, the third argument choosing among ``CHOICES`` candidates
+(``link_groups`` with the epoch, mode and size bound)."""
+CHOICES = 8
+"""Candidate groupings a schedule weighs each round: it keeps the one that spreads the most weights."""
 
 
 def link_every(averaging_s: float, round_period_s: float) -> int:
@@ -89,43 +104,156 @@ def link_every(averaging_s: float, round_period_s: float) -> int:
 
 
 def takes_part(round_index: int, every: int) -> bool:
-    """Whether a cluster paced every ``every`` rounds takes part in round ``round_index`` of its epoch."""
+    """Whether a cluster paced every ``every`` rounds is due in round ``round_index`` of its epoch (it takes
+    part unless a longer ring of its own still runs: ``Schedule``)."""
     if every < 1:
         raise ValueError(f"averaging.every: at least 1, got {every}")
-    return round_index % every == 0
+    return round_index % every == every - 1
 
 
 def takers(round_index: int, live: Iterable[int], every: Sequence[int] | None) -> list[int]:
-    """The live clusters taking part in round ``round_index`` (all of them without ``every``)."""
+    """The live clusters due in round ``round_index`` (all of them without ``every``)."""
     return sorted(c for c in set(live) if every is None or takes_part(round_index, every[c]))
 
 
 def mix_steps(steps: Sequence[int], every: Sequence[int] | None) -> list[int]:
-    """Each cluster's steps since its last mix when it takes part: its steps per round times its k."""
+    """Each cluster's steps between its mixes in the long run: its steps per round times its k (ClusterAdam's
+    count; a round's own weights are ``RoundPlan.since`` rounds of steps)."""
     return list(steps) if every is None else [s * k for s, k in zip(steps, every, strict=True)]
 
 
-def rounds_until_mixed(groups_of: Callable[[int, list[int]], Sequence[tuple[int, ...]]], live: Iterable[int],
-                       every: Sequence[int] | None, limit: int = 64) -> int | None:
-    """How many rounds (round indices from 0) until every live cluster's weights hold every other's, when
-    round r mixes within ``groups_of(r, takers of r)``; None if not within ``limit``.  With every-k-th-round
-    clusters, "every cluster mixes with every other within n rounds" counts the slowest's own rounds:
-    ceil(this / max k) <= n."""
+def round_lead(lead: int, steps: int, span: int) -> int:
+    """The steps a stage trains past a round's snapshot before it holds back for it: ``averaging_lead``, plus
+    the ``span`` - 1 rounds of its own ``steps`` the round's ring has to run (pacing by link)."""
+    return lead + max(0, span - 1) * steps
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """One round of a schedule: its groups (each of at least 2 takers; a taker alone is in none), each
+    taker's rounds since its last mix (this one included) and the span of its group (its largest k)."""
+
+    groups: tuple[tuple[int, ...], ...]
+    since: Mapping[int, int]
+    span: Mapping[int, int]
+
+
+class Schedule:
+    """Round by round from an epoch's first, the groups of clusters paced every ``every[c]``-th round under
+    the busy rule (see above).  Pure and deterministic; extended on demand."""
+
+    def __init__(self, groups_of: GroupsOf, live: Iterable[int], every: Sequence[int] | None) -> None:
+        self.groups_of, self.live, self.every = groups_of, sorted(set(live)), every
+        self.rounds: list[RoundPlan] = []
+        self.held = {c: 1 << i for i, c in enumerate(self.live)}
+        """Per cluster, whose weights its own hold (a bit per live cluster)."""
+        self.last = dict.fromkeys(self.live, -1)
+        self.free = dict.fromkeys(self.live, 0)
+
+    def at(self, round_index: int) -> RoundPlan:
+        """Round ``round_index``'s groups, weights and spans."""
+        while len(self.rounds) <= round_index:
+            r = len(self.rounds)
+            ready = [c for c in takers(r, self.live, self.every) if self.free[c] <= r]
+            options = (tuple(g for g in self.groups_of(r, ready, j) if len(g) > 1) for j in range(CHOICES))
+            groups = max(options, key=self._spread)  # the first of the best on a tie: alike on every node
+            for g in groups:
+                union = 0
+                for c in g:
+                    union |= self.held[c]
+                self.held.update(dict.fromkeys(g, union))
+            since, span = {}, {}
+            for g in groups:
+                width = 1 if self.every is None else max(self.every[c] for c in g)
+                for c in g:
+                    since[c], span[c] = r - self.last[c], width
+                    self.last[c], self.free[c] = r, r + width
+            self.rounds.append(RoundPlan(groups, since, span))
+        return self.rounds[round_index]
+
+    def _spread(self, groups: tuple[tuple[int, ...], ...]) -> int:
+        """How many (cluster, weights) holdings ``groups`` would add."""
+        gain = 0
+        for g in groups:
+            union = 0
+            for c in g:
+                union |= self.held[c]
+            gain += sum(union.bit_count() - self.held[c].bit_count() for c in g)
+        return gain
+
+
+def link_groups(epoch: int, round_index: int, ready: Sequence[int], mode: Mode, group_size: int,
+                choice: int = 0) -> list[tuple[int, ...]]:
+    """Pacing by link: round ``round_index``'s groups among its takers ``ready``: one in global mode, else the
+    takers shuffled afresh for (epoch, round) and cut into as few groups of at most ``group_size`` as hold
+    them, sizes within one of each other.  Not the grid: the takers change from round to round, so a grid's
+    axes would line up with the k's (7 clusters with k 1,1,1,1,2,2,3 never mixed), and not by rate (that
+    leaves the slow takers apart from the fast ones for good)."""
+    members = sorted(ready)
+    if mode == "global" or len(members) <= group_size:
+        return [tuple(members)] if members else []
+    random.Random(f"ravq-link:{epoch}:{round_index}:{choice}").shuffle(members)  # str seed: alike everywhere
+    count = -(-len(members) // group_size)
+    return sorted(tuple(sorted(members[i::count])) for i in range(count))
+
+
+_SCHEDULES: dict[tuple[object, ...], Schedule] = {}
+_LOCK = threading.Lock()
+
+
+def round_plan(epoch: int, round_index: int, live: Iterable[int], mode: Mode, group_size: int,
+               rates: Mapping[int, float] | None = None, every: Sequence[int] | None = None) -> RoundPlan:
+    """Round ``round_index``'s plan among its takers (``groups_for`` over them), the same on every node."""
     members = sorted(set(live))
-    held = {c: {c} for c in members}
-    for r in range(limit):
-        if all(len(h) == len(members) for h in held.values()):
+    if every is None:  # every cluster every round: the grid's groups, each cluster's one round of steps
+        grid = groups_for(epoch, round_index, members, mode, group_size, rates)
+        groups = tuple(g for g in grid if len(g) > 1)
+        return RoundPlan(groups, {c: 1 for g in groups for c in g}, {c: 1 for g in groups for c in g})
+    key = (epoch, tuple(members), mode, group_size, None if rates is None else tuple(sorted(rates.items())),
+           tuple(every))
+    with _LOCK:
+        schedule = _SCHEDULES.get(key)
+        if schedule is None:
+            if len(_SCHEDULES) >= 64:
+                _SCHEDULES.pop(next(iter(_SCHEDULES)))
+            schedule = _SCHEDULES[key] = Schedule(
+                lambda r, t, j: link_groups(epoch, r, t, mode, group_size, j), members, every)
+        return schedule.at(round_index)
+
+
+def rounds_until_mixed(groups_of: GroupsOf, live: Iterable[int], every: Sequence[int] | None,
+                       limit: int = 64) -> int | None:
+    """How many rounds (round indices from 0) until every live cluster's weights hold every other's, when
+    round r mixes within ``groups_of(r, its takers, choice)`` under the busy rule (``Schedule``); None if not
+    within ``limit``.  With every-k-th-round clusters, "every cluster mixes with every other within n rounds"
+    counts the slowest's own rounds: ceil(this / max k) <= n."""
+    schedule = Schedule(groups_of, live, every)
+    everyone = (1 << len(schedule.live)) - 1
+    for r in range(limit + 1):
+        if all(h == everyone for h in schedule.held.values()):
             return r
-        for group in groups_of(r, takers(r, members, every)):
-            union = set().union(*(held[c] for c in group))
-            for c in group:
-                held[c] = set(union)
-    return limit if all(len(h) == len(members) for h in held.values()) else None
+        if r < limit:
+            schedule.at(r)
+    return None
 
 
 def round_groups(epoch: int, round_index: int, live: Iterable[int], mode: Mode, group_size: int,
                  rates: Mapping[int, float] | None = None,
                  every: Sequence[int] | None = None) -> list[tuple[int, ...]]:
-    """Round ``round_index``'s groups among its takers (``groups_for`` over them): a cluster that skips the
-    round is in none, and the others form their groups as if it were not live."""
-    return groups_for(epoch, round_index, takers(round_index, live, every), mode, group_size, rates)
+    """Round ``round_index``'s groups among its takers (``round_plan``): a cluster that skips the round is in
+    none, and the others form their groups as if it were not live.  Without ``every``, ``groups_for``'s
+    groups as they are (a cluster alone in its group included)."""
+    if every is None:
+        return groups_for(epoch, round_index, live, mode, group_size, rates)
+    return list(round_plan(epoch, round_index, live, mode, group_size, rates, every).groups)
+
+
+def group_and_lead(cluster: int, epoch: int, round_index: int, live: Iterable[int], mode: Mode,
+                   group_size: int, rates: Mapping[int, float] | None, every: Sequence[int] | None, lead: int,
+                   steps: int) -> tuple[tuple[int, ...], int]:
+    """``cluster``'s group in the round (() when it sits it out under pacing by link) and the steps it trains
+    past the round's snapshot before holding back for it (``round_lead`` with its ``steps`` per round)."""
+    if every is None:
+        return group_of(cluster, groups_for(epoch, round_index, live, mode, group_size, rates)), lead
+    plan = round_plan(epoch, round_index, live, mode, group_size, rates, every)
+    return group_of(cluster, plan.groups), round_lead(lead, steps, plan.span.get(cluster, 1))

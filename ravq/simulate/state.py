@@ -24,6 +24,8 @@ class NodeRound:
     started_at: float = 0.0
     rings_left: int = 0
     aborted: bool = False
+    lead: int = 1
+    """Steps past ``version`` the node trains before holding back for it (longer for a slow ring's round)."""
 
 
 @dataclass(eq=False, slots=True)

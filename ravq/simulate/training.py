@@ -9,26 +9,23 @@ What each node does, as ``ravq.stage.pipeline`` and ``ravq.average.averager`` do
   forward, loss and backward in one go;
 - activations go downstream and gradients upstream as messages on one stream per neighbour, over the
   sender's uplink, which its ring streams share (``engine``);
-- after every ``update_every`` backwards the stage steps (version + 1), then, overlapped: waits while
-  its oldest unfinished round's snapshot is ``averaging_lead`` or more versions old; every
-  ``sync_every`` steps since it saw the plan epoch snapshots and queues a round (round k of epoch e, as
-  ``ravq.average.averager`` counts them, whatever the node's version) (its compute thread waits when
-  ``pending_rounds`` are already queued behind the running one).  Not overlapped: it waits for the
-  round it just queued.  A node runs its rounds one after another, all its rings at once;
+- after every ``update_every`` backwards the stage steps (version + 1), then, overlapped: waits while its
+  oldest unfinished round's snapshot is its lead (``averaging_lead``, longer for a slow ring's round) or
+  more versions old; every ``sync_every`` steps since it saw the plan epoch snapshots and queues a round
+  (round k of epoch e, as ``ravq.average.averager`` counts them) (its compute thread waits when
+  ``pending_rounds`` are queued behind the running one).  Not overlapped: it waits for the round it just
+  queued.  A node runs its rounds one after another, all its rings at once;
 - a round's rings run over the clusters in the plan epoch's rings: all of them ("global"), or the node's
   group of that round (``ravq.average.groups``: a grid, a new axis each round);
-- a ring (one per segment: the holders of a run of blocks, one per cluster) does reduce-scatter then
-  all-gather, 2(C-1) steps; at step t a member sends chunk (rank - t) mod C to its successor in pieces
-  of ``piece_bytes``, piece j of step t leaving once piece j of step t-1 has arrived.  A member starts
-  when its own node starts that round, so a ring finishes only once its slowest cluster has reached
-  the round's version.  Large rings are simulated as flows (see ``Ring``);
+- a ring (one per segment: the holders of a run of blocks, one per cluster) runs in pieces or as flows
+  (``ravq.simulate.rings``); a member starts when its own node starts that round, so a ring finishes
+  only once its slowest cluster has reached the round's version;
 - a failure stops the node's whole cluster (its in-flight micro-batches are lost and redone); ``lost_s``
   later the broker takes the cluster out of the rings: a new plan epoch, and every node abandons every
   open round at once (queued ones too) and counts rounds from the new epoch.  After ``restart_s`` the
   cluster's nodes fetch their stages' weights from the holders in another cluster (catch-up: the stage's
   bytes over that link) and rejoin at that cluster's version: the rings take it back, another epoch;
-- a later stage done with its micro-batches ends when it next wakes after stage 0 finished
-  (``finish_poll_s``).
+- a later stage done with its micro-batches ends when it next wakes after stage 0 is done (``finish_poll_s``).
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from ravq.planner.groups import group_of
-from ravq.planner.pacing import round_groups
+from ravq.planner.pacing import group_and_lead
 from ravq.simulate.churn import Churn
 from ravq.simulate.engine import INF, Connection, EventQueue, SharedResource
 from ravq.simulate.rings import Ring
@@ -246,7 +242,7 @@ class Simulation:
         ``_resume`` continues later."""
         s = self.settings
         if s.overlap_averaging:
-            while node.pending and node.version - node.pending[0].version >= s.averaging_lead:
+            while node.pending and node.version - node.pending[0].version >= node.pending[0].lead:
                 oldest = node.pending[0]
                 if not oldest.done:
                     if self._member_gone(node, oldest):  # silent member: train on (``Averager._gone``)
@@ -265,6 +261,9 @@ class Simulation:
             return False
         nr = NodeRound(round_id=node.steps_in_epoch // period - 1, version=node.version,
                        plan_epoch=node.plan_epoch)
+        group, nr.lead = self._round(node.cluster, nr)
+        if s.every is not None and not group:
+            return True                                  # pacing by link: it sits the round out, as nodes do
         node.snapshot_version = node.version
         node.pending.append(nr)
         node.queued.append(nr)
@@ -277,7 +276,8 @@ class Simulation:
     def _member_gone(self, node: Node, nr: NodeRound) -> bool:
         """A cluster of the round's group has been down ``hold_s`` or longer (its nodes send no heartbeat)."""
         since = self.q.now - self.settings.hold_s * (1 - 1e-9)     # its timer fires at exactly hold_s
-        return any(not self.up[c] and self.churn.failed_at[c] <= since for c in self._group(node.cluster, nr))
+        group = self._round(node.cluster, nr)[0]
+        return any(not self.up[c] and self.churn.failed_at[c] <= since for c in group)
 
     def release_holds(self) -> None:
         """``hold_s`` after a failure: nodes holding back for a round with the silent cluster train on."""
@@ -303,7 +303,7 @@ class Simulation:
         node.running, nr.started_at = nr, self.q.now
         if node.blocked == "queue":
             self.q.after(0.0, self._unqueue, node, node.epoch)
-        group = self._group(node.cluster, nr)
+        group = self._round(node.cluster, nr)[0]
         if self._abandoned(nr, group):                  # skipped in turn
             self.q.after(0.0, self._round_done, node, nr, True, node.epoch)
             return
@@ -325,13 +325,13 @@ class Simulation:
         for ring in rings:
             ring.open(ring.rank(node))
 
-    def _group(self, cluster: int, nr: NodeRound) -> tuple[int, ...]:
-        """The clusters ``cluster`` averages with in round ``nr``; () when it skips it (pacing by link)."""
+    def _round(self, cluster: int, nr: NodeRound) -> tuple[tuple[int, ...], int]:
+        """``cluster``'s group in round ``nr`` (() if it sits it out) and its lead (``group_and_lead``)."""
         s = self.settings
         rates = None if s.group_rates is None else dict(enumerate(s.group_rates))
         mode, live = ("groups" if s.averaging_mode == "groups" else "global"), self.epoch_live[nr.plan_epoch]
-        return group_of(cluster, round_groups(nr.plan_epoch, nr.round_id, live, mode, s.group_size, rates,
-                                              s.every))
+        return group_and_lead(cluster, nr.plan_epoch, nr.round_id, live, mode, s.group_size, rates, s.every,
+                              s.averaging_lead, self.period[cluster])
 
     def _moved_on(self, node: Node) -> None:
         """``node`` counts steps in a newer epoch: rounds of older ones it has not snapshotted never get its
