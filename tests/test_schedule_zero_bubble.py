@@ -120,9 +120,10 @@ def test_the_schedule_is_checked() -> None:
 
 
 
-def test_ravq_check_counts_the_graphs_kept_for_weight_passes() -> None:
+def test_ravq_check_counts_the_graphs_kept_for_weight_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     """``ravq check``'s estimate: a split stage (the last here) may hold an update's graphs, 4 where 1F1B
-    holds 1; stage 0 runs its backward whole and holds what it did."""
+    holds 1, and for each the gradients its input pass kept for the weight pass, as many bytes as a real
+    stage's input pass keeps; stage 0 runs its backward whole and holds what it did."""
     model = build_meta_model(skipnet, 0).model  # as ravq check builds it
     example = to_meta(skipnet.example_inputs(4))
     specs = split_model(model, example, even_cuts(candidate_cuts(model, skipnet), 2))
@@ -133,8 +134,19 @@ def test_ravq_check_counts_the_graphs_kept_for_weight_passes() -> None:
         report = Report(task="", cuts=[], stages=2, micro_batch=4, max_inflight=2)
         return [m.activations for m in estimate(specs, example, targets, skipnet, settings, report, ["", ""])]
 
+    kept: list[int] = []
+    input_gradients = Stashed.input_gradients
+
+    def recorded(stash: Stashed, *args: Any) -> Any:
+        grad_of, weight_pass = input_gradients(stash, *args)
+        kept.append(weight_pass.nbytes)
+        return grad_of, weight_pass
+
+    monkeypatch.setattr(Stashed, "input_gradients", recorded)
+    run_workers(_workers(2))
     whole, split = activations(0), activations(UPDATE_EVERY)
-    assert split[0] == whole[0] and split[1] == UPDATE_EVERY * whole[1] > 0
+    assert kept and kept[0] > 0
+    assert split[0] == whole[0] and split[1] == UPDATE_EVERY * (whole[1] + kept[0]) and whole[1] > 0
 
 
 class _Counted(torch.autograd.Function):

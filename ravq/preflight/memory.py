@@ -2,7 +2,8 @@
 weights, gradients, the task's optimizer's state, weight snapshots of versions in flight, and per in-flight
 micro-batch the tensors autograd saves, the stage's inputs and outputs; plus the process around the stage.
 ``training.schedule: zero_bubble`` keeps a graph past the input-gradients until its deferred weight pass, so
-a split stage may hold up to an update's micro-batches (``MemorySettings.split_graphs``).
+a split stage may hold up to an update's micro-batches (``MemorySettings.split_graphs``), each with the
+gradients its input pass kept for the weight pass (``ravq.stage.split``).
 
 The estimate is of the peak, so of the worst case the pipeline allows: every stage but the last may hold
 all ``max_inflight`` micro-batches between their forward and their backward (a slower later stage queues
@@ -31,6 +32,7 @@ from ravq.cut.meta import to_meta
 from ravq.cut.split import StageSpec, keep_buffers, model_output
 from ravq.preflight.report import Report, StageMemory
 from ravq.stage.recipe import build_optimizer
+from ravq.stage.split import input_pass, leaves_under
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,8 +43,9 @@ class MemorySettings:
     extrapolate_gradients: float = 0.0
     split_graphs: int = 0
     """``training.schedule: zero_bubble``: the micro-batches whose graphs a stage past the first may hold at
-    once, in flight or kept for a deferred weight pass (its ``update_every``: the flush bounds them); 0: not
-    split.  Stages with tied copies run their backward whole."""
+    once, in flight or kept for a deferred weight pass (its ``update_every``: the flush bounds them), each
+    with the gradients kept for its weight pass besides; 0: not split.  Stages with tied copies run their
+    backward whole."""
     runtime_bytes: int = 0
     """The process around a stage (``StageMemory.runtime``)."""
 
@@ -97,6 +100,17 @@ def activation_bytes(
 ) -> list[int]:
     """Per stage, bytes one in-flight micro-batch holds: saved tensors of its forward (the loss's on the last
     stage), its inputs and its outputs, from one pass on fake tensors."""
+    return [held for held, _ in stage_bytes(specs, example, targets, loss_fn)]
+
+
+def stage_bytes(
+    specs: list[StageSpec], example: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Any],
+    *, split: bool = False,
+) -> list[tuple[int, int]]:
+    """Per stage, ``activation_bytes`` and, with ``split``, what a micro-batch past its input pass keeps for
+    its deferred weight pass besides (``training.schedule: zero_bubble``): the gradients arriving where the
+    weights' side leaves the inputs' (``ravq.stage.split``), from that input pass run on the fake graph (0 on
+    stage 0, which runs its backward whole)."""
     result = []
     modules = [s.module for s in specs]
     outputs: dict[int, tuple[Any, ...]] = {}
@@ -128,13 +142,27 @@ def activation_bytes(
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = spec.module(*leaves[: len(spec.inputs)])
-                if spec.index == len(specs) - 1:
-                    loss_fn(model_output(spec, out, leaves), fake_targets)
+                loss = loss_fn(model_output(spec, out, leaves), fake_targets) if spec is specs[-1] else None
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             outputs[spec.index] = tuple(o.detach() for o in outs)
             kept = {_key(x): _nbytes(x) for x in [*got, *outs] if isinstance(x, torch.Tensor)}
-            result.append(sum(saved.values()) + sum(v for k, v in kept.items() if k not in saved))
+            held = sum(saved.values()) + sum(v for k, v in kept.items() if k not in saved)
+            roots = [loss] if loss is not None else [o for o in outs if isinstance(o, torch.Tensor)]
+            grads = _kept_gradients(roots, leaves, held) if split and spec.index > 0 else 0
+            result.append((held, grads))
     return result
+
+
+def _kept_gradients(roots: list[torch.Tensor], leaves: list[torch.Tensor], held: int) -> int:
+    """Bytes of the gradients a split stage's input pass keeps for the weight pass (on the fake graph)."""
+    roots = [r for r in roots if r.requires_grad]
+    inputs = [x for x in leaves if x.requires_grad]
+    try:
+        weights = [w for w in leaves_under(roots) if all(w is not x for x in inputs)]
+        _, weight_pass = input_pass(roots, [torch.ones_like(r) for r in roots], inputs, weights)
+    except Exception:  # noqa: BLE001 - user code on fake tensors: count a second set of activations instead
+        return held
+    return weight_pass.nbytes
 
 
 def estimate(
@@ -148,10 +176,10 @@ def estimate(
 ) -> list[StageMemory]:
     """Every stage's ``StageMemory`` (``available`` left for the caller to fill in)."""
     example = to_meta(example) if any(p.is_meta for s in specs for p in s.module.parameters()) else example
-    per_micro_batch = activation_bytes(specs, example, targets, task.loss_fn)
+    per_micro_batch = stage_bytes(specs, example, targets, task.loss_fn, split=settings.split_graphs > 0)
     stages = len(specs)
     result = []
-    for spec, activations, first in zip(specs, per_micro_batch, first_names):
+    for spec, (activations, kept), first in zip(specs, per_micro_batch, first_names):
         params = dict(spec.module.named_parameters())
         weights = sum(_nbytes(p) for p in params.values()) + sum(_nbytes(b) for b in spec.module.buffers())
         trained = sum(_nbytes(p) for p in params.values() if p.requires_grad)
@@ -174,7 +202,7 @@ def estimate(
                 grads=trained,
                 optimizer=state + (trained if state else 0),
                 stash=copies * trained,
-                activations=max(inflight, split) * activations,
+                activations=max(inflight, split) * activations + split * kept,
                 runtime=settings.runtime_bytes,
             )
         )

@@ -7,12 +7,13 @@ those nodes with those gradients and runs only the weights' side, so the gradien
 computed once, as in Zero Bubble PP (Qi et al., ICLR 2024).  This works on any module's autograd graph:
 nodes are found by walking it, never by knowing the module.  A node at the split runs twice, once for each
 side; the built-in ones compute only the side asked each time, a custom ``autograd.Function`` computes both.
-If a node at the split never ran in the input pass (an engine that prunes what we expected it to run), the
-weight pass falls back to a whole walk from the outputs: slower, still exact.
+Weights reached from two split nodes (a layer applied twice), and those under a node that never ran in the
+input pass, take their gradients by a walk from the outputs instead (``WeightPass.fallback``): slower, exact.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,13 @@ def grad_node(t: torch.Tensor) -> Node | None:
     if t.grad_fn is not None or not t.requires_grad:
         return t.grad_fn
     return t.view_as(t).grad_fn.next_functions[0][0]  # a leaf's accumulator exists once a graph uses it
+
+
+def leaves_under(roots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaves a backward from ``roots`` would accumulate gradients into (``ravq check``: the weights as
+    the fake tensors of its forward hold them)."""
+    graph = _Graph([n for n in map(grad_node, roots) if n is not None])
+    return [n.variable for n in graph.order if hasattr(n, "variable")]
 
 
 class _Graph:
@@ -70,24 +78,25 @@ Start = tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]
 @dataclass(slots=True)
 class WeightPass:
     """What the input pass kept for the weight pass: per node at the split, the gradients that arrived there
-    and the weights its side reaches; or the outputs themselves for a whole walk (``fallback``)."""
+    and the weights its side reaches; and the outputs themselves for the weights it could not split off
+    (``fallback``)."""
 
     starts: list[Start] = field(default_factory=list)
     """Per node at the split: the edges into it, the gradients that arrived on them, the weights under it."""
-    fallback: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
-    """The outputs and their gradients, where the split is not exact (``input_pass``): a whole walk."""
+    fallback: tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]] | None = None
+    """The outputs, their gradients and the weights a walk from the outputs gives theirs (``input_pass``)."""
 
     @property
     def nbytes(self) -> int:
         """Bytes of the kept gradients (the graph's saved tensors besides)."""
         return sum(g.numel() * g.element_size() for _, grads, _ in self.starts for g in grads)
 
-    def run(self, weights: list[torch.Tensor]) -> None:
+    def run(self) -> None:
         """Add each weight's gradient to its ``.grad`` (autograd's accumulation); frees the graph."""
-        if self.fallback is not None:
-            roots, root_grads = self.fallback
+        if self.fallback is not None:  # first, keeping the nodes at the split for their own walks
+            roots, root_grads, weights = self.fallback
             if roots and weights:
-                torch.autograd.backward(roots, root_grads, inputs=weights)
+                torch.autograd.backward(roots, root_grads, inputs=weights, retain_graph=bool(self.starts))
         for edges, grads, reached in self.starts:  # one walk each: a walk never enters the inputs' side
             torch.autograd.backward(edges, grads, inputs=reached)
         self.starts, self.fallback = [], None
@@ -98,13 +107,13 @@ def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
     """Gradients of ``roots`` (weighted by ``root_grads``) for ``inputs`` (leaves), and the weight pass that
     gives ``weights`` (leaves) theirs later without going over the inputs' side again.
 
-    Exact where the weights' sides of the split nodes share no node (each weight is reached from one place:
-    any module whose parameters each serve one operation, or a chain of them); a weight used at two places
-    with the inputs' side between them (a layer applied twice) would be reached again through the inputs'
-    side, so there the weight pass walks the whole graph again (``fallback``), as a split without reuse."""
-    whole = WeightPass(fallback=(roots, root_grads))
+    Exact for the weights whose side no other split node shares (each weight serves one operation: any
+    module but one that reuses a layer); a weight used at two places with the inputs' side between them (a
+    layer applied twice, a weight shared by an encoder and a decoder) would be reached again through the
+    inputs' side, so the weight pass gives those weights theirs by a walk from the outputs (``fallback``),
+    as a split without reuse does."""
     if not roots or not inputs:
-        return (None,) * len(inputs), whole
+        return (None,) * len(inputs), WeightPass(fallback=(roots, root_grads, weights))
     root_nodes = [n for n in map(grad_node, roots) if n is not None]
     of_weight = {n: w for w in weights if (n := grad_node(w)) is not None}
     graph = _Graph(root_nodes)
@@ -112,21 +121,18 @@ def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
     weight_side = graph.reaching(set(of_weight)) - to_inputs
     split = [n for n in graph.order if n in to_inputs and any(c in weight_side for c in graph.children[n])]
     split += [n for n in root_nodes if n in weight_side and n not in split]  # outputs the inputs never reach
-    sides, taken = [], set()
-    for node in split:
-        side = graph.side(node, weight_side)
-        if side & taken:
-            return _whole_pass(roots, root_grads, inputs), whole
-        taken |= side
-        sides.append([of_weight[n] for n in side if n in of_weight])
-    arrived: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    sides = {node: graph.side(node, weight_side) for node in split}
+    seen = Counter(n for side in sides.values() for n in side)
+    shared = {node for node, side in sides.items() if any(seen[n] > 1 for n in side)}
+    arrived: dict[Node, list[torch.Tensor | None]] = {}
 
     def keep(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
         def hook(grads: tuple[torch.Tensor | None, ...]) -> None:
-            arrived[node] = grads
+            arrived[node] = list(grads)
         return hook
 
-    handles = [node.register_prehook(keep(node)) for node in split if node in to_inputs]
+    hooked = [node for node in split if node in to_inputs and node not in shared]
+    handles = [node.register_prehook(keep(node)) for node in hooked]
     try:
         grads = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
     finally:
@@ -135,21 +141,22 @@ def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
     for root, g in zip(roots, root_grads):  # an output the inputs never reach: its weights start from it
         node = grad_node(root)
         if node is not None and node in weight_side:
-            slot = root.output_nr if root.grad_fn is not None else 0
-            got = list(arrived.get(node, ()))
+            got, slot = arrived.setdefault(node, []), root.output_nr if root.grad_fn is not None else 0
             got += [None] * (slot + 1 - len(got))
-            got[slot] = torch.ones_like(root) if g is None else g if got[slot] is None else got[slot] + g
-            arrived[node] = tuple(got)
-    if any(node not in arrived for node in split):
-        return grads, whole
+            g = torch.ones_like(root) if g is None else g
+            got[slot] = g if got[slot] is None else got[slot] + g
+    shared |= {node for node in split if node not in arrived}  # never ran: its weights by the walk
     kept = WeightPass()
-    for node, reached in zip(split, sides):
-        edges = [(GradientEdge(node, slot), g) for slot, g in enumerate(arrived[node]) if g is not None]
-        if edges:
-            kept.starts.append(([e for e, _ in edges], [g for _, g in edges], reached))
+    for node in split:
+        slots = [(slot, g) for slot, g in enumerate(arrived.get(node, ())) if g is not None]
+        if node not in shared and slots:
+            edges, kept_grads = [GradientEdge(node, slot) for slot, _ in slots], [g for _, g in slots]
+            kept.starts.append((edges, kept_grads, _weights(sides[node], of_weight)))
+    if shared:
+        walked = _weights(set().union(*(sides[node] for node in shared)), of_weight)
+        kept.fallback = (roots, root_grads, walked)
     return grads, kept
 
 
-def _whole_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None], inputs: list[torch.Tensor]
-                ) -> tuple[torch.Tensor | None, ...]:
-    return torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
+def _weights(side: set[Node], of_weight: dict[Node, torch.Tensor]) -> list[torch.Tensor]:
+    return [w for n, w in of_weight.items() if n in side]

@@ -80,8 +80,8 @@ class Stashed:
     def weights_into(self, weight_pass: WeightPass, params: dict[str, nn.Parameter]) -> None:
         """The weight pass of a split backward: each weight's gradient added to the ``.grad`` of the parameter
         of its name in ``params``, as ``gradients_into`` adds it."""
-        with self._summing_into(params) as weights:
-            weight_pass.run(weights)
+        with self._summing_into(params):
+            weight_pass.run()
 
     @contextmanager
     def _summing_into(self, params: dict[str, nn.Parameter]) -> Iterator[list[torch.Tensor]]:
