@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from ravq.config import EXTRAPOLATE_GRADIENTS, PREDICT_WEIGHTS, TrainingConfig
 from ravq.cut.meta import build_meta_model, to_meta
@@ -167,17 +168,21 @@ class _Counted(torch.autograd.Function):
 
 
 class _Stage(torch.nn.Module):
-    """A middle stage: linear, counted activation, norm, linear; a second output only a weight reaches; with
-    ``twice`` the first linear is applied again after the activation (a weight used at two places)."""
+    """A middle stage: linear, counted activation, norm, linear; a second output only a weight reaches; the
+    first linear applied again after the activation (``weight_used_twice``), or the first two layers under
+    ``torch.utils.checkpoint`` (``checkpointed``: recomputed on the input pass, saved for the weight pass)."""
 
-    def __init__(self, twice: bool = False) -> None:
+    def __init__(self, way: str) -> None:
         super().__init__()
         self.a, self.b, self.norm = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3), torch.nn.LayerNorm(6)
-        self.bias, self.twice = torch.nn.Parameter(torch.ones(3)), twice
+        self.bias, self.way = torch.nn.Parameter(torch.ones(3)), way
+
+    def first(self, x: torch.Tensor) -> torch.Tensor:
+        return _Counted.apply(self.a(x))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = _Counted.apply(self.a(x))
-        h = self.a(h) if self.twice else h
+        h = checkpoint(self.first, x, use_reentrant=False) if self.way == "checkpointed" else self.first(x)
+        h = self.a(h) if self.way == "weight_used_twice" else h
         return self.b(self.norm(h)), self.bias * 2
 
 
@@ -189,13 +194,13 @@ def _stashed(module: torch.nn.Module) -> tuple[Stashed, list[torch.Tensor], list
     return Stashed(0, weights, [x], outputs), list(outputs), grads
 
 
-@pytest.mark.parametrize("twice", [False, True], ids=["chain", "weight_used_twice"])
-def test_the_weight_pass_reuses_the_input_pass(twice: bool) -> None:
+@pytest.mark.parametrize("way", ["chain", "weight_used_twice", "checkpointed"])
+def test_the_weight_pass_reuses_the_input_pass(way: str) -> None:
     """The split backward gives the whole one's gradients, and the activation's backward runs once in it, not
-    twice (the weight pass starts where the weights' side leaves the inputs'); a weight used at two places
-    falls back to a whole walk for the weight pass, still exact."""
+    twice (the weight pass starts where the weights' side leaves the inputs'), checkpointed too; a weight used
+    at two places falls back to a walk from the outputs for the weight pass, still exact."""
     torch.manual_seed(0)
-    module = _Stage(twice)
+    module = _Stage(way)
     sums = {n: torch.nn.Parameter(torch.zeros_like(p)) for n, p in module.named_parameters()}
     stash, roots, grads = _stashed(module)
     want_inputs = stash.gradients_into(roots, grads, sums)
@@ -206,9 +211,9 @@ def test_the_weight_pass_reuses_the_input_pass(twice: bool) -> None:
     stash, roots, grads = _stashed(module)
     _Counted.calls = 0
     got_inputs, weight_pass = stash.input_gradients(roots, grads)
-    assert (weight_pass.fallback is not None) == twice
+    assert (weight_pass.fallback is not None) == (way == "weight_used_twice")
     stash.weights_into(weight_pass, sums)
-    assert _Counted.calls == (2 if twice else 1)
+    assert _Counted.calls == (2 if way == "weight_used_twice" else 1)
     for (_, got), (_, expect) in zip(got_inputs.items(), want_inputs.items()):
         torch.testing.assert_close(got, expect, rtol=0, atol=1e-6)
     for name, g in want.items():

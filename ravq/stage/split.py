@@ -25,7 +25,8 @@ def grad_node(t: torch.Tensor) -> Node | None:
     """The node autograd starts from for ``t``: its ``grad_fn``, or a leaf's gradient accumulator."""
     if t.grad_fn is not None or not t.requires_grad:
         return t.grad_fn
-    return t.view_as(t).grad_fn.next_functions[0][0]  # a leaf's accumulator exists once a graph uses it
+    with torch.enable_grad():  # a leaf's accumulator, the one a graph that uses it holds
+        return t.view_as(t).grad_fn.next_functions[0][0]
 
 
 def leaves_under(roots: list[torch.Tensor]) -> list[torch.Tensor]:
