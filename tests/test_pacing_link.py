@@ -222,7 +222,8 @@ def test_the_planner_scores_a_slow_uplink_cluster_every_kth_round_and_the_plan_r
     held = 4 * 25 * 2 ** 20 / 2e6 - (4 * 12 + 1.2)
     assert score_with(p, layouts, averaging) == pytest.approx(4 * 10 * 4 / (12 + held / 5))
     assert best_averaging(p, layouts[:3])[1] == pytest.approx(10.0)
-    assert best_averaging(p, layouts)[0].every == ()          # not offered by the planner's choice yet
+    best, value = best_averaging(p, layouts)                 # the planner's own choice: groups of 3, d every 6th
+    assert best.every == (1, 1, 1, 6) and value > 13.0
     config = averaging_config(paced(p, layouts, averaging))
     assert config is not None and config.every == [1, 1, 1, 5] and config.rates is not None
     assert link_every_of(Problem(pcs(["a", "b"], 1e8), blocks(), **SETTINGS),

@@ -9,7 +9,14 @@ import numpy as np
 
 from ravq.config import ClusterPlan, Plan
 from ravq.planner.cost import Layout, cluster_rate
-from ravq.planner.grouped import GLOBAL, Averaging, averaging_config, paced_samples_per_s, round_of
+from ravq.planner.grouped import (
+    GLOBAL,
+    Averaging,
+    averaging_config,
+    paced_samples_per_s,
+    round_of,
+    score_with,
+)
 from ravq.planner.problem import Problem
 from ravq.planner.types import GIB, ClusterReport, Explanation, PlanError, StageReport, size_text
 
@@ -43,7 +50,8 @@ def explain(p: Problem, layouts: Sequence[Layout], idle: dict[int, str],
         clusters=reports, block_names=[b.name for b in p.blocks], micro_batch=p.micro_batch,
         sync_every=p.sync_every, idle={p.names[i]: why for i, why in sorted(idle.items())},
         averaging_s=round_s, samples_per_s_without_averaging=p.micro_batch * sum(rates),
-        samples_per_s=(paced_samples_per_s(p, rates, round_s) if averaging.pace == "rate"
+        samples_per_s=(score_with(p, layouts, averaging) if averaging.every  # the schedule's hold-backs
+                       else paced_samples_per_s(p, rates, round_s) if averaging.pace == "rate"
                        else p.samples_per_s(rates, round_s)))
     plan = Plan(epoch=0, clusters=[ClusterPlan(nodes=[p.names[i] for i in lay.order],
                                       cuts=[p.blocks[b].name for b in lay.bounds[1:-1]]) for lay in layouts],
