@@ -36,30 +36,41 @@ def leaves_under(roots: list[torch.Tensor]) -> list[torch.Tensor]:
     return [n.variable for n in graph.order if hasattr(n, "variable")]
 
 
+INPUTS, WEIGHTS = 1, 2
+"""``_Graph.reach`` bits: the node has a path to an input, to a weight."""
+
+
 class _Graph:
     """The nodes under a backward's roots, children before parents, and each node's children."""
 
     def __init__(self, roots: list[Node]) -> None:
-        self.order: list[Node] = []
-        self.children: dict[Node, list[Node]] = {}
-        stack: list[tuple[Node, bool]] = [(n, False) for n in roots]
-        while stack:
-            node, done = stack.pop()
-            if done:
-                self.order.append(node)
-            elif node not in self.children:
-                kids = [c for c, _ in node.next_functions if c is not None]
-                self.children[node] = kids
-                stack.append((node, True))
-                stack.extend((c, False) for c in kids if c not in self.children)
+        order: list[Node] = []
+        children: dict[Node, list[Node]] = {}
+        done: set[Node] = set()
+        stack = list(roots)
+        while stack:  # depth first; a node is listed once all its children are
+            node = stack[-1]
+            kids = children.get(node)
+            if kids is None:
+                kids = children[node] = [c for c, _ in node.next_functions if c is not None]
+                stack.extend([c for c in kids if c not in children])
+            else:
+                stack.pop()
+                if node not in done:
+                    done.add(node)
+                    order.append(node)
+        self.order, self.children = order, children
 
-    def reaching(self, targets: set[Node]) -> set[Node]:
-        """The nodes with a path to one of ``targets`` (themselves included)."""
-        reach = set()
+    def reach(self, inputs: set[Node], weights: set[Node]) -> dict[Node, int]:
+        """Per node, ``INPUTS`` | ``WEIGHTS``: whether it has a path to one of ``inputs``, of ``weights``."""
+        bits: dict[Node, int] = {}
+        children = self.children
         for node in self.order:  # children first: one sweep settles every node
-            if node in targets or any(c in reach for c in self.children[node]):
-                reach.add(node)
-        return reach
+            b = (INPUTS if node in inputs else 0) | (WEIGHTS if node in weights else 0)
+            for c in children[node]:
+                b |= bits[c]
+            bits[node] = b
+        return bits
 
     def side(self, node: Node, weight_side: set[Node]) -> set[Node]:
         """The nodes on the weights' side under ``node`` (the node itself only if it is on that side)."""
@@ -118,8 +129,9 @@ def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
     root_nodes = [n for n in map(grad_node, roots) if n is not None]
     of_weight = {n: w for w in weights if (n := grad_node(w)) is not None}
     graph = _Graph(root_nodes)
-    to_inputs = graph.reaching({n for n in map(grad_node, inputs) if n is not None})
-    weight_side = graph.reaching(set(of_weight)) - to_inputs
+    bits = graph.reach({n for n in map(grad_node, inputs) if n is not None}, set(of_weight))
+    to_inputs = {n for n, b in bits.items() if b & INPUTS}
+    weight_side = {n for n, b in bits.items() if b == WEIGHTS}
     split = [n for n in graph.order if n in to_inputs and any(c in weight_side for c in graph.children[n])]
     split += [n for n in root_nodes if n in weight_side and n not in split]  # outputs the inputs never reach
     sides = {node: graph.side(node, weight_side) for node in split}
