@@ -485,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gpipe", action="store_true", help="skip torch's ScheduleGPipe")
     parser.add_argument("--no-torch", action="store_true", help="measure ravq only")
     parser.add_argument("--max-inflight", type=int, default=None, help="ravq's credit limit (default: ravq's own)")
-    parser.add_argument("--update-every", type=int, default=1, help="ravq: backwards per optimizer step")
+    parser.add_argument("--update-every", type=int, default=8,
+                        help="ravq: backwards per optimizer step (default 8: torch's schedule step, the same batch; "
+                             "with 1, ravq keeps 2 micro-batches in flight, ravq.config.batch.default_inflight)")
     parser.add_argument("--run-dir", default=None, help="keep ravq's logs here (default: a temp dir)")
     args = parser.parse_args(argv)
     schedules = () if args.no_torch else ("1f1b",) if args.no_gpipe else ("1f1b", "gpipe")
