@@ -35,7 +35,7 @@ def measure(worker: StageWorker, mb: MicroBatch, inputs: list[torch.Tensor], rep
     """The best CPU time of the stage's backward whole and split, alternating, each on a fresh forward."""
     sums = {n: torch.nn.Parameter(p.detach().clone()) for n, p in worker.params.items()}
     best = {"whole": float("inf"), "input": float("inf"), "weight": float("inf"), "split": float("inf")}
-    kept, exact = 0, True
+    kept, exact, reuse = 0, True, True
     for _ in range(repeats):
         for way in ("whole", "split"):
             outputs = worker.passes.run_module(mb, [x.detach() for x in inputs])
@@ -47,7 +47,8 @@ def measure(worker: StageWorker, mb: MicroBatch, inputs: list[torch.Tensor], rep
                 stash.gradients_into(roots, grads, sums)
                 best["whole"] = min(best["whole"], time.thread_time() - t0)
                 continue
-            _, weight_pass = stash.input_gradients(roots, grads)
+            _, weight_pass = stash.input_gradients(roots, grads, reuse=reuse)
+            reuse = reuse and not weight_pass.shared  # as Passes does
             t1 = time.thread_time()
             kept, exact = weight_pass.nbytes, weight_pass.fallback is None
             stash.weights_into(weight_pass, sums)

@@ -138,8 +138,8 @@ def test_ravq_check_counts_the_graphs_kept_for_weight_passes(monkeypatch: pytest
     kept: list[int] = []
     input_gradients = Stashed.input_gradients
 
-    def recorded(stash: Stashed, *args: Any) -> Any:
-        grad_of, weight_pass = input_gradients(stash, *args)
+    def recorded(stash: Stashed, *args: Any, **kwargs: Any) -> Any:
+        grad_of, weight_pass = input_gradients(stash, *args, **kwargs)
         kept.append(weight_pass.nbytes)
         return grad_of, weight_pass
 

@@ -55,6 +55,8 @@ class Passes:
         """``training.schedule: zero_bubble``: input-gradients first, weight passes deferred (stage 0 sends no
         input-gradient; a stage with tied copies contributes its step before its input-gradients)."""
         self._deferred: deque[tuple[MicroBatch, Stashed, WeightPass]] = deque()
+        self._reuse = True
+        """Weight passes reuse the input passes' work, until a graph shares a weight between split nodes."""
         self._raw_output: Any = None
         self.guard = AsynchronyGuard(f"cluster {place.cluster} stage {place.spec.index}")
         """Watches this stage's stale updates and says once when asynchrony hurts (``ravq.stage.guard``)."""
@@ -155,7 +157,8 @@ class Passes:
             self.drain()
             self._whole(mb, stash, roots, root_grads, emit)
             return
-        grad_of, weight_pass = stash.input_gradients(roots, root_grads)
+        grad_of, weight_pass = stash.input_gradients(roots, root_grads, reuse=self._reuse)
+        self._reuse = self._reuse and not weight_pass.shared
         self._deferred.append((mb, stash, weight_pass))
         self._sent(mb, stash, grad_of, False, None, emit)
         if due:

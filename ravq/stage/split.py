@@ -7,8 +7,9 @@ those nodes with those gradients and runs only the weights' side, so the gradien
 computed once, as in Zero Bubble PP (Qi et al., ICLR 2024).  This works on any module's autograd graph:
 nodes are found by walking it, never by knowing the module.  A node at the split runs twice, once for each
 side; the built-in ones compute only the side asked each time, a custom ``autograd.Function`` computes both.
-Weights reached from two split nodes (a layer applied twice), and those under a node that never ran in the
-input pass, take their gradients by a walk from the outputs instead (``WeightPass.fallback``): slower, exact.
+Where two split nodes reach one weight (a layer applied twice) the stage's weight pass is a walk from the
+outputs instead, as without reuse (``WeightPass.fallback``), and ``Passes`` stops looking for the split; so
+are the weights under a node that never ran in the input pass.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class WeightPass:
     """Per node at the split: the edges into it, the gradients that arrived on them, the weights under it."""
     fallback: tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]] | None = None
     """The outputs, their gradients and the weights a walk from the outputs gives theirs (``input_pass``)."""
+    shared: bool = False
+    """Two split nodes reach one weight: the stage's graph does not split (see ``input_pass``)."""
 
     @property
     def nbytes(self) -> int:
@@ -115,17 +118,20 @@ class WeightPass:
 
 
 def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None], inputs: list[torch.Tensor],
-               weights: list[torch.Tensor]) -> tuple[tuple[torch.Tensor | None, ...], WeightPass]:
+               weights: list[torch.Tensor], *, reuse: bool = True
+               ) -> tuple[tuple[torch.Tensor | None, ...], WeightPass]:
     """Gradients of ``roots`` (weighted by ``root_grads``) for ``inputs`` (leaves), and the weight pass that
     gives ``weights`` (leaves) theirs later without going over the inputs' side again.
 
-    Exact for the weights whose side no other split node shares (each weight serves one operation: any
-    module but one that reuses a layer); a weight used at two places with the inputs' side between them (a
-    layer applied twice, a weight shared by an encoder and a decoder) would be reached again through the
-    inputs' side, so the weight pass gives those weights theirs by a walk from the outputs (``fallback``),
-    as a split without reuse does."""
+    Exact where no two split nodes reach one weight (each weight serves one operation: any module but one
+    that reuses a layer).  A weight used at two places with the inputs' side between them (a layer applied
+    twice, T5's position bias shared by its layers) would be reached again through the inputs' side, so
+    there (``WeightPass.shared``), and without ``reuse``, the weight pass is a walk from the outputs
+    (``fallback``) as in a split without reuse: measured, that is cheaper than reuse for part of a stage."""
     if not roots or not inputs:
         return (None,) * len(inputs), WeightPass(fallback=(roots, root_grads, weights))
+    if not reuse:
+        return _whole_pass(roots, root_grads, inputs), WeightPass(fallback=(roots, root_grads, weights))
     root_nodes = [n for n in map(grad_node, roots) if n is not None]
     of_weight = {n: w for w in weights if (n := grad_node(w)) is not None}
     graph = _Graph(root_nodes)
@@ -136,7 +142,10 @@ def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
     split += [n for n in root_nodes if n in weight_side and n not in split]  # outputs the inputs never reach
     sides = {node: graph.side(node, weight_side) for node in split}
     seen = Counter(n for side in sides.values() for n in side)
-    shared = {node for node, side in sides.items() if any(seen[n] > 1 for n in side)}
+    if any(count > 1 for count in seen.values()):
+        walk = WeightPass(fallback=(roots, root_grads, weights), shared=True)
+        return _whole_pass(roots, root_grads, inputs), walk
+    shared: set[Node] = set()
     arrived: dict[Node, list[torch.Tensor | None]] = {}
 
     def keep(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
@@ -173,3 +182,8 @@ def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
 
 def _weights(side: set[Node], of_weight: dict[Node, torch.Tensor]) -> list[torch.Tensor]:
     return [w for n, w in of_weight.items() if n in side]
+
+
+def _whole_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None], inputs: list[torch.Tensor]
+                ) -> tuple[torch.Tensor | None, ...]:
+    return torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)

@@ -67,14 +67,15 @@ class Stashed:
                 torch.autograd.backward(roots, root_grads, inputs=weights + grad_inputs)
         return {id(x): x.grad for x in grad_inputs}
 
-    def input_gradients(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None]
-                        ) -> tuple[dict[int, torch.Tensor | None], WeightPass]:
+    def input_gradients(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None], *,
+                        reuse: bool = True) -> tuple[dict[int, torch.Tensor | None], WeightPass]:
         """The input pass of a split backward (``training.schedule: zero_bubble``): the gradient of each
         input that takes one, by ``id``, and its weight pass (``weights_into``), which starts where the
-        weights' side leaves the inputs' (``ravq.stage.split``): nothing is computed twice."""
+        weights' side leaves the inputs' (``ravq.stage.split``): nothing is computed twice; without ``reuse``
+        it walks the whole graph again."""
         grad_inputs = [x for x in self.inputs if x.requires_grad]
         weights = [w for w in self.params.values() if w.requires_grad]
-        grads, weight_pass = input_pass(roots, root_grads, grad_inputs, weights)
+        grads, weight_pass = input_pass(roots, root_grads, grad_inputs, weights, reuse=reuse)
         return dict(zip(map(id, grad_inputs), grads)), weight_pass
 
     def weights_into(self, weight_pass: WeightPass, params: dict[str, nn.Parameter]) -> None:
