@@ -145,7 +145,6 @@ def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
     if any(count > 1 for count in seen.values()):
         walk = WeightPass(fallback=(roots, root_grads, weights), shared=True)
         return _whole_pass(roots, root_grads, inputs), walk
-    shared: set[Node] = set()
     arrived: dict[Node, list[torch.Tensor | None]] = {}
 
     def keep(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
@@ -153,10 +152,9 @@ def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
             arrived[node] = list(grads)
         return hook
 
-    hooked = [node for node in split if node in to_inputs and node not in shared]
-    handles = [node.register_prehook(keep(node)) for node in hooked]
+    handles = [node.register_prehook(keep(node)) for node in split if node in to_inputs]
     try:
-        grads = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
+        grads = _whole_pass(roots, root_grads, inputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -167,16 +165,16 @@ def input_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
             got += [None] * (slot + 1 - len(got))
             g = torch.ones_like(root) if g is None else g
             got[slot] = g if got[slot] is None else got[slot] + g
-    shared |= {node for node in split if node not in arrived}  # never ran: its weights by the walk
+    missed = [node for node in split if node not in arrived]  # never ran: its weights by the walk
     kept = WeightPass()
     for node in split:
         slots = [(slot, g) for slot, g in enumerate(arrived.get(node, ())) if g is not None]
-        if node not in shared and slots:
+        if slots:
             edges, kept_grads = [GradientEdge(node, slot) for slot, _ in slots], [g for _, g in slots]
             kept.starts.append((edges, kept_grads, _weights(sides[node], of_weight)))
-    if shared:
-        walked = _weights(set().union(*(sides[node] for node in shared)), of_weight)
-        kept.fallback = (roots, root_grads, walked)
+    if missed:
+        walked = set().union(*(sides[node] for node in missed))
+        kept.fallback = (roots, root_grads, _weights(walked, of_weight))
     return grads, kept
 
 
@@ -186,4 +184,5 @@ def _weights(side: set[Node], of_weight: dict[Node, torch.Tensor]) -> list[torch
 
 def _whole_pass(roots: list[torch.Tensor], root_grads: list[torch.Tensor | None], inputs: list[torch.Tensor]
                 ) -> tuple[torch.Tensor | None, ...]:
+    """The inputs' gradients, the graph kept for the weight pass."""
     return torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
