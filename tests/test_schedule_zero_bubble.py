@@ -8,7 +8,7 @@ work; and the config refuses fp16 loss scaling with it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +21,7 @@ from ravq.cut.meta import build_meta_model, to_meta
 from ravq.cut.split import candidate_cuts, even_cuts, split_model
 from ravq.preflight.memory import MemorySettings, estimate
 from ravq.preflight.report import Report
+from ravq.stage import stash as stash_module
 from ravq.stage.pipeline import StageWorker
 from ravq.stage.stash import Stashed
 from ravq.stage.types import RecipeOptions
@@ -218,3 +219,47 @@ def test_the_weight_pass_reuses_the_input_pass(way: str) -> None:
         torch.testing.assert_close(got, expect, rtol=0, atol=1e-6)
     for name, g in want.items():
         torch.testing.assert_close(sums[name].grad, g, rtol=0, atol=1e-6, msg=name)
+
+
+class _Twice(torch.nn.Module):
+    """A gate computed once from a weight and used twice (as T5 shares its position bias): a graph that
+    reaches that weight from two split nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.gate = torch.nn.Linear(16, 16), torch.nn.Parameter(torch.linspace(-1, 1, 16))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.gate)
+        return torch.tanh(self.layer(h) * gate) * gate
+
+
+class _MidTwice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.head = torch.nn.Linear(zoo.FEATURES, 16), _Twice(), torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(torch.relu(self.inp(x))))
+
+
+def test_a_stage_sharing_a_weight_stops_looking_for_the_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The middle of 3 stages applies a layer twice: its first input pass finds the shared weight and every
+    later one skips the analysis (``reuse`` off); the last stage keeps reusing; all equal one process."""
+    task = SimpleNamespace(build_model=_MidTwice, example_inputs=lambda mb: (torch.zeros(mb, zoo.FEATURES),),
+                           loss_fn=zoo.batchnorm.loss_fn, train_batches=zoo.batchnorm.train_batches,
+                           make_optimizer=zoo.batchnorm.make_optimizer, split_points=lambda: ["mid", "head"])
+    calls: list[tuple[int, bool]] = []
+    real = stash_module.input_pass
+
+    def recorded(roots: Any, root_grads: Any, inputs: Any, weights: Any, *, reuse: bool = True) -> Any:
+        calls.append((len(weights), reuse))
+        return real(roots, root_grads, inputs, weights, reuse=reuse)
+
+    monkeypatch.setattr(stash_module, "input_pass", recorded)
+    workers = _workers(3, task=task)  # type: ignore[arg-type]
+    run_workers(workers)
+    _assert_one_process(workers, None, task)  # type: ignore[arg-type]
+    middle, last = [r for n, r in calls if n == 3], [r for n, r in calls if n == 2]
+    assert middle[0] and len(middle) > 1 and not any(middle[1:])
+    assert last and all(last)
