@@ -20,7 +20,10 @@ from ravq.simulate.world import stage_message_s
 from tests import test_loss_costs as loss_costs
 from tests.test_profile import one_node_topology
 
-GIB, SETTINGS = loss_costs.GIB, loss_costs.SETTINGS
+GIB = loss_costs.GIB
+SETTINGS = {**loss_costs.SETTINGS, "update_every": 3}
+"""A stated batch of 3 micro-batches per update: every stage of up to 3 busy (with an update per micro-batch
+ravq keeps 2 in flight, ``default_inflight``), as these pipelines are costed."""
 
 
 def nodes(stage_s: float, names: tuple[str, ...] = ("a", "b", "c")) -> list[NodeProfile]:
