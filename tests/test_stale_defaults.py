@@ -145,3 +145,25 @@ def test_ravq_check_counts_the_window_a_stated_batch_gives(tmp_path: Path,
     assert reports["batch"]["max_inflight"] == 3 and reports["none"]["max_inflight"] == 2
     first = [r["memory"][0] for r in (reports["batch"], reports["none"])]
     assert first[0]["activations"] > 0 and first[0]["activations"] * 2 == first[1]["activations"] * 3
+
+
+def test_the_planner_and_the_simulator_average_every_sync_every_steps_of_the_stated_batch() -> None:
+    """A round every ``sync_every`` optimizer steps of ``update_every`` micro-batches, as nodes run it: 2 steps
+    of 5 micro-batches cost the planner what 10 steps of one do (it counted 2 micro-batches, so rounds 5x as
+    often); and the simulator's window follows the nodes' (``default_inflight``) unless one is stated."""
+    from ravq.config import ClusterPlan, Plan
+    from ravq.planner import evaluate_plan
+    from ravq.simulate import Settings
+    from tests.test_planner import block, mesh, node
+
+    links = mesh(["a", "b"], 1e6)
+    nodes = [node(n, 1e9, 8.0, links[n]) for n in "ab"]
+    blocks = [block(f"b{i}", 1e9, 0.5, param=2_500_000) for i in range(2)]  # a 5 s round over 1 MB/s
+    plan = Plan(epoch=0, clusters=[ClusterPlan(nodes=["a"]), ClusterPlan(nodes=["b"])])
+    stated = evaluate_plan(plan, nodes, blocks, micro_batch=2, sync_every=2, update_every=5, max_inflight=1)
+    plain = evaluate_plan(plan, nodes, blocks, micro_batch=2, sync_every=10, max_inflight=1)
+    often = evaluate_plan(plan, nodes, blocks, micro_batch=2, sync_every=2, max_inflight=1)
+    assert stated.samples_per_s == pytest.approx(plain.samples_per_s)
+    assert often.samples_per_s < 0.9 * plain.samples_per_s  # the rounds cost something here
+    assert Settings(update_every=1).window(4) == 2 and Settings(update_every=4).window(4) == 4
+    assert Settings(update_every=1, max_inflight=3).window(4) == 3
