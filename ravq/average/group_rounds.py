@@ -9,6 +9,7 @@ whose rings reach a cluster the change touched; in global mode, as always, every
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
@@ -21,6 +22,7 @@ from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
 from ravq.metrics import Metrics
 from ravq.planner.pacing import (
+    OPEN_ROUNDS,
     effective_clusters,
     mix_steps,
     round_groups,
@@ -36,25 +38,66 @@ def live_clusters(plan: Plan) -> list[int]:
     return [c for c in range(len(plan.clusters)) if c not in plan.excluded]
 
 
+STAMP_SPAN_S = 86400.0
+"""An epoch read as a time stamp (``epoch_began``) within this of now is one..."""
+STAMP_MIN_MS = 1_577_836_800_000
+"""...and at least this (2020-01-01 in ms): small epochs are plans' own counts."""
+
+
+def epoch_began(epoch: int, now: float) -> float | None:
+    """The instant plan epoch ``epoch`` names: the broker stamps a run's first epoch with its clock in
+    milliseconds (``brokers/run.py``: round ids start from the epoch, so they grow across broker restarts)
+    and counts later ones on from it by one, so every epoch of a run names about its start; None for an
+    epoch that is no such stamp (a plan written by hand, or a test's)."""
+    began = epoch / 1000
+    return began if epoch >= STAMP_MIN_MS and abs(now - began) < STAMP_SPAN_S else None
+
+
 class RoundClock:
     """Which optimizer step ends which round: every ``period``-th step since the stage saw the plan epoch
     ends round k of it (compute thread): ``sync_every``, or under rate pacing the cluster's own share of it
     (``ravq.planner.pacing``).  Every member of a ring counts alike, so all agree on round ids without
-    talking to the broker (``ravq.average.averager``)."""
+    talking to the broker (``ravq.average.averager``).  Under rate pacing by time (``period_s``) round k
+    is ended by the first step once (k + 1) x ``period_s`` seconds have passed since the instant the
+    epoch names (``epoch_began``: the broker's stamp, so every node counts from the same instant whatever
+    its start-up took; NTP-synchronised clocks are assumed, off by far less than ``timeouts.ring_step_s``),
+    or since the stage's first step in it for an epoch that is no stamp (``now``: the wall clock; tests pass
+    their own).  Rounds already due when the stage first steps in an epoch are not its to run: it tells
+    its peers of the newest (``OPEN_ROUNDS``), which they may hold open."""
 
-    def __init__(self, sync_every: int) -> None:
-        self.sync_every = sync_every
+    def __init__(self, sync_every: int, now: Callable[[], float] = time.time) -> None:
+        self.sync_every, self.now = sync_every, now
         self.epoch, self.steps = -1, 0
+        self.started_at = 0.0
+        """When this stage first stepped in the epoch (rounds by time)."""
+        self.due = 0
+        """Rounds by time: rounds of the epoch this stage has ended or skipped."""
+        self.skipped: range = range(0)
+        """Rounds by time: the round indices the newest ``step`` passed over (a step spanned them)."""
 
-    def step(self, epoch: int, period: int | None = None) -> int | None:
+    def step(self, epoch: int, period: int | None = None, period_s: float | None = None) -> int | None:
         """Count one optimizer step under plan epoch ``epoch``; the index in it of the round it ends."""
         period = period or self.sync_every
+        self.skipped = range(0)
         if epoch != self.epoch:
-            self.epoch, self.steps = epoch, 0
+            now = self.now()
+            self.epoch, self.steps, self.started_at = epoch, 0, epoch_began(epoch, now) or now
+            self.due = int((now - self.started_at) / period_s) if period_s is not None else 0
+            self.skipped = range(max(0, self.due - OPEN_ROUNDS), self.due)
         self.steps += 1  # every step counts, or this stage's round ids drift from its peers'
+        if period_s is not None:
+            due = min(int((self.now() - self.started_at) / period_s), FINAL_ROUND)
+            if due <= self.due:
+                return None
+            self.skipped, self.due = range(self.due, due - 1), due
+            return due - 1
         if self.steps % period:
             return None
         return min(self.steps // period - 1, FINAL_ROUND - 1)
+
+    def ended(self, period: int) -> int:
+        """Rounds of the current epoch this stage has ended (or skipped) so far."""
+        return self.due if self.due else self.steps // period
 
 
 class RoundGroups:
@@ -63,10 +106,11 @@ class RoundGroups:
 
     def __init__(self, config: AveragingConfig, cluster: int, sync_every: int, metrics: Metrics | None = None,
                  skip: Callable[[int, list[Segment]], None] = lambda round_id, rings: None,
-                 rates: Callable[[Plan], Mapping[int, float] | None] = lambda plan: None) -> None:
+                 rates: Callable[[Plan], Mapping[int, float] | None] = lambda plan: None,
+                 now: Callable[[], float] = time.time) -> None:
         self.config, self.cluster = config, cluster
         """The topology's averaging; a plan that names its own (``Plan.averaging``, the planner's) wins."""
-        self.clock, self.metrics, self.skip = RoundClock(sync_every), metrics, skip
+        self.clock, self.metrics, self.skip = RoundClock(sync_every, now), metrics, skip
         """``skip(round id, rings)``: tell a round's ring peers this node will not run it (compute thread)."""
         self.rates = rates
         """Each cluster's rate under a plan, the same on every node (the planner's), or None: the grid's
@@ -91,6 +135,11 @@ class RoundGroups:
         if mode.pace != "rate" or mode.rates is None or len(mode.rates) != count:
             return [self.clock.sync_every] * count
         return round_steps(self.clock.sync_every, mode.rates)
+
+    def period_s(self, plan: Plan) -> float | None:
+        """Seconds between rounds when the plan's rate pacing goes by time (``AveragingConfig.period_s``)."""
+        mode = self.averaging(plan)
+        return mode.period_s if mode.pace == "rate" and mode.rates is not None else None
 
     def every(self, plan: Plan) -> list[int] | None:
         """Pacing by link: each plan cluster takes part in every k-th round only (``AveragingConfig.every``),
@@ -167,10 +216,13 @@ class RoundGroups:
         ahead) then stop at once rather than wait for the ring's timeout."""
         old, self._stepped = self._stepped, plan
         if old is not None and old.epoch != plan.epoch and self.averaging(old).mode == "groups":
-            k = self.clock.steps // self.period(old)
+            k = self.clock.ended(self.period(old))
             if k < FINAL_ROUND and (rings := self.rings(segments(old), old, k)):
                 self.skip(old.epoch * ROUNDS_PER_EPOCH + k, rings)
-        index = self.clock.step(plan.epoch, self.period(plan))
+        index = self.clock.step(plan.epoch, self.period(plan), self.period_s(plan))
+        for passed in self.clock.skipped:  # rounds by time: a step spanning several runs the newest
+            if rings := self.rings(segments(plan), plan, passed):
+                self.skip(plan.epoch * ROUNDS_PER_EPOCH + passed, rings)
         if index is None:
             return None
         self.last = self.group(plan, index)

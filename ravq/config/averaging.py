@@ -26,6 +26,14 @@ class AveragingConfig(UserModel):
     rates: list[float] | None = None
     """Per cluster of the plan, its rate (samples/s) that ``rate`` pacing follows, the same on every node: the
     planner's prediction in a plan's averaging (``Plan.averaging``)."""
+    period_s: float | None = Field(None, gt=0)
+    """``rate`` pacing only: rounds fall due by time, not by step count.  Round k of a plan epoch is ended by
+    a stage's first optimizer step once (k + 1) x ``period_s`` seconds have passed since its first step in the
+    epoch, so clusters whose real rates differ from ``rates`` still reach each round together (counted in
+    steps, a cluster 10% slower than planned falls a round behind in ten, and its rings time out).  A stage
+    whose step spans several due rounds takes the newest and tells its peers it skips the others.  The
+    planner sets it to the fastest cluster's planned round (``sync_every`` of its steps); ``rates`` still
+    weigh each cluster's samples.  None: each cluster's share of ``sync_every`` steps."""
     every: list[int] | None = None
     """Per cluster of the plan, pacing by link: it takes part in every ``every[c]``-th round of an epoch only
     (round r when r % k == 0; ``ravq.planner.pacing``), for a cluster whose round of averaging outlasts the
@@ -34,6 +42,9 @@ class AveragingConfig(UserModel):
 
     @model_validator(mode="after")
     def _every(self) -> AveragingConfig:
+        if self.period_s is not None and self.pace != "rate":
+            raise ValueError(f"averaging.period_s: rounds by time are a way of pacing by rate; set pace: "
+                             f"rate (got pace: {self.pace})")
         if self.every is None:
             return self
         if any(k < 1 for k in self.every):

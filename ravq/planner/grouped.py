@@ -42,9 +42,9 @@ GRID_EPOCHS = 4
 MAX_EVERY = 16
 """Pacing by link: a cluster whose averaging would take more rounds than this is not kept for it."""
 MIX_ROUNDS = 3
+"""Groups mode only with a grid of at most this many axes: every cluster mixes with every other within it."""
 LINK_ROUNDS = 6
 """Pacing by link: the score walks this many times the largest k rounds of each epoch's schedule."""
-"""Groups mode only with a grid of at most this many axes: every cluster mixes with every other within it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,8 @@ class Averaging:
     """Rate pacing: each cluster's predicted samples/s in plan order (``paced``), which the nodes pace by."""
     every: tuple[int, ...] = ()
     """Pacing by link: each cluster takes part in every k-th round (``linked``); (): every round."""
+    period_s: float | None = None
+    """Rate pacing: seconds between rounds, which nodes pace by (``AveragingConfig.period_s``; ``paced``)."""
 
 
 GLOBAL = Averaging()
@@ -73,7 +75,7 @@ def averaging_config(averaging: Averaging) -> AveragingConfig | None:
         return None
     return AveragingConfig(mode=averaging.mode, group_size=averaging.group_size,
                            pace="rate" if rate else "steps", rates=list(averaging.rates) if rate else None,
-                           every=every)
+                           period_s=averaging.period_s if rate else None, every=every)
 
 
 def averaging_of(config: AveragingConfig | None) -> Averaging:
@@ -81,29 +83,44 @@ def averaging_of(config: AveragingConfig | None) -> Averaging:
     if config is None:
         return GLOBAL
     return Averaging(config.mode, config.group_size, config.pace, tuple(config.rates or ()),
-                     tuple(config.every or ()))
+                     tuple(config.every or ()), config.period_s)
 
 
 def paced(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> Averaging:
-    """``averaging`` with the clusters' predicted samples/s it paces rounds by (rate pacing only)."""
+    """``averaging`` with the clusters' predicted samples/s it paces rounds by and the seconds between rounds
+    (``period_s``: the period the score assumes, so nodes reach each round together whatever their real
+    rates; pacing by link: the fastest cluster's S/r_max, its slow rings' hold-backs charged apart) (rate
+    pacing only)."""
     if averaging.pace != "rate":
         return averaging
-    return replace(averaging, rates=tuple(p.micro_batch * r for r in _rates(p, layouts, averaging)))
+    rates = _rates(p, layouts, averaging)
+    live = [r for r in rates if r > 0]
+    if len(live) < 2:
+        period = None
+    elif max(averaging.every, default=1) > 1:
+        period = p.sync_every / max(live)
+    else:
+        period = paced_period(p, live, round_of(p, layouts, averaging))
+    return replace(averaging, rates=tuple(p.micro_batch * r for r in rates), period_s=period)
+
+
+def paced_period(p: Problem, live: Sequence[float], averaging_s: float) -> float:
+    """Seconds between rounds paced by rate, clusters at ``live`` micro-batches/s and a round lasting
+    ``averaging_s``: the fastest cluster's S/r_max, or the round's when longer (with overlap and the lead)."""
+    s, lead, top = p.sync_every, p.averaging_lead, max(live)
+    period = s / top
+    if p.overlap_averaging:
+        return max(period, averaging_s, period + averaging_s - lead / top)
+    return period + averaging_s
 
 
 def paced_samples_per_s(p: Problem, rates: Sequence[float], averaging_s: float) -> float:
     """Samples/s of clusters at ``rates`` (micro-batches/s) whose rounds are paced by rate, a round lasting
-    ``averaging_s``: each trains its own share of steps a period, the fastest's S/r_max or the round's."""
+    ``averaging_s``: each trains its own share of steps a period (``paced_period``)."""
     live = [r for r in rates if r > 0]
     if len(live) < 2:
         return p.micro_batch * sum(live)
-    s, lead, top = p.sync_every, p.averaging_lead, max(live)
-    period = s / top
-    if p.overlap_averaging:
-        period = max(period, averaging_s, period + averaging_s - lead / top)
-    else:
-        period += averaging_s
-    return p.micro_batch * sum(round_steps(s, live)) / period
+    return p.micro_batch * sum(round_steps(p.sync_every, live)) / paced_period(p, live, averaging_s)
 
 
 def _rates(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> list[float]:

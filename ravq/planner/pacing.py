@@ -29,6 +29,11 @@ from dataclasses import dataclass
 
 from ravq.planner.groups import Mode, group_of, groups_for
 
+OPEN_ROUNDS = 2
+"""Rounds by time (``AveragingConfig.period_s``): a stage new to a plan epoch tells its peers it will not run
+this many rounds already due, those they may still hold open (a node queues at most
+``ravq.average.round_queue.PENDING_ROUNDS``)."""
+
 
 def round_steps(sync_every: int, rates: Sequence[float]) -> list[int]:
     """Optimizer steps each cluster trains between its rounds: ``sync_every`` for the fastest,

@@ -35,6 +35,18 @@ class RingHost(Protocol):
     def ring_closed(self, ring: Ring) -> None:
         """Every member of ``ring`` is through with it."""
 
+    @property
+    def node_segments(self) -> dict[str, list[SegmentSpec]]: ...
+
+    @property
+    def seg_index(self) -> dict[int, int]: ...
+
+    @property
+    def rings(self) -> dict[tuple[int, ...], Ring]: ...
+
+    @property
+    def closed(self) -> set[tuple[int, ...]]: ...
+
 
 class Ring:
     """One round of one segment's ring.  Piece by piece (exact), or, when that would be more than
@@ -170,3 +182,16 @@ class Ring:
                 self.finished.add(r)
         if len(self.finished) == self.size:
             self.sim.ring_closed(self)
+
+
+def skip_round(sim: RingHost, node: Node, round_id: int, group: tuple[int, ...]) -> None:
+    """``node`` passes over round ``round_id`` of its plan epoch (rounds by time, a step that spanned
+    several): as a node tells its ring peers (``RoundGroups.step``), its rings of that round close at once."""
+    if len(group) < 2:
+        return
+    for seg in sim.node_segments[node.name]:
+        key = (sim.seg_index[id(seg)], node.plan_epoch, round_id, group[0])
+        ring = sim.rings.get(key)
+        if ring is not None:
+            ring.abort()
+        sim.closed.add(key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ravq.planner.pacing import OPEN_ROUNDS
 from ravq.simulate.world import StageSpec
 
 
@@ -41,6 +42,12 @@ class Node:
     plan_epoch: int = -1
     """The plan epoch this node counts rounds in, and its optimizer steps since it saw it."""
     steps_in_epoch: int = 0
+    rounds_due: int = 0
+    """Rounds by time: rounds of ``plan_epoch`` it has ended or passed over."""
+    arrived: range = range(0)
+    """Rounds by time: rounds due before it entered ``plan_epoch`` that peers may hold open."""
+    step_round: int | None = None
+    """The round its newest optimizer step ended, if any (``round_ended``)."""
     busy: bool = False
     blocked: NodeRound | str | None = None
     """What the compute thread waits for: a NodeRound, "queue", or None."""
@@ -78,6 +85,28 @@ class Node:
     ring_bytes: float = 0.0
     failures: int = 0
     down_s: float = 0.0
+
+    def enter_epoch(self, epoch: int, now: float, period_s: float | None) -> None:
+        """Count steps and rounds in plan epoch ``epoch`` from now on.  Rounds by time count from the run's
+        start, as nodes count from the broker's stamp (``ravq.average.group_rounds.epoch_began``); those
+        already due are not this node's to run, and it passes over the newest (as ``RoundClock`` does)."""
+        self.plan_epoch, self.steps_in_epoch = epoch, 0
+        self.rounds_due = int(now / period_s) if period_s is not None else 0
+        self.arrived = range(max(0, self.rounds_due - OPEN_ROUNDS), self.rounds_due)
+
+    def round_ended(self, period: int, period_s: float | None, now: float) -> list[int]:
+        """Set ``step_round`` for the step just counted, as ``ravq.average.group_rounds.RoundClock`` does:
+        every ``period``-th step in the epoch, or by time (``period_s``) the first step once (k + 1) x
+        ``period_s`` have passed since the run began; the rounds that step passed over (by time)."""
+        if period_s is None:
+            self.step_round = None if self.steps_in_epoch % period else self.steps_in_epoch // period - 1
+            return []
+        due, arrived, self.arrived = int(now / period_s), self.arrived, range(0)
+        if due <= self.rounds_due:
+            self.step_round = None
+            return list(arrived)
+        passed, self.rounds_due, self.step_round = range(self.rounds_due, due - 1), due, due - 1
+        return [*arrived, *passed]
 
     @property
     def name(self) -> str:

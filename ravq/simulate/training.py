@@ -38,7 +38,7 @@ from typing import Any
 from ravq.planner.pacing import group_and_lead
 from ravq.simulate.churn import Churn
 from ravq.simulate.engine import INF, Connection, EventQueue, SharedResource
-from ravq.simulate.rings import Ring
+from ravq.simulate.rings import Ring, skip_round
 from ravq.simulate.state import Node, NodeRound
 from ravq.simulate.world import SegmentSpec, World
 
@@ -232,9 +232,11 @@ class Simulation:
         node.updates += 1
         node.accumulated = 0
         if node.plan_epoch != self.plan_epoch:          # every step counts from the epoch the node sees
-            node.plan_epoch, node.steps_in_epoch = self.plan_epoch, 0
+            node.enter_epoch(self.plan_epoch, self.q.now, self.settings.round_period_s)
             self._moved_on(node)
         node.steps_in_epoch += 1
+        for gone in node.round_ended(self.period[node.cluster], self.settings.round_period_s, self.q.now):
+            skip_round(self, node, gone, self._round(node.cluster, NodeRound(gone, 0, node.plan_epoch))[0])
 
     # ------------------------------------------------------------------ averaging
     def _gate(self, node: Node) -> bool:
@@ -250,17 +252,14 @@ class Simulation:
                     self._block(node, oldest)
                     return False
                 node.pending.pop(0)
-        period = self.period[node.cluster]
-        if (node.steps_in_epoch % period or len(self.epoch_live[node.plan_epoch]) < 2
-                or node.cluster not in self.epoch_live[node.plan_epoch] or not self.node_segments[node.name]):
+        live = self.epoch_live[node.plan_epoch]
+        if (node.step_round is None or len(live) < 2 or node.cluster not in live
+                or not self.node_segments[node.name] or node.snapshot_version == node.version):  # or queued
             return True
-        if node.snapshot_version == node.version:
-            return True                                  # already queued (resumed after waiting)
         if len(node.queued) >= s.pending_rounds:
             self._block(node, "queue")
             return False
-        nr = NodeRound(round_id=node.steps_in_epoch // period - 1, version=node.version,
-                       plan_epoch=node.plan_epoch)
+        nr = NodeRound(round_id=node.step_round, version=node.version, plan_epoch=node.plan_epoch)
         group, nr.lead = self._round(node.cluster, nr)
         if s.every is not None and not group:
             return True                                  # pacing by link: it sits the round out, as nodes do

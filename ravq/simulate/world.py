@@ -87,6 +87,9 @@ class Settings:
     """Per cluster, optimizer steps between its rounds (rate pacing, ``ravq.planner.pacing.round_steps``):
     each cluster then trains ``steps`` x its share / ``sync_every`` micro-batches, as many rounds as the
     others; None: every cluster ``sync_every`` (steps pacing)."""
+    round_period_s: float | None = None
+    """Rate pacing by time (``AveragingConfig.period_s``): round k is ended by a node's first step once
+    (k + 1) x this many seconds have passed since its first step in the plan epoch; None: ``round_steps``."""
     every: tuple[int, ...] | None = None
     """Per cluster, pacing by link (``ravq.planner.pacing``): it takes part in every k-th round only, the
     others' groups formed without it; None: every round."""
@@ -133,6 +136,8 @@ class Settings:
                              f"{self.averaging_mode!r} and {self.group_size}")
         if self.round_steps is not None and min(self.round_steps, default=1) < 1:
             raise ValueError(f"round_steps: every cluster's must be >= 1, got {self.round_steps}")
+        if self.round_period_s is not None and not self.round_period_s > 0:
+            raise ValueError(f"round_period_s: must be > 0, got {self.round_period_s}")
         if self.every is not None and min(self.every, default=1) < 1:
             raise ValueError(f"every: each cluster's k must be >= 1, got {self.every}")
         for name in ("pipeline_wire", "ring_wire"):
@@ -149,6 +154,7 @@ def averaging_settings(settings: Settings, averaging: AveragingConfig) -> Settin
     paced = averaging.pace == "rate" and averaging.rates is not None
     return replace(settings, averaging_mode=averaging.mode, group_size=averaging.group_size,
                    round_steps=tuple(round_steps(settings.sync_every, averaging.rates)) if paced else None,
+                   round_period_s=averaging.period_s if paced else None,
                    every=None if averaging.every is None else tuple(averaging.every))
 
 @dataclass(kw_only=True, slots=True)

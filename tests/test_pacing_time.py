@@ -1,0 +1,108 @@
+"""Rate pacing by time (issue #38): round k falls due (k + 1) x ``period_s`` after the epoch's instant, so
+clusters whose real rates differ from the plan's still reach each round together.  The clock is the test's."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from ravq.average.group_rounds import RoundClock, RoundGroups, epoch_began
+from ravq.average.rounds import ROUNDS_PER_EPOCH
+from ravq.average.segments import plan_segments, segments_for
+from ravq.config.averaging import AveragingConfig
+from ravq.planner.grouped import Averaging, averaging_config, averaging_of
+from ravq.planner.pacing import round_steps
+from ravq.simulate import SegmentSpec, Settings, averaging_settings, simulate
+from tests.test_group_rounds import GROUPS, NAMES, NUMELS, OWNERS, _plan
+from tests.test_simulate import stage, world
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_round_is_due_each_period_and_a_step_spanning_several_runs_the_newest() -> None:
+    clock = Clock(100.0)
+    rounds = RoundClock(sync_every=10, now=clock)
+    ended = []
+    for t in (100.0, 104.0, 109.9, 110.0, 113.0, 125.0, 161.0, 162.0):  # epoch 7 is no stamp: from 100
+        clock.t = t
+        ended.append((rounds.step(7, period=10, period_s=10.0), list(rounds.skipped)))
+    assert ended == [(None, []), (None, []), (None, []), (0, []), (None, []), (1, []), (5, [2, 3, 4]),
+                     (None, [])]
+
+
+def test_an_epoch_stamped_by_the_broker_counts_from_its_instant_on_every_node() -> None:
+    """Two stages first step in the epoch 3 s and 40 s after the broker stamped it (one built its model
+    slower): both end round 1 at their first step after 2 periods of the stamp; rounds already due when a
+    stage arrives are not its own (no skip for them)."""
+    epoch = 1_790_000_000_000                           # ms: the broker's clock
+    began = epoch_began(epoch, epoch / 1000 + 5)
+    assert began == epoch / 1000 and epoch_began(7, epoch / 1000) is None
+    seen = {}
+    for late in (3.0, 40.0):
+        clock = Clock(began + late)
+        rounds = RoundClock(sync_every=10, now=clock)
+        ended = []
+        for t in sorted({late, late + 1, late + 20, 41.0, 61.0}):
+            clock.t = began + t
+            index = rounds.step(epoch, period_s=20.0)
+            ended.append((t, index, list(rounds.skipped)))
+        seen[late] = [e for e in ended if e[1] is not None or e[2]]
+    assert seen[3.0] == [(23.0, 0, []), (41.0, 1, []), (61.0, 2, [])]
+    # due at 40: rounds 0 and 1 were due before it came; it tells its peers it skips them, then runs round 2
+    assert seen[40.0] == [(40.0, None, [0, 1]), (60.0, 2, [])]
+
+
+def test_a_node_tells_its_peers_of_the_rounds_a_long_step_passed_over() -> None:
+    clock, told = Clock(0.0), []
+    config = AveragingConfig(mode="global", pace="rate", rates=[3.0, 3.0, 3.0, 1.0], period_s=10.0)
+    plan = _plan().model_copy(update={"averaging": config})
+    groups = RoundGroups(GROUPS, 0, 6, skip=lambda round_id, rings: told.append(round_id), now=clock)
+    segments = lambda p: segments_for("c0s0", plan_segments(NAMES, NUMELS, OWNERS, p.excluded))
+    assert groups.period_s(plan) == 10.0
+    got = []
+    for t in (0.0, 10.5, 44.0):
+        clock.t = t
+        got.append(None if (due := groups.step(plan, segments)) is None else due[0] - plan.epoch * ROUNDS_PER_EPOCH)
+    assert got == [None, 0, 3] and told == [plan.epoch * ROUNDS_PER_EPOCH + k for k in (1, 2)]
+    assert RoundGroups(GROUPS, 0, 6).period_s(_plan()) is None          # no rate pacing: by steps
+
+
+def test_rounds_by_time_are_rate_pacing_and_reach_the_plan_and_the_simulator() -> None:
+    with pytest.raises(ValidationError, match="pace: rate"):
+        AveragingConfig(pace="steps", period_s=10.0)
+    with pytest.raises(ValidationError):
+        AveragingConfig(pace="rate", rates=[1.0, 2.0], period_s=0.0)
+    chosen = Averaging("groups", 2, "rate", (30.0, 10.0, 30.0), period_s=12.5)
+    config = averaging_config(chosen)
+    assert config is not None and config.period_s == 12.5
+    assert averaging_of(AveragingConfig.model_validate(config.model_dump())) == chosen
+    assert averaging_settings(Settings(sync_every=10), config).round_period_s == 12.5
+    assert averaging_settings(Settings(sync_every=10), config.model_copy(update={"period_s": None})).round_period_s \
+        is None
+
+
+def test_clusters_slower_than_planned_reach_their_rounds_by_time_without_holding_the_others() -> None:
+    """Two clusters the plan says train alike (its shares: 10 steps each); b is really 1.3x slower.  Counted in
+    steps, b reaches each round later and a holds back for it: a trains at b's pace.  By time both reach every
+    round together (none aborts before a is done), and a trains at its own rate."""
+    segment = SegmentSpec(blocks=(0, 1), nbytes=1e6, holders=("a", "b"))
+    clusters = [[stage("a", 0.1, 0.1)], [stage("b", 0.13, 0.13)]]
+    base = Settings(steps=2000, sync_every=10, averaging_lead=1, round_steps=tuple(round_steps(10, [1.0, 1.0])))
+    by_steps, by_time = (simulate(world(clusters, settings, bandwidth=1e8, segments=[segment]))
+                         for settings in (base, Settings(**{**_fields(base), "round_period_s": 2.0})))
+    a, b = by_steps.clusters
+    assert a.samples_per_s < 1.05 * b.samples_per_s                          # held to b's pace
+    a, b = by_time.clusters
+    assert a.samples_per_s > 1.2 * b.samples_per_s
+    assert sum(n.allreduce_aborts for n in by_time.nodes) <= 1       # b's first round after a's end, if any
+    assert min(n.allreduce_rounds for n in by_time.nodes) >= 0.95 * a.wall_s / 2.0     # every round till then
+
+
+def _fields(settings: Settings) -> dict[str, object]:
+    return {name: getattr(settings, name) for name in Settings.__dataclass_fields__}
