@@ -8,6 +8,8 @@ The node's ring socket reader decodes each RING_CHUNK (``received_piece``) and h
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +48,19 @@ def received_piece(meta: Mapping[str, Any], tensors: Mapping[str, Tensor], packe
     if type(base) is not int or value is None:
         return None
     return CompressedPiece(base, value)
+
+
+BUSY_WAITS = 20
+"""A ring step whose piece is late waits another ``ring_step_s`` while its predecessor is still delivering
+(pieces of this node's other rings: one link carries them all, in order), at most this many times over."""
+
+
+def loop_time() -> float:
+    """The running event loop's clock (the one ring timeouts run on; virtual in tests), else the monotonic."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
 
 
 class RingAborted(Exception):
@@ -108,8 +123,13 @@ class Mailbox:
     """
 
     def __init__(self, *, max_future_bytes: int = 1 << 30, max_future_messages: int = 4096,
-                 refuse: Callable[[str, int, int], None] = lambda peer, ring_id, round_id: None) -> None:
+                 refuse: Callable[[str, int, int], None] = lambda peer, ring_id, round_id: None,
+                 clock: Callable[[], float] = loop_time) -> None:
         self.max_future_bytes, self.max_future_messages = max_future_bytes, max_future_messages
+        self.clock = clock
+        self.heard: dict[str, float] = {}
+        """Per peer, when its last ring piece arrived (any ring, any round): a step whose piece is late waits
+        on while its predecessor is still delivering (``take``)."""
         self.refuse = refuse
         """Called with (peer, ring, round) once per round a peer sends to after ``finish``: tell it at once
         (RING_ABORT "finished") rather than let it wait ``ring_step_s`` for pieces that will never come."""
@@ -138,6 +158,7 @@ class Mailbox:
         held by nobody else, as a ZeroMQ frame received without a copy is.
         """
         ring_id, round_id, step, piece = meta["ring"], meta["round"], meta["step"], meta["piece"]
+        self.heard[sender] = self.clock()
         current = self._open.get(ring_id)
         if current is not None and current.round_id == round_id:
             self._put(current, sender, step, piece, tensor)
@@ -251,17 +272,25 @@ class Mailbox:
         rnd.pieces.clear()
 
     async def take(self, rnd: OpenRound, step: int, piece: int, timeout_s: float) -> Piece:
-        """The given piece of an open round; RingAborted on a peer's abort or after ``timeout_s``."""
-        if rnd.aborted is not None:
-            raise rnd.aborted
-        tensor = rnd.pieces.pop((step, piece), None)
-        if tensor is None:
+        """The given piece of an open round; RingAborted on a peer's abort, or after ``timeout_s`` in which
+        the predecessor delivered nothing.  While it delivers pieces of this node's other rings (queued
+        ahead of this one on the one link: a large stage over a slow uplink), the step waits on, up to
+        ``BUSY_WAITS`` more times ``timeout_s``: a busy peer is not a dead one."""
+        tensor, waits = None, 0
+        while tensor is None:
+            if rnd.aborted is not None:
+                raise rnd.aborted
+            if (tensor := rnd.pieces.pop((step, piece), None)) is not None:
+                break
             rnd.want, rnd.waiter = (step, piece), asyncio.get_running_loop().create_future()
             try:
                 async with asyncio.timeout(timeout_s):
                     tensor = await rnd.waiter
             except TimeoutError:
-                raise RingAborted(rnd.ring_id, rnd.round_id, "timeout", rnd.predecessor) from None
+                quiet = self.clock() - self.heard.get(rnd.predecessor, -math.inf) >= timeout_s
+                if quiet or waits >= BUSY_WAITS:
+                    raise RingAborted(rnd.ring_id, rnd.round_id, "timeout", rnd.predecessor) from None
+                waits += 1
             finally:
                 rnd.want, rnd.waiter = None, None
         rnd.taken = (step, piece)

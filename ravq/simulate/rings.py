@@ -16,6 +16,9 @@ from ravq.simulate.engine import EventQueue
 from ravq.simulate.state import Node, NodeRound
 from ravq.simulate.world import SegmentSpec, Settings, World
 
+BUSY_WAITS = 20
+"""As ``ravq.average.mailbox.BUSY_WAITS``: more ``ring_timeout_s`` a step waits on a busy predecessor."""
+
 
 class RingHost(Protocol):
     """What a ring needs of the simulation that runs it (``training.Simulation``)."""
@@ -28,6 +31,9 @@ class RingHost(Protocol):
 
     def ring_send(self, src: Node, dst: Node, nbytes: float, arrive: Callable[..., None], *args: Any) -> None:
         """Send ``nbytes`` on the ring stream src -> dst; ``arrive(*args)`` once they are there."""
+
+    def ring_messages(self, src: Node, dst: Node) -> int:
+        """Ring messages ``src`` has sent ``dst`` so far, of every ring (one link carries them in order)."""
 
     def member_done(self, node: Node, nr: NodeRound, aborted: bool) -> None:
         """``node`` is through with this ring in its round ``nr``."""
@@ -85,7 +91,7 @@ class Ring:
         self.opened[r] = True
         self.rounds[r] = (node.running, node.epoch)
         self.progress += 1
-        self.sim.q.after(self.sim.settings.ring_timeout_s, self._watch, self.progress)
+        self.sim.q.after(self.sim.settings.ring_timeout_s, self._watch, self.progress, self._heard())
         if self.aborted:
             self._finish(r)
             return
@@ -138,15 +144,28 @@ class Ring:
             sim.ring_send(node, succ, nbytes, self._flow_done)
         self.earliest = self.started_at + self.steps * hops
 
-    def _watch(self, seen: int) -> None:
-        """A ring step waits at most ``ring_timeout_s`` for its piece: no progress that long aborts."""
+    def _heard(self) -> tuple[int, ...]:
+        """Per member, the ring messages its predecessor has sent it so far, of every ring."""
+        return tuple(self.sim.ring_messages(self.members[r - 1], self.members[r]) for r in range(self.size))
+
+    def _watch(self, seen: int, heard: tuple[int, ...], waits: int = 0) -> None:
+        """A ring step waits ``ring_timeout_s`` for its piece, and again while the predecessor of every member
+        still waiting for pieces delivers (other rings' pieces, queued ahead on the one link), at most
+        ``BUSY_WAITS`` times over (``ravq.average.mailbox.Mailbox.take``): no progress and a silent
+        predecessor aborts."""
         if self.aborted or len(self.finished) == self.size:
             return
         streaming = self.fluid and len(self.opened) == self.size     # flows make progress all along
+        now = self._heard()
         if self.progress == seen and not streaming:
-            self.abort()
+            waiting = [r for r in range(self.size) if self.recv_count[r] < self.total_recv[r]]
+            if waits >= BUSY_WAITS or any(now[r] == heard[r] for r in waiting):
+                self.abort()
+                return
+            waits += 1
         else:
-            self.sim.q.after(self.sim.settings.ring_timeout_s, self._watch, self.progress)
+            waits = 0
+        self.sim.q.after(self.sim.settings.ring_timeout_s, self._watch, self.progress, now, waits)
 
     def _flow_done(self) -> None:
         self.progress += 1

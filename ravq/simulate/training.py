@@ -106,21 +106,20 @@ class Simulation:
         key = (a, b, kind)
         conn = self._conns.get(key)
         if conn is None:
-            net = self.world.network
-            conn = self._conns[key] = Connection(
-                self.q, self.uplinks[a], net.bandwidth(a, b), net.latency(a, b)
-            )
+            n = self.world.network
+            conn = self._conns[key] = Connection(self.q, self.uplinks[a], n.bandwidth(a, b), n.latency(a, b))
         return conn
+
+    def ring_messages(self, src: Node, dst: Node) -> int:
+        return self._conn(src.name, dst.name, "ring").messages
 
     def ring_send(self, src: Node, dst: Node, nbytes: float, arrive: Callable[..., None], *args: Any) -> None:
         src.ring_bytes += nbytes
         self._conn(src.name, dst.name, "ring").send(nbytes, arrive, *args)
 
-    def _pipe_send(
-        self, src: Node, dst: Node, nbytes: float, arrive: Callable[..., None], *args: Any
-    ) -> None:
+    def _pipe_send(self, src: Node, dst: Node, nbytes: float, arrive: Callable[..., None], *a: Any) -> None:
         src.pipe_bytes += nbytes
-        self._conn(src.name, dst.name, "pipe").send(nbytes, arrive, *args)
+        self._conn(src.name, dst.name, "pipe").send(nbytes, arrive, *a)
 
     # ------------------------------------------------------------------ the compute thread
     def dispatch(self, node: Node) -> None:
