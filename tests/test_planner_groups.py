@@ -63,3 +63,28 @@ def test_a_node_behind_a_slow_link_is_recut_to_hold_a_small_stage() -> None:
     fair = Problem(pcs(names, 1e8), blocks(), **SETTINGS)   # nobody slow: nothing to gain from a re-cut
     even = [fixed_layout(fair, (0, 1), (0, 2, 4)), fixed_layout(fair, (2, 3), (0, 2, 4))]
     assert recut(fair, even, GLOBAL) == even
+
+
+def test_a_round_counts_what_the_pipeline_leaves_of_a_stages_uplink() -> None:
+    """Two clusters of two stages on 10 MB/s uplinks, activations of 1 MiB a micro-batch.  The pipeline's
+    traffic takes part of each stage's uplink (the cluster's rate x the activation or gradient it sends), so
+    the round lasts the held bytes over what is left, longer than over the whole link; with tiny activations
+    nothing changes."""
+    from ravq.planner.cost import cluster_rate, pipeline_bytes_per_s, ring_bandwidth
+
+    names = ["a0", "a1", "b0", "b1"]
+    p = Problem(pcs(names, 1e7), blocks(), **SETTINGS)
+    layouts = [fixed_layout(p, (0, 1), (0, 2, 4)), fixed_layout(p, (2, 3), (0, 2, 4))]
+    sent = pipeline_bytes_per_s(p, layouts[0])
+    rate = cluster_rate(p, layouts[0])
+    assert sent == pytest.approx([rate * (1 << 20)] * 2) and 0 < sent[0] < 1e7
+    assert ring_bandwidth(p, layouts[0], [1e7, 1e7]) == pytest.approx([1e7 - s for s in sent])
+    assert ring_bandwidth(p, layouts[0], [1e6, 1e6]) == [1e6, 1e6]          # a slower path bounds it first
+    held = 2 * (25 << 20)
+    whole = p.ring_factor(2) * held / 1e7
+    assert averaging_round_s(p, layouts) == pytest.approx(whole * 1e7 / (1e7 - sent[0]))
+    tiny = [BlockProfile(name=b.name, param_bytes=b.param_bytes, fwd_flops=b.fwd_flops, bwd_flops=b.bwd_flops,
+                         act_bytes_out=1, memory_bytes=b.memory_bytes) for b in blocks()]
+    q = Problem(pcs(names, 1e7), tiny, **SETTINGS)
+    quiet = [fixed_layout(q, (0, 1), (0, 2, 4)), fixed_layout(q, (2, 3), (0, 2, 4))]
+    assert averaging_round_s(q, quiet) == pytest.approx(whole, rel=1e-6)

@@ -102,17 +102,37 @@ def cluster_rate(p: Problem, lay: Layout, clusters: int = 1) -> float:
     return min(rate, p.inflight_for(len(lay.order)) / max(cycle_s(p, lay, clusters), 1e-12))
 
 
+def pipeline_bytes_per_s(p: Problem, lay: Layout) -> list[float]:
+    """Per stage of ``lay``, the bytes/s its node sends down the pipeline at the cluster's rate (activations
+    to the next stage, gradients to the previous): the part of its uplink that rings cannot have."""
+    rate, k = cluster_rate(p, lay), len(lay.order)
+    ahead = [p.act[lay.bounds[j + 1]] if j < k - 1 else 0.0 for j in range(k)]
+    back = [p.grad[lay.bounds[j]] if j > 0 else 0.0 for j in range(k)]
+    return [rate * (a + b) for a, b in zip(ahead, back)]
+
+
+def ring_bandwidth(p: Problem, lay: Layout, links: Sequence[float]) -> list[float]:
+    """Per stage of ``lay``, what its rings get: its link (``links[j]``, bytes/s) or, when less, its
+    uplink less the pipeline's traffic (``pipeline_bytes_per_s``; 0 when the pipeline takes it all).
+    Rings and pipeline share one uplink: counted at the whole link, a middle stage whose pipeline takes
+    half of it averaged in half the time the simulator and the nodes take (issue #38)."""
+    sent = pipeline_bytes_per_s(p, lay)
+    return [min(link, max(0.0, float(p.uplink[n]) - out)) for n, link, out in zip(lay.order, links, sent)]
+
+
 def averaging_round_s(p: Problem, layouts: Sequence[Layout]) -> float:
-    """T_avg: the slowest node's 2(C-1)/C x held parameter bytes over its slowest cross-cluster link."""
+    """T_avg: the slowest node's 2(C-1)/C x held parameter bytes over its slowest cross-cluster link, or
+    over what the pipeline leaves of its uplink when that is less (``ring_bandwidth``)."""
     if len(layouts) < 2:
         return 0.0
     factor = p.ring_factor(len(layouts))
     slowest = p.min_link_out([lay.order for lay in layouts])
     worst = 0.0
     for lay in layouts:
-        for j, node in enumerate(lay.order):
+        bandwidth = ring_bandwidth(p, lay, [slowest[n] for n in lay.order])
+        for j, bw in enumerate(bandwidth):
             held = p.param_span[lay.bounds[j], lay.bounds[j + 1]]
-            worst = max(worst, factor * held / slowest[node] if slowest[node] > 0 else INF)
+            worst = max(worst, factor * held / bw if bw > 0 else INF)
     return worst
 
 

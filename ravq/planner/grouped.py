@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ravq.config.averaging import AveragingConfig
-from ravq.planner.cost import Layout, averaging_round_s, cluster_rate, score
+from ravq.planner.cost import Layout, averaging_round_s, cluster_rate, ring_bandwidth, score
 from ravq.planner.groups import Mode, groups_for, rounds_to_mix
 from ravq.planner.pacing import Schedule, link_every, link_groups, round_steps, rounds_until_mixed
 from ravq.planner.problem import INF, Problem
@@ -191,9 +191,9 @@ def link_every_of(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -
     factor = p.ring_factor(averaging.group_size if grouped else len(layouts))
     everyone = [n for lay in layouts for n in lay.order]
 
-    def part_s(lay: Layout) -> float:  # each node's best link to another cluster: its own uplink's pace
+    def part_s(lay: Layout) -> float:  # each node's best link to another cluster, less the pipeline's traffic
         others = [n for n in everyone if n not in lay.order]
-        link = p.bw_sym[list(lay.order)][:, others].max(axis=1)
+        link = ring_bandwidth(p, lay, list(p.bw_sym[list(lay.order)][:, others].max(axis=1)))
         held = [p.param_span[lay.bounds[j], lay.bounds[j + 1]] for j in range(len(lay.order))]
         return max(factor * h / b if b > 0 else INF for h, b in zip(held, link))
     parts = [part_s(lay) for lay in layouts]

@@ -55,6 +55,10 @@ class Problem:
                         for a in range(self.n)], dtype=float)
         self.bw_sym = np.minimum(bw, bw.T)
         np.fill_diagonal(self.bw_sym, INF)
+        finite = np.where(np.isfinite(self.bw_sym), self.bw_sym, 0.0).max(axis=1, initial=0.0)
+        self.uplink = np.where(finite > 0, finite, INF)
+        """Per node, its uplink as its fastest link to another node measures it (inf with none known):
+        pipeline and rings share it (``ravq.planner.cost.ring_bandwidth``)."""
         self.fwd_s_per_byte = np.where(bw > 0, 1.0 / np.where(bw > 0, bw, 1.0), _SLOW_S_PER_BYTE)
         self.bwd_s_per_byte = self.fwd_s_per_byte.T
         self.lat = (lat + lat.T) / 2
