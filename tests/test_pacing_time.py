@@ -10,8 +10,10 @@ from ravq.average.group_rounds import RoundClock, RoundGroups, epoch_began
 from ravq.average.rounds import ROUNDS_PER_EPOCH
 from ravq.average.segments import plan_segments, segments_for
 from ravq.config.averaging import AveragingConfig
+from ravq.planner import BlockProfile, NodeProfile
 from ravq.planner.grouped import Averaging, averaging_config, averaging_of
 from ravq.planner.pacing import round_steps
+from ravq.planner.problem import Problem
 from ravq.simulate import SegmentSpec, Settings, averaging_settings, simulate
 from tests.test_group_rounds import GROUPS, NAMES, NUMELS, OWNERS, _plan
 from tests.test_simulate import stage, world
@@ -106,3 +108,20 @@ def test_clusters_slower_than_planned_reach_their_rounds_by_time_without_holding
 
 def _fields(settings: Settings) -> dict[str, object]:
     return {name: getattr(settings, name) for name in Settings.__dataclass_fields__}
+
+
+def test_the_planner_counts_shares_in_whole_steps_and_a_cluster_too_slow_for_one_a_period_sets_the_pace() -> None:
+    """Rate pacing counts each cluster's share of ``sync_every`` in whole optimizer steps, at least one, as the
+    nodes do.  10 steps of 5 micro-batches a round; rates 10 and 0.5 micro-batches/s: the slow one's share
+    (0.5 of a step) is one step, 5 micro-batches, which take it 10 s, twice the fast one's round of 5 s: the
+    run goes at that pace, 4 x (50 + 5) / 10 = 22 samples/s (counted in micro-batches: 41.6)."""
+    from ravq.planner.grouped import paced_samples_per_s, paced_shares
+
+    nodes = [NodeProfile(name=n, flops=1e12, memory_bytes=1 << 32, bandwidth_bytes_per_s={}, latency_s={})
+             for n in "ab"]
+    block = BlockProfile(name="b0", param_bytes=1 << 20, fwd_flops=1e9, bwd_flops=2e9, act_bytes_out=1 << 10,
+                         memory_bytes=1 << 24)
+    p = Problem(nodes, [block], micro_batch=4, sync_every=10, update_every=5, overlap_averaging=True)
+    assert paced_shares(p, [10.0, 0.5]) == [50, 5]
+    assert paced_samples_per_s(p, [10.0, 0.5], 0.0) == pytest.approx(22.0)
+    assert paced_samples_per_s(p, [10.0, 5.0], 0.0) == pytest.approx(4 * 75 / 5)     # both keep the period

@@ -120,7 +120,22 @@ def paced_samples_per_s(p: Problem, rates: Sequence[float], averaging_s: float) 
     live = [r for r in rates if r > 0]
     if len(live) < 2:
         return p.micro_batch * sum(live)
-    return p.micro_batch * sum(round_steps(p.sync_every, live)) / paced_period(p, live, averaging_s)
+    shares = paced_shares(p, live)
+    period = max(paced_period(p, live, averaging_s), _longest_share_s(shares, live))
+    return p.micro_batch * sum(shares) / period
+
+
+def paced_shares(p: Problem, live: Sequence[float]) -> list[int]:
+    """Micro-batches each cluster (at ``live`` micro-batches/s) trains a round under rate pacing, as the
+    nodes count them: its share of ``sync_every`` in whole optimizer steps, at least one."""
+    steps = round_steps(max(1, p.sync_every // p.update_every), live)
+    return [s * p.update_every for s in steps]
+
+
+def _longest_share_s(shares: Sequence[int], live: Sequence[float]) -> float:
+    """The longest any cluster takes for its share of a round: a cluster too slow for one optimizer step a
+    period (its share is never below one) trains each round's share for longer, and the run lasts so long."""
+    return max(s / r for s, r in zip(shares, live))
 
 
 def _rates(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> list[float]:
@@ -238,8 +253,10 @@ def _linked_score(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -
                 for c in g:
                     slack = (plan.span[c] - 1) * period + lead_s if p.overlap_averaging else 0.0
                     held[c] += max(0.0, ring[g] - slack)
-    steps = round_steps(p.sync_every, [rates[c] for c in live])
-    return p.micro_batch * sum(steps) / (period + max(held.values()) / (GRID_EPOCHS * rounds))
+    live_rates = [rates[c] for c in live]
+    steps = paced_shares(p, live_rates)
+    return p.micro_batch * sum(steps) / max(period + max(held.values()) / (GRID_EPOCHS * rounds),
+                                            _longest_share_s(steps, live_rates))
 
 
 def round_of(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> float:
