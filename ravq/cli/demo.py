@@ -52,7 +52,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "module:attribute, or a file path/to/mytask.py[:attribute]")
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a task option (the topology's task_options; a YAML value), e.g. data=path/to/data")
-    p.add_argument("--max-inflight", type=int, default=None, help="default: number of stages")
+    p.add_argument("--max-inflight", type=int, default=None,
+                   help="micro-batches in flight per cluster; default: one per stage, at most the "
+                        "micro-batches an update sums, and 2 with an update per micro-batch")
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument(
         "--sync-every", type=int, default=SYNC_EVERY, help="optimizer steps between averaging rounds"
