@@ -17,6 +17,11 @@ The target (issue #39): with the defaults, <= 1.03x at the end and <= 1.10x at e
     python benchmarks/bench_zoo.py --quick                      # 8 tasks, 2 stages, seed 0, 60 micro-batches
     python benchmarks/bench_zoo.py                              # the zoo: 2 3 4 stages, seeds 0 1 2, 160
     python benchmarks/bench_zoo.py --tasks llama mlp_sgd --stages 3 --seeds 0 --methods default pipenag
+    python benchmarks/bench_zoo.py --tasks mytask.py mypkg.tasks:encoder --lr-schedule cosine:10   # your own tasks
+
+``--tasks`` also takes a task as ``ravq demo --task`` does (``module``, ``path/to/task.py``, either with
+``:NAME``; docs/tasks.md): a user's own task runs the same way (in threads when a tensor is tied across its
+stages), and ``--lr-schedule KIND[:WARMUP]`` is ``training.lr_schedule`` (``task``: the task's ``lr_lambda``).
 
 Run it under ``flock /tmp/ravq/bench.lock`` on a shared machine; the load average is printed at both ends.
 """
@@ -38,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.zoo_tasks import TASKS
 from ravq.config import TrainingConfig
 from ravq.config.batch import default_inflight
+from ravq.config.recipe import LRScheduleConfig
+from ravq.config.task import resolve_task_module
+from ravq.stage.recipe import recipe_options
 from tests.pipeline_harness import make_workers, run_in_order, run_workers
 
 TIED = {"gpt2_tied", "bert_mlm", "t5"}
@@ -72,12 +80,21 @@ class Run:
     seconds: float
 
 
+def task_of(name: str) -> object:
+    """A zoo task by its name, else a task as ``ravq demo --task`` names it."""
+    return TASKS[name] if name in TASKS else resolve_task_module(name)
+
+
 def train(task: str, stages: int, seed: int, steps: int, micro_batch: int, max_inflight: int,
-          update_every: int = 1, **kw: object) -> Run:
-    workers = make_workers(TASKS[task], stages, steps=steps, max_inflight=max_inflight, micro_batch=micro_batch,
+          update_every: int = 1, schedule: LRScheduleConfig | None = None, **kw: object) -> Run:
+    found = task_of(task)
+    if schedule is not None and schedule.kind != "constant":
+        kw["recipe"] = recipe_options(found, TrainingConfig(steps=steps, update_every=update_every,
+                                                            lr_schedule=schedule), seed)
+    workers = make_workers(found, stages, steps=steps, max_inflight=max_inflight, micro_batch=micro_batch,
                            seed=seed, update_every=update_every, **kw)
     t0 = time.perf_counter()
-    if task in TIED:
+    if task in TIED or any(w.spec.tied for w in workers):
         run_workers(workers, timeout_s=600)
     else:
         run_in_order(workers)
@@ -103,7 +120,8 @@ def compare(run: Run, sync: Run, window: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS),
+                    help=f"zoo tasks ({', '.join(TASKS)}) or tasks as ravq demo --task names them")
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=160, help="micro-batches per run (one optimizer step each)")
@@ -115,25 +133,33 @@ def main() -> None:
                     "ravq's, ravq.config.batch.default_inflight)")
     ap.add_argument("--methods", nargs="+", default=["default", "plain", "pipenag", "pipenag_warmup"],
                     choices=list(METHODS))
+    ap.add_argument("--lr-schedule", metavar="KIND[:WARMUP]", help="training.lr_schedule for every run: "
+                    "warmup, cosine, linear (WARMUP optimizer steps of linear warm-up) or task (its lr_lambda)")
     ap.add_argument("--quick", action="store_true", help="2 stages, seed 0, 60 micro-batches")
     ap.add_argument("--json", type=Path, help="also write every figure here")
     args = ap.parse_args()
     if args.quick:
         args.stages, args.seeds, args.steps = [2], [0], 60
+    for name in args.tasks:
+        task_of(name)  # an unknown task fails here, with ravq's message, before any run
+    schedule = None
+    if args.lr_schedule:
+        kind, _, warmup = args.lr_schedule.partition(":")
+        schedule = LRScheduleConfig(kind=kind, warmup_steps=int(warmup or 0))
     torch.set_num_threads(1)
     print(f"load average at the start: {os.getloadavg()}", flush=True)
     rows: list[dict] = []
     for task in args.tasks:
         for stages in args.stages:
             for seed in args.seeds:
-                sync = train(task, stages, seed, args.steps, args.micro_batch, 1, args.update_every)
+                sync = train(task, stages, seed, args.steps, args.micro_batch, 1, args.update_every, schedule)
                 sync_final = smoothed(sync.losses, args.steps, args.window)
                 print(f"{task} {stages} stages seed {seed}: sync final {sync_final:.3f} ({sync.seconds:.1f} s)",
                       flush=True)
                 for method in args.methods:
                     inflight = args.max_inflight or default_inflight(stages, args.update_every)
                     got = compare(train(task, stages, seed, args.steps, args.micro_batch, inflight, args.update_every,
-                                        **METHODS[method]), sync, args.window)
+                                        schedule, **METHODS[method]), sync, args.window)
                     rows.append({"task": task, "stages": stages, "seed": seed, "method": method,
                                  "sync_final": sync_final, **got})
                     quarters = " ".join(f"{r:.3f}" for r in got["quarters"])
