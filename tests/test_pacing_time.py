@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from ravq.average.group_rounds import RoundClock, RoundGroups, epoch_began
-from ravq.average.rounds import ROUNDS_PER_EPOCH
+from ravq.average.rounds import FINAL_ROUND, ROUNDS_PER_EPOCH
 from ravq.average.segments import plan_segments, segments_for
 from ravq.config.averaging import AveragingConfig
 from ravq.planner import BlockProfile, NodeProfile
@@ -125,3 +125,58 @@ def test_the_planner_counts_shares_in_whole_steps_and_a_cluster_too_slow_for_one
     assert paced_shares(p, [10.0, 0.5]) == [50, 5]
     assert paced_samples_per_s(p, [10.0, 0.5], 0.0) == pytest.approx(22.0)
     assert paced_samples_per_s(p, [10.0, 5.0], 0.0) == pytest.approx(4 * 75 / 5)     # both keep the period
+
+
+def test_an_epoch_of_a_run_older_than_a_day_still_counts_from_the_broker_stamp() -> None:
+    """The broker stamps a run's first epoch and counts later ones on by one, so two days into a run a new
+    epoch still names the run's start.  Two stages entering it 3 s and 15 s after the plan change (one's step is
+    long) must end the same rounds at the same instants; counted from each one's own first step they are 12 s
+    apart for ever (rounds of 20 s), and with steps longer than a period they would never meet."""
+    stamp = 1_790_000_000_000
+    epoch = stamp + 3                                      # the run's fourth plan, two days in
+    day2 = stamp / 1000 + 2 * 86400
+    assert epoch_began(epoch, day2) == epoch / 1000
+    assert epoch_began(epoch, stamp / 1000 - 2 * 86400) is None   # a clock far behind the stamp: no stamp
+    ended = {}
+    for late in (3.0, 15.0):
+        clock = Clock(day2 + late)
+        rounds = RoundClock(sync_every=10, now=clock)
+        ended[late] = []
+        for t in sorted({late, 21.0, 24.0, 41.0, 44.0}):
+            clock.t = day2 + t
+            if (index := rounds.step(epoch, period_s=20.0)) is not None:
+                ended[late].append((t, index))
+    assert ended[3.0] == ended[15.0] == [(21.0, 8640), (41.0, 8641)]
+
+
+def test_rounds_by_time_stay_below_the_final_round_even_when_an_epoch_is_entered_that_late() -> None:
+    stamp = 1_790_000_000_000
+    clock = Clock(stamp / 1000 + 30 * 86400)
+    rounds = RoundClock(sync_every=10, now=clock)
+    assert rounds.step(stamp, period_s=1.0) is None
+    assert rounds.skipped and max(rounds.skipped) < FINAL_ROUND
+    clock.t += 5
+    assert rounds.step(stamp, period_s=1.0) is None and not rounds.skipped
+
+
+def test_a_node_whose_clock_is_behind_the_stamp_ends_no_round_before_it() -> None:
+    stamp = 1_790_000_000_000
+    clock = Clock(stamp / 1000 - 30.0)                     # 30 s behind the broker: rounds of 10 s
+    rounds = RoundClock(sync_every=10, now=clock)
+    ended = []
+    for t in (-30.0, -25.0, -15.0, 5.0, 11.0):
+        clock.t = stamp / 1000 + t
+        ended.append(rounds.step(stamp, period_s=10.0))
+    assert ended == [None, None, None, None, 0]
+
+
+def test_the_next_round_of_an_epoch_paced_by_time_is_counted_in_rounds_not_steps() -> None:
+    """A node leaving an epoch tells its group of the round it will not run (groups mode): by time, the next due
+    (none yet: round 0), not its steps over its share."""
+    clock = Clock(0.0)
+    rounds = RoundClock(sync_every=10, now=clock)
+    for t in range(5):
+        clock.t = float(t)
+        assert rounds.step(7, period=2, period_s=10.0) is None
+    assert rounds.ended(2) == 0
+    assert RoundClock(sync_every=10).ended(2) == 0

@@ -39,9 +39,12 @@ def live_clusters(plan: Plan) -> list[int]:
 
 
 STAMP_SPAN_S = 86400.0
-"""An epoch read as a time stamp (``epoch_began``) within this of now is one..."""
+"""An epoch read as a time stamp (``epoch_began``) names no instant further than this ahead of now (a clock
+far behind the broker's, or a test's own)..."""
 STAMP_MIN_MS = 1_577_836_800_000
-"""...and at least this (2020-01-01 in ms): small epochs are plans' own counts."""
+"""...and is at least this (2020-01-01 in ms): small epochs are plans' own counts.  A stamp may be any age:
+later epochs name the run's start, and a node counting a day-old run's new epoch from its own first step
+in it would meet its peers' rounds no more."""
 
 
 def epoch_began(epoch: int, now: float) -> float | None:
@@ -50,7 +53,7 @@ def epoch_began(epoch: int, now: float) -> float | None:
     and counts later ones on from it by one, so every epoch of a run names about its start; None for an
     epoch that is no such stamp (a plan written by hand, or a test's)."""
     began = epoch / 1000
-    return began if epoch >= STAMP_MIN_MS and abs(now - began) < STAMP_SPAN_S else None
+    return began if epoch >= STAMP_MIN_MS and began - now < STAMP_SPAN_S else None
 
 
 class RoundClock:
@@ -74,19 +77,21 @@ class RoundClock:
         """Rounds by time: rounds of the epoch this stage has ended or skipped."""
         self.skipped: range = range(0)
         """Rounds by time: the round indices the newest ``step`` passed over (a step spanned them)."""
+        self.by_time = False
+        """Whether the newest ``step`` counted rounds by time."""
 
     def step(self, epoch: int, period: int | None = None, period_s: float | None = None) -> int | None:
         """Count one optimizer step under plan epoch ``epoch``; the index in it of the round it ends."""
         period = period or self.sync_every
-        self.skipped = range(0)
+        self.skipped, self.by_time = range(0), period_s is not None
         if epoch != self.epoch:
             now = self.now()
             self.epoch, self.steps, self.started_at = epoch, 0, epoch_began(epoch, now) or now
-            self.due = int((now - self.started_at) / period_s) if period_s is not None else 0
+            self.due = self._due(now, period_s) if period_s is not None else 0
             self.skipped = range(max(0, self.due - OPEN_ROUNDS), self.due)
         self.steps += 1  # every step counts, or this stage's round ids drift from its peers'
         if period_s is not None:
-            due = min(int((self.now() - self.started_at) / period_s), FINAL_ROUND)
+            due = self._due(self.now(), period_s)
             if due <= self.due:
                 return None
             self.skipped, self.due = range(self.due, due - 1), due
@@ -95,9 +100,14 @@ class RoundClock:
             return None
         return min(self.steps // period - 1, FINAL_ROUND - 1)
 
+    def _due(self, now: float, period_s: float) -> int:
+        """Rounds by time: how many rounds of the epoch have fallen due by ``now`` (none before its instant,
+        and never the final round's index)."""
+        return min(max(0, int((now - self.started_at) / period_s)), FINAL_ROUND)
+
     def ended(self, period: int) -> int:
         """Rounds of the current epoch this stage has ended (or skipped) so far."""
-        return self.due if self.due else self.steps // period
+        return self.due if self.by_time else self.steps // period
 
 
 class RoundGroups:
