@@ -83,3 +83,22 @@ def test_without_the_wait_the_same_rings_abort(monkeypatch: pytest.MonkeyPatch) 
     result = simulate(world(clusters, Settings(steps=400, sync_every=100, ring_timeout_s=5.0), bandwidth=4e6,
                             segments=segments))
     assert sum(n.allreduce_aborts for n in result.nodes) > 0
+
+
+def test_a_piece_arriving_as_the_window_closes_is_taken_not_lost() -> None:
+    """The piece lands in the waiter in the same turn of the loop as the window's timeout: the timeout's
+    cancellation must not throw it away (the step would then wait for a piece already delivered, for as long as
+    the predecessor stays busy)."""
+    box = Mailbox()
+    rnd = box.open(0, 3, members=["p", "me"], me="me", pieces_per_step=[2, 2])
+
+    async def main() -> tuple[float, str]:
+        asyncio.get_running_loop().call_at(1.0 - 1e-12, box.deliver, "p", _piece(0), torch.ones(2))
+        try:
+            got = await box.take(rnd, 0, 0, 1.0)
+            assert isinstance(got, torch.Tensor) and got.sum().item() == 2.0
+            return now(), "got it"
+        except RingAborted as err:
+            return now(), err.reason
+
+    assert run_virtual(main()) == (pytest.approx(1.0), "got it")

@@ -282,11 +282,14 @@ class Mailbox:
                 raise rnd.aborted
             if (tensor := rnd.pieces.pop((step, piece), None)) is not None:
                 break
-            rnd.want, rnd.waiter = (step, piece), asyncio.get_running_loop().create_future()
+            rnd.want, rnd.waiter = (step, piece), (waiter := asyncio.get_running_loop().create_future())
             try:
                 async with asyncio.timeout(timeout_s):
-                    tensor = await rnd.waiter
+                    tensor = await waiter
             except TimeoutError:
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    tensor = waiter.result()  # it came as the window closed: the timeout cancelled the await
+                    continue
                 quiet = self.clock() - self.heard.get(rnd.predecessor, -math.inf) >= timeout_s
                 if quiet or waits >= BUSY_WAITS:
                     raise RingAborted(rnd.ring_id, rnd.round_id, "timeout", rnd.predecessor) from None
