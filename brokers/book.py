@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from brokers.run import next_epoch
 from ravq.config import ClusterPlan, Plan
 from ravq.net.protocol import NODE_PHASES, Heartbeat
 
@@ -181,7 +182,8 @@ class Book:
         excluded = sorted(self._out)
         if excluded != list(self.plan.excluded):
             log.info("rings now exclude clusters %s", _listed(excluded, self.plan.excluded))
-            self.plan = self.plan.model_copy(update={"excluded": excluded, "epoch": self.plan.epoch + 1})
+            epoch = next_epoch(self.plan.epoch)
+            self.plan = self.plan.model_copy(update={"excluded": excluded, "epoch": epoch})
 
     def register(self, node: str, incarnation: str | None, now: float) -> bool:
         """A node (re)started; True when the book changed."""
@@ -336,7 +338,7 @@ class Book:
         new = fits[0]
         clusters = [cl.model_copy(update={"nodes": [new if n == lost else n for n in cl.nodes]})
                     if i == c else cl for i, cl in enumerate(self.plan.clusters)]
-        self.plan = self.plan.model_copy(update={"clusters": clusters, "epoch": self.plan.epoch + 1})
+        self.plan = self.plan.model_copy(update={"clusters": clusters, "epoch": next_epoch(self.plan.epoch)})
         self.standbys = [n for n in self.standbys if n != new] + [lost]  # if it comes back, it stands by
         self.members[new].said = dataclasses.replace(self.members[new].said, phase="starting", ready=-1)
         cs.reason = f"{new} replaces {lost}"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from brokers.book import Book, ClusterState, Member
-from brokers.run import Run
+from brokers.run import Run, next_epoch
 from ravq.config import Plan
 from ravq.net.clone import plan_from
 from ravq.net.protocol import Heartbeat
@@ -110,7 +110,7 @@ class Replica:
         arrived); topics numbered past ``SEQ_JUMP`` times the term."""
         plan = self.plan()
         assert plan is not None, "restore before a whole snapshot"
-        epoch = max(plan.epoch + 1, int(time.time() * 1000))
+        epoch = next_epoch(plan.epoch)
         plan = plan.model_copy(update={"epoch": epoch})
         run_value = self.values.get("run") or {}
         run = dataclasses.replace(base, run_id=str(run_value.get("run_id", base.run_id)),

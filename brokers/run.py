@@ -74,6 +74,13 @@ def state_dir_for(configured: str | None, checkpoint_dir: str | None, env: Mappi
     return None
 
 
+def next_epoch(last: int) -> int:
+    """A new plan epoch: the broker's clock in ms, above ``last``.  Round ids start from the epoch (they must
+    grow, across broker restarts too), and rounds paced by time count from the instant it names
+    (``ravq.average.group_rounds.epoch_began``), so every epoch names its own start."""
+    return max(last + 1, int(time.time() * 1000))
+
+
 def open_run(state_dir: str | Path | None, plan: Plan, *, new_run: bool) -> Run:
     """The run this broker serves: the one in ``state_dir`` (continued), or a new one (written there).
     ConfigError (one line) for a state file that cannot be read or a plan that does not fit the run."""

@@ -80,6 +80,8 @@ def test_rounds_by_time_are_rate_pacing_and_reach_the_plan_and_the_simulator() -
         AveragingConfig(pace="steps", period_s=10.0)
     with pytest.raises(ValidationError):
         AveragingConfig(pace="rate", rates=[1.0, 2.0], period_s=0.0)
+    with pytest.raises(ValidationError, match="give rates"):
+        AveragingConfig(pace="rate", period_s=10.0)
     chosen = Averaging("groups", 2, "rate", (30.0, 10.0, 30.0), period_s=12.5)
     config = averaging_config(chosen)
     assert config is not None and config.period_s == 12.5

@@ -8,16 +8,15 @@ cluster is behind) waits for it there, so no cluster runs further ahead of the o
 With ``overlap_averaging: false`` the compute thread instead waits for the round (synchronous data
 parallelism; used by the equivalence test).
 
-Round ids come from the plan epoch (the broker raises it whenever the rings change, and starts it from
-its clock, so it grows across broker restarts too) and a count of this stage's optimizer steps since
-the stage saw that epoch: ``epoch * ROUNDS_PER_EPOCH + k``.  Every member of a ring agrees on them
-without talking to the broker, and a cluster that was away (or restarted) joins the next round the
-others start, whatever its own version.  When the epoch changes, every open round of the old one is
-abandoned at once on every node (their rings cannot finish), and a stage never holds back for longer
-than a heartbeat or two on a round that does not finish: a dead member costs the others no training time.
-In groups mode (``ravq.average.group_rounds``) a round's rings span its group only, and a new epoch
-abandons only the rounds of groups it touched; paced by rate, each cluster's round comes after its share.
-
+Round ids come from the plan epoch (the broker stamps it from its clock whenever the rings change, so it
+grows across broker restarts too) and a count of this stage's optimizer steps since the stage saw that
+epoch (paced by time, of ``period_s`` since the stamp): ``epoch * ROUNDS_PER_EPOCH + k``.  Every member
+of a ring agrees on them without talking to the broker, and a cluster that was away (or restarted) joins
+the next round the others start, whatever its own version.  When the epoch changes, every open round of
+the old one is abandoned at once on every node (their rings cannot finish), and a stage never holds back
+for longer than a heartbeat or two on a round that does not finish: a dead member costs the others no
+training time.  In groups mode (``ravq.average.group_rounds``) a round's rings span its group only, and a
+new epoch abandons only the rounds of groups it touched; paced by rate, a cluster's round follows its share.
 The ring sockets are the node's (``ravq.node.ring_port``): the averager gets them built, as a ``Port``.
 """
 
@@ -38,7 +37,7 @@ from ravq.average import catchup
 from ravq.average.compute import in_compute
 from ravq.average.correction import PendingRound, correct, keep_non_negative_state, outer_step, record_applied
 from ravq.average.group_rounds import RoundGroups, live_clusters
-from ravq.average.mailbox import Mailbox
+from ravq.average.mailbox import BUSY_WAITS, Mailbox
 from ravq.average.owners import averaged_tensors
 from ravq.average.port import Port
 from ravq.average.ring_compression import RingCompression
@@ -240,8 +239,9 @@ class Averager:
         return "abort"
 
     def _round_limit_s(self) -> float:
-        """Longest a compute thread waits on the event loop for a round: its ring steps' timeouts and more."""
-        return 4 * self.timeout_s + 10
+        """Longest a compute thread waits on the event loop for a round: its ring steps' timeouts and more (a
+        step waits up to ``BUSY_WAITS`` more while its peer is busy elsewhere: ``Mailbox.take``)."""
+        return (4 + BUSY_WAITS) * self.timeout_s + 10
 
     def _apply_finished(self) -> None:
         """Apply every round that has finished and is not applied yet, oldest first."""

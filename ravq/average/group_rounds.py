@@ -42,16 +42,15 @@ STAMP_SPAN_S = 86400.0
 """An epoch read as a time stamp (``epoch_began``) names no instant further than this ahead of now (a clock
 far behind the broker's, or a test's own)..."""
 STAMP_MIN_MS = 1_577_836_800_000
-"""...and is at least this (2020-01-01 in ms): small epochs are plans' own counts.  A stamp may be any age:
-later epochs name the run's start, and a node counting a day-old run's new epoch from its own first step
-in it would meet its peers' rounds no more."""
+"""...and is at least this (2020-01-01 in ms): small epochs are plans' own counts.  A stamp may be any age
+(an epoch lasts as long as the membership does)."""
 
 
 def epoch_began(epoch: int, now: float) -> float | None:
-    """The instant plan epoch ``epoch`` names: the broker stamps a run's first epoch with its clock in
-    milliseconds (``brokers/run.py``: round ids start from the epoch, so they grow across broker restarts)
-    and counts later ones on from it by one, so every epoch of a run names about its start; None for an
-    epoch that is no such stamp (a plan written by hand, or a test's)."""
+    """The instant plan epoch ``epoch`` names: the broker stamps every epoch with its clock in milliseconds
+    (``brokers/run.py``, ``brokers/book.py``: round ids start from the epoch, so they grow across broker
+    restarts), so rounds by time count from the epoch's own start and their indices stay small; None for
+    an epoch that is no such stamp (a plan written by hand, or a test's)."""
     began = epoch / 1000
     return began if epoch >= STAMP_MIN_MS and began - now < STAMP_SPAN_S else None
 

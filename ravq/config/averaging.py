@@ -45,6 +45,9 @@ class AveragingConfig(UserModel):
         if self.period_s is not None and self.pace != "rate":
             raise ValueError(f"averaging.period_s: rounds by time are a way of pacing by rate; set pace: "
                              f"rate (got pace: {self.pace})")
+        if self.period_s is not None and self.rates is None:
+            raise ValueError("averaging.period_s: rounds by time weigh each cluster by its rate; give rates "
+                             "(one per cluster of the plan, samples/s)")
         if self.every is None:
             return self
         if any(k < 1 for k in self.every):

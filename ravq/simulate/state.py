@@ -42,6 +42,8 @@ class Node:
     plan_epoch: int = -1
     """The plan epoch this node counts rounds in, and its optimizer steps since it saw it."""
     steps_in_epoch: int = 0
+    epoch_began: float = 0.0
+    """When ``plan_epoch`` began (rounds by time count from then)."""
     rounds_due: int = 0
     """Rounds by time: rounds of ``plan_epoch`` it has ended or passed over."""
     arrived: range = range(0)
@@ -86,22 +88,23 @@ class Node:
     failures: int = 0
     down_s: float = 0.0
 
-    def enter_epoch(self, epoch: int, now: float, period_s: float | None) -> None:
-        """Count steps and rounds in plan epoch ``epoch`` from now on.  Rounds by time count from the run's
-        start, as nodes count from the broker's stamp (``ravq.average.group_rounds.epoch_began``); those
-        already due are not this node's to run, and it passes over the newest (as ``RoundClock`` does)."""
-        self.plan_epoch, self.steps_in_epoch = epoch, 0
-        self.rounds_due = int(now / period_s) if period_s is not None else 0
+    def enter_epoch(self, epoch: int, began: float, now: float, period_s: float | None) -> None:
+        """Count steps and rounds in plan epoch ``epoch`` (which ``began`` then) from now on.  Rounds by time
+        count from its start, as nodes count from the broker's stamp (``ravq.average.group_rounds.
+        epoch_began``); those already due are not this node's to run, and it passes over the newest (as
+        ``RoundClock`` does)."""
+        self.plan_epoch, self.steps_in_epoch, self.epoch_began = epoch, 0, began
+        self.rounds_due = int((now - began) / period_s) if period_s is not None else 0
         self.arrived = range(max(0, self.rounds_due - OPEN_ROUNDS), self.rounds_due)
 
     def round_ended(self, period: int, period_s: float | None, now: float) -> list[int]:
         """Set ``step_round`` for the step just counted, as ``ravq.average.group_rounds.RoundClock`` does:
         every ``period``-th step in the epoch, or by time (``period_s``) the first step once (k + 1) x
-        ``period_s`` have passed since the run began; the rounds that step passed over (by time)."""
+        ``period_s`` have passed since the epoch began; the rounds that step passed over (by time)."""
         if period_s is None:
             self.step_round = None if self.steps_in_epoch % period else self.steps_in_epoch // period - 1
             return []
-        due, arrived, self.arrived = int(now / period_s), self.arrived, range(0)
+        due, arrived, self.arrived = int((now - self.epoch_began) / period_s), self.arrived, range(0)
         if due <= self.rounds_due:
             self.step_round = None
             return list(arrived)

@@ -55,9 +55,9 @@ class Simulation:
                                   for j, st in enumerate(stages)])
         self.nodes = {n.name: n for nodes in self.clusters for n in nodes}
         self.churn = Churn(self)
-        self.plan_epoch = 0
+        self.plan_epoch, self.epoch_at = 0, {0: 0.0}
+        """``epoch_at``: plan epoch -> when it began; ``epoch_live`` -> the clusters in its rings."""
         self.epoch_live: dict[int, tuple[int, ...]] = {0: tuple(range(len(self.clusters)))}
-        """Plan epoch -> the clusters in its rings."""
         self.changed: dict[int, set[int]] = {}
         """Plan epoch -> the clusters that left or came back at its start."""
         self.inflight = [s.window(len(stages)) for stages in world.clusters]
@@ -231,7 +231,8 @@ class Simulation:
         node.updates += 1
         node.accumulated = 0
         if node.plan_epoch != self.plan_epoch:          # every step counts from the epoch the node sees
-            node.enter_epoch(self.plan_epoch, self.q.now, self.settings.round_period_s)
+            e = self.plan_epoch
+            node.enter_epoch(e, self.epoch_at[e], self.q.now, self.settings.round_period_s)
             self._moved_on(node)
         node.steps_in_epoch += 1
         for gone in node.round_ended(self.period[node.cluster], self.settings.round_period_s, self.q.now):
@@ -356,7 +357,7 @@ class Simulation:
         whose rings reach a cluster that left or came back (``RoundGroups.touched``)."""
         before = self.epoch_live[self.plan_epoch]
         self.plan_epoch += 1
-        self.epoch_live[self.plan_epoch] = live
+        self.epoch_live[self.plan_epoch], self.epoch_at[self.plan_epoch] = live, self.q.now
         changed = self.changed[self.plan_epoch] = set(before) ^ set(live)
         for key, ring in list(self.rings.items()):
             if self.settings.averaging_mode == "global" or any(m.cluster in changed for m in ring.members):
