@@ -182,3 +182,13 @@ def test_the_next_round_of_an_epoch_paced_by_time_is_counted_in_rounds_not_steps
         assert rounds.step(7, period=2, period_s=10.0) is None
     assert rounds.ended(2) == 0
     assert RoundClock(sync_every=10).ended(2) == 0
+
+
+def test_a_step_spanning_many_rounds_tells_its_peers_of_the_newest_few_only() -> None:
+    """A stage paused for 20 periods skips 19 rounds; its peers hold at most one running and two queued, so it
+    tells them of the newest 3 only (each skip is a RING_ABORT to every peer of every ring)."""
+    clock = Clock(0.0)
+    rounds = RoundClock(sync_every=10, now=clock)
+    assert rounds.step(7, period_s=1.0) is None
+    clock.t = 20.5
+    assert rounds.step(7, period_s=1.0) == 19 and list(rounds.skipped) == [16, 17, 18]

@@ -23,6 +23,7 @@ from ravq.config.averaging import AveragingConfig
 from ravq.metrics import Metrics
 from ravq.planner.pacing import (
     OPEN_ROUNDS,
+    PASSED_ROUNDS,
     effective_clusters,
     mix_steps,
     round_groups,
@@ -93,7 +94,7 @@ class RoundClock:
             due = self._due(self.now(), period_s)
             if due <= self.due:
                 return None
-            self.skipped, self.due = range(self.due, due - 1), due
+            self.skipped, self.due = range(max(self.due, due - 1 - PASSED_ROUNDS), due - 1), due
             return due - 1
         if self.steps % period:
             return None

@@ -33,6 +33,9 @@ OPEN_ROUNDS = 2
 """Rounds by time (``AveragingConfig.period_s``): a stage new to a plan epoch tells its peers it will not run
 this many rounds already due, those they may still hold open (a node queues at most
 ``ravq.average.round_queue.PENDING_ROUNDS``)."""
+PASSED_ROUNDS = OPEN_ROUNDS + 1
+"""Rounds by time: a step that spans several rounds tells its peers of at most this many it passes over, the
+newest (a peer holds at most one running and ``PENDING_ROUNDS`` queued; older ones it has ended)."""
 
 
 def round_steps(sync_every: int, rates: Sequence[float]) -> list[int]:

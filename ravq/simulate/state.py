@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ravq.planner.pacing import OPEN_ROUNDS
+from ravq.planner.pacing import OPEN_ROUNDS, PASSED_ROUNDS
 from ravq.simulate.world import StageSpec
 
 
@@ -108,7 +108,8 @@ class Node:
         if due <= self.rounds_due:
             self.step_round = None
             return list(arrived)
-        passed, self.rounds_due, self.step_round = range(self.rounds_due, due - 1), due, due - 1
+        passed = range(max(self.rounds_due, due - 1 - PASSED_ROUNDS), due - 1)
+        self.rounds_due, self.step_round = due, due - 1
         return [*arrived, *passed]
 
     @property
