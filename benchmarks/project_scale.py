@@ -119,6 +119,7 @@ def simulated(plan: Plan, nodes: list[NodeProfile], blocks: list[BlockProfile], 
             "averaging": "global" if averaging is None else (
                 ("global" if averaging.mode == "global" else f"groups of {averaging.group_size}")
                 + (", paced by rate" if averaging.pace == "rate" else "")
+                + (f" every {averaging.period_s:.0f} s" if averaging.period_s else "")
                 + (f", by link (k {sorted(set(averaging.every))})" if averaging.every else "")),
             "mixes_within_rounds": _mixed_in(plan),
             "every": None if averaging is None else averaging.every,
