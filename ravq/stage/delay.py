@@ -36,6 +36,35 @@ further (``k * s`` = 6 on the first of 4 stages) it multiplied the gradient's no
 second moment absorbed it.  Capped at one update the same MLP trained (docs/convergence.md)."""
 
 
+MOMENTUM_FREE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adafactor)
+"""Optimizers whose step keeps no running mean of gradients (and say so by no ``momentum`` or ``betas``)."""
+
+
+def has_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's steps follow a running mean of gradients (a momentum), which weight prediction
+    and delay compensation rely on: the last update then says where the next ones go, and the difference of
+    consecutive gradients is a drift the mean smooths.  False when the optimizer says it has none: every
+    group's ``momentum`` 0 (SGD, RMSprop) or ``betas[0]`` 0 (the Adam family), or a kind in ``MOMENTUM_FREE``.
+    Without a momentum the last update is one micro-batch's noisy step, so prediction extrapolates noise,
+    and compensation's ``(1 + k)^2 + k^2`` times the gradient's noise goes into every step (SGD) or into
+    the second moment that divides it (RMSprop), shrinking the signal's step: a residual MLP with plain SGD
+    diverged with both on and trained with both off (docs/convergence.md, tasks written outside the
+    repository).  An optimizer with neither key and of no known kind counts as having one (unchanged)."""
+    if isinstance(optimizer, MOMENTUM_FREE):
+        return False
+    for group in optimizer.param_groups:
+        if "betas" in group:
+            if group["betas"][0] > 0:
+                return True
+        elif "momentum" in group:
+            if group["momentum"] > 0:
+                return True
+        else:
+            return True
+    return False
+
+
 class GradientExtrapolation:
     """Keeps the gradient of the stage's last update and extrapolates the next one when it is stale."""
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +32,7 @@ from torch import nn
 from ravq.codec.compress import Packed
 from ravq.cut.split import StageSpec
 from ravq.stage.arrivals import Arrivals
+from ravq.stage.delay import has_momentum
 from ravq.stage.feed import Batch, DataFeed, DataSource
 from ravq.stage.passes import Passes
 from ravq.stage.pipenag import uses_lookahead
@@ -76,6 +78,9 @@ class StageWorker:
         self.params: dict[str, nn.Parameter] = dict(self.module.named_parameters())
         self.buffers: dict[str, torch.Tensor] = dict(self.module.named_buffers())
         self.optimizer = build_optimizer(optimizer_factory, self.params)
+        if not has_momentum(self.optimizer) and (options.predict_weights or options.extrapolate_gradients):
+            # both forecast from the last update or gradient: only a momentum makes that say where the next go
+            self.options = options = replace(options, predict_weights=0.0, extrapolate_gradients=0.0)
         assert not self.is_first or batches is not None, "stage 0 reads the data"
         self._feed = DataFeed(batches) if self.is_first and batches is not None else None
         expected = expected_forward(spec, num_stages, input_specs, target_example)
