@@ -80,3 +80,26 @@ def test_plain_sgd_at_4_stages_trains_like_synchronous_training_with_the_default
 
     sync, stale = final(1), final(2)
     assert math.isfinite(stale) and stale < 1.2 * sync
+
+
+def test_ravq_check_counts_no_forecast_copy_for_an_optimizer_without_momentum() -> None:
+    """The estimate holds a stage copy each for prediction and compensation on a stale stage only when the
+    stage's optimizer keeps a momentum, as the stage does."""
+    from ravq.cut.meta import build_meta_model, to_meta
+    from ravq.cut.split import candidate_cuts, even_cuts, split_model
+    from ravq.preflight.memory import MemorySettings, estimate
+    from ravq.preflight.report import Report
+
+    def stash(optimizer: object) -> int:
+        task = _mlp_task(optimizer)
+        model = build_meta_model(task, 0).model
+        example = to_meta(task.example_inputs(4))
+        specs = split_model(model, example, even_cuts(candidate_cuts(model, task), 2))
+        _, targets = next(task.train_batches(4, 0, 1, 0))
+        settings = MemorySettings(micro_batch=4, max_inflight=2, predict_weights=2.0, extrapolate_gradients=2.0)
+        report = Report(task="", cuts=[], stages=2, micro_batch=4, max_inflight=2)
+        return estimate(specs, example, targets, task, settings, report, ["", ""])[0].stash
+
+    with_momentum = stash(lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
+    without = stash(lambda ps: torch.optim.RMSprop(ps, lr=1e-3))
+    assert without > 0 and with_momentum == 3 * without  # the stash copy, then + prediction's + compensation's

@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ravq.cut.meta import to_meta
 from ravq.cut.split import StageSpec, keep_buffers, model_output
 from ravq.preflight.report import Report, StageMemory
+from ravq.stage.delay import has_momentum
 from ravq.stage.recipe import build_optimizer
 from ravq.stage.split import input_pass, leaves_under
 
@@ -165,6 +166,19 @@ def _kept_gradients(roots: list[torch.Tensor], leaves: list[torch.Tensor], held:
     return weight_pass.nbytes
 
 
+def _keeps_momentum(make_optimizer: Callable[..., Any], params: dict[str, nn.Parameter]) -> bool:
+    """Whether the stage's optimizer keeps a momentum (``has_momentum``: prediction and compensation run only
+    then), built on ``meta`` copies; True when it cannot be built there (counted as before)."""
+    trained = {n: p for n, p in params.items() if p.requires_grad}
+    copies = {n: nn.Parameter(torch.empty_like(p, device="meta")) for n, p in trained.items()}
+    if not copies:
+        return True
+    try:
+        return has_momentum(build_optimizer(make_optimizer, copies))
+    except Exception:  # noqa: BLE001 - user code; optimizer_bytes reports it
+        return True
+
+
 def estimate(
     specs: list[StageSpec],
     example: tuple[Any, ...],
@@ -187,7 +201,8 @@ def estimate(
         split = settings.split_graphs if spec.index > 0 and not spec.tied else 0
         state = optimizer_bytes(task.make_optimizer, params, report)
         copies = max(0, inflight - 1)
-        stale = inflight > 1  # the last stage is never stale: neither mechanism holds anything there
+        # the last stage is never stale, and without a momentum neither mechanism runs: none holds anything
+        stale = inflight > 1 and _keeps_momentum(task.make_optimizer, params)
         if settings.predict_weights > 0 and stale:
             # the current version's snapshot is a copy, made in the last update's buffer; with tied copies
             # (which change the weights mid-version) the update is kept besides (WeightStash.step)
