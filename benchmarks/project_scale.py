@@ -9,7 +9,7 @@ at 30 TFLOP/s with 24 GiB, 8% workstations at 45 TFLOP/s with 48 GiB, each x U(0
 100 / 1000 Mbit/s at 30 / 40 / 30%).  The model: a GPT-like transformer of 32 layers, d_model 2560
 (about 2.7 B parameters, float32 weights with Adam: ~43 GB before activations), 2,048 tokens per
 micro-batch, micro_batch 4, a stated batch of 50 micro-batches per step and cluster (so max_inflight =
-stages), averaging every 10 steps (500 micro-batches, DiLoCo's H); ravq's defaults otherwise (overlapped
+min(2 x stages, 25)), averaging every 10 steps (500 micro-batches, DiLoCo's H); ravq's defaults otherwise (overlapped
 averaging, averaging_lead 1, int8 pipeline and ring compression).  At sync_every 50 the cost model finds averaging
 2.7 B parameters over these links so slow that the planner keeps to one cluster of 3-5 PCs at every size
 (predicted 9.9-11.6 samples/s, simulated 6.1-6.9: credit-bound, see docs/simulator.md).
@@ -70,9 +70,9 @@ MICRO_BATCH = 4
 CANDIDATES = 4
 """``ravq plan --simulate``: the planner's best candidates, ranked by simulated samples/s."""
 UPDATE_EVERY = 50
-"""A stated batch of 50 micro-batches (400k tokens) per optimizer step and cluster: a window of one
-micro-batch per stage (``ravq.config.batch.default_inflight``: the projections' clusters have up to ~20
-stages) as these projections always assumed; with an update per micro-batch ravq keeps 2 in flight (issue #39)."""
+"""A stated batch of 50 micro-batches (400k tokens) per optimizer step and cluster: a window of up to half
+an update, at most two micro-batches per stage (``ravq.config.batch.default_inflight``: the projections'
+clusters have up to ~20 stages); with an update per micro-batch ravq keeps 2 in flight (issue #39)."""
 SYNC_EVERY = 10
 """Optimizer steps between averaging rounds: 500 micro-batches (DiLoCo's H, as before the stated batch)."""
 STEPS = 1100

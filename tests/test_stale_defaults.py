@@ -21,15 +21,20 @@ from ravq.stage.pipenag import uses_lookahead
 
 @pytest.mark.parametrize(("stages", "update_every", "inflight"),
                          [(4, 1, 2), (3, 1, 2), (2, 1, 2), (1, 1, 1), (4, 4, 4), (4, 8, 4), (4, 2, 2), (4, 3, 3),
-                          (3, 2, 2)])
+                          (3, 2, 2), (2, 4, 2), (3, 4, 3), (2, 8, 4), (3, 8, 4), (14, 50, 25), (10, 50, 20),
+                          (1, 50, 1)])
 def test_the_window_keeps_a_micro_batch_at_most_one_update_stale(stages: int, update_every: int,
                                                                  inflight: int) -> None:
     """A stated batch: less than an update stale; an update per micro-batch: one update (2 in flight, not one
-    per stage: the first of 4 stages was 3 updates stale, and the zoo lost there)."""
+    per stage: the first of 4 stages was 3 updates stale, and the zoo lost there).  Many micro-batches per
+    update: up to half an update in flight, at most two per stage (a WAN pipeline waits for credits with one
+    per stage)."""
     assert default_inflight(stages, update_every) == inflight
     assert staleness_bound(inflight, update_every) <= 1.0
     if update_every > 1:
         assert staleness_bound(inflight, update_every) < 1.0
+    if inflight > stages:
+        assert staleness_bound(inflight, update_every) < 0.5
 
 
 def test_a_stage_built_with_two_micro_batches_per_update_keeps_two_in_flight() -> None:
@@ -117,7 +122,7 @@ def test_the_planner_counts_the_window_a_stated_batch_gives() -> None:
     unknown = Problem(nodes, blocks, **training_settings(training))  # a search over clusters: the widest
     assert unknown.inflight_for(4) == 2
     wide = Problem(nodes, blocks, **training_settings(TrainingConfig(micro_batch=8, batch=64), clusters=1))
-    assert wide.inflight_for(4) == 4 and wide.inflight_for(3) == 3
+    assert wide.inflight_for(4) == 4 and wide.inflight_for(3) == 4   # 8 per update: up to half of it
     stated = Problem(nodes, blocks, **training_settings(TrainingConfig(micro_batch=8, update_every=3)))
     assert stated.inflight_for(4) == 3
 

@@ -116,5 +116,13 @@ def default_inflight(stages: int, update_every: int) -> int:
     per micro-batch 2 (one update stale, as on 2 stages), not one per stage: with a window of every stage
     the first of 3-4 stages was 2-3 updates stale, and the zoo met its target in 15 of 30 runs there; with
     2, in 28 of 30 (docs/convergence.md, "The window with an update per micro-batch").  Deeper pipelines
-    keep every stage busy with a stated batch (``training.batch``) or a stated ``max_inflight``."""
-    return min(stages, max(2, update_every))
+    keep every stage busy with a stated batch (``training.batch``) or a stated ``max_inflight``.
+
+    A batch of many micro-batches per update also keeps up to half an update in flight, at most two per
+    stage: one per stage is the window of a pipeline whose links cost nothing, and over WAN links a
+    micro-batch's round trip outlasts stages x its slowest stage, so the pipeline waits for credits
+    (a 14-stage cluster at 1,024 PCs simulated at 0.83 of its slowest stage's rate with 14 in flight, at
+    its rate with 28; docs/simulator.md).  Such a stage is at most half an update stale."""
+    if stages <= 1:
+        return 1
+    return max(min(stages, max(2, update_every)), min(2 * stages, update_every // 2))
