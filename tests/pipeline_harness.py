@@ -149,3 +149,18 @@ def run_in_order(workers: list[StageWorker]) -> None:
             worker.passes.forward(arg[0], arg[1], emits[worker.spec.index])
     for w in workers:
         w._flush_update()
+
+
+def final_loss_with_defaults(task: ModuleType, stages: int, max_inflight: int, *, steps: int = 120,
+                             micro_batch: int = 8, seed: int = 0) -> float:
+    """The last stage's mean loss over the last 10 of ``steps`` micro-batches, trained in order
+    (``run_in_order``) with the topology's default stale mechanisms and ``max_inflight`` in flight."""
+    from ravq.config import TrainingConfig
+
+    d = TrainingConfig()
+    workers = make_workers(task, stages, steps=steps, max_inflight=max_inflight, micro_batch=micro_batch,
+                           seed=seed, predict_weights=d.predict_weights,
+                           extrapolate_gradients=d.extrapolate_gradients,
+                           inflight_warmup_steps=d.inflight_warmup_steps, stale_correction=d.stale_correction)
+    run_in_order(workers)
+    return sum(workers[-1].stats.loss_history[-10:]) / 10

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ravq.config import TrainingConfig
 from ravq.stage.delay import has_momentum
 from ravq.stage.optim import ClusterAdam
 
@@ -64,21 +63,11 @@ def test_plain_sgd_at_4_stages_trains_like_synchronous_training_with_the_default
     """The zoo's residual MLP with SGD without momentum (lr 0.05), 4 stages, 2 in flight: with prediction
     and compensation it ended at 3.2x synchronous training's loss; without them (what its stages now do)
     at 0.92x."""
-    from tests.pipeline_harness import make_workers, run_in_order
+    from tests.pipeline_harness import final_loss_with_defaults
 
     torch.set_num_threads(1)
-    d = TrainingConfig()
     task = _mlp_task(lambda ps: torch.optim.SGD(ps, lr=0.05))
-
-    def final(max_inflight: int) -> float:
-        workers = make_workers(task, 4, steps=120, max_inflight=max_inflight, micro_batch=8, seed=0,
-                               predict_weights=d.predict_weights, extrapolate_gradients=d.extrapolate_gradients,
-                               inflight_warmup_steps=d.inflight_warmup_steps, stale_correction=d.stale_correction)
-        run_in_order(workers)
-        losses = workers[-1].stats.loss_history
-        return sum(losses[-10:]) / 10
-
-    sync, stale = final(1), final(2)
+    sync, stale = final_loss_with_defaults(task, 4, 1), final_loss_with_defaults(task, 4, 2)
     assert math.isfinite(stale) and stale < 1.2 * sync
 
 

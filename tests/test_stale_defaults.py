@@ -87,20 +87,10 @@ def test_the_zoo_sgd_momentum_mlp_at_4_stages_trains_with_the_defaults() -> None
     extrapolated 2 x 3 updates ahead, the optimizer's own step) diverged to nan in every seed; the
     defaults end near synchronous training, though still 2-3x above it at half of the samples."""
     from benchmarks.zoo_tasks import TASKS
-    from tests.pipeline_harness import make_workers, run_in_order
+    from tests.pipeline_harness import final_loss_with_defaults
 
     torch.set_num_threads(1)
-    d = TrainingConfig()
-
-    def final(max_inflight: int) -> float:
-        workers = make_workers(TASKS["mlp_sgd"], 4, steps=120, max_inflight=max_inflight, micro_batch=8, seed=0,
-                               predict_weights=d.predict_weights, extrapolate_gradients=d.extrapolate_gradients,
-                               inflight_warmup_steps=d.inflight_warmup_steps, stale_correction=d.stale_correction)
-        run_in_order(workers)
-        losses = workers[-1].stats.loss_history
-        return sum(losses[-10:]) / 10
-
-    sync, stale = final(1), final(4)
+    sync, stale = (final_loss_with_defaults(TASKS["mlp_sgd"], 4, window) for window in (1, 4))
     assert math.isfinite(stale) and stale < 1.5 * sync
 
 
