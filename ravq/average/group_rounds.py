@@ -22,10 +22,10 @@ from ravq.config import Plan
 from ravq.config.averaging import AveragingConfig
 from ravq.metrics import Metrics
 from ravq.planner.pacing import (
-    OPEN_ROUNDS,
-    PASSED_ROUNDS,
+    due_on_entry,
     effective_clusters,
     mix_steps,
+    round_by_time,
     round_groups,
     round_lead,
     round_plan,
@@ -88,14 +88,14 @@ class RoundClock:
             now = self.now()
             self.epoch, self.steps, self.started_at = epoch, 0, epoch_began(epoch, now) or now
             self.due = self._due(now, period_s) if period_s is not None else 0
-            self.skipped = range(max(0, self.due - OPEN_ROUNDS), self.due)
+            self.skipped = due_on_entry(self.due)
         self.steps += 1  # every step counts, or this stage's round ids drift from its peers'
         if period_s is not None:
             due = self._due(self.now(), period_s)
-            if due <= self.due:
-                return None
-            self.skipped, self.due = range(max(self.due, due - 1 - PASSED_ROUNDS), due - 1), due
-            return due - 1
+            index, passed = round_by_time(self.due, due)
+            if index is not None:
+                self.skipped, self.due = passed, due
+            return index
         if self.steps % period:
             return None
         return min(self.steps // period - 1, FINAL_ROUND - 1)

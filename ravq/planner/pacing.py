@@ -38,6 +38,21 @@ PASSED_ROUNDS = OPEN_ROUNDS + 1
 newest (a peer holds at most one running and ``PENDING_ROUNDS`` queued; older ones it has ended)."""
 
 
+def due_on_entry(due: int) -> range:
+    """Rounds by time: the rounds a stage new to an epoch passes over, ``due`` having fallen due before its
+    first step there (the newest ``OPEN_ROUNDS``, which peers may hold open)."""
+    return range(max(0, due - OPEN_ROUNDS), due)
+
+
+def round_by_time(done: int, due: int) -> tuple[int | None, range]:
+    """Rounds by time: the round a step ends when ``due`` rounds of the epoch have fallen due and the stage
+    has ended or passed ``done`` of them (None: none new), and the rounds it passes over, the newest
+    ``PASSED_ROUNDS`` (nodes: ``RoundClock``; the simulator: ``Node.round_ended``)."""
+    if due <= done:
+        return None, range(0)
+    return due - 1, range(max(done, due - 1 - PASSED_ROUNDS), due - 1)
+
+
 def round_steps(sync_every: int, rates: Sequence[float]) -> list[int]:
     """Optimizer steps each cluster trains between its rounds: ``sync_every`` for the fastest,
     round(sync_every * rate / fastest rate) for the others, at least 1.  A cluster with no rate (0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ravq.planner.pacing import OPEN_ROUNDS, PASSED_ROUNDS
+from ravq.planner.pacing import due_on_entry, round_by_time
 from ravq.simulate.world import StageSpec
 
 
@@ -95,7 +95,7 @@ class Node:
         ``RoundClock`` does)."""
         self.plan_epoch, self.steps_in_epoch, self.epoch_began = epoch, 0, began
         self.rounds_due = int((now - began) / period_s) if period_s is not None else 0
-        self.arrived = range(max(0, self.rounds_due - OPEN_ROUNDS), self.rounds_due)
+        self.arrived = due_on_entry(self.rounds_due)
 
     def round_ended(self, period: int, period_s: float | None, now: float) -> list[int]:
         """Set ``step_round`` for the step just counted, as ``ravq.average.group_rounds.RoundClock`` does:
@@ -105,11 +105,8 @@ class Node:
             self.step_round = None if self.steps_in_epoch % period else self.steps_in_epoch // period - 1
             return []
         due, arrived, self.arrived = int((now - self.epoch_began) / period_s), self.arrived, range(0)
-        if due <= self.rounds_due:
-            self.step_round = None
-            return list(arrived)
-        passed = range(max(self.rounds_due, due - 1 - PASSED_ROUNDS), due - 1)
-        self.rounds_due, self.step_round = due, due - 1
+        self.step_round, passed = round_by_time(self.rounds_due, due)
+        self.rounds_due = max(self.rounds_due, due)
         return [*arrived, *passed]
 
     @property
