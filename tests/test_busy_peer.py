@@ -52,6 +52,31 @@ def test_a_step_waits_while_its_predecessor_delivers_other_rings_pieces() -> Non
     assert _take_while(busy) == (3.8, "got it")
 
 
+def test_a_predecessor_busy_with_a_newer_round_has_moved_on_and_the_step_aborts_after_ring_step_s() -> None:
+    """p sends pieces of round 4 (another ring, buffered until it opens) while ring 0 waits on round 3's: p
+    ran or dropped round 3 already, so ours will not come; the step gives up after one window, as before the
+    busy wait (a standby's takeover in tests/test_matrix.py once hung a node for minutes on such waits)."""
+    box = Mailbox()
+    waiting = box.open(0, 3, members=["p", "me"], me="me", pieces_per_step=[1, 1])
+
+    async def feed() -> None:
+        for k in range(1, 10):
+            await asyncio.sleep(0.5)
+            box.deliver("p", {"ring": 5, "round": 4, "step": 0, "piece": k}, torch.zeros(2))
+
+    async def main() -> tuple[float, str]:
+        feeder = asyncio.create_task(feed())
+        try:
+            await box.take(waiting, 0, 0, 1.0)
+            return now(), "got it"
+        except RingAborted as err:
+            return now(), err.reason
+        finally:
+            feeder.cancel()
+
+    assert run_virtual(main()) == (1.0, "timeout")
+
+
 def test_a_silent_predecessor_still_aborts_the_step_after_ring_step_s() -> None:
     assert _take_while([]) == (1.0, "timeout")
     assert _take_while([(0.2, 1)]) == (2.0, "timeout")          # heard at 0.2, then silent: the next window

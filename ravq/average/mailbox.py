@@ -127,9 +127,9 @@ class Mailbox:
                  clock: Callable[[], float] = loop_time) -> None:
         self.max_future_bytes, self.max_future_messages = max_future_bytes, max_future_messages
         self.clock = clock
-        self.heard: dict[str, float] = {}
-        """Per peer, when its last ring piece arrived (any ring, any round): a step whose piece is late waits
-        on while its predecessor is still delivering (``take``)."""
+        self.heard: dict[str, tuple[float, int]] = {}
+        """Per peer, when its last ring piece arrived (any ring) and of which round: a step whose piece is
+        late waits on while its predecessor still delivers pieces of that round or older ones (``take``)."""
         self.refuse = refuse
         """Called with (peer, ring, round) once per round a peer sends to after ``finish``: tell it at once
         (RING_ABORT "finished") rather than let it wait ``ring_step_s`` for pieces that will never come."""
@@ -158,7 +158,7 @@ class Mailbox:
         held by nobody else, as a ZeroMQ frame received without a copy is.
         """
         ring_id, round_id, step, piece = meta["ring"], meta["round"], meta["step"], meta["piece"]
-        self.heard[sender] = self.clock()
+        self.heard[sender] = (self.clock(), round_id)
         current = self._open.get(ring_id)
         if current is not None and current.round_id == round_id:
             self._put(current, sender, step, piece, tensor)
@@ -273,9 +273,9 @@ class Mailbox:
 
     async def take(self, rnd: OpenRound, step: int, piece: int, timeout_s: float) -> Piece:
         """The given piece of an open round; RingAborted on a peer's abort, or after ``timeout_s`` in which
-        the predecessor delivered nothing.  While it delivers pieces of this node's other rings (queued
-        ahead of this one on the one link: a large stage over a slow uplink), the step waits on, up to
-        ``BUSY_WAITS`` more times ``timeout_s``: a busy peer is not a dead one."""
+        the predecessor delivered nothing.  While it delivers pieces of this node's other rings of this round
+        or older (queued ahead of this one on the one link: a large stage over a slow uplink), it waits on,
+        up to ``BUSY_WAITS`` more times ``timeout_s``: a busy peer is not a dead one."""
         tensor, waits = None, 0
         while tensor is None:
             if rnd.aborted is not None:
@@ -290,7 +290,10 @@ class Mailbox:
                 if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                     tensor = waiter.result()  # it came as the window closed: the timeout cancelled the await
                     continue
-                quiet = self.clock() - self.heard.get(rnd.predecessor, -math.inf) >= timeout_s
+                at, newest = self.heard.get(rnd.predecessor, (-math.inf, -1))
+                # busy only with pieces of this round or older ones (queued ahead of ours); a newer round's
+                # means it moved on, and ours will not come
+                quiet = self.clock() - at >= timeout_s or newest > rnd.round_id
                 if quiet or waits >= BUSY_WAITS:
                     raise RingAborted(rnd.ring_id, rnd.round_id, "timeout", rnd.predecessor) from None
                 waits += 1
