@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.zoo_candidates import raw_second_moment
 from benchmarks.zoo_tasks import TASKS
 from ravq.config import TrainingConfig
 from ravq.config.batch import default_inflight
@@ -70,8 +71,15 @@ METHODS: dict[str, dict] = {
                     "stale_correction": "pipenag"},
     "default_pipenag": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
                         "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": "pipenag"},
+    "default_nocomp": {"predict_weights": _D.predict_weights, "inflight_warmup_steps": _D.inflight_warmup_steps,
+                       "stale_correction": _D.stale_correction},
+    "default_rawv": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
+                     "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": _D.stale_correction,
+                     "raw_second_moment": True},
 }
-"""Each method's settings; what a method leaves out is off (``plain`` is PipeDream's weight stashing alone)."""
+"""Each method's settings; what a method leaves out is off (``plain`` is PipeDream's weight stashing alone).
+``default_nocomp``: the defaults without delay compensation; ``default_rawv``: the defaults with an Adam-family
+stage's second moment fed the raw gradient (``benchmarks/zoo_candidates.py``)."""
 
 
 @dataclass
@@ -88,11 +96,14 @@ def task_of(name: str) -> object:
 def train(task: str, stages: int, seed: int, steps: int, micro_batch: int, max_inflight: int,
           update_every: int = 1, schedule: LRScheduleConfig | None = None, **kw: object) -> Run:
     found = task_of(task)
+    raw_v = bool(kw.pop("raw_second_moment", False))
     if schedule is not None and schedule.kind != "constant":
         kw["recipe"] = recipe_options(found, TrainingConfig(steps=steps, update_every=update_every,
                                                             lr_schedule=schedule), seed)
     workers = make_workers(found, stages, steps=steps, max_inflight=max_inflight, micro_batch=micro_batch,
                            seed=seed, update_every=update_every, **kw)
+    if raw_v:
+        raw_second_moment(workers)
     t0 = time.perf_counter()
     if task in TIED or any(w.spec.tied for w in workers):
         run_workers(workers, timeout_s=600)
