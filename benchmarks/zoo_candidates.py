@@ -18,7 +18,7 @@ import torch
 
 from ravq.stage.optim import adam_denominator
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.pipenag import _decoupled, _is_adam, delayed_momentum
+from ravq.stage.pipenag import decoupled_decay, is_adam, delayed_momentum
 
 
 @torch.no_grad()
@@ -31,7 +31,7 @@ def split_adam_step(optimizer: torch.optim.Optimizer, raw: dict[int, torch.Tenso
     for group in optimizer.param_groups:
         lr, (beta1, beta2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
         gamma = delayed_momentum(beta1, staleness) if lookahead else beta1
-        decoupled = _decoupled(optimizer, group)
+        decoupled = decoupled_decay(optimizer, group)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -63,7 +63,7 @@ def raw_second_moment(workers: list[StageWorker]) -> None:
     """Make every Adam-family stage's stale updates take ``split_adam_step`` (see the module docstring)."""
     for worker in workers:
         stash, optimizer = worker.forward_weights, worker.optimizer
-        if not _is_adam(optimizer) or not stash.extrapolation.factor:
+        if not is_adam(optimizer) or not stash.extrapolation.factor:
             continue
         own = stash._optimizer_step
         names = {id(p): n for n, p in stash.params.items()}

@@ -19,6 +19,20 @@ stale gradient is carried forward towards
 the weights it is applied to, and a growing oscillation is damped rather than fed.  An update with no
 staleness is left alone, so ``max_inflight: 1`` still trains exactly like one process.
 
+With the Adam family (Adam, AdamW, ``ClusterAdam``) the extrapolation acts twice.  In the first moment, a
+running mean, ``k (g - g_prev)`` mostly telescopes: it adds about ``k (1 - beta1) (g - m)``, a small
+look-ahead.  In the second moment it adds ``(1 + k)^2 + k^2`` (13 at k 2) times the gradient's noise
+variance: where micro-batch noise dominates, ``v`` grows ~12x on the stale stages (measured on a user's AdamW
+encoder, 3 stages) and every step there is ~3.5x shorter.  That shorter step is what rescues a model at its
+stability edge while the loss falls fast (issue #25's GPT-2 opened at once: feeding ``v`` the raw gradient,
+or no compensation under PipeNAG, left it at the unigram plateau), and it slows every model past that phase
+or never at the edge (docs/convergence.md, "Delay compensation with Adam").  The asynchrony warm-up
+(``inflight_warmup_steps``) covers that phase, and PipeNAG's look-ahead (NAdam with a raised momentum) is a
+look-ahead of its own, so an Adam-family stage stepped by PipeNAG after a warm-up (the defaults with an
+update per micro-batch) goes without compensation and keeps no last gradient (``compensates``).  Without
+the look-ahead (a stated batch, ``stale_correction: none``) or the warm-up it keeps it, and so does SGD with
+momentum, whose step has no second moment to inflate.
+
 Memory: the last gradient is a copy of the stage's gradients, kept only while the stage is stale.  An
 update with no staleness (the last stage always, every stage during the asynchrony warm-up) keeps none and
 frees what an earlier stale update kept, so the first stale update after it is handed its gradient as it is.
@@ -28,6 +42,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ravq.stage.pipenag import is_adam
 
 MAX_UPDATES = 1.0
 """The staleness the extrapolation is capped at: ``g - g_prev`` is one update's change, and carried
@@ -63,6 +79,14 @@ def has_momentum(optimizer: torch.optim.Optimizer) -> bool:
         else:
             return True
     return False
+
+
+def compensates(optimizer: torch.optim.Optimizer, lookahead: bool, warmup: bool) -> bool:
+    """Whether delay compensation runs on a stage with this optimizer: it needs a momentum (``has_momentum``),
+    and an Adam-family stage stepped by PipeNAG's look-ahead (``lookahead``) after the asynchrony warm-up
+    (``warmup``) goes without it (module docstring).  SGD with momentum keeps it either way: its step has no
+    second moment to inflate."""
+    return has_momentum(optimizer) and not (lookahead and warmup and is_adam(optimizer))
 
 
 class GradientExtrapolation:

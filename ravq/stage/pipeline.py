@@ -32,7 +32,7 @@ from torch import nn
 from ravq.codec.compress import Packed
 from ravq.cut.split import StageSpec
 from ravq.stage.arrivals import Arrivals
-from ravq.stage.delay import has_momentum
+from ravq.stage.delay import compensates, has_momentum
 from ravq.stage.feed import Batch, DataFeed, DataSource
 from ravq.stage.passes import Passes
 from ravq.stage.pipenag import uses_lookahead
@@ -87,8 +87,12 @@ class StageWorker:
         self.state = StageState(expected_fwd=expected_at(options.recipe.precision, expected))
         self.stats = StageStats(clock=clock, metrics=metrics)
         stale = options.max_inflight > 1 and not options.synchronous  # else no gradient is ever stale
-        extrapolate = options.extrapolate_gradients * stale
         lookahead = stale and uses_lookahead(options.stale_correction, self.optimizer, options.update_every)
+        if options.extrapolate_gradients and stale and not compensates(
+                self.optimizer, lookahead, options.inflight_warmup_steps > 0):
+            # Adam under PipeNAG after the warm-up: compensation would only shorten its steps (stage.delay)
+            self.options = options = replace(options, extrapolate_gradients=0.0)
+        extrapolate = options.extrapolate_gradients * stale
         self.forward_weights = WeightStash(self.params, extrapolate, lookahead, reuse_update=not spec.tied)
         self._grads = GradientSum(self.params, options.update_every)
         self._sched = Scheduler(forward_sources(spec, num_stages), spec.consumer_stages,

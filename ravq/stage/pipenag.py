@@ -44,7 +44,8 @@ def delayed_momentum(beta: float, staleness: float, ceiling: float = MAX_MOMENTU
     return beta + (ceiling - beta) * staleness / (staleness + 1.0)
 
 
-def _is_adam(optimizer: torch.optim.Optimizer) -> bool:
+def is_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """Adam, AdamW or ``ClusterAdam``: the Adam family whose steps ravq takes itself when a stage is stale."""
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, ClusterAdam))
 
 
@@ -58,7 +59,7 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
                 got = f"momentum {group['momentum']}, dampening {group['dampening']}"
                 raise ValueError(f"stale_correction pipenag: needs SGD with momentum, no dampening and no "
                                  f"maximize (got {got})")
-        elif _is_adam(optimizer):
+        elif is_adam(optimizer):
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError(f"stale_correction pipenag: {name} with amsgrad or maximize: not supported")
         else:
@@ -82,7 +83,9 @@ def uses_lookahead(setting: str, optimizer: torch.optim.Optimizer, update_every:
     return True
 
 
-def _decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+def decoupled_decay(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether this Adam-family group's weight decay shrinks the weights (AdamW) rather than joins the
+    gradient."""
     return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
 
 
@@ -98,7 +101,7 @@ def nadam_step(optimizer: torch.optim.Optimizer, staleness: float) -> None:
             if p.grad is None:
                 continue
             t, grad, exp_avg, exp_avg_sq = adam_moments(
-                optimizer.state[p], p, lr=lr, wd=wd, decoupled=_decoupled(optimizer, group), beta1=gamma,
+                optimizer.state[p], p, lr=lr, wd=wd, decoupled=decoupled_decay(optimizer, group), beta1=gamma,
                 beta2=beta2)
             denom = adam_denominator(exp_avg, exp_avg_sq, 1 - gamma ** t, 1 - beta2 ** t, eps, clusters)
             p.addcdiv_(grad, denom, value=-lr * (1 - gamma) / (1 - gamma ** t))
