@@ -71,6 +71,8 @@ METHODS: dict[str, dict] = {
                     "stale_correction": "pipenag"},
     "default_pipenag": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
                         "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": "pipenag"},
+    "default_nowarmup": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
+                         "stale_correction": _D.stale_correction},
     "default_nocomp": {"predict_weights": _D.predict_weights, "inflight_warmup_steps": _D.inflight_warmup_steps,
                        "stale_correction": _D.stale_correction},
     "default_rawv": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
@@ -78,8 +80,10 @@ METHODS: dict[str, dict] = {
                      "raw_second_moment": True},
 }
 """Each method's settings; what a method leaves out is off (``plain`` is PipeDream's weight stashing alone).
-``default_nocomp``: the defaults without delay compensation; ``default_rawv``: the defaults with an Adam-family
-stage's second moment fed the raw gradient (``benchmarks/zoo_candidates.py``)."""
+``default_nocomp``: the defaults without delay compensation; ``default_nowarmup``: without the warm-up;
+``default_rawv``: the defaults with an Adam-family stage's second moment fed the raw gradient
+(``benchmarks/zoo_candidates.py``; since 2cf4457 an Adam stage under PipeNAG after the warm-up has no
+compensation to feed, so with an update per micro-batch it is the defaults)."""
 
 
 @dataclass
