@@ -82,3 +82,35 @@ def test_a_user_adamw_encoder_at_3_stages_trains_like_synchronous_training_with_
     quarters; 1.37-1.50x at the end of 240 micro-batches with a cosine schedule); without it, at most 1.034x."""
     torch.set_num_threads(1)
     assert max(_quarter_ratios(3)) <= 1.06
+
+
+def test_ravq_check_counts_no_last_gradient_for_an_adam_stage_under_pipenag() -> None:
+    """The estimate holds compensation's stage copy on a stale Adam stage only where the stage keeps it: not
+    under PipeNAG after the warm-up (an update per micro-batch), but with ``stale_correction: none``."""
+    from benchmarks.zoo_tasks import TASKS
+    from ravq.cut.meta import build_meta_model, to_meta
+    from ravq.cut.split import candidate_cuts, even_cuts, split_model
+    from ravq.preflight.memory import MemorySettings, estimate
+    from ravq.preflight.report import Report
+
+    def stash(optimizer: object, correction: str) -> int:
+        task = SimpleNamespace(**vars(TASKS["mlp_sgd"]))
+        task.make_optimizer = optimizer
+        model = build_meta_model(task, 0).model
+        example = to_meta(task.example_inputs(4))
+        specs = split_model(model, example, even_cuts(candidate_cuts(model, task), 2))
+        _, targets = next(task.train_batches(4, 0, 1, 0))
+        settings = MemorySettings(micro_batch=4, max_inflight=2, predict_weights=2.0, extrapolate_gradients=2.0,
+                                  stale_correction=correction, inflight_warmup_steps=20)
+        report = Report(task="", cuts=[], stages=2, micro_batch=4, max_inflight=2)
+        return estimate(specs, example, targets, task, settings, report, ["", ""])[0].stash
+
+    def adam(ps: object) -> torch.optim.Optimizer:
+        return torch.optim.Adam(ps, lr=1e-3)  # type: ignore[arg-type]
+
+    def sgd(ps: object) -> torch.optim.Optimizer:
+        return torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # type: ignore[arg-type]
+
+    one = stash(adam, "auto") // 2  # the stash copy and prediction's
+    assert one > 0 and stash(adam, "auto") == 2 * one
+    assert stash(adam, "none") == 3 * one and stash(sgd, "auto") == 3 * one

@@ -63,6 +63,8 @@ def _training_settings(training: TrainingConfig, args: argparse.Namespace, seed:
         seed=seed,
         predict_weights=training.predict_weights,
         extrapolate_gradients=training.extrapolate_gradients,
+        stale_correction=training.stale_correction,
+        inflight_warmup_steps=training.inflight_warmup_steps,
         split_backward=training.schedule == "zero_bubble",
         meta_only=args.meta_only,
     )

@@ -31,7 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ravq.cut.meta import to_meta
 from ravq.cut.split import StageSpec, keep_buffers, model_output
 from ravq.preflight.report import Report, StageMemory
-from ravq.stage.delay import has_momentum
+from ravq.stage.delay import compensates, has_momentum
+from ravq.stage.pipenag import uses_lookahead
 from ravq.stage.recipe import build_optimizer
 from ravq.stage.split import input_pass, leaves_under
 
@@ -49,6 +50,11 @@ class MemorySettings:
     backward whole."""
     runtime_bytes: int = 0
     """The process around a stage (``StageMemory.runtime``)."""
+    update_every: int = 1
+    stale_correction: str = "none"
+    inflight_warmup_steps: int = 0
+    """With ``update_every``: whether an Adam-family stage keeps compensation's last gradient
+    (``ravq.stage.delay.compensates``: not under PipeNAG after the warm-up)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -166,17 +172,25 @@ def _kept_gradients(roots: list[torch.Tensor], leaves: list[torch.Tensor], held:
     return weight_pass.nbytes
 
 
-def _keeps_momentum(make_optimizer: Callable[..., Any], params: dict[str, nn.Parameter]) -> bool:
-    """Whether the stage's optimizer keeps a momentum (``has_momentum``: prediction and compensation run only
-    then), built on ``meta`` copies; True when it cannot be built there (counted as before)."""
+def _forecasts(make_optimizer: Callable[..., Any], params: dict[str, nn.Parameter],
+               settings: MemorySettings) -> tuple[bool, bool]:
+    """Whether a stale stage runs weight prediction and delay compensation with its optimizer, built on
+    ``meta`` copies: prediction needs a momentum (``has_momentum``), compensation that and, for the Adam
+    family, no PipeNAG after the warm-up (``compensates``).  Both when it cannot be built there (counted as
+    before)."""
     trained = {n: p for n, p in params.items() if p.requires_grad}
     copies = {n: nn.Parameter(torch.empty_like(p, device="meta")) for n, p in trained.items()}
     if not copies:
-        return True
+        return True, True
     try:
-        return has_momentum(build_optimizer(make_optimizer, copies))
+        optimizer = build_optimizer(make_optimizer, copies)
     except Exception:  # noqa: BLE001 - user code; optimizer_bytes reports it
-        return True
+        return True, True
+    try:
+        lookahead = uses_lookahead(settings.stale_correction, optimizer, settings.update_every)
+    except ValueError:  # pipenag for an optimizer it has no step for: the node refuses to start anyway
+        lookahead = False
+    return has_momentum(optimizer), compensates(optimizer, lookahead, settings.inflight_warmup_steps > 0)
 
 
 def estimate(
@@ -202,12 +216,13 @@ def estimate(
         state = optimizer_bytes(task.make_optimizer, params, report)
         copies = max(0, inflight - 1)
         # the last stage is never stale, and without a momentum neither mechanism runs: none holds anything
-        stale = inflight > 1 and _keeps_momentum(task.make_optimizer, params)
-        if settings.predict_weights > 0 and stale:
+        stale = inflight > 1
+        predicts, compensated = _forecasts(task.make_optimizer, params, settings) if stale else (False, False)
+        if settings.predict_weights > 0 and predicts:
             # the current version's snapshot is a copy, made in the last update's buffer; with tied copies
             # (which change the weights mid-version) the update is kept besides (WeightStash.step)
             copies += 2 if spec.tied else 1
-        if settings.extrapolate_gradients > 0 and stale:
+        if settings.extrapolate_gradients > 0 and compensated:
             copies += 1  # the last gradient (GradientExtrapolation), written in place
         result.append(
             StageMemory(

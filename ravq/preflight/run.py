@@ -44,6 +44,9 @@ class CheckSettings:
     seed: int = 0
     predict_weights: float = 0.0
     extrapolate_gradients: float = 0.0
+    stale_correction: str = "none"
+    inflight_warmup_steps: int = 0
+    """With ``update_every``: which stale stages keep compensation's last gradient (``MemorySettings``)."""
     split_backward: bool = False
     """``training.schedule: zero_bubble``: graphs kept for deferred weight passes count (``update_every``)."""
     evaluate: bool = True
@@ -121,6 +124,9 @@ def _run(spec: str, settings: CheckSettings, report: Report) -> None:
         max_inflight=report.max_inflight,
         predict_weights=settings.predict_weights,
         extrapolate_gradients=settings.extrapolate_gradients,
+        update_every=settings.update_every,
+        stale_correction=settings.stale_correction,
+        inflight_warmup_steps=settings.inflight_warmup_steps,
         split_graphs=settings.update_every if settings.split_backward else 0,
         runtime_bytes=runtime,
     )
