@@ -59,10 +59,10 @@ class TrainingConfig(UserModel):
     to.  0 runs forwards at the current weights (plain weight stashing).  No effect without staleness
     (max_inflight 1) or a momentum.  The last update is not checkpointed: a stale resume is not exact."""
     extrapolate_gradients: float = Field(EXTRAPOLATE_GRADIENTS, ge=0, le=8)
-    """Delay compensation: a stale update hands the optimizer its gradient extrapolated by this many
-    times its staleness along the change since the stage's previous update (``ravq.stage.delay``); without
-    it Adam with one step of delay stalled a small GPT-2 at the unigram plateau.  0 turns it off.  No
-    effect without staleness (max_inflight 1) or a momentum (both: ``ravq.stage.delay.has_momentum``)."""
+    """Delay compensation: a stale update hands the optimizer its gradient extrapolated by this many times its
+    staleness along the change since the stage's previous update (``ravq.stage.delay``).  0: off.  No effect
+    without staleness or a momentum, nor on an Adam stage stepped by PipeNAG after the warm-up, where it only
+    shortened steps (``ravq.stage.delay.compensates``; docs/convergence.md)."""
     stale_correction: Literal["auto", "none", "pipenag"] = "auto"
     """How a stale stage's optimizer steps: ``none``, its own step; ``pipenag``, Nesterov's look-ahead with
     the momentum raised towards 0.99 with the stage's staleness (PipeNAG, ``ravq.stage.pipenag``; SGD with
