@@ -88,3 +88,77 @@ def test_a_round_counts_what_the_pipeline_leaves_of_a_stages_uplink() -> None:
     q = Problem(pcs(names, 1e7), tiny, **SETTINGS)
     quiet = [fixed_layout(q, (0, 1), (0, 2, 4)), fixed_layout(q, (2, 3), (0, 2, 4))]
     assert averaging_round_s(q, quiet) == pytest.approx(whole, rel=1e-6)
+
+
+def _heavy(act: int) -> list[BlockProfile]:
+    return [BlockProfile(name=b.name, param_bytes=b.param_bytes, fwd_flops=b.fwd_flops, bwd_flops=b.bwd_flops,
+                         act_bytes_out=act, memory_bytes=b.memory_bytes) for b in blocks()]
+
+
+def test_a_stage_whose_pipeline_fills_its_uplink_still_averages_at_a_fair_share() -> None:
+    """Three stages on 1 MB/s uplinks with 8 MiB activations: the pipeline alone would fill every uplink (it is
+    link-bound), so 'what the pipeline leaves' is nothing and such a cluster never averaged in the cost model.
+    TCP (and the simulator's water-filling) gives the ring's stream its share beside the pipeline's streams
+    out of the node: a half at an end stage (one pipeline stream), a third in the middle (two)."""
+    from ravq.planner.cost import pipeline_bytes_per_s, ring_bandwidth
+
+    names = ["a0", "a1", "a2", "b0", "b1", "b2"]
+    p = Problem(pcs(names, 1e6), _heavy(8 << 20), **SETTINGS)
+    lay = fixed_layout(p, (0, 1, 2), (0, 1, 3, 4))
+    sent = pipeline_bytes_per_s(p, lay)
+    assert 1e6 - sent[1] < 1e6 / 3  # the middle stage's two streams leave it less than a fair share
+    assert ring_bandwidth(p, lay, [1e6] * 3) == pytest.approx(
+        [max(1e6 - sent[0], 1e6 / 2), 1e6 / 3, max(1e6 - sent[2], 1e6 / 2)])
+    other = fixed_layout(p, (3, 4, 5), (0, 1, 3, 4))
+    assert averaging_round_s(p, [lay, other]) < float("inf")
+
+
+def test_rings_slow_a_link_bound_pipeline_by_the_bytes_they_take_of_its_uplinks() -> None:
+    """``shared_rate``: a stage's uplink carries its pipeline's bytes and its rings' bytes a period; what the
+    rings take, the pipeline loses.  Nothing lost where the pipeline leaves enough room."""
+    from ravq.planner.cost import cluster_rate, shared_rate
+
+    names = ["a0", "a1"]
+    p = Problem(pcs(names, 1e6), _heavy(4 << 20), **SETTINGS)
+    lay = fixed_layout(p, (0, 1), (0, 2, 4))
+    rate = cluster_rate(p, lay)
+    per_mb = 4 << 20  # each stage sends one activation or one gradient a micro-batch
+    assert 0.3e6 < rate * per_mb < 1e6
+    ring = [60e6, 60e6]  # 0.6 MB/s of each uplink over 100 s: the pipeline keeps 0.4 MB/s
+    assert shared_rate(p, lay, rate, ring, 100.0) == pytest.approx(0.4e6 / per_mb)
+    assert shared_rate(p, lay, rate, [1e6, 1e6], 100.0) == rate  # room enough: nothing lost
+    assert shared_rate(p, lay, rate, ring, 0.0) == rate  # no period: nothing shared
+    q = Problem(pcs(names, 1e9), _heavy(4 << 20), **SETTINGS)
+    fast = fixed_layout(q, (0, 1), (0, 2, 4))
+    assert shared_rate(q, fast, cluster_rate(q, fast), ring, 100.0) == cluster_rate(q, fast)
+
+
+def test_a_cluster_slower_than_a_step_a_period_takes_part_every_few_rounds_and_a_far_slower_one_is_not_kept(
+) -> None:
+    """Rounds by time: a cluster whose optimizer step outlasts the round period takes part when a step of it
+    ends (its k covers the step), not every round with the others waiting; one whose step outlasts
+    ``STEP_PERIODS`` periods is not planned with pacing by link.  Before, a step longer than the period set
+    every cluster's period (``_longest_share_s``)."""
+    from dataclasses import replace
+
+    from ravq.planner.cost import cluster_rate
+    from ravq.planner.grouped import STEP_PERIODS, link_every_of
+
+    names = ["a", "b", "c"]
+    nodes = pcs(names, 1e9)
+    p = Problem(nodes, blocks(), **SETTINGS)
+    lays = [fixed_layout(p, (i,), (0, 4)) for i in range(3)]
+    rate = cluster_rate(p, lays[0])
+    period = p.sync_every / rate
+    for slowdown, expect in ((1.5, 2), (STEP_PERIODS * p.sync_every * 1.1, None)):  # step = slowdown periods
+        slow = replace(nodes[2], flops=nodes[2].flops / (slowdown * p.sync_every / p.update_every))
+        q = Problem([*nodes[:2], slow], blocks(), **SETTINGS)
+        qlays = [fixed_layout(q, (i,), (0, 4)) for i in range(3)]
+        step_s = q.update_every / cluster_rate(q, qlays[2])
+        assert step_s == pytest.approx(slowdown * period * p.update_every / p.sync_every * p.sync_every
+                                       / p.update_every, rel=0.05)
+        got = link_every_of(q, qlays, Averaging(pace="rate"))
+        if expect is None:
+            assert got is None
+        else:
+            assert got is not None and got.every[2] >= expect and got.every[:2] == (1, 1)

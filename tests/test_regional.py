@@ -100,3 +100,20 @@ def test_more_pcs_never_project_less_at_the_projection_scales() -> None:
         assert plan.predicted_samples_per_s is not None
         figures.append(plan.predicted_samples_per_s)
     assert figures == sorted(figures), figures
+
+
+def test_a_region_is_planned_by_uplink_tier_and_again_on_the_pcs_a_pass_left() -> None:
+    """``uplink_tiers``: PCs within ``TIER_RATIO`` of a tier's fastest uplink form it, fastest first; a PC behind
+    a slow uplink would bottleneck any pipeline it joins.  ``regional_plan`` plans each region's tiers apart and
+    passes over what each plan left, so a region's slow PCs can still form clusters of their own: here one
+    region of two fast PCs and two behind a 20x slower uplink, every PC able to hold the model."""
+    from ravq.planner.regional import TIER_RATIO, uplink_tiers
+
+    nodes, blocks = world([1e12, 1e12, 1e12, 1e12], [1e8, 1e8 / TIER_RATIO, 5e6, 5e6])
+    tiers = uplink_tiers(nodes)
+    assert [[n.name for n in t] for t in tiers] == [["pc0", "pc1"], ["pc2", "pc3"]]
+    plan = regional_plan(nodes, ["r"] * 4, blocks, micro_batch=4, sync_every=50, max_inflight=None,
+                         overlap_averaging=True, averaging_lead=1, effort=0.05)
+    kept = {n for c in plan.clusters for n in c.nodes}
+    assert {"pc0", "pc1"} <= kept
+    assert kept & {"pc2", "pc3"}, plan  # the slow tier trains too: its clusters add samples, paced by rate

@@ -113,11 +113,35 @@ def pipeline_bytes_per_s(p: Problem, lay: Layout) -> list[float]:
 
 def ring_bandwidth(p: Problem, lay: Layout, links: Sequence[float]) -> list[float]:
     """Per stage of ``lay``, what its rings get: its link (``links[j]``, bytes/s) or, when less, its
-    uplink less the pipeline's traffic (``pipeline_bytes_per_s``; 0 when the pipeline takes it all).
-    Rings and pipeline share one uplink: counted at the whole link, a middle stage whose pipeline takes
-    half of it averaged in half the time the simulator and the nodes take (issue #38)."""
-    sent = pipeline_bytes_per_s(p, lay)
-    return [min(link, max(0.0, float(p.uplink[n]) - out)) for n, link, out in zip(lay.order, links, sent)]
+    uplink less the pipeline's traffic (``pipeline_bytes_per_s``), and never less than a fair share of the
+    uplink: the ring's one stream beside the pipeline's streams out of the node (to the next stage, to the
+    previous), as TCP and the simulator's water-filling share a saturated link.  Rings and pipeline share one
+    uplink: counted at the whole link, a middle stage whose pipeline takes half of it averaged in half the
+    time the simulator and the nodes take (issue #38); counted at what is left, a stage whose pipeline fills
+    its uplink never averaged, where it averages at its share and the pipeline slows meanwhile
+    (``shared_rate``)."""
+    sent, k = pipeline_bytes_per_s(p, lay), len(lay.order)
+    out = []
+    for j, (n, link, pipe) in enumerate(zip(lay.order, links, sent)):
+        uplink = float(p.uplink[n])
+        streams = int(j < k - 1) + int(j > 0)
+        out.append(min(link, max(uplink - pipe, uplink / (1 + streams))))
+    return out
+
+
+def shared_rate(p: Problem, lay: Layout, rate: float, ring_bytes: Sequence[float], every_s: float) -> float:
+    """The cluster's micro-batches/s when each stage j's node also sends ``ring_bytes[j]`` of averaging every
+    ``every_s`` seconds over its uplink: the uplink carries both, so the pipeline gets what the rings leave
+    of it on average (``rate`` when that is enough)."""
+    if not every_s > 0:
+        return rate
+    k = len(lay.order)
+    for j, n in enumerate(lay.order):
+        per_mb = (p.act[lay.bounds[j + 1]] if j < k - 1 else 0.0) + (p.grad[lay.bounds[j]] if j > 0 else 0.0)
+        if per_mb > 0 and ring_bytes[j] > 0:
+            left = float(p.uplink[n]) - ring_bytes[j] / every_s
+            rate = min(rate, max(0.0, left) / per_mb)
+    return rate
 
 
 def averaging_round_s(p: Problem, layouts: Sequence[Layout]) -> float:

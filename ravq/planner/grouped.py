@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ravq.config.averaging import AveragingConfig
-from ravq.planner.cost import Layout, averaging_round_s, cluster_rate, ring_bandwidth, score
+from ravq.planner.cost import Layout, averaging_round_s, cluster_rate, ring_bandwidth, score, shared_rate
 from ravq.planner.groups import Mode, groups_for, rounds_to_mix
 from ravq.planner.pacing import Schedule, link_every, link_groups, round_steps, rounds_until_mixed
 from ravq.planner.problem import INF, Problem
@@ -43,6 +43,9 @@ MAX_EVERY = 16
 """Pacing by link: a cluster whose averaging would take more rounds than this is not kept for it."""
 MIX_ROUNDS = 3
 """Groups mode only with a grid of at most this many axes: every cluster mixes with every other within it."""
+STEP_PERIODS = 2
+"""Paced by rate and link, a cluster whose optimizer step takes longer than this many round periods is not
+planned: it would take part in a round at most every few, holding a share of under half a step."""
 LINK_ROUNDS = 6
 """Pacing by link: the score walks this many times the largest k rounds of each epoch's schedule."""
 
@@ -211,16 +214,20 @@ def link_every_of(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -
         link = ring_bandwidth(p, lay, list(p.bw_sym[list(lay.order)][:, others].max(axis=1)))
         held = [p.param_span[lay.bounds[j], lay.bounds[j + 1]] for j in range(len(lay.order))]
         return max(factor * h / b if b > 0 else INF for h, b in zip(held, link))
-    parts = [part_s(lay) for lay in layouts]
-    every = tuple(min(link_every(t, p.sync_every / top), MAX_EVERY + 1) if t < INF else MAX_EVERY + 1
+    # rounds by time: a cluster slower than an optimizer step a period takes part when a step of it ends
+    # (one whose step outlasts STEP_PERIODS periods is too slow to plan: a tiny share, always stale)
+    period = p.sync_every / top
+    steps_s = [p.update_every / r if r > 0 else INF for r in rates]
+    parts = [max(part_s(lay), t) if t <= STEP_PERIODS * period else INF for lay, t in zip(layouts, steps_s)]
+    every = tuple(min(link_every(t, period), MAX_EVERY + 1) if t < INF else MAX_EVERY + 1
                   for t in parts)
     if max(every) <= 1 or max(every) > MAX_EVERY or min(every) > 1:  # all slow: a longer sync_every, not this
         return None
-    if grouped:
-        mixed = rounds_until_mixed(lambda r, t, j: link_groups(0, r, t, "groups", averaging.group_size, j),
-                                   range(len(layouts)), every, limit=MIX_ROUNDS * max(every) + 1)
-        if mixed is None or -(-mixed // max(every)) > MIX_ROUNDS:
-            return None
+    mode: Mode = "groups" if grouped else "global"  # global rings too: a slow taker's span idles its ring
+    mixed = rounds_until_mixed(lambda r, t, j: link_groups(0, r, t, mode, averaging.group_size, j),
+                               range(len(layouts)), every, limit=MIX_ROUNDS * max(every) + 1)
+    if mixed is None or -(-mixed // max(every)) > MIX_ROUNDS:
+        return None
     return replace(averaging, every=every)
 
 
@@ -253,10 +260,13 @@ def _linked_score(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -
                 for c in g:
                     slack = (plan.span[c] - 1) * period + lead_s if p.overlap_averaging else 0.0
                     held[c] += max(0.0, ring[g] - slack)
-    live_rates = [rates[c] for c in live]
-    steps = paced_shares(p, live_rates)
-    return p.micro_batch * sum(steps) / max(period + max(held.values()) / (GRID_EPOCHS * rounds),
-                                            _longest_share_s(steps, live_rates))
+    factor = p.ring_factor(size if mode == "groups" else len(live))
+    trained = 0.0
+    for c in live:  # rounds by time: each trains on at its rate, less what its rings take of its uplinks
+        lay = layouts[c]
+        ring_bytes = [factor * p.param_span[lay.bounds[j], lay.bounds[j + 1]] for j in range(len(lay.order))]
+        trained += shared_rate(p, lay, rates[c], ring_bytes, every[c] * period)
+    return p.micro_batch * trained * period / (period + max(held.values()) / (GRID_EPOCHS * rounds))
 
 
 def round_of(p: Problem, layouts: Sequence[Layout], averaging: Averaging) -> float:

@@ -35,6 +35,10 @@ from ravq.planner.types import BlockProfile, NodeProfile, PlanError, Wire
 
 SWAP_POOL = 48
 """Pools up to this many clusters also try swapping a kept cluster for a left-out one."""
+TIER_RATIO = 3.0
+"""PCs whose uplinks are within this factor of each other are planned together (``uplink_tiers``)."""
+PASSES = 4
+"""``make_plan`` runs on each region's tier, then on what it left, up to this many times (``_passes``)."""
 
 
 def regional_plan(nodes: Sequence[NodeProfile], regions: Sequence[str], blocks: Sequence[BlockProfile], *,
@@ -56,16 +60,47 @@ def regional_plan(nodes: Sequence[NodeProfile], regions: Sequence[str], blocks: 
     }
     parts: list[list[ClusterPlan]] = []
     for region in dict.fromkeys(regions):
-        members = [n for n, r in zip(nodes, regions) if r == region]
-        try:
-            parts.append(list(make_plan(members, blocks, effort=effort, **settings)[0].clusters))
-        except PlanError:
-            continue
+        for tier in uplink_tiers([n for n, r in zip(nodes, regions) if r == region]):
+            parts += _passes(tier, blocks, effort, settings)
     if not parts:
         raise PlanError("no region's PCs can hold the model")
     chosen, value, averaging = best_subset(parts, nodes, blocks, **settings)
     return Plan(epoch=0, clusters=chosen, predicted_samples_per_s=value,
                 averaging=averaging_config(averaging))
+
+
+def uplink_tiers(nodes: Sequence[NodeProfile]) -> list[list[NodeProfile]]:
+    """``nodes`` by uplink (a node's fastest measured link), fastest first, in tiers whose uplinks are within
+    ``TIER_RATIO`` of the tier's fastest: a PC behind a slow uplink bottlenecks any pipeline it joins, so it
+    forms clusters with its like (the design's clusters of similar link speeds)."""
+    def uplink(n: NodeProfile) -> float:
+        return max(n.bandwidth_bytes_per_s.values(), default=math.inf)
+    tiers: list[list[NodeProfile]] = []
+    for n in sorted(nodes, key=lambda n: -uplink(n)):
+        if tiers and uplink(n) * TIER_RATIO >= uplink(tiers[-1][0]):
+            tiers[-1].append(n)
+        else:
+            tiers.append([n])
+    return tiers
+
+
+def _passes(nodes: Sequence[NodeProfile], blocks: Sequence[BlockProfile], effort: float,
+            settings: dict[str, Any]) -> list[list[ClusterPlan]]:
+    """``make_plan``'s clusters of ``nodes``, then of the PCs it left, up to ``PASSES`` times: the clusters a
+    region's best plan leaves out can still add samples beside the others (each pass's clusters disjoint)."""
+    parts: list[list[ClusterPlan]] = []
+    left = list(nodes)
+    for _ in range(PASSES):
+        try:
+            clusters = list(make_plan(left, blocks, effort=effort, **settings)[0].clusters)
+        except PlanError:
+            break
+        parts.append(clusters)
+        used = {name for c in clusters for name in c.nodes}
+        left = [n for n in left if n.name not in used]
+        if not left:
+            break
+    return parts
 
 
 def best_subset(
