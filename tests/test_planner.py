@@ -418,3 +418,17 @@ def test_ravnest_plan_is_seeded_and_scored_by_the_same_model() -> None:
     assert ours.predicted_samples_per_s is not None and first.predicted_samples_per_s is not None
     assert ours.predicted_samples_per_s >= first.predicted_samples_per_s
     assert math.isfinite(ex.samples_per_s)
+
+
+def test_max_clusters_bounds_every_plan_the_search_considers() -> None:
+    """``max_clusters`` is a bound, not a hint: six PCs each able to hold the model train as six clusters
+    when free, as at most two when told.  (The one-cluster-per-PC candidate used to reach the result
+    whatever the bound.)"""
+    names = [f"n{i}" for i in range(6)]
+    links = mesh(names, 1e9)
+    nodes = [node(n, 1e12, 8, links[n], latency_s=0.001) for n in names]
+    blocks = [block(f"b{i}", 1e11, 0.5, act=1 << 16, param=1 << 20) for i in range(4)]
+    free = make_plan(nodes, blocks, micro_batch=4, sync_every=100)[0]
+    assert len(free.clusters) > 2
+    bounded = make_plan(nodes, blocks, micro_batch=4, sync_every=100, max_clusters=2)[0]
+    assert 1 <= len(bounded.clusters) <= 2

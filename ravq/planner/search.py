@@ -345,7 +345,8 @@ def explore(search: Search) -> list[tuple[float, Clusters]]:
                 clusters = search.construct(pool, count, style)
                 screened[tuple(clusters)] = search.value(clusters)
         for clusters in (search.fill(pool), search.ladder(pool)):
-            screened[tuple(clusters)] = search.value(clusters)
+            if len(clusters) <= search.max_clusters:  # ``max_clusters`` holds for every candidate
+                screened[tuple(clusters)] = search.value(clusters)
     ranked = sorted(((v, list(c)) for c, v in screened.items()), key=lambda r: (-r[0], r[1]))
     results = ranked[:1]
     for i, (_, clusters) in enumerate(ranked):
