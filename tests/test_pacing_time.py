@@ -193,18 +193,3 @@ def test_a_step_spanning_many_rounds_tells_its_peers_of_the_newest_few_only() ->
     clock.t = 20.5
     assert rounds.step(7, period_s=1.0) == 19 and list(rounds.skipped) == [16, 17, 18]
 
-
-def test_by_time_each_simulated_cluster_trains_its_share_of_the_time_not_at_least_a_step_a_round() -> None:
-    """Rounds by time: the simulator gives each cluster ``steps`` x its rate / the fastest's micro-batches, in
-    whole optimizer steps (at least one), so all train about as long.  By steps a share is at least a step a
-    round, so a cluster at a twentieth of the fastest's rate trained twice its part and the run lasted
-    twice as long; without a period nothing changes."""
-    from ravq.simulate import Settings
-
-    by_steps = Settings(steps=1000, sync_every=10, update_every=5, round_steps=(10, 1))
-    assert by_steps.cluster_micro_batches([10, 1]) == [1000, 100]
-    timed = Settings(steps=1000, sync_every=10, update_every=5, round_steps=(10, 1), round_period_s=30.0,
-                     paced_rates=(40.0, 2.0))
-    assert timed.cluster_micro_batches([10, 1]) == [1000, 50]
-    assert Settings(steps=1000, sync_every=10, update_every=50, round_steps=(10, 1), round_period_s=30.0,
-                    paced_rates=(40.0, 0.4)).cluster_micro_batches([10, 1]) == [1000, 50]  # one step at least

@@ -18,6 +18,11 @@ rounds paced by steps or by rate (``ravq.planner.grouped``: paced by rate, a slo
 the others to its pace, so slow clusters are kept when they add samples), and the chosen clusters are
 re-cut so that nodes behind slow links to the other clusters hold small stages.  The plan says which
 averaging it was scored with (``Plan.averaging``).
+
+Each region is planned by uplink tier (``uplink_tiers``: a PC behind a slow uplink bottlenecks any pipeline
+it joins, so it forms clusters with its like), and again on the PCs each plan left (``_passes``): the best
+plan of a region's fast PCs leaves out PCs that can still add samples in clusters of their own, paced by
+rate and link (issue #38: at 1,024 PCs, 152 PCs train instead of 90).
 """
 
 from __future__ import annotations

@@ -76,8 +76,9 @@ class Simulation:
         self.seg_index = {id(seg): i for i, seg in enumerate(world.segments)}
         self.period = list(s.round_steps or [s.sync_every] * len(self.clusters))
         """Per cluster, optimizer steps between its rounds (rate pacing: ``ravq.planner.pacing``)."""
-        self.cluster_steps = s.cluster_micro_batches(self.period)
-        """Per cluster, micro-batches it trains (``Settings.cluster_micro_batches``)."""
+        self.cluster_steps = [max(1, round(s.steps * p / s.sync_every)) for p in self.period]
+        """Per cluster, micro-batches it trains: ``steps``, or under rate pacing its share of as many
+        rounds."""
 
     # ------------------------------------------------------------------ running
     def run(self, until: float = INF) -> None:

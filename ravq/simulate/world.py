@@ -90,12 +90,6 @@ class Settings:
     round_period_s: float | None = None
     """Rate pacing by time (``AveragingConfig.period_s``): round k is ended by a node's first step once
     (k + 1) x this many seconds have passed since its first step in the plan epoch; None: ``round_steps``."""
-    paced_rates: tuple[float, ...] | None = None
-    """Rate pacing by time: per cluster, the plan's predicted rate.  Rounds then fall due by the clock, not by
-    steps, so each cluster trains ``steps`` x its rate / the fastest's micro-batches (whole optimizer steps,
-    at least one): every cluster trains for about as long as the others, however few steps that is a round
-    (by steps, a share is at least one optimizer step a round, and a cluster slower than that trains on
-    after the others end)."""
     every: tuple[int, ...] | None = None
     """Per cluster, pacing by link (``ravq.planner.pacing``): it takes part in every k-th round only, the
     others' groups formed without it; None: every round."""
@@ -152,15 +146,6 @@ class Settings:
                     f"{name}: wire bytes per float32 byte must be in (0, 1], got {getattr(self, name)}"
                 )
 
-    def cluster_micro_batches(self, period: list[int]) -> list[int]:
-        """Per cluster, micro-batches it trains: ``steps``, or under rate pacing its share of as many rounds
-        (``period``: its optimizer steps a round), or by time its share of as much time (``paced_rates``)."""
-        by_steps = [max(1, round(self.steps * p / self.sync_every)) for p in period]
-        if self.paced_rates is None or not max(self.paced_rates, default=0.0) > 0:
-            return by_steps
-        top, u = max(self.paced_rates), self.update_every
-        return [max(1, round(self.steps * r / top / u)) * u if r > 0 else n
-                for r, n in zip(self.paced_rates, by_steps, strict=True)]
 
 
 def averaging_settings(settings: Settings, averaging: AveragingConfig) -> Settings:
@@ -170,7 +155,6 @@ def averaging_settings(settings: Settings, averaging: AveragingConfig) -> Settin
     return replace(settings, averaging_mode=averaging.mode, group_size=averaging.group_size,
                    round_steps=tuple(round_steps(settings.sync_every, averaging.rates)) if paced else None,
                    round_period_s=averaging.period_s if paced else None,
-                   paced_rates=tuple(averaging.rates) if paced and averaging.period_s else None,
                    every=None if averaging.every is None else tuple(averaging.every))
 
 @dataclass(kw_only=True, slots=True)
