@@ -66,6 +66,7 @@ def _training_settings(training: TrainingConfig, args: argparse.Namespace, seed:
         stale_correction=training.stale_correction,
         inflight_warmup_steps=training.inflight_warmup_steps,
         split_backward=training.schedule == "zero_bubble",
+        synchronous=training.schedule in ("sync", "zero_bubble"),
         meta_only=args.meta_only,
     )
 

@@ -11,7 +11,9 @@ them), the last holds one (its forward and backward are back to back).  Weight s
 still in flight besides the live weights (``ravq.stage.stash``); on a stale stage (every one but the last)
 weight prediction makes the current version's snapshot a copy too (made in the buffer of the last update,
 which a stage with tied copies keeps besides), and delay compensation keeps the last gradient
-(``ravq.stage.delay``); the last stage is never stale and holds neither.  An optimizer
+(``ravq.stage.delay``); the last stage is never stale and holds neither.  Under a synchronous schedule
+(``sync``, ``zero_bubble``) no stage is stale, and one without tied copies steps with nothing in flight, so
+it holds no copy at all (``MemorySettings.synchronous``).  An optimizer
 with state also makes a parameter-sized temporary per step (torch's ``foreach`` implementations: Adam's
 square roots of its second moments), counted with its state.  bench_check_memory.py compares the result
 with a 1x4 run's measured peaks.
@@ -55,6 +57,11 @@ class MemorySettings:
     inflight_warmup_steps: int = 0
     """With ``update_every``: whether an Adam-family stage keeps compensation's last gradient
     (``ravq.stage.delay.compensates``: not under PipeNAG after the warm-up)."""
+    synchronous: bool = False
+    """``training.schedule: sync`` or ``zero_bubble``: no gradient is ever stale, so no stage keeps
+    prediction's or compensation's copies, and a stage without tied copies steps with nothing in flight, so
+    its forwards' snapshot is the live weights (``WeightStash.before_change``); one with tied copies (whose
+    tied steps change the weights mid-update) is counted as before."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -214,9 +221,10 @@ def estimate(
         inflight = 1 if spec.index == stages - 1 else settings.max_inflight
         split = settings.split_graphs if spec.index > 0 and not spec.tied else 0
         state = optimizer_bytes(task.make_optimizer, params, report)
-        copies = max(0, inflight - 1)
-        # the last stage is never stale, and without a momentum neither mechanism runs: none holds anything
-        stale = inflight > 1
+        copies = 0 if settings.synchronous and not spec.tied else max(0, inflight - 1)
+        # the last stage is never stale, nor is any under a synchronous schedule, and without a momentum
+        # neither mechanism runs: none holds anything
+        stale = inflight > 1 and not settings.synchronous
         predicts, compensated = _forecasts(task.make_optimizer, params, settings) if stale else (False, False)
         if settings.predict_weights > 0 and predicts:
             # the current version's snapshot is a copy, made in the last update's buffer; with tied copies

@@ -49,6 +49,8 @@ class CheckSettings:
     """With ``update_every``: which stale stages keep compensation's last gradient (``MemorySettings``)."""
     split_backward: bool = False
     """``training.schedule: zero_bubble``: graphs kept for deferred weight passes count (``update_every``)."""
+    synchronous: bool = False
+    """``training.schedule: sync`` or ``zero_bubble``: nothing stale, no stash copies (``MemorySettings``)."""
     evaluate: bool = True
     """Check the eval graphs (when the task has ``eval_batches``)."""
     placed: list[PlacedMemory] = field(default_factory=list)
@@ -127,6 +129,7 @@ def _run(spec: str, settings: CheckSettings, report: Report) -> None:
         update_every=settings.update_every,
         stale_correction=settings.stale_correction,
         inflight_warmup_steps=settings.inflight_warmup_steps,
+        synchronous=settings.synchronous or settings.split_backward,
         split_graphs=settings.update_every if settings.split_backward else 0,
         runtime_bytes=runtime,
     )
