@@ -20,10 +20,12 @@ def _task() -> SimpleNamespace:
     return task
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_a_synchronous_stage_keeps_no_copy_of_its_weights_or_gradients(split: bool) -> None:
+@pytest.mark.parametrize(("split", "tied"), [(False, False), (True, False), (False, True)])
+def test_a_synchronous_stage_keeps_no_copy_of_its_weights_or_gradients(split: bool, tied: bool) -> None:
+    """Also a model whose first and last stages hold copies of a tied weight (``tests.zoo.tied``, threads)."""
     from ravq.stage.stash import WeightStash
-    from tests.pipeline_harness import make_workers, run_in_order
+    from tests import zoo
+    from tests.pipeline_harness import make_workers, run_in_order, run_workers
 
     copied: list[bool] = []
     before_change = WeightStash.before_change
@@ -34,13 +36,14 @@ def test_a_synchronous_stage_keeps_no_copy_of_its_weights_or_gradients(split: bo
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(WeightStash, "before_change", spy)
-        workers = make_workers(_task(), 2, steps=16, max_inflight=4, update_every=4, predict_weights=2.0,
-                               extrapolate_gradients=2.0, stale_correction="auto", synchronous=True,
-                               split_backward=split)
-        run_in_order(workers)
-    first = workers[0].forward_weights
-    assert len(copied) >= 4 and not any(copied)
-    assert first.last_update is None and not first.extrapolation.previous
+        workers = make_workers(zoo.tied if tied else _task(), 3 if tied else 2, steps=24, max_inflight=4,
+                               update_every=4, predict_weights=2.0, extrapolate_gradients=2.0,
+                               stale_correction="auto", synchronous=True, split_backward=split)
+        (run_workers if tied else run_in_order)(workers)
+    assert not tied or workers[0].tied is not None
+    assert len(copied) >= 6 and not any(copied)
+    for worker in workers:
+        assert worker.forward_weights.last_update is None and not worker.forward_weights.extrapolation.previous
 
 
 def test_ravq_check_counts_no_stashed_copy_under_a_synchronous_schedule() -> None:

@@ -12,8 +12,8 @@ still in flight besides the live weights (``ravq.stage.stash``); on a stale stag
 weight prediction makes the current version's snapshot a copy too (made in the buffer of the last update,
 which a stage with tied copies keeps besides), and delay compensation keeps the last gradient
 (``ravq.stage.delay``); the last stage is never stale and holds neither.  Under a synchronous schedule
-(``sync``, ``zero_bubble``) no stage is stale, and one without tied copies steps with nothing in flight, so
-it holds no copy at all (``MemorySettings.synchronous``).  An optimizer
+(``sync``, ``zero_bubble``) no stage is stale, and each steps with nothing in flight, so it holds no copy
+at all (``MemorySettings.synchronous``).  An optimizer
 with state also makes a parameter-sized temporary per step (torch's ``foreach`` implementations: Adam's
 square roots of its second moments), counted with its state.  bench_check_memory.py compares the result
 with a 1x4 run's measured peaks.
@@ -59,9 +59,9 @@ class MemorySettings:
     (``ravq.stage.delay.compensates``: not under PipeNAG after the warm-up)."""
     synchronous: bool = False
     """``training.schedule: sync`` or ``zero_bubble``: no gradient is ever stale, so no stage keeps
-    prediction's or compensation's copies, and a stage without tied copies steps with nothing in flight, so
-    its forwards' snapshot is the live weights (``WeightStash.before_change``); one with tied copies (whose
-    tied steps change the weights mid-update) is counted as before."""
+    prediction's or compensation's copies, and a stage steps (its tied steps too: every forward waits for
+    them) with nothing in flight, so its forwards' snapshot is the live weights
+    (``WeightStash.before_change``)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -221,7 +221,7 @@ def estimate(
         inflight = 1 if spec.index == stages - 1 else settings.max_inflight
         split = settings.split_graphs if spec.index > 0 and not spec.tied else 0
         state = optimizer_bytes(task.make_optimizer, params, report)
-        copies = 0 if settings.synchronous and not spec.tied else max(0, inflight - 1)
+        copies = 0 if settings.synchronous else max(0, inflight - 1)
         # the last stage is never stale, nor is any under a synchronous schedule, and without a momentum
         # neither mechanism runs: none holds anything
         stale = inflight > 1 and not settings.synchronous
