@@ -36,9 +36,10 @@ class AveragingConfig(UserModel):
     weigh each cluster's samples.  None: each cluster's share of ``sync_every`` steps."""
     every: list[int] | None = None
     """Per cluster of the plan, pacing by link: it takes part in every ``every[c]``-th round of an epoch only
-    (round r when r % k == 0; ``ravq.planner.pacing``), for a cluster whose round of averaging outlasts the
-    round period (a slow uplink); the others form their groups without it and it mixes with its samples since
-    its last mix.  The planner records it beside ``rates``; a user may state it.  None: every round."""
+    (round r when r % k == k - 1, after k rounds of training: ``ravq.planner.pacing.takes_part``), for a
+    cluster whose round of averaging outlasts the round period (a slow uplink); the others form their groups
+    without it and it mixes with its samples since its last mix.  The planner records it beside ``rates``; a
+    user may state it.  None: every round."""
 
     @model_validator(mode="after")
     def _every(self) -> AveragingConfig:
