@@ -3,7 +3,7 @@ each a small swarm of real node processes training ``tests.matrix_task``.
 
 ``by_time`` paces the two clusters' rounds by the clock (``averaging.period_s``, rate pacing): its cells must
 train, learn and recover as the others (whether a round completes in a run of 48 micro-batches with a kill
-depends on timing, so it is not asserted: 1 of 3 runs of a standby cell had none).
+depends on timing, so it is not asserted: 2 of 3 runs of a standby cell had none).
 
 A fourteenth feature, ``sync``, is the mode: a sync cell (``max_inflight`` 1, averaging every step, so
 never with int8 compression, a kill or a standby) must end with each cluster's export equal to one
