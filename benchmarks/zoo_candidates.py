@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ravq.stage.optim import adam_denominator
+from ravq.stage.optim import adam_denominator, adam_moments
 from ravq.stage.pipeline import StageWorker
-from ravq.stage.pipenag import decoupled_decay, is_adam, delayed_momentum
+from ravq.stage.pipenag import decoupled_decay, delayed_momentum, is_adam
 
 
 @torch.no_grad()
@@ -35,22 +35,8 @@ def split_adam_step(optimizer: torch.optim.Optimizer, raw: dict[int, torch.Tenso
         for p in group["params"]:
             if p.grad is None:
                 continue
-            grad, second = p.grad, raw.get(id(p), p.grad)
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if wd:
-                if decoupled:
-                    p.mul_(1 - lr * wd)
-                else:
-                    grad, second = grad.add(p, alpha=wd), second.add(p, alpha=wd)
-            state["step"] += 1
-            t = float(state["step"])
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(grad, 1 - gamma)
-            exp_avg_sq.mul_(beta2).addcmul_(second, second, value=1 - beta2)
+            t, grad, exp_avg, exp_avg_sq = adam_moments(optimizer.state[p], p, lr=lr, wd=wd, decoupled=decoupled,
+                                                        beta1=gamma, beta2=beta2, second=raw.get(id(p)))
             denom = adam_denominator(exp_avg, exp_avg_sq, 1 - gamma ** t, 1 - beta2 ** t, eps, clusters)
             if lookahead:
                 p.addcdiv_(grad, denom, value=-lr * (1 - gamma) / (1 - gamma ** t))

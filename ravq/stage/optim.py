@@ -41,12 +41,14 @@ def global_second_moment(m_hat: torch.Tensor, v_hat: torch.Tensor, clusters: flo
 
 
 def adam_moments(state: dict, p: torch.Tensor, *, lr: float, wd: float, decoupled: bool, beta1: float,
-                 beta2: float) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 beta2: float, second: torch.Tensor | None = None
+                 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bookkeeping every Adam-family step here shares, for one parameter with a gradient: its state made
     on first use, weight decay (decoupled: the weight shrinks; else added to the gradient), the step
     counted and both moments moved (the first with ``beta1``).  Returns the step, the gradient with weight
-    decay, and the two moments."""
+    decay, and the two moments.  ``second``: a gradient for the second moment alone (None: ``p.grad``)."""
     grad = p.grad
+    sq = grad if second is None else second
     if not state:
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -56,10 +58,11 @@ def adam_moments(state: dict, p: torch.Tensor, *, lr: float, wd: float, decouple
             p.mul_(1 - lr * wd)
         else:
             grad = grad.add(p, alpha=wd)
+            sq = grad if second is None else sq.add(p, alpha=wd)
     state["step"] += 1
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
     exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg_sq.mul_(beta2).addcmul_(sq, sq, value=1 - beta2)
     return float(state["step"]), grad, exp_avg, exp_avg_sq
 
 
