@@ -105,10 +105,16 @@ def cluster_rate(p: Problem, lay: Layout, clusters: int = 1) -> float:
 def pipeline_bytes_per_s(p: Problem, lay: Layout) -> list[float]:
     """Per stage of ``lay``, the bytes/s its node sends down the pipeline at the cluster's rate (activations
     to the next stage, gradients to the previous): the part of its uplink that rings cannot have."""
-    rate, k = cluster_rate(p, lay), len(lay.order)
-    ahead = [p.act[lay.bounds[j + 1]] if j < k - 1 else 0.0 for j in range(k)]
-    back = [p.grad[lay.bounds[j]] if j > 0 else 0.0 for j in range(k)]
-    return [rate * (a + b) for a, b in zip(ahead, back)]
+    rate = cluster_rate(p, lay)
+    return [rate * b for b in _sent_per_micro_batch(p, lay)]
+
+
+def _sent_per_micro_batch(p: Problem, lay: Layout) -> list[float]:
+    """Per stage of ``lay``, the bytes its node sends down the pipeline a micro-batch: its activation to the
+    next stage and its gradient to the previous."""
+    k = len(lay.order)
+    return [(p.act[lay.bounds[j + 1]] if j < k - 1 else 0.0) + (p.grad[lay.bounds[j]] if j > 0 else 0.0)
+            for j in range(k)]
 
 
 def ring_bandwidth(p: Problem, lay: Layout, links: Sequence[float]) -> list[float]:
@@ -135,9 +141,7 @@ def shared_rate(p: Problem, lay: Layout, rate: float, ring_bytes: Sequence[float
     of it on average (``rate`` when that is enough)."""
     if not every_s > 0:
         return rate
-    k = len(lay.order)
-    for j, n in enumerate(lay.order):
-        per_mb = (p.act[lay.bounds[j + 1]] if j < k - 1 else 0.0) + (p.grad[lay.bounds[j]] if j > 0 else 0.0)
+    for j, (n, per_mb) in enumerate(zip(lay.order, _sent_per_micro_batch(p, lay), strict=True)):
         if per_mb > 0 and ring_bytes[j] > 0:
             left = float(p.uplink[n]) - ring_bytes[j] / every_s
             rate = min(rate, max(0.0, left) / per_mb)
