@@ -56,10 +56,7 @@ def _allowed(row: Row) -> bool:
     faulty_or_lossy = row.get("int8") or row.get("resume") or row.get("standby")
     # rounds by time (rate pacing with ``averaging.period_s``) need clusters to pace and are not one process
     timed = not (row.get("by_time") and (row.get("two_clusters") is False or row.get("sync")))
-    # known bug (session 10): clip_grad_norm leaves tied copies out of the global norm and their tied step
-    # unclipped, so sync + tied + clip is not one process (0.098 off on the tied weight); async cells keep it
-    tied_clip = not (row.get("sync") and row.get("tied") and row.get("clip"))
-    return one_fault and not (row.get("sync") and faulty_or_lossy) and timed and tied_clip
+    return one_fault and not (row.get("sync") and faulty_or_lossy) and timed
 
 
 CELLS = all_pairs(FEATURES, _allowed)

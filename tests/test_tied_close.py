@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ravq.cut.tied import TiedGroup
-from ravq.stage.tied_step import DELTA, FIN, GRAD, SET, TiedExchange, TiedStep
+from ravq.stage.tied_stage import TiedStep
+from ravq.stage.tied_step import DELTA, FIN, GRAD, SET, TiedExchange
 
 
 class _Outbox:

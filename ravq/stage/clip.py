@@ -66,6 +66,17 @@ class HeldStep:
     """The versions the step's micro-batches' forwards ran at (for staleness)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """How a stage applied one step: the clipping factor, whether the step's global norm was finite (else it
+    was skipped), and the learning rates of its optimizer's groups (what the tied step of the same step runs
+    at, ``ravq.stage.tied_step``; empty: whatever they are)."""
+
+    factor: float = 1.0
+    finite: bool = True
+    lrs: tuple[float, ...] = ()
+
+
 def squared_norm(grads: dict[str, torch.Tensor | None]) -> float:
     """Sum of squares of every gradient (inf/nan when one overflowed): each tensor's norm in float32, as
     ``clip_grad_norm_`` takes it, summed in float64, with one device sync."""
@@ -165,10 +176,12 @@ class NormExchange:
         with self.lock:
             return self.scales.pop(index, None)
 
-    def hold(self, index: int, grads: dict[str, torch.Tensor | None], versions: list[int]) -> dict[str, Any]:
+    def hold(self, index: int, grads: dict[str, torch.Tensor | None], versions: list[int],
+             extra_sq: float = 0.0) -> dict[str, Any]:
         """Hold a finished step's gradients; returns the backward messages' fields (this stage's squared
-        norm with its consumers'); on stage 0 also learns the step's global norm."""
-        own = squared_norm(grads)
+        norm, with ``extra_sq`` (tied weights it counts), and its consumers'); on stage 0 also learns the
+        step's global norm."""
+        own = squared_norm(grads) + extra_sq
         self.held[index] = HeldStep(grads, versions)
         self.held.move_to_end(index)
         with self.lock:
@@ -190,6 +203,11 @@ class NormExchange:
                     break
                 out.append((index, self.held.pop(index), self.totals[index]))
         return out
+
+    def total(self, step: int) -> float | None:
+        """The global squared norm of the step named ``step``, if known."""
+        with self.lock:
+            return self.totals.get(step)
 
     def norms_meta(self) -> list[list[Any]]:
         """The global norms this stage knows, for its forward messages."""

@@ -34,7 +34,7 @@ from ravq.stage.tensors import (
     targets_of,
     to_device,
 )
-from ravq.stage.tied_step import TiedStep
+from ravq.stage.tied_stage import TiedStep
 from ravq.stage.types import MicroBatch, StageOptions
 
 
@@ -120,6 +120,15 @@ class Passes:
                                       self._recipe.forward_meta()))
 
     def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any, emit: Emit) -> None:
+        t1, due = self._last_passes(mb, inputs, targets, emit)
+        if due:  # after the passes' frames let go of the micro-batch (see ``backward``)
+            self._updated()
+        self._account("backward", t1)
+
+    def _last_passes(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any,
+                     emit: Emit) -> tuple[float, bool]:
+        """The last stage's forward, loss and backward; when its backward began, and whether an update is
+        due."""
         clock = self._timer.clock
         t0 = clock()
         self.run_module(mb, inputs)
@@ -132,38 +141,54 @@ class Passes:
         self._account("forward", t0)
         self._stats.record_loss(float(loss.detach()))
         t1 = clock()
-        self.backward_from(mb, stash, [self._recipe.after_loss(mb, loss, out, targets)], [None], emit)
-        self._account("backward", t1)
+        root = self._recipe.after_loss(mb, loss, out, targets)
+        return t1, self._backward_of(mb, stash, [root], [None], emit)
 
     def backward(self, mb: MicroBatch, parts: Parts, emit: Emit) -> None:
-        """The gradients of a micro-batch's outputs all arrived: its backward."""
+        """The gradients of a micro-batch's outputs all arrived: its backward, then the update it completes.
+
+        The update runs once the backward's frames have let go of the micro-batch: its outputs' graph holds
+        the weights its forward ran at (autograd's ``AccumulateGrad`` nodes keep their leaves), on a stale
+        stage a stage-sized copy that the step would otherwise hold besides the live weights, their
+        gradients and the copy it makes for the forwards still in flight (``WeightStash.before_change``)."""
         t0 = self._timer.clock()
+        if self._backward(mb, parts, emit):
+            self._updated()
+        self._account("backward", t0)
+
+    def _backward(self, mb: MicroBatch, parts: Parts, emit: Emit) -> bool:
         stash = self._state.stash[mb]
         grads = output_grads(parts, stash.outputs, self._place.device)
         if self.guard.due(self._state.version - stash.version):
             self._sample_guard(stash, grads)
         pairs = [(o, g) for o, g in zip(stash.outputs, grads) if g is not None and o.requires_grad]
-        self.backward_from(mb, stash, [o for o, _ in pairs], [g for _, g in pairs], emit)
-        self._account("backward", t0)
+        return self._backward_of(mb, stash, [o for o, _ in pairs], [g for _, g in pairs], emit)
 
     def backward_from(self, mb: MicroBatch, stash: Stashed, roots: list[torch.Tensor],
                       root_grads: list[torch.Tensor | None], emit: Emit) -> None:
         """Backward of ``roots`` (weighted by ``root_grads``) at the stashed weights; the input-gradients
         to their producers; the update, when this backward completes one.  Split (``zero_bubble``): the
-        input pass now and its weight pass deferred (``weights``), every one of them before the update."""
+        input pass now and its weight pass deferred (``weights``), every one of them before the update.
+        (The caller's ``stash`` and ``roots`` keep the micro-batch's weights through the update:
+        ``backward`` steps after its frames let go of them.)"""
+        if self._backward_of(mb, stash, roots, root_grads, emit):
+            self._updated()
+
+    def _backward_of(self, mb: MicroBatch, stash: Stashed, roots: list[torch.Tensor],
+                     root_grads: list[torch.Tensor | None], emit: Emit) -> bool:
+        """``backward_from`` but the update; whether one is due (its weight passes drained)."""
         due = len(self._grads.versions) + len(self._deferred) + 1 >= self._update_every
         clips = self._recipe.exchange is not None  # the step's norm goes upstream on its input-gradients
         if not self._split or self._recipe.scales_apart or (due and clips):
             self.drain()
-            self._whole(mb, stash, roots, root_grads, emit)
-            return
+            return self._whole(mb, stash, roots, root_grads, emit)
         grad_of, weight_pass = stash.input_gradients(roots, root_grads, reuse=self._reuse)
         self._reuse = self._reuse and not weight_pass.shared
         self._deferred.append((mb, stash, weight_pass))
         self._sent(mb, stash, grad_of, False, None, emit)
         if due:
             self.drain()
-            self._updated()
+        return due
 
     @property
     def deferred(self) -> int:
@@ -189,7 +214,7 @@ class Passes:
             self.weights()
 
     def _whole(self, mb: MicroBatch, stash: Stashed, roots: list[torch.Tensor],
-               root_grads: list[torch.Tensor | None], emit: Emit) -> None:
+               root_grads: list[torch.Tensor | None], emit: Emit) -> bool:
         if self._recipe.scales_apart:
             weight_grads, grad_of = stash.gradients(roots, root_grads)
             weight_grads, scale = self._recipe.unscale(mb, weight_grads)
@@ -199,8 +224,7 @@ class Passes:
             grad_of, scale = stash.gradients_into(roots, root_grads, self._weights.params), None
             due = self._grads.summed(stash.version)
         self._sent(mb, stash, grad_of, due, scale, emit)
-        if due:
-            self._updated()
+        return due
 
     def _sent(self, mb: MicroBatch, stash: Stashed, grad_of: dict[int, torch.Tensor | None], due: bool,
               scale: float | None, emit: Emit) -> None:
@@ -210,9 +234,10 @@ class Passes:
         if self._feed is not None and self._feed.complete(mb):
             stats.record_completed(mb[1])
         stats.record_inflight(len(state.stash))
+        tied_sq = 0.0
         if due and self._tied_step is not None:  # before the input-gradients: upstream holders need it first
-            self._tied_step.contribute()
-        meta = self._recipe.backward_meta(mb, due, scale)
+            tied_sq = self._tied_step.contribute(mb[1])
+        meta = self._recipe.backward_meta(mb, due, scale, tied_sq)
         for producer, tensors in input_grads(self._place.spec, stash.inputs, grad_of).items():
             emit(self._outbox.message("bwd", producer, mb, self.pack(tensors), meta))
         stats.record_backward(self._micro_batch)

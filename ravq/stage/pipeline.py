@@ -32,7 +32,7 @@ from torch import nn
 from ravq.codec.compress import Packed
 from ravq.cut.split import StageSpec
 from ravq.stage.arrivals import Arrivals
-from ravq.stage.delay import compensates, has_momentum
+from ravq.stage.delay import compensates, has_momentum, raw_second_moment
 from ravq.stage.feed import Batch, DataFeed, DataSource
 from ravq.stage.passes import Passes
 from ravq.stage.pipenag import uses_lookahead
@@ -42,7 +42,8 @@ from ravq.stage.stash import GradientSum, WeightStash, fresh_buffers
 from ravq.stage.state import Emit, OpTimer, Outbox, StagePlace, StageState
 from ravq.stage.stats import StageStats
 from ravq.stage.tensors import expected_forward, forward_sources
-from ravq.stage.tied_step import TiedExchange, TiedStep
+from ravq.stage.tied_stage import TiedStep
+from ravq.stage.tied_step import TiedExchange
 from ravq.stage.types import MicroBatch, StageOptions
 
 if TYPE_CHECKING:
@@ -93,7 +94,9 @@ class StageWorker:
             # Adam under PipeNAG after the warm-up: compensation would only shorten its steps (stage.delay)
             self.options = options = replace(options, extrapolate_gradients=0.0)
         extrapolate = options.extrapolate_gradients * stale
-        self.forward_weights = WeightStash(self.params, extrapolate, lookahead, reuse_update=not spec.tied)
+        raw_v = raw_second_moment(self.optimizer, lookahead, options.inflight_warmup_steps > 0)
+        self.forward_weights = WeightStash(self.params, extrapolate, lookahead, reuse_update=not spec.tied,
+                                           raw_second_moment=raw_v)
         self._grads = GradientSum(self.params, options.update_every)
         self._sched = Scheduler(forward_sources(spec, num_stages), spec.consumer_stages,
                                 4 * options.max_inflight + 4, clock,
@@ -106,6 +109,11 @@ class StageWorker:
         """Whether the process is giving up (set by ``run``); hooks that block check it."""
         every_name = dict(self.module.named_parameters(remove_duplicate=False))
         lag = 1 if options.synchronous else options.max_inflight  # 1: every forward sees every tied update
+        self.recipe = Recipe(options, place=self.place, state=self.state, optimizer=self.optimizer,
+                             params=self.params, buffers=self.buffers, grads=self._grads, loss_fn=loss_fn,
+                             stats=self.stats, outbox=self.outbox, timer=self._timer, feed=self._feed,
+                             step=self._step, submit=self._sched.submit)
+        """LR schedule, precision, clipping, evaluation, metrics (``ravq.stage.recipe``)."""
         tied = TiedExchange(spec.index, spec.tied, every_name, lag) if spec.tied else None
         self.tied = tied
         """This stage's copies of tied weights (``ravq.stage.tied_step``), or None."""
@@ -113,12 +121,9 @@ class StageWorker:
             self.tied, optimizer=self.optimizer, params=self.params, outbox=self.outbox,
             submit=self._sched.submit, before_change=self.before_weight_change,
             changed=self.forward_weights.invalidate, waited=self.waited,
-            should_abort=lambda: self.should_abort(), clock=clock)
-        self.recipe = Recipe(options, place=self.place, state=self.state, optimizer=self.optimizer,
-                             params=self.params, buffers=self.buffers, grads=self._grads, loss_fn=loss_fn,
-                             stats=self.stats, outbox=self.outbox, timer=self._timer, feed=self._feed,
-                             step=self._step, submit=self._sched.submit)
-        """LR schedule, precision, clipping, evaluation, metrics (``ravq.stage.recipe``)."""
+            should_abort=lambda: self.should_abort(), clock=clock,
+            factor=None if self.recipe.exchange is None else self.recipe.step_applied,
+            interrupted=lambda: self.should_abort() or self._sched.paused)
         self._arrivals = Arrivals(self.place, self.state, self._sched, self.recipe)
         self.passes = Passes(options, place=self.place, state=self.state, module=self.module,
                              buffers=self.buffers, weights=self.forward_weights, grads=self._grads,
@@ -372,6 +377,6 @@ class StageWorker:
         if self._grads.versions:
             self._grads.finish()
             if self.tied_step is not None:
-                self.tied_step.contribute()
+                self.tied_step.contribute()  # a last partial step: never clipped, as the stage's own
             self._step()
 

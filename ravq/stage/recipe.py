@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import logging
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ravq.config import TrainingConfig
-from ravq.stage.clip import NormExchange, clip_factor
+from ravq.stage.clip import Applied, NormExchange, clip_factor
 from ravq.stage.evaluate import Evaluator, Scoring
 from ravq.stage.feed import DataFeed
 from ravq.stage.lr import LRSchedule, ScheduleSpec, lr_lambda
@@ -116,16 +116,15 @@ class Recipe:
                                  "gradients back (it reads model inputs only), so its gradient norm cannot "
                                  "reach stage 0; cut the model elsewhere")
             self.exchange = NormExchange(place.spec.index, place.num_stages, 4 * options.max_inflight + 8)
-            if place.spec.tied:  # known gap: the copies' gradients leave the update before the norm is taken
-                log.warning("stage %d: clip_grad_norm/precision fp16 with tied weights: the tied copies' "
-                            "gradients are not in the global norm, and their tied step is neither clipped "
-                            "nor checked for overflow (docs/training.md)", place.spec.index)
         self._relay_norms = place.is_first and not place.is_last and options.max_inflight > 1
         self.loss_scale = LossScale() if self.precision == "fp16" and place.is_last else None
         self.grad_norm: float | None = None
         """The global gradient norm of the last step applied here (before clipping)."""
         self.applied: deque[tuple[int, float]] = deque(maxlen=1024)
         """(step, clipping factor) of the steps applied here, newest last (every stage's agree)."""
+        self._by_step: OrderedDict[int, Applied] = OrderedDict()
+        """The newest steps applied here, by name (for the tied steps that follow them)."""
+        self._by_step_limit = 4 * options.max_inflight + 8
         self._metric_sums: dict[str, float] = {}
         self._metric_count = 0
         self.train_metrics: dict[str, float] = {}
@@ -172,15 +171,17 @@ class Recipe:
         assert scale is not None, f"no loss scale for micro-batch {mb}"
         return {n: None if g is None else g / scale for n, g in grads.items()}, scale
 
-    def backward_meta(self, mb: MicroBatch, due: bool, scale: float | None) -> dict[str, Any]:
+    def backward_meta(self, mb: MicroBatch, due: bool, scale: float | None,
+                      tied_sq: float = 0.0) -> dict[str, Any]:
         """The fields of this micro-batch's backward messages; at the end of a step, holds its gradients
-        and adds this stage's squared norm."""
+        and adds this stage's squared norm (with ``tied_sq``: the tied weights it counts,
+        ``TiedStep.contribute``)."""
         meta: dict[str, Any] = {} if scale is None else {"ls": scale}
         if self.exchange is not None and due:
             grads = {n: p.grad for n, p in self._params.items()}
             for p in self._params.values():
                 p.grad = None
-            meta.update(self.exchange.hold(mb[1], grads, self._grads.take_versions()))
+            meta.update(self.exchange.hold(mb[1], grads, self._grads.take_versions(), tied_sq))
         return meta
 
     def step(self) -> None:
@@ -194,6 +195,11 @@ class Recipe:
         if self._relay_norms:
             self.send_tail(self._place.first_destinations())
         self.apply_ready()
+
+    def step_applied(self, step: int) -> Applied | None:
+        """How this stage applied the step named ``step``, once it has (None before): its tied step is scaled,
+        skipped and stepped at the same learning rates (``ravq.stage.tied_step``)."""
+        return self._by_step.get(step)
 
     def apply_ready(self) -> None:
         """Apply every held step whose global norm is known, in order, scaled by the clipping factor."""
@@ -210,6 +216,12 @@ class Recipe:
             self.grad_norm = math.sqrt(total_sq) if finite else math.inf
             if metrics is not None and finite:
                 metrics.grad_norm.set(self.grad_norm)
+            if self.lr is not None:
+                self.lr.apply(self._state.version)  # the step's rates, known before its tied step runs in it
+            lrs = tuple(float(g["lr"]) for g in self._optimizer.param_groups)
+            self._by_step[step] = Applied(coef, finite, lrs)
+            while len(self._by_step) > self._by_step_limit:
+                self._by_step.popitem(last=False)
             self._step(held.versions, not finite)
             for n, p in params.items():
                 p.grad = partial[n]

@@ -10,7 +10,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ravq.stage.tied_step import SEP, TiedExchange, TiedStep
+from ravq.stage.tied_stage import TiedStep
+from ravq.stage.tied_step import SEP, TiedExchange
 
 
 class TiedHolder(Protocol):

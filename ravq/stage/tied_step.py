@@ -22,6 +22,13 @@ before any forward or tied step, so copies loaded from different checkpoints or 
 node's end each holder sends ``fin`` after its last averaging round and waits for the others', so the last
 rounds' deltas reach every copy.  A forward's weights are stashed as before; a tied step only drops the
 cached snapshot, so the next forward copies the new weights.
+
+Clipping and fp16 (``ravq.stage.clip``): the global norm counts each tied weight once, by its summed
+gradient, as one process's ``clip_grad_norm_`` does.  The lowest holder of a group adds the squared norm of
+the sum of contribution j to its own when it finishes its step j (the other holders sent theirs before the
+backwards that reach it, so it waits only for messages in flight), and tied step j waits until the stage
+applied its own step j (which waited for the step's global norm): scaled by the same clipping factor,
+skipped like it on an overflow, at its learning rates.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch
 from torch import nn
 
 from ravq.cut.tied import TiedGroup
-from ravq.stage.state import Outbox
+from ravq.stage.clip import Applied, squared_norm
 
 GRAD, DELTA, SET, FIN = "g:", "d:", "s:", "fin"
 """Tensor names in a TIED message: prefixes of a contribution's gradient, of an averaging delta (by
@@ -44,6 +51,10 @@ SEP = "::"
 
 Send = Callable[[int, int, dict[str, torch.Tensor]], None]
 """send(dest stage, step, tensors)."""
+Factor = Callable[[int], Applied | None]
+"""The step named by a micro-batch index -> how the stage applied it (clipping factor, finite, learning
+rates), or None until it has (``Recipe.step_applied``)."""
+UNSCALED = Applied()
 
 
 class TiedExchange:
@@ -77,6 +88,12 @@ class TiedExchange:
         self.announced = False
         """Whether this stage sent its key copies (``restart``) since it started."""
         self._sets: dict[str, dict[str, torch.Tensor]] = {}
+        self.counted = [g for g in groups if min(g.holders) == stage]
+        """The groups whose summed gradient this stage counts in the global norm (their lowest holder)."""
+        self._names: dict[int, int | None] = {}
+        """This stage's step j -> the micro-batch index naming it (None: a last partial step, unclipped)."""
+        self._factors: dict[int, Applied] = {}
+        """Step j -> how the stage applied its own step j, once it has; until then no tied step j runs."""
 
     # ----------------------------------------------------------------- what arrives (event loop)
     def check(self, source: int, tensors: Mapping[str, Any]) -> str | None:
@@ -129,6 +146,8 @@ class TiedExchange:
             self.contributed = 0
             self.applied = {g.key: 0 for g in self.groups}
             self.synced = {g.key: g.key in g.names for g in self.groups}
+            self._names.clear()
+            self._factors.clear()
 
     def restart(self, optimizer: torch.optim.Optimizer, send: Send) -> None:
         """Training starts or starts again: send the copies (and optimizer state) this stage holds the key of
@@ -146,9 +165,9 @@ class TiedExchange:
                     send(dest, 0, tensors)
 
     # ----------------------------------------------------------------- compute thread
-    def contribute(self, send: Send) -> None:
+    def contribute(self, send: Send, name: int | None = None) -> int:
         """Take this step's gradients of the tied copies out of the stage's update and send them to the other
-        holders (once per step: a no-op until the stage's next step)."""
+        holders; ``name``: the micro-batch index naming the step (None: not clipped).  Returns the step."""
         step = self.contributed + 1
         own: dict[str, torch.Tensor] = {}
         for g in self.groups:
@@ -158,9 +177,27 @@ class TiedExchange:
         with self.cond:
             self._grads[(self.stage, step)] = own
             self.contributed = step
+            self._names[step] = name
         for dest in self.others:
             send(dest, step, {f"{GRAD}{g.key}": own[g.key].detach()
                               for g in self.groups if dest in g.holders})
+        return step
+
+    def counted_in(self, step: int) -> bool:
+        """Whether every holder's contribution ``step`` to the groups this stage counts is in."""
+        with self.cond:
+            return all(self._grads.get((h, step), {}).get(g.key) is not None
+                       for g in self.counted for h in g.holders)
+
+    def counted_norm(self, step: int) -> float:
+        """The squared norm of the summed contributions ``step`` of the groups this stage counts (each summed
+        in holder order, as the tied step sums them; a part not in counts as nothing)."""
+        sums: dict[str, torch.Tensor | None] = {}
+        with self.cond:
+            for g in self.counted:
+                parts = [t for h in g.holders if (t := self._grads.get((h, step), {}).get(g.key)) is not None]
+                sums[g.key] = _summed(parts, self.param[g.key].device) if parts else None
+        return squared_norm(sums)
 
     def defer_delta(self, deltas: Mapping[str, torch.Tensor], send: Send) -> None:
         """The primary's averaging deltas (by averaged name): every holder adds them after the tied step this
@@ -177,9 +214,10 @@ class TiedExchange:
                                if dest in self._group(n.split(SEP)[0]).holders})
 
     def apply_ready(self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter],
-                    before_change: Callable[[], None]) -> bool:
-        """Apply every tied step and delta whose parts are all in, in order (``before_change()`` first, once);
-        whether anything changed."""
+                    before_change: Callable[[], None], factor: Factor | None = None) -> bool:
+        """Apply every tied step and delta whose parts are all in (and, with ``factor``, whose step's global
+        norm is known), in order (``before_change()`` first, once); whether anything changed."""
+        self._learn_factors(factor)
         changed = False
         for g in self.groups:
             if not self.synced[g.key]:
@@ -194,14 +232,31 @@ class TiedExchange:
                     delta = _first(self._deltas, (g.key, self.applied[g.key]))
                     step = self.applied[g.key] + 1
                     parts = [self._grads.get((h, step), {}).get(g.key) for h in g.holders]
-                if delta is None and any(p is None for p in parts):
+                if delta is None and (any(p is None for p in parts) or step not in self._factors):
                     break
                 changed = changed or _call(before_change)
                 if delta is not None:
                     self._add_delta(g.key, delta, optimizer)
                     continue
-                self._step(g, parts, optimizer, params)  # type: ignore[arg-type]
+                self._step(g, parts, optimizer, params, self._factors[step])  # type: ignore[arg-type]
+        with self.cond:
+            done = min(self.applied.values())
+            for step in [s for s in self._factors if s <= done]:
+                del self._factors[step]
+                self._names.pop(step, None)
         return changed
+
+    def _learn_factors(self, factor: Factor | None) -> None:
+        """Note the factors of the steps contributed whose global norm is now known (asked while it is: the
+        stage's own step j reads the same norm, and a tied apply follows every step)."""
+        with self.cond:
+            for step in range(min(self.applied.values()) + 1, self.contributed + 1):
+                if step in self._factors:
+                    continue
+                name = self._names.get(step)
+                known = UNSCALED if factor is None or name is None else factor(name)
+                if known is not None:
+                    self._factors[step] = known
 
     def behind(self) -> bool:
         """Whether a forward must wait: a copy is more than ``lag`` tied steps behind this stage's own steps,
@@ -210,8 +265,13 @@ class TiedExchange:
 
     def primary_behind(self) -> bool:
         """Whether a group this stage is primary of has not applied the stage's own steps yet (the other
-        holders' contributions to them were sent before this stage's, so they are on their way)."""
-        return any(self.applied[g.key] < self.contributed for g in self.groups if g.primary == self.stage)
+        holders' contributions to them were sent before this stage's, so they are on their way), of those
+        whose global norm is known (a later one's comes with the step that needs it)."""
+        with self.cond:
+            known = min(self.applied.values())
+            while known < self.contributed and known + 1 in self._factors:
+                known += 1
+        return any(self.applied[g.key] < known for g in self.groups if g.primary == self.stage)
 
     def settled(self) -> bool:
         """Every step this stage contributed to is applied (at the end of training)."""
@@ -225,21 +285,29 @@ class TiedExchange:
         return next(g for g in self.groups if g.key == key)
 
     def _step(self, g: TiedGroup, parts: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-              params: Mapping[str, nn.Parameter]) -> None:
-        """Tied step ``applied + 1`` of group ``g``: the holders' gradients summed in holder order, through
-        the stage's optimizer with every other parameter's gradient held aside."""
-        p = self.param[g.key]
-        total = parts[0].detach().to(p.device).clone()
-        for part in parts[1:]:
-            total.add_(part.to(p.device))
-        others = {q: q.grad for q in params.values() if q is not p}
-        for q in others:
-            q.grad = None
-        p.grad = total
-        optimizer.step()
-        p.grad = None
-        for q, grad in others.items():
-            q.grad = grad
+              params: Mapping[str, nn.Parameter], how: Applied) -> None:
+        """Tied step ``applied + 1`` of group ``g``: the holders' gradients summed in holder order, scaled by
+        the step's clipping factor, through the stage's optimizer at the step's learning rates with every
+        other parameter's gradient held aside (skipped, as every stage's step is, when the step's global
+        norm overflowed)."""
+        if how.finite:
+            p = self.param[g.key]
+            total = _summed(parts, p.device)
+            if how.factor != 1.0:
+                total.mul_(how.factor)
+            others = {q: q.grad for q in params.values() if q is not p}
+            for q in others:
+                q.grad = None
+            p.grad = total
+            now = [group["lr"] for group in optimizer.param_groups]
+            for group, lr in zip(optimizer.param_groups, how.lrs):
+                group["lr"] = lr
+            optimizer.step()
+            for group, lr in zip(optimizer.param_groups, now):
+                group["lr"] = lr
+            p.grad = None
+            for q, grad in others.items():
+                q.grad = grad
         with self.cond:
             step = self.applied[g.key] + 1
             for h in g.holders:
@@ -281,81 +349,14 @@ def _first(deltas: dict[tuple[str, int], list[dict[str, torch.Tensor]]],
     return delta
 
 
+def _summed(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The contributions added in holder order, on ``device``."""
+    total = parts[0].detach().to(device).clone()
+    for part in parts[1:]:
+        total.add_(part.to(device))
+    return total
+
+
 def _call(fn: Callable[[], None]) -> bool:
     fn()
     return True
-
-
-# ----------------------------------------------------------------- the stage's side (``StageWorker``)
-class TiedStep:
-    """The stage's side of its tied weights: sends what its ``TiedExchange`` makes (TIED messages, through
-    the stage's outbox) and applies the tied steps whose parts are in (compute thread, unless it says
-    otherwise)."""
-
-    def __init__(self, exchange: TiedExchange, *, optimizer: torch.optim.Optimizer,
-                 params: dict[str, nn.Parameter], outbox: Outbox,
-                 submit: Callable[[Callable[[], None]], None],
-                 before_change: Callable[[], None], changed: Callable[[], None],
-                 waited: Callable[[str, float], None], should_abort: Callable[[], bool],
-                 clock: Callable[[], float]) -> None:
-        self.exchange, self._optimizer, self._params, self._outbox = exchange, optimizer, params, outbox
-        self._submit, self._before_change, self._changed = submit, before_change, changed
-        self._waited, self._should_abort, self._clock = waited, should_abort, clock
-
-    def deliver(self, micro_batch: tuple[int, int], source: int, tensors: Mapping[str, Any]) -> str | None:
-        """A TIED message arrived (event loop): None if taken (its steps apply in the compute thread),
-        else why not."""
-        reason = self.exchange.check(source, tensors)
-        if reason is None:
-            self.exchange.receive(source, micro_batch[1], tensors)
-            self._submit(self.apply)
-        return reason
-
-    def send(self, dest: int, step: int, tensors: dict[str, torch.Tensor]) -> None:
-        self._outbox.send("tied", dest, step, dict(tensors))
-
-    def restart(self) -> None:
-        """Training starts (again): the key holder's copies to the other holders
-        (``TiedExchange.restart``)."""
-        self.exchange.restart(self._optimizer, self.send)
-
-    def contribute(self) -> None:
-        """This step's gradients of the tied copies to the other holders (``TiedExchange.contribute``)."""
-        self.exchange.contribute(self.send)
-
-    def apply(self, wait: Callable[[], bool] = lambda: False) -> None:
-        """Apply the tied steps whose parts are in; while ``wait()``, wait for more (counted as the "tied"
-        wait)."""
-        while True:
-            self._apply_ready()
-            if not wait():
-                # What arrived while the pass above ran (a last delta, then ``fin``) made ``wait()`` false
-                # without being applied: one more pass takes it, or ``close`` would end one copy short.
-                self._apply_ready()
-                return
-            if self._should_abort():
-                return
-            t0 = self._clock()
-            self.exchange.wait(0.5)
-            self._waited("tied", self._clock() - t0)
-
-    def _apply_ready(self) -> None:
-        if self.exchange.apply_ready(self._optimizer, self._params, self._before_change):
-            self._changed()  # forwards from now on run at the new copy
-
-    def close(self) -> None:
-        """After training and the last averaging round (a node's end): tell the other holders this stage
-        sends nothing more, and apply what they send until each of them said so; the copies are then
-        bit-identical, the averaging deltas of the last rounds included."""
-        tied = self.exchange
-        for dest in tied.others:
-            self.send(dest, tied.contributed, {FIN: torch.zeros(1)})
-        self.apply(wait=lambda: not (tied.settled() and set(tied.others) <= tied.closed))
-
-    def hand_over(self, sinks: Mapping[str, torch.Tensor]) -> None:
-        """The averaging deltas that landed in ``tied_sinks``'s zeros, added by every holder after the tied
-        step this stage contributed last (here at once, if it applied that step)."""
-        moved = {n: d for n, d in sinks.items() if bool(d.any())}
-        if moved:
-            self.exchange.defer_delta(moved, self.send)
-            self.apply()
