@@ -4,7 +4,9 @@ copy of the gradients."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +15,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from ravq.cut.split import build_task_model
 from ravq.stage.delay import GradientExtrapolation
+from ravq.stage.pipeline import StageWorker
 from ravq.stage.stash import WeightStash
+from ravq.stage.types import MicroBatch
 from tests.pipeline_harness import make_workers, merged_state, run_in_order
 
 
@@ -202,3 +206,49 @@ def test_the_summed_update_is_the_mean_of_its_micro_batches_gradients(update_eve
     got = merged_state(workers)
     for name, want in model.state_dict().items():
         torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6, msg=name)
+
+
+def _held_at_steps(workers: list[StageWorker]) -> dict[int, float]:
+    """Per stage, the most stage-sized blocks alive at any of its optimizer steps: the live weights, their
+    gradients and every weight snapshot a forward ran at that is still alive (held by anything: the stash,
+    the weight stash's cache, a frame, autograd's graph), in stages (bytes of distinct storages)."""
+    held: dict[int, float] = {}
+    for w in workers:
+        snapshots: list[weakref.ref[torch.Tensor]] = []
+        run_module, step = w.passes.run_module, w.optimizer.step
+
+        def tracked(mb: MicroBatch, inputs: list[torch.Tensor], w: StageWorker = w,
+                    run_module: Callable[..., tuple[torch.Tensor, ...]] = run_module,
+                    snapshots: list[weakref.ref[torch.Tensor]] = snapshots) -> tuple[torch.Tensor, ...]:
+            out = run_module(mb, inputs)
+            snapshots.extend(weakref.ref(t) for t in w.state.stash[mb].params.values())
+            return out
+
+        def counted(*args: Any, w: StageWorker = w, step: Callable[..., Any] = step,
+                    snapshots: list[weakref.ref[torch.Tensor]] = snapshots, **kwargs: Any) -> Any:
+            alive = [*w.params.values(), *(p.grad for p in w.params.values() if p.grad is not None),
+                     *(t for t in (ref() for ref in snapshots) if t is not None)]
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
+            stage = sum(p.untyped_storage().nbytes() for p in w.params.values())
+            held[w.spec.index] = max(held.get(w.spec.index, 0.0), sum(storages.values()) / stage)
+            return step(*args, **kwargs)
+
+        w.passes.run_module = tracked  # type: ignore[method-assign]
+        w.optimizer.step = counted  # type: ignore[method-assign]
+    return held
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2, 3])
+def test_a_stale_step_holds_the_weights_their_gradients_and_a_copy_per_older_version_in_flight(
+        max_inflight: int) -> None:
+    """Issue #39's memory target: a step holds the stage's weights, gradients and one copy per older version
+    still in flight (``max_inflight - 1``), no more.  The micro-batch whose backward completed the update no
+    longer holds its snapshot (its graph's leaves), nor does the weight stash keep an old version's copy
+    (each was one more stage at every stale step: 4 of a stage with 2 in flight, 5 with 3)."""
+    workers = make_workers(_Deep, 3, steps=16, max_inflight=max_inflight)  # type: ignore[arg-type]
+    held = _held_at_steps(workers)
+    run_in_order(workers)
+    assert all(w.version == 16 for w in workers)
+    assert held[2] == pytest.approx(2.0)  # the last stage is never stale: weights and gradients
+    for stage in (0, 1):
+        assert held[stage] == pytest.approx(2.0 + (max_inflight - 1)), (stage, held)

@@ -178,6 +178,9 @@ class WeightStash:
         """``optimizer.step()``, keeping the update it made when the next forwards extrapolate along it; the
         gradient is first extrapolated by the mean recent staleness (two forwards may share a version)."""
         self.before_change(in_flight)
+        # a new version: no forward takes this snapshot again (those in flight hold it in ``Stashed.params``),
+        # so a copy of it is freed with the last of them rather than kept until the next forward
+        self.snapshot = None
         if self.recent_staleness:
             self.extrapolation.apply(sum(self.recent_staleness) / len(self.recent_staleness))
         if self.prediction_steps(predict) > 0:
