@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.zoo_candidates import raw_second_moment
+from benchmarks.zoo_candidates import drift_scaled, raw_second_moment
 from benchmarks.zoo_tasks import TASKS
 from ravq.config import TrainingConfig
 from ravq.config.batch import default_inflight
@@ -78,12 +78,19 @@ METHODS: dict[str, dict] = {
     "default_rawv": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
                      "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": _D.stale_correction,
                      "raw_second_moment": True},
+    "default_drift": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
+                      "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": _D.stale_correction,
+                      "drift_scaled": True},
 }
 """Each method's settings; what a method leaves out is off (``plain`` is PipeDream's weight stashing alone).
 ``default_nocomp``: the defaults without delay compensation; ``default_nowarmup``: without the warm-up;
 ``default_rawv``: the defaults with an Adam-family stage's second moment fed the raw gradient
 (``benchmarks/zoo_candidates.py``; since 2cf4457 an Adam stage under PipeNAG after the warm-up has no
-compensation to feed, so with an update per micro-batch it is the defaults)."""
+compensation to feed, so with an update per micro-batch it is the defaults; since session 11 ravq does this
+itself after the warm-up, ``ravq.stage.delay.raw_second_moment``, so it is the defaults there too);
+``default_drift``: compensation's step scaled by the fraction of ``g - g_prev`` that is drift, not
+micro-batch noise, with a stated batch (``zoo_candidates.drift_scaled``; measured in session 11 against the
+defaults before raw_second_moment, and not chosen)."""
 
 
 @dataclass
@@ -101,6 +108,7 @@ def train(task: str, stages: int, seed: int, steps: int, micro_batch: int, max_i
           update_every: int = 1, schedule: LRScheduleConfig | None = None, **kw: object) -> Run:
     found = task_of(task)
     raw_v = bool(kw.pop("raw_second_moment", False))
+    drift = bool(kw.pop("drift_scaled", False))
     if schedule is not None and schedule.kind != "constant":
         kw["recipe"] = recipe_options(found, TrainingConfig(steps=steps, update_every=update_every,
                                                             lr_schedule=schedule), seed)
@@ -108,6 +116,8 @@ def train(task: str, stages: int, seed: int, steps: int, micro_batch: int, max_i
                            seed=seed, update_every=update_every, **kw)
     if raw_v:
         raw_second_moment(workers)
+    if drift:
+        drift_scaled(workers)
     t0 = time.perf_counter()
     if task in TIED or any(w.spec.tied for w in workers):
         run_workers(workers, timeout_s=600)

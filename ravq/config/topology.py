@@ -60,9 +60,9 @@ class TrainingConfig(UserModel):
     (max_inflight 1) or a momentum.  The last update is not checkpointed: a stale resume is not exact."""
     extrapolate_gradients: float = Field(EXTRAPOLATE_GRADIENTS, ge=0, le=8)
     """Delay compensation: a stale update hands the optimizer its gradient extrapolated by this many times its
-    staleness along the change since the stage's previous update (``ravq.stage.delay``).  0: off.  No effect
-    without staleness or a momentum, nor on an Adam stage stepped by PipeNAG after the warm-up, where it only
-    shortened steps (``ravq.stage.delay.compensates``; docs/convergence.md)."""
+    staleness along the change since the stage's previous update (``ravq.stage.delay``; 0: off).  None without
+    staleness or a momentum, nor on Adam under PipeNAG after the warm-up (``compensates``); else after the
+    warm-up Adam's second moment takes the raw gradient (``raw_second_moment``; docs/convergence.md)."""
     stale_correction: Literal["auto", "none", "pipenag"] = "auto"
     """How a stale stage's optimizer steps: ``none``, its own step; ``pipenag``, Nesterov's look-ahead with
     the momentum raised towards 0.99 with the stage's staleness (PipeNAG, ``ravq.stage.pipenag``; SGD with

@@ -31,7 +31,21 @@ or never at the edge (docs/convergence.md, "Delay compensation with Adam").  The
 look-ahead of its own, so an Adam-family stage stepped by PipeNAG after a warm-up (the defaults with an
 update per micro-batch) goes without compensation and keeps no last gradient (``compensates``).  Without
 the look-ahead (a stated batch, ``stale_correction: none``) or the warm-up it keeps it, and so does SGD with
-momentum, whose step has no second moment to inflate.
+momentum, whose step has no second moment to inflate.  After the warm-up and without the look-ahead, an
+Adam-family stage's stale step feeds the extrapolated gradient to its first moment and the raw one (kept for
+the next update anyway) to its second (``raw_second_moment``, ``adam_step``): the first moment's look-ahead
+stays, the noise it adds to the second moment (up to (1 + 1.5)^2 + 1.5^2 = 8.5x at ``s`` 0.75) goes.  With a
+stated batch of 4 micro-batches per update a user's AdamW encoder at 3-4 stages ended 1.06-1.12x synchronous
+training's loss with the inflated second moment and <= 1.02x with the raw one, and the tied GPT-2 of the zoo
+kept its runs (docs/convergence.md, session 11).  Opened at once (no warm-up), the inflated second moment
+stays: there it is the rescue.
+
+Under a stated batch ``g_prev`` is the previous update's mean gradient and ``s`` the mean staleness, in
+updates, of the micro-batches of recent updates (a micro-batch is 0 or 1 update stale; in steady state 3 of 4
+micro-batches of an update share the previous update's version, ``s`` 0.75 on every stale stage at 4 per
+update), so ``g - g_prev`` spans one update's drift, as with an update per micro-batch.  Measured against the
+spread of each update's micro-batch gradients, that drift is 0-0.5 of ``|g - g_prev|^2`` on the zoo and user
+tasks; the rest is micro-batch noise (docs/convergence.md).
 
 Memory: the last gradient is a copy of the stage's gradients, kept only while the stage is stale.  An
 update with no staleness (the last stage always, every stage during the asynchrony warm-up) keeps none and
@@ -43,7 +57,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ravq.stage.pipenag import is_adam
+from ravq.stage.optim import adam_denominator, adam_moments
+from ravq.stage.pipenag import decoupled_decay, is_adam
 
 MAX_UPDATES = 1.0
 """The staleness the extrapolation is capped at: ``g - g_prev`` is one update's change, and carried
@@ -89,17 +104,51 @@ def compensates(optimizer: torch.optim.Optimizer, lookahead: bool, warmup: bool)
     return has_momentum(optimizer) and not (lookahead and warmup and is_adam(optimizer))
 
 
+def raw_second_moment(optimizer: torch.optim.Optimizer, lookahead: bool, warmup: bool) -> bool:
+    """Whether a compensated stage's stale steps feed Adam's second moment the raw gradient (its first
+    moment the extrapolated one): an Adam-family stage (without amsgrad or maximize) whose compensation runs
+    after the asynchrony warm-up and without PipeNAG's look-ahead (a stated batch; module docstring).  Opened
+    at once (no warm-up) the inflated second moment is kept: its shorter step is the rescue at the edge."""
+    plain = all(not g.get("amsgrad") and not g.get("maximize") for g in optimizer.param_groups)
+    return is_adam(optimizer) and plain and warmup and not lookahead
+
+
+@torch.no_grad()
+def adam_step(optimizer: torch.optim.Optimizer, second: dict[int, torch.Tensor]) -> None:
+    """One step of an Adam-family optimizer (Adam, AdamW, ``ClusterAdam``: weight decay and clusters as it has
+    them; Adam's own arithmetic) whose second moment follows ``second[id(p)]`` (``p.grad`` where absent) and
+    whose first moment follows ``p.grad``."""
+    clusters = getattr(optimizer, "clusters", 1)
+    for group in optimizer.param_groups:
+        lr, (beta1, beta2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            t, _, exp_avg, exp_avg_sq = adam_moments(
+                optimizer.state[p], p, lr=lr, wd=wd, decoupled=decoupled_decay(optimizer, group), beta1=beta1,
+                beta2=beta2, second=second.get(id(p)))
+            bias1 = 1 - beta1 ** t
+            p.addcdiv_(exp_avg, adam_denominator(exp_avg, exp_avg_sq, bias1, 1 - beta2 ** t, eps, clusters),
+                       value=-lr / bias1)
+
+
 class GradientExtrapolation:
     """Keeps the gradient of the stage's last update and extrapolates the next one when it is stale."""
 
-    def __init__(self, params: dict[str, nn.Parameter], factor: float) -> None:
+    def __init__(self, params: dict[str, nn.Parameter], factor: float, raw_second_moment: bool = False
+                 ) -> None:
         self.params, self.factor = params, factor
         self.previous: dict[str, torch.Tensor] = {}
         """Each parameter's gradient at the last update, as the optimizer's sum was before extrapolation."""
+        self.raw_second_moment = raw_second_moment
+        """Stale steps feed Adam's second moment the raw gradient (``raw_second_moment`` the function)."""
+        self.extrapolated = False
+        """Whether the last ``apply`` extrapolated a gradient (then ``previous`` holds the raw ones)."""
 
     def apply(self, staleness: float) -> None:
         """Extrapolate every ``.grad`` in place by ``factor * staleness`` steps (none when either is 0),
         and remember the un-extrapolated gradients for the next update (only while ``staleness`` > 0)."""
+        self.extrapolated = False
         if not self.factor:
             return
         if staleness <= 0:  # nothing stale: nothing to extrapolate, and no copy of the gradients kept
@@ -117,6 +166,16 @@ class GradientExtrapolation:
                 change = p.grad - before
                 before.copy_(p.grad)  # the raw gradient, in the buffer of the one it replaces
                 p.grad.add_(change, alpha=step)
+                self.extrapolated = True
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step on the gradients ``apply`` left; with ``raw_second_moment``, after an
+        extrapolation, ``adam_step`` with the raw gradients (``previous``) for the second moment."""
+        if self.raw_second_moment and self.extrapolated:
+            raw = self.previous
+            adam_step(optimizer, {id(p): raw[n] for n, p in self.params.items() if n in raw})
+        else:
+            optimizer.step()
 
     def forget(self) -> None:
         """After weights were replaced (catch-up): the last gradient no longer says where the next one

@@ -103,11 +103,11 @@ class WeightStash:
     last update and the staleness of recent backwards."""
 
     def __init__(self, params: dict[str, nn.Parameter], extrapolate: float = 0.0, lookahead: bool = False, *,
-                 reuse_update: bool = False) -> None:
+                 reuse_update: bool = False, raw_second_moment: bool = False) -> None:
         self.params = params
         self.lookahead = lookahead
         """PipeNAG's step for stale updates (``stale_correction: pipenag``; ``ravq.stage.pipenag``)."""
-        self.extrapolation = GradientExtrapolation(params, extrapolate)
+        self.extrapolation = GradientExtrapolation(params, extrapolate, raw_second_moment)
         """Delay compensation of each update's gradient (``extrapolate_gradients``; ``ravq.stage.delay``)."""
         self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self.aliased = False
@@ -200,8 +200,8 @@ class WeightStash:
         recent = self.recent_staleness
         if self.lookahead and recent:
             lookahead_step(optimizer, sum(recent) / len(recent))
-        else:
-            optimizer.step()
+        else:  # the optimizer's step (Adam's second moment perhaps fed the raw gradient: ravq.stage.delay)
+            self.extrapolation.step(optimizer)
 
     def record_staleness(self, staleness: int) -> None:
         """A backward's staleness (updates between its forward and its update), for ``prediction_steps``."""
