@@ -141,3 +141,14 @@ def test_a_last_partial_step_is_not_held_for_a_norm() -> None:
     tied.receive(1, 1, {"g:w": torch.ones(2, 2)})
     assert tied.apply_ready(opt, {"w": weight}, lambda: None, {}.get)
     assert torch.equal(weight.detach(), torch.full((2, 2), -1.0))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_asynchronous_tied_copies_take_each_step_at_its_scheduled_rate(stages: int) -> None:
+    """No clipping, an LR schedule, 2 in flight: a holder's tied step j may run after its own step j + 1 set
+    the next rate; it runs at step j's, so the copies end bit-identical (they drifted apart before)."""
+    cosine = lr_lambda(ScheduleSpec("cosine", 2, 30, 0.1))
+    workers = make_workers(zoo.tied, stages, steps=30, max_inflight=2, recipe=RecipeOptions(lr_lambda=cosine))
+    run_workers(workers)
+    _assert_copies_equal(workers)
+    assert all(w.version == 30 for w in workers)

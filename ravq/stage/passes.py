@@ -122,7 +122,7 @@ class Passes:
     def _run_last(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any, emit: Emit) -> None:
         t1, due = self._last_passes(mb, inputs, targets, emit)
         if due:  # after the passes' frames let go of the micro-batch (see ``backward``)
-            self._updated()
+            self._updated(mb[1])
         self._account("backward", t1)
 
     def _last_passes(self, mb: MicroBatch, inputs: list[torch.Tensor], targets: Any,
@@ -153,7 +153,7 @@ class Passes:
         gradients and the copy it makes for the forwards still in flight (``WeightStash.before_change``)."""
         t0 = self._timer.clock()
         if self._backward(mb, parts, emit):
-            self._updated()
+            self._updated(mb[1])
         self._account("backward", t0)
 
     def _backward(self, mb: MicroBatch, parts: Parts, emit: Emit) -> bool:
@@ -172,7 +172,7 @@ class Passes:
         (The caller's ``stash`` and ``roots`` keep the micro-batch's weights through the update:
         ``backward`` steps after its frames let go of them.)"""
         if self._backward_of(mb, stash, roots, root_grads, emit):
-            self._updated()
+            self._updated(mb[1])
 
     def _backward_of(self, mb: MicroBatch, stash: Stashed, roots: list[torch.Tensor],
                      root_grads: list[torch.Tensor | None], emit: Emit) -> bool:
@@ -243,10 +243,11 @@ class Passes:
         stats.record_backward(self._micro_batch)
         state.count_trained()
 
-    def _updated(self) -> None:
+    def _updated(self, name: int) -> None:
+        """The step named ``name`` (the micro-batch that completed it) is due."""
         if not self._place.is_last:  # the last stage is never stale
             self._observe_update()
-        self._recipe.step()
+        self._recipe.step(name)
 
     def _sample_guard(self, stash: Stashed, grads: list[torch.Tensor | None]) -> None:
         inputs = stash.inputs[: len(self._place.spec.inputs)]

@@ -122,7 +122,7 @@ class StageWorker:
             submit=self._sched.submit, before_change=self.before_weight_change,
             changed=self.forward_weights.invalidate, waited=self.waited,
             should_abort=lambda: self.should_abort(), clock=clock,
-            factor=None if self.recipe.exchange is None else self.recipe.step_applied,
+            factor=self.recipe.step_applied, norms=self.recipe.exchange is not None,
             interrupted=lambda: self.should_abort() or self._sched.paused)
         self._arrivals = Arrivals(self.place, self.state, self._sched, self.recipe)
         self.passes = Passes(options, place=self.place, state=self.state, module=self.module,

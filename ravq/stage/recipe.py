@@ -15,6 +15,7 @@ import logging
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -184,12 +185,13 @@ class Recipe:
             meta.update(self.exchange.hold(mb[1], grads, self._grads.take_versions(), tied_sq))
         return meta
 
-    def step(self) -> None:
-        """A step's backwards are done here (its backward messages sent): step now, or (exchanging norms)
-        once its global norm is known.  Stage 0 knows it now; with micro-batches in flight it also sends
-        the norm on at once, on a message of its own, rather than only on its next forward
-        (see ``send_tail``)."""
+    def step(self, name: int) -> None:
+        """The step named ``name`` has its backwards done here (its backward messages sent): step now, or
+        (exchanging norms) once its global norm is known.  Stage 0 knows it now; with micro-batches in
+        flight it also sends the norm on at once, on a message of its own, rather than only on its next
+        forward (see ``send_tail``)."""
         if self.exchange is None:
+            self._record(name, Applied())
             self._step(None, False)
             return
         if self._relay_norms:
@@ -216,12 +218,7 @@ class Recipe:
             self.grad_norm = math.sqrt(total_sq) if finite else math.inf
             if metrics is not None and finite:
                 metrics.grad_norm.set(self.grad_norm)
-            if self.lr is not None:
-                self.lr.apply(self._state.version)  # the step's rates, known before its tied step runs in it
-            lrs = tuple(float(g["lr"]) for g in self._optimizer.param_groups)
-            self._by_step[step] = Applied(coef, finite, lrs)
-            while len(self._by_step) > self._by_step_limit:
-                self._by_step.popitem(last=False)
+            self._record(step, Applied(coef, finite))
             self._step(held.versions, not finite)
             for n, p in params.items():
                 p.grad = partial[n]
@@ -229,6 +226,16 @@ class Recipe:
                 self.loss_scale.update(finite)
                 if metrics is not None:
                     metrics.loss_scale.set(self.loss_scale.scale)
+
+    def _record(self, name: int, how: Applied) -> None:
+        """How the step named ``name`` is applied, with the learning rates it runs at, before it runs (its
+        tied step may run inside it)."""
+        if self.lr is not None:
+            self.lr.apply(self._state.version)  # what ``before_step`` sets again
+        lrs = tuple(float(g["lr"]) for g in self._optimizer.param_groups)
+        self._by_step[name] = replace(how, lrs=lrs)
+        while len(self._by_step) > self._by_step_limit:
+            self._by_step.popitem(last=False)
 
     def before_step(self) -> None:
         """Set the step's learning rates (the schedule's factor of the stage's version); publish them and

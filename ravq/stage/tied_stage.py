@@ -25,13 +25,14 @@ class TiedStep:
                  submit: Callable[[Callable[[], None]], None],
                  before_change: Callable[[], None], changed: Callable[[], None],
                  waited: Callable[[str, float], None], should_abort: Callable[[], bool],
-                 clock: Callable[[], float], factor: Factor | None = None,
+                 clock: Callable[[], float], factor: Factor | None = None, norms: bool = False,
                  interrupted: Callable[[], bool] | None = None) -> None:
         self.exchange, self._optimizer, self._params, self._outbox = exchange, optimizer, params, outbox
         self._submit, self._before_change, self._changed = submit, before_change, changed
         self._waited, self._should_abort, self._clock = waited, should_abort, clock
-        self._factor = factor
-        """Global norms are exchanged (clipping, fp16): each tied step waits for its step's factor."""
+        self._factor, self._norms = factor, norms
+        """How the stage applied each step (each tied step waits for it); whether global norms are exchanged
+        (clipping, fp16: the tied weights this stage counts go into its squared norm)."""
         self._interrupted = interrupted or should_abort
         """A pause or the end: the contributions waited for may never come."""
 
@@ -59,7 +60,7 @@ class TiedStep:
         are in flight), else 0."""
         tied = self.exchange
         step = tied.contribute(self.send, name)
-        if self._factor is None or name is None or not tied.counted:
+        if not self._norms or name is None or not tied.counted:
             return 0.0
         t0 = None
         while not tied.counted_in(step) and not self._interrupted():  # interrupted: the step is dropped

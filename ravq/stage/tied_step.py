@@ -26,9 +26,10 @@ cached snapshot, so the next forward copies the new weights.
 Clipping and fp16 (``ravq.stage.clip``): the global norm counts each tied weight once, by its summed
 gradient, as one process's ``clip_grad_norm_`` does.  The lowest holder of a group adds the squared norm of
 the sum of contribution j to its own when it finishes its step j (the other holders sent theirs before the
-backwards that reach it, so it waits only for messages in flight), and tied step j waits until the stage
+backwards that reach it, so it waits only for messages in flight).  Tied step j waits until the stage
 applied its own step j (which waited for the step's global norm): scaled by the same clipping factor,
-skipped like it on an overflow, at its learning rates.
+skipped like it on an overflow, and, with or without clipping, at its learning rates (an LR schedule's
+rate of step j, on every holder, however late it comes).
 """
 
 from __future__ import annotations
