@@ -17,6 +17,7 @@ import gc
 import logging
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -31,27 +32,45 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 _tuned = False
 
 
-def tune_process() -> bool:
+def tune_process(env: Mapping[str, str] | None = None) -> bool:
     """Keep large freed blocks for reuse and move start-up objects out of the garbage collector's way.
 
     Idempotent; returns whether glibc's malloc accepted the settings (False elsewhere, e.g. musl).
     ``gc.freeze`` moves everything made so far (torch's import is ~10^5 objects) to a generation that
-    full collections skip, so a node's periodic collections stay cheap.
+    full collections skip, so a node's periodic collections stay cheap.  A threshold the user set for
+    glibc (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``GLIBC_TUNABLES``' ``glibc.malloc.*``
+    in ``env``, the process's environment by default) is left as set: a heap that keeps freed blocks holds
+    1-2 stages of memory it cannot reuse (docs/convergence.md, "Memory (session 11)"), and
+    ``MALLOC_MMAP_THRESHOLD_=1048576`` trades that for a page fault per 4 KiB of every big tensor.
     """
     global _tuned
     if _tuned:
         return True
     gc.freeze()
+    settings = [(option, value) for option, value, name in _SETTINGS if not _user_set(name, env)]
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+        accepted = [libc.mallopt(option, value) for option, value in settings]  # each, not up to a refusal
+        ok = all(accepted)
     except (OSError, AttributeError):
         ok = False
     if not ok:
         log.info("malloc tuning not applied (not glibc?); large messages will cost more page faults")
+    elif len(settings) < len(_SETTINGS):
+        log.info("malloc: the thresholds set in the environment are kept")
     _tuned = ok
     return ok
+
+
+_SETTINGS = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "mmap_threshold"),
+             (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES, "trim_threshold"))
+
+
+def _user_set(name: str, env: Mapping[str, str] | None) -> bool:
+    """Whether ``env`` sets glibc's malloc threshold ``name`` (``mmap_threshold``, ``trim_threshold``)."""
+    env = os.environ if env is None else env
+    tunables = env.get("GLIBC_TUNABLES", "")
+    return f"MALLOC_{name.upper()}_" in env or f"glibc.malloc.{name}=" in tunables
 
 
 def cpu_budget(cgroup_fs: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -15,3 +16,29 @@ def test_tune_process_applies_and_is_idempotent() -> None:
     code = ("import gc; from ravq.tuning import tune_process; "
             "assert tune_process() and tune_process(); assert gc.get_freeze_count() > 0")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+_MMAPPED = """
+import ctypes, torch
+from ravq.tuning import tune_process
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+assert tune_process()
+before = libc.mallinfo2().hblkhd
+block = torch.ones(1 << 20)  # 4 MiB
+print(libc.mallinfo2().hblkhd - before >= 4 << 20)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+@pytest.mark.parametrize(("env", "mmapped"), [({}, "False"), ({"MALLOC_MMAP_THRESHOLD_": "1048576"}, "True"),
+                                              ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}, "True")])
+def test_a_threshold_the_user_set_is_kept(env: dict[str, str], mmapped: str) -> None:
+    # tune_process keeps a 4 MiB block in the heap (its 32 MiB mmap threshold) unless the user set one
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", _MMAPPED], env={**clean, **env}, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == mmapped
