@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.zoo_candidates import drift_scaled, raw_second_moment
+from benchmarks.zoo_candidates import drift_scaled, raw_second_moment, update_staleness
 from benchmarks.zoo_tasks import TASKS
 from ravq.config import TrainingConfig
 from ravq.config.batch import default_inflight
@@ -81,6 +81,9 @@ METHODS: dict[str, dict] = {
     "default_drift": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
                       "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": _D.stale_correction,
                       "drift_scaled": True},
+    "default_supdate": {"predict_weights": _D.predict_weights, "extrapolate_gradients": _D.extrapolate_gradients,
+                        "inflight_warmup_steps": _D.inflight_warmup_steps, "stale_correction": _D.stale_correction,
+                        "update_staleness": True},
 }
 """Each method's settings; what a method leaves out is off (``plain`` is PipeDream's weight stashing alone).
 ``default_nocomp``: the defaults without delay compensation; ``default_nowarmup``: without the warm-up;
@@ -90,7 +93,9 @@ compensation to feed, so with an update per micro-batch it is the defaults; sinc
 itself after the warm-up, ``ravq.stage.delay.raw_second_moment``, so it is the defaults there too);
 ``default_drift``: compensation's step scaled by the fraction of ``g - g_prev`` that is drift, not
 micro-batch noise, with a stated batch (``zoo_candidates.drift_scaled``; measured in session 11 against the
-defaults before raw_second_moment, and not chosen)."""
+defaults before raw_second_moment, and not chosen); ``default_supdate``: with a stated batch, compensation
+extrapolates by the staleness of the update's own micro-batches (``zoo_candidates.update_staleness``; not
+chosen)."""
 
 
 @dataclass
@@ -109,6 +114,7 @@ def train(task: str, stages: int, seed: int, steps: int, micro_batch: int, max_i
     found = task_of(task)
     raw_v = bool(kw.pop("raw_second_moment", False))
     drift = bool(kw.pop("drift_scaled", False))
+    own_s = bool(kw.pop("update_staleness", False))
     if schedule is not None and schedule.kind != "constant":
         kw["recipe"] = recipe_options(found, TrainingConfig(steps=steps, update_every=update_every,
                                                             lr_schedule=schedule), seed)
@@ -118,6 +124,8 @@ def train(task: str, stages: int, seed: int, steps: int, micro_batch: int, max_i
         raw_second_moment(workers)
     if drift:
         drift_scaled(workers)
+    if own_s:
+        update_staleness(workers)
     t0 = time.perf_counter()
     if task in TIED or any(w.spec.tied for w in workers):
         run_workers(workers, timeout_s=600)

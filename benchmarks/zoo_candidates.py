@@ -182,3 +182,29 @@ def drift_scaled(workers: list[StageWorker], log: list | None = None) -> None:
                     p.grad.add_(change, alpha=step_size)
 
         grads.summed, grads.add, ext.apply = summed, add, apply
+
+
+def update_staleness(workers: list[StageWorker]) -> None:
+    """With a stated batch, compensation extrapolates by the mean staleness of the update's own micro-batches
+    (0.75 at 4 per update in steady state) instead of the mean of the last 64 backwards, which after the
+    warm-up still holds the warm-up's zeros for 64 backwards (16 updates at 4 per update).  Not chosen (session
+    11): on gpt2_tied at 4 stages the longer extrapolation right after the warm-up ended 1.033-1.038x, against
+    1.021-1.024x (docs/convergence.md)."""
+    for worker in workers:
+        stash, grads = worker.forward_weights, worker._grads
+        ext = stash.extrapolation
+        if grads.update_every < 2 or not ext.factor:
+            continue
+        mine: list[int] = []
+        own_record, own_apply = stash.record_staleness, ext.apply
+
+        def record(staleness: int, own=own_record, mine=mine) -> None:
+            mine.append(staleness)
+            own(staleness)
+
+        def apply(staleness: float, own=own_apply, mine=mine) -> None:
+            s = sum(mine) / len(mine) if mine else staleness
+            mine.clear()
+            own(s)
+
+        stash.record_staleness, ext.apply = record, apply
