@@ -176,6 +176,7 @@ class GradientExtrapolation:
             adam_step(optimizer, {id(p): raw[n] for n, p in self.params.items() if n in raw})
         else:
             optimizer.step()
+        self.extrapolated = False  # the next step uses only what its own ``apply`` did
 
     def forget(self) -> None:
         """After weights were replaced (catch-up): the last gradient no longer says where the next one
