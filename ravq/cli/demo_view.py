@@ -17,6 +17,9 @@ from rich.table import Table
 from ravq.cli.status import status_once
 from ravq.config import Topology
 
+FIRST_ANSWER_S = 10.0
+"""How long the demo waits for the broker's first status answer (it may still be importing)."""
+
 
 class Followed(Protocol):
     """What the view asks of the demo's processes (``ravq.cli.demo.Swarm``)."""
@@ -75,10 +78,14 @@ class LiveView:
             self.live.start()
         last_line = 0.0
         progress, progressed_at = -1, self.clock()
+        answered = False
         while swarm.running():
             if swarm.failed():
                 return False
-            status = status_once(self.topology, self.key_dir, timeout_s=1.0)
+            # Until the broker first answers, wait longer: a request given up while the broker (still
+            # starting) runs its handshake shows in its log as a refused connection (handshake_failed).
+            status = status_once(self.topology, self.key_dir, timeout_s=1.0 if answered else FIRST_ANSWER_S)
+            answered = answered or status is not None
             done = _work_done(status)
             if done > progress:
                 progress, progressed_at = done, self.clock()
