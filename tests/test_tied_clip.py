@@ -152,3 +152,15 @@ def test_asynchronous_tied_copies_take_each_step_at_its_scheduled_rate(stages: i
     run_workers(workers)
     _assert_copies_equal(workers)
     assert all(w.version == 30 for w in workers)
+
+
+def test_a_pause_forgets_how_steps_were_applied() -> None:
+    """After a pause's reset a re-queued micro-batch names a new step as an old one was named; the new count's
+    tied step must wait for the new step, not take the old one's factor and rates."""
+    workers = make_workers(zoo.tied, 2, steps=6, max_inflight=2, recipe=RecipeOptions(clip_grad_norm=MAX_NORM))
+    run_workers(workers)
+    last = workers[-1]
+    named = [step for step, _ in last.recipe.applied]
+    assert named and last.recipe.step_applied(named[-1]) is not None
+    last.reset(generation=1)
+    assert all(last.recipe.step_applied(step) is None for step in named)

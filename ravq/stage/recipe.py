@@ -300,11 +300,13 @@ class Recipe:
             self._submit(lambda: self.on_norms(tail=False))
 
     def forget_in_flight(self) -> None:
-        """A pause dropped the work in flight: what arrived for it is void, and evaluation rounds it cut
-        short are not waited for."""
+        """A pause dropped the work in flight: what arrived for it is void, evaluation rounds it cut short
+        are not waited for, and the steps applied are forgotten (a re-queued micro-batch names a new step
+        as an old one was named: the new count's tied step waits for the new step, ``step_applied``)."""
         if self.exchange is not None:
             self.exchange.forget_received()
         self.evaluator.forget_in_flight()
+        self._by_step.clear()
 
     # ----------------------------------------------------------------- messages
     def forward_meta(self) -> dict[str, Any]:
