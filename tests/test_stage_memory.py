@@ -210,8 +210,9 @@ def test_the_summed_update_is_the_mean_of_its_micro_batches_gradients(update_eve
 
 def _held_at_steps(workers: list[StageWorker]) -> dict[int, float]:
     """Per stage, the most stage-sized blocks alive at any of its optimizer steps: the live weights, their
-    gradients and every weight snapshot a forward ran at that is still alive (held by anything: the stash,
-    the weight stash's cache, a frame, autograd's graph), in stages (bytes of distinct storages)."""
+    gradients, every weight snapshot a forward ran at that is still alive (held by anything: the stash, the
+    weight stash's cache, a frame, autograd's graph) and the copies kept for reuse, in stages (bytes of
+    distinct storages)."""
     held: dict[int, float] = {}
     for w in workers:
         snapshots: list[weakref.ref[torch.Tensor]] = []
@@ -227,7 +228,8 @@ def _held_at_steps(workers: list[StageWorker]) -> dict[int, float]:
         def counted(*args: Any, w: StageWorker = w, step: Callable[..., Any] = step,
                     snapshots: list[weakref.ref[torch.Tensor]] = snapshots, **kwargs: Any) -> Any:
             alive = [*w.params.values(), *(p.grad for p in w.params.values() if p.grad is not None),
-                     *(t for t in (ref() for ref in snapshots) if t is not None)]
+                     *(t for t in (ref() for ref in snapshots) if t is not None),
+                     *(t for kept in w.forward_weights.retired for t in kept.values())]
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
             stage = sum(p.untyped_storage().nbytes() for p in w.params.values())
             held[w.spec.index] = max(held.get(w.spec.index, 0.0), sum(storages.values()) / stage)
@@ -252,3 +254,31 @@ def test_a_stale_step_holds_the_weights_their_gradients_and_a_copy_per_older_ver
     assert held[2] == pytest.approx(2.0)  # the last stage is never stale: weights and gradients
     for stage in (0, 1):
         assert held[stage] == pytest.approx(2.0 + (max_inflight - 1)), (stage, held)
+
+
+def test_the_live_weights_move_into_a_finished_copy_never_into_one_in_use() -> None:
+    """A step with forwards in flight moves the live weights into the copy the forwards of an older version
+    ran at once they all finished (the same memory each step), never while a tensor still uses it."""
+    params, opt = _stage()
+    stash = WeightStash(params)
+    ptrs = lambda ws: {n: t.data_ptr() for n, t in ws.items()}
+    snap0 = stash.weights(0, 0.0)  # the live weights' storage until they change
+    _set_grads(params, 0)
+    stash.step(opt, 0.0, in_flight=True)  # the forwards at version 0 keep it; the live weights move
+    snap1 = stash.weights(1, 0.0)
+    _set_grads(params, 1)
+    stash.step(opt, 0.0, in_flight=True)  # snap0 still in use: a fresh copy
+    assert not set(ptrs(params).values()) & set(ptrs(snap0).values())
+    before1 = {n: t.clone() for n, t in snap1.items()}
+    freed = ptrs(snap0)
+    del snap0
+    stash.weights(2, 0.0)
+    _set_grads(params, 2)
+    stash.step(opt, 0.0, in_flight=True)  # version 0's forwards all finished: its copy takes the weights
+    assert ptrs(params) == freed
+    assert all(torch.equal(snap1[n], before1[n]) for n in snap1)  # still in use: untouched
+    reference, ref_opt = _stage()
+    for k in range(3):
+        _set_grads(reference, k)
+        ref_opt.step()
+    assert all(torch.equal(params[n], reference[n]) for n in params)

@@ -119,6 +119,9 @@ class WeightStash:
         """The next version's predicted snapshot is made in the last update's buffer (a stage without tied
         copies: nothing but a step changes its weights mid-version, so the update is not needed again)."""
         self.recent_staleness: deque[int] = deque(maxlen=PREDICTION_WINDOW)
+        self.retired: list[dict[str, torch.Tensor]] = []
+        """Handles on the storage of each copy ``before_change`` left to forwards in flight, reused once they
+        finished (``_spare``)."""
 
     def weights(self, version: int, predict: float) -> dict[str, torch.Tensor]:
         """The weights of this version's forwards: one snapshot per version, shared and stashed.
@@ -157,15 +160,31 @@ class WeightStash:
         that is the live weights and that forwards in flight still use keeps their storage, and the live
         weights move to fresh storage: a stash costs memory only while an update falls between a forward
         and its backward, so with one micro-batch in flight a stage never holds a second copy."""
+        if not in_flight:
+            self.retired.clear()  # nothing in flight: no snapshot uses them
         if self.snapshot is None or not self.aliased:
             return
         if in_flight:
+            spare = self._spare()
             with torch.no_grad():
-                for p in self.params.values():
-                    p.data = p.data.clone()
+                kept = {}
+                for n, p in self.params.items():
+                    kept[n] = p.data  # a handle on the storage the snapshot keeps
+                    p.data = p.data.clone() if spare is None else spare[n].copy_(p.data)
+            self.retired.append(kept)
         else:
             self.snapshot = None
         self.aliased = False
+
+    def _spare(self) -> dict[str, torch.Tensor] | None:
+        """A retired copy whose storage no tensor uses but its handles (the forwards that ran at it finished),
+        taken off ``retired``, or None; other such copies are let go.  The live weights move into it rather
+        than into a fresh copy: the same memory each step, where glibc's heap, left to allocate and free a
+        stage's worth of blocks each step among smaller ones, kept 1-2 stages of holes it could not reuse
+        (docs/convergence.md, "Memory (session 11)")."""
+        free = [c for c in self.retired if all(_only_handle(t) for t in c.values())]
+        self.retired = [c for c in self.retired if all(c is not f for f in free)]
+        return free[0] if free else None
 
     def prediction_steps(self, predict: float) -> float:
         """k x the mean staleness of the last PREDICTION_WINDOW backwards (0 when prediction is off)."""
@@ -217,8 +236,16 @@ class WeightStash:
         self.snapshot = None
         self.aliased = False
         self.last_update = None
+        self.retired.clear()
         self.recent_staleness.clear()
         self.extrapolation.forget()
+
+
+def _only_handle(t: torch.Tensor) -> bool:
+    """Whether no tensor but ``t`` uses its storage (``t``'s reference and the one ``untyped_storage`` makes);
+    False where torch cannot say."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)  # noqa: SLF001 - no public way to ask
+    return use_count is not None and use_count(t.untyped_storage()._cdata) == 2  # noqa: SLF001
 
 
 class GradientSum:
