@@ -17,8 +17,9 @@ from rich.table import Table
 from ravq.cli.status import status_once
 from ravq.config import Topology
 
-FIRST_ANSWER_S = 10.0
-"""How long the demo waits for the broker's first status answer (it may still be importing)."""
+FIRST_ANSWER_S = 3.0
+"""How long the demo waits for the broker's first status answer (it may still be importing: about 1 s
+here).  Longer costs a run whose broker never answers (a plan error) as much in time to report it."""
 
 
 class Followed(Protocol):
