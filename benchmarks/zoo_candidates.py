@@ -169,17 +169,7 @@ def drift_scaled(workers: list[StageWorker], log: list | None = None) -> None:
                 rho = meter.drift_fraction(grad_sq, diff_sq) if have else 1.0
                 if log is not None and have:
                     log.append((index, staleness, rho))
-                step_size = ext.factor * min(staleness, 1.0) * rho
-                for name, p in ext.params.items():
-                    if p.grad is None:
-                        continue
-                    before = ext.previous.get(name)
-                    if before is None:
-                        ext.previous[name] = p.grad.detach().clone()
-                        continue
-                    change = p.grad - before
-                    before.copy_(p.grad)
-                    p.grad.add_(change, alpha=step_size)
+                ext.extrapolate(ext.factor * min(staleness, 1.0) * rho)
 
         grads.summed, grads.add, ext.apply = summed, add, apply
 

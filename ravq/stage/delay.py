@@ -154,19 +154,25 @@ class GradientExtrapolation:
         if staleness <= 0:  # nothing stale: nothing to extrapolate, and no copy of the gradients kept
             self.previous.clear()
             return
-        step = self.factor * min(staleness, MAX_UPDATES)
-        with torch.no_grad():
-            for name, p in self.params.items():
-                if p.grad is None:
-                    continue
-                before = self.previous.get(name)
-                if before is None:
-                    self.previous[name] = p.grad.detach().clone()
-                    continue
-                change = p.grad - before
-                before.copy_(p.grad)  # the raw gradient, in the buffer of the one it replaces
-                p.grad.add_(change, alpha=step)
-                self.extrapolated = True
+        self.extrapolated = self.extrapolate(self.factor * min(staleness, MAX_UPDATES))
+
+    @torch.no_grad()
+    def extrapolate(self, step: float) -> bool:
+        """Every ``.grad`` += ``step`` x its change since the last update, remembering the raw gradients;
+        whether any was extrapolated (a parameter without a last gradient only starts one)."""
+        done = False
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            before = self.previous.get(name)
+            if before is None:
+                self.previous[name] = p.grad.detach().clone()
+                continue
+            change = p.grad - before
+            before.copy_(p.grad)  # the raw gradient, in the buffer of the one it replaces
+            p.grad.add_(change, alpha=step)
+            done = True
+        return done
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer's step on the gradients ``apply`` left; with ``raw_second_moment``, after an
