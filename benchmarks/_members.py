@@ -58,7 +58,7 @@ class _Member:
 class Emulator:
     def __init__(self, *, tree: str, names: list[str], clusters: dict[str, int], keys: dict[str, tuple[str, str]],
                  broker_key: str, pub: str, router: str, new: bool, interval_s: float, checkpoint_s: float,
-                 follow: int) -> None:
+                 follow: int, trace: bool = False) -> None:
         sys.path.insert(0, tree)
         from ravq.net.wire import Message, MsgType, encode
 
@@ -78,6 +78,12 @@ class Emulator:
         """Whether its members say they train: once one heard that every member of the plan is up (the
         ``start`` key), as nodes at a first start do; before, they say they are starting (a broker marks
         nobody lost before training began: members joining over a minute paused and recovered clusters)."""
+        self.trace: list[float] | None = [] if trace else None
+        """With ``trace``: when, at what CPU time and bytes read it last printed (``_trace``)."""
+        self.sub_bytes = 0
+        self._metas: dict[tuple[int, bytes], dict[str, Any]] = {}
+        self.spy = min(names, key=lambda n: int(n[1:]))
+        self.spied: dict[str, int] = {}
         self.seen: dict[str, dict[int, float]] = {}
         """Topic -> sequence number -> when a member of this process first heard of it (an update, or a tick
         saying it): when the broker published it, as far as this process can tell."""
@@ -95,6 +101,8 @@ class Emulator:
             self.at(time.monotonic() + t - time.time(), "join", name)
         sweep = sample = time.monotonic()
         cpu0 = time.process_time()
+        if self.trace is not None:
+            self.trace = [sample, cpu0, 0]
         while (now := time.monotonic()) < end:
             timeout = max(0.0, min(self.timers[0][0] if self.timers else now + 0.1, now + 0.1) - now)
             for key, _ in self.selector.select(timeout):
@@ -109,10 +117,26 @@ class Emulator:
                     self._drain(m)
             if now - sample >= 0.5:
                 sample = now
+                if self.trace is not None and now - self.trace[0] >= 10.0:
+                    self._trace(now)
                 if now >= self.window_at:
                     self.stats["stale"] = max(self.stats["stale"], self._worst_view(now))
         self.stats["cpu_s"] = time.process_time() - cpu0
         self.ctx.destroy(linger=0)
+
+    def _trace(self, now: float) -> None:
+        """Every 10 s (``trace``): how far behind its timers it is, its CPU and the bytes its SUBs read, and what
+        one member's SUB received by topic and key (what a storm of updates is made of)."""
+        assert self.trace is not None
+        t0, cpu0, bytes0 = self.trace
+        behind = max(0.0, now - self.timers[0][0]) if self.timers else 0.0
+        cpu = time.process_time()
+        print(f"[emu {self.spy}] {now:.0f} joined {self.stats['joined']} behind {behind:.2f}s "
+              f"cpu {(cpu - cpu0) / (now - t0):.2f} sub {(self.sub_bytes - bytes0) / (now - t0) / 1e6:.2f} MB/s "
+              f"gaps {self.stats['gaps']} {sorted(self.spied.items())}", file=sys.stderr, flush=True)
+        self.spied = {}
+        self.trace = [now, cpu, self.sub_bytes]
+
 
     def _worst_view(self, now: float) -> float:
         """How long the worst member has lacked an update the broker published: its view is current when it
@@ -244,13 +268,26 @@ class Emulator:
             m.next_point = now + random.uniform(0, self.checkpoint_s)
             self.at(now + random.uniform(0, self.interval_s), "beat", m.name)
 
+    def _parsed(self, frame: bytes) -> dict[str, Any]:
+        """An update's meta, parsed once per process: every SUB of it receives the same message (its own copy),
+        and parsing each copy made the emulator's work grow with members x updates (a storm of 10,000 silences
+        to 2,500 members took a process 24 s), where a node parses its own.  Keyed by the header's length and
+        head (its timestamp, topic and number)."""
+        key = (len(frame), frame[:256])
+        if (meta := self._metas.get(key)) is None:
+            if len(self._metas) >= 1024:
+                self._metas.clear()
+            meta = self._metas[key] = orjson.loads(frame)["meta"]
+        return meta
+
     def _update(self, m: _Member, frames: list[bytes]) -> None:
         now = time.monotonic()
+        self.sub_bytes += len(frames[-1])
         if now >= self.window_at:
             size = sum(len(f) for f in frames)
             self.stats["bytes"] += size
             self.stats["largest"] = max(self.stats["largest"], *(len(f) for f in frames))
-        meta = orjson.loads(frames[-1])["meta"]
+        meta = self._parsed(frames[-1])
         if not self.new:
             if meta.get("kind") != "silence" and isinstance(meta.get("state"), dict):
                 self.seen.setdefault("", {}).setdefault(meta["seq"], now)
@@ -258,6 +295,13 @@ class Emulator:
                     m.seq, m.synced = meta["seq"], now
             return
         topic, seq = meta.get("topic"), meta.get("seq")
+        if self.trace is not None and m.name == self.spy:
+            kind = meta.get("kind")
+            k = f"{topic}:{kind}"
+            self.spied[k] = self.spied.get(k, 0) + len(frames[-1])
+            for key, _ in meta.get("items") or ():
+                k = f"{topic}:{key.split('/')[0]}"
+                self.spied[k] = self.spied.get(k, 0) + 1
         self.seen.setdefault(topic, {}).setdefault(seq, now)
         if not m.joined:
             return

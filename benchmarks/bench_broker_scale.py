@@ -92,7 +92,7 @@ def _emulate(tree: str, names: list[str], keys: dict[str, tuple[str, str]], brok
     new = "topics" in Subscriber.connect.__code__.co_varnames
     emulator = Emulator(tree=tree, names=names, clusters={n: int(n[1:]) // STAGES for n in names}, keys=keys,
                         broker_key=broker_key, pub=pub, router=router, new=new, interval_s=args.interval_s,
-                        checkpoint_s=args.checkpoint_s, follow=args.max_subs)
+                        checkpoint_s=args.checkpoint_s, follow=args.max_subs, trace=args.trace)
     start = time.time()
     join_at = {n: random.uniform(start, max(start, join_by)) for n in names}
     emulator.run(join_at, window_at, end_at, *_control_messages(tree))
@@ -269,6 +269,8 @@ def main() -> None:
                         "CPU, as on its own PC, and the emulated members on the other (sharing one core with "
                         "them inflates the broker's CPU time: cold caches on every wake-up)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--trace", action="store_true", help="each emulator process prints, every 10 s, how far "
+                        "behind it is, its CPU, its SUBs' bytes and one member's updates by topic and key")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     rows = []

@@ -67,8 +67,8 @@ class Broker:
         restored = None if pair is None else pair.restored
         self.clock = clock
         """What heartbeats and silences are timed on (seconds; tests pass a virtual one)."""
-        self.limits = DecodeLimits(max_header_bytes=topology.limits.max_header_bytes,
-                                   max_frames=topology.limits.max_frames,
+        lim = topology.limits
+        self.limits = DecodeLimits(max_header_bytes=lim.max_header_bytes, max_frames=lim.max_frames,
                                    max_tensor_bytes=opts.max_message_bytes)
         self.seq = 0 if restored is None else restored.seq
         self.heartbeat_timeout_s = heartbeat_timeout_s or topology.timeouts.lost_s
@@ -102,7 +102,7 @@ class Broker:
         self._unsaved = False
         self._snapshots = 0
         self._requests: dict[str, Any] = {}
-        self._publishing = asyncio.Lock()
+        self._publishing, self._reading = asyncio.Lock(), asyncio.Lock()  # updates in order; one reader
         self.keyed.put("run", GLOBAL, {"run_id": self.run_id, "run_explicit": self.the_run.explicit})
         self._refresh(list(self.members), range(len(self.book.clusters)))
         self.keyed.flush()  # nobody listens yet: the first snapshot carries it
@@ -175,10 +175,6 @@ class Broker:
         elif save and self._unsaved:
             self._unsaved = False
             save_run(self.state_dir, self.the_run)
-
-    def _count_members(self) -> None:
-        """Every gauge of the membership (``brokers.gauges``): once per heartbeat interval, on the timer."""
-        self.gauges.count(self.book)
 
     def _observe_recoveries(self) -> None:
         for seconds in self.book.recoveries:
@@ -288,11 +284,15 @@ class Broker:
         the interval came one per wake-up of the event loop, whose cost was most of the broker's CPU."""
         gather_s = GATHER * self.topology.timeouts.heartbeat_interval_s
         while True:
-            got: tuple[bytes, Message] | None = await inbox.recv()
-            while got is not None:  # the burst queued, without a coroutine and a look at EVENTS each
+            if await inbox.readable(self.topology.timeouts.heartbeat_interval_s):
+                await self._drain(inbox, pub)
+                await asyncio.sleep(gather_s)
+
+    async def _drain(self, inbox: Inbox, pub: Publisher) -> None:
+        """Every message queued, in order: one task at a time, none takes a message out of turn elsewhere."""
+        async with self._reading:
+            while (got := inbox.recv_queued()) is not None:
                 await self._handle(inbox, pub, *got)
-                got = inbox.recv_queued()
-            await asyncio.sleep(gather_s)
 
     async def _watch_heartbeats(self, pub: Publisher) -> None:
         """Each heartbeat interval: mark silent nodes lost and move clusters along (``Book.check``, over every
@@ -307,11 +307,11 @@ class Broker:
                 self._refresh((), ())  # the rings' exclusions follow the clusters' states
             self.keyed.put("start", GLOBAL, start_flags(self.book, self.reach.verdicts))
             await self._flush(pub)
-            self._count_members()
+            self.gauges.count(self.book)  # every gauge of the membership, once an interval
             for topic in self.keyed.echoes():
                 await self._tick(pub, topic)
 
-    async def _publish_silence(self, pub: Publisher) -> None:
+    async def _publish_silence(self, inbox: Inbox, pub: Publisher) -> None:
         """``TICKS`` times an interval: publish the global topic's changes (silences among them: members
         silent for ``SILENT_AFTER`` intervals, found by their deadlines); every ``TICK_INTERVALS`` a tick
         with its sequence number.  A node reads a member's silence as the published figure plus the time
@@ -320,12 +320,13 @@ class Broker:
         ``Averager.hold_s`` (1.5 intervals) within a sixteenth of an interval of when it truly does."""
         interval_s = self.topology.timeouts.heartbeat_interval_s
         period, step, tick_s = interval_s / TICKS, interval_s / 16, TICK_INTERVALS * interval_s
-        next_flush = self.clock() + period
-        next_tick = self.clock() + tick_s
+        next_flush, next_tick = self.clock() + period, self.clock() + tick_s
         while True:
             deadline = self.silences.next_deadline()
             wake = next_flush if deadline is None else min(next_flush, max(deadline, self.clock() + step))
             await asyncio.sleep(max(0.0, wake - self.clock()))
+            if (deadline := self.silences.next_deadline()) is not None and deadline <= self.clock() + 1e-6:
+                await self._drain(inbox, pub)  # a beat queued while the loop was held (a GC pass): not silent
             now = self.clock() + 1e-6  # a clock of coarser grain wakes a hair early
             silent = self.silences.due(now)
             for name in silent:
@@ -370,7 +371,7 @@ class Broker:
                 self._tg = tg
                 tg.create_task(self._serve(inbox, pub))
                 tg.create_task(self._watch_heartbeats(pub))
-                tg.create_task(self._publish_silence(pub))
+                tg.create_task(self._publish_silence(inbox, pub))
                 tg.create_task(self._until_stopped())
                 if self.pair is not None:
                     tg.create_task(self.pair.serve(pub.publish, self.stop))
@@ -391,8 +392,7 @@ class Broker:
             log.info("broker stopped")
 
 class _Stopped(Exception):
-    pass
-
+    """``stop`` was called."""
 
 def _public(m: Member, now: float) -> dict[str, Any]:
     return {"state": m.state, "phase": m.said.phase, "generation": m.said.generation,

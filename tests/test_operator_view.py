@@ -176,7 +176,7 @@ def test_the_broker_names_the_lost_node_and_what_its_paused_cluster_waits_for() 
             book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="training",
                                         generation=book.clusters[0].generation), t)
         book.check(t)
-    broker._count_members()
+    broker.gauges.count(broker.book)
     assert waiting_for(book) == {(1, "b1"): "lost"}
 
     def member(name: str, state: str) -> float | None:
@@ -190,14 +190,14 @@ def test_the_broker_names_the_lost_node_and_what_its_paused_cluster_waits_for() 
     book.heartbeat("b0", Heartbeat(incarnation="i-b0", phase="catching_up", generation=1), 8.0)
     book.check(8.0)
     assert book.clusters[1].state == "recovering"
-    broker._count_members()
+    broker.gauges.count(broker.book)
     assert waiting_for(book) == {(1, "b0"): "catching_up", (1, "b1"): "paused"}
     assert metrics.registry.get_sample_value("ravq_cluster_waiting_for",
                                              {"cluster": "1", "member": "b1", "why": "lost"}) is None
     for n in ("b0", "b1"):
         book.heartbeat(n, Heartbeat(incarnation=f"i-{n}", phase="paused", generation=1, ready=1), 9.0)
     book.check(9.0)
-    broker._count_members()
+    broker.gauges.count(broker.book)
     assert book.clusters[1].state == "training" and waiting_for(book) == {}
 
 

@@ -63,6 +63,9 @@ class _BrokerSockets:
     async def reply(self, identity: bytes, msg: Message, peer: str = "") -> None:
         self.replies[identity.decode()].put_nowait(msg)
 
+    def recv_queued(self) -> None:
+        return None  # members' messages are handled as they send them (``_Dealer.send``)
+
 
 class _Queue:
     def __init__(self, queue: asyncio.Queue[Message]) -> None:
@@ -133,7 +136,7 @@ async def _max_silence(watch_s: float) -> tuple[float, int, float, float]:
     try:
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(broker._watch_heartbeats(sockets)),  # type: ignore[arg-type]
-                     tg.create_task(broker._publish_silence(sockets))]  # type: ignore[arg-type]
+                     tg.create_task(broker._publish_silence(sockets, sockets))]  # type: ignore[arg-type]
             for m in members.values():
                 await m.join()
             tasks += [tg.create_task(m.follow()) for m in members.values()]
@@ -226,3 +229,58 @@ def test_a_rejoining_node_takes_its_peers_verdicts_before_it_links_to_them() -> 
 
     verdicts, snapshots = asyncio.run(main())
     assert verdicts == {"c0s0": False, "c1s0": False} and snapshots == 1
+
+
+class _HeldInbox:
+    """The broker's ROUTER with messages queued that its loop has not read yet (held by a collection or a
+    long handler), and a PUB that records what the broker publishes."""
+
+    def __init__(self, queued: list[tuple[bytes, Message]]) -> None:
+        self.queued, self.published = list(queued), []
+
+    def recv_queued(self) -> tuple[bytes, Message] | None:
+        return self.queued.pop(0) if self.queued else None
+
+    async def publish(self, msg: Message, topic: str) -> None:
+        self.published.append(msg)
+
+    async def reply(self, identity: bytes, msg: Message, peer: str = "") -> None:
+        pass
+
+
+def test_a_beat_queued_while_the_broker_was_held_is_read_before_it_publishes_silences() -> None:
+    """A member beat on time, but the broker's loop was held past the member's deadline (a long collection
+    pass at 10,000 members): the beat waits in the queue.  The broker reads what is queued before it looks
+    at the deadlines, so the member is not published silent (before, thousands of members were, and their
+    silences to every subscriber held the broker's I/O thread, which made more beats late: a storm)."""
+    from ravq.net.protocol import Heartbeat, Register
+    from ravq.net.wire import MsgType
+
+    async def scenario() -> tuple[list[str], float]:
+        topology = _topology()
+        broker = Broker(topology, plan_for(topology, None), Metrics("broker"), socket_options_for(
+            topology, "broker", None, Metrics("broker")), clock=now, new_run=True)
+        beat = Heartbeat(incarnation="1", phase="starting")
+        sockets = _HeldInbox([])
+        for name in ("c0s0", "c1s0"):  # both registered and heard at 0
+            await broker._handle(sockets, sockets, name.encode(),  # type: ignore[arg-type]
+                                 Message(type=MsgType.REGISTER, sender=name, meta=Register(incarnation="1").meta()))
+        await asyncio.sleep(INTERVAL_S)
+        for name in ("c0s0", "c1s0"):
+            await broker._handle(sockets, sockets, name.encode(),  # type: ignore[arg-type]
+                                 Message(type=MsgType.HEARTBEAT, sender=name, meta=beat.meta()))
+        sockets.published.clear()
+        # c0s0's next beat came an interval later but sits unread; c1s0 is truly silent from now on
+        held = _HeldInbox([(b"c0s0", Message(type=MsgType.HEARTBEAT, sender="c0s0", meta=beat.meta()))])
+        task = asyncio.create_task(broker._publish_silence(held, held))  # type: ignore[arg-type]
+        await asyncio.sleep(1.5 * INTERVAL_S)  # past both deadlines (1.4 intervals after the beat)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        silent = [k.removeprefix("silent/") for m in held.published if m.meta.get("kind") == "delta"
+                  for k, v in m.meta["items"] if k.startswith("silent/") and v is not None]
+        return silent, broker.silences.last["c0s0"]
+
+    silent, c0_heard = run_virtual(scenario())
+    assert silent == ["c1s0"], silent
+    assert INTERVAL_S < c0_heard <= (1 + 1.4) * INTERVAL_S, c0_heard  # read by the deadline it would have missed
