@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import os
 import random
 import selectors
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -131,7 +133,8 @@ class Emulator:
         t0, cpu0, bytes0 = self.trace
         behind = max(0.0, now - self.timers[0][0]) if self.timers else 0.0
         cpu = time.process_time()
-        print(f"[emu {self.spy}] {now:.0f} joined {self.stats['joined']} behind {behind:.2f}s "
+        rss_mb = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+        print(f"[emu {self.spy}] {now:.0f} joined {self.stats['joined']} behind {behind:.2f}s rss {rss_mb} MiB "
               f"cpu {(cpu - cpu0) / (now - t0):.2f} sub {(self.sub_bytes - bytes0) / (now - t0) / 1e6:.2f} MB/s "
               f"gaps {self.stats['gaps']} {sorted(self.spied.items())}", file=sys.stderr, flush=True)
         self.spied = {}
