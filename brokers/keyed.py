@@ -167,6 +167,12 @@ def start_flags(book: Book, verdicts: dict[str, str]) -> dict[str, bool]:
             "reached": all(n in verdicts for n in nodes)}
 
 
+def status_of(m: Member, now: float) -> dict[str, Any]:
+    """A member as ``ravq status`` shows it (not published: its age and statistics change every beat)."""
+    return {"state": m.state, "phase": m.said.phase, "generation": m.said.generation,
+            "age_s": round(now - m.last_seen, 3), "stats": m.stats}
+
+
 def member_value(m: Member) -> dict[str, Any]:
     return {"state": m.state, "phase": m.said.phase, "incarnation": m.incarnation,
             "checkpoints": m.checkpoints}

@@ -28,7 +28,7 @@ import zmq.asyncio
 from brokers.binarystar import PRIMARY, Pairing
 from brokers.book import Book, Member
 from brokers.gauges import Gauges
-from brokers.keyed import KeyedState, member_value, out_items, plan_head, plan_items, start_flags
+from brokers.keyed import KeyedState, member_value, out_items, plan_head, plan_items, start_flags, status_of
 from brokers.reach import Reachability
 from brokers.run import open_run, save_run, state_dir_for
 from brokers.silence import Silences
@@ -252,7 +252,7 @@ class Broker:
             status = {"seq": self.seq, "plan": self.plan.model_dump(), "run_id": self.run_id,
                       "reach": self.reach.public(), "reach_tried": dict(self.reach.tried),
                       "clusters": [cs.public() for cs in self.book.clusters],
-                      "members": {k: _public(v, now) for k, v in self.members.items()},
+                      "members": {k: status_of(v, now) for k, v in self.members.items()},
                       "pair": None if self.pair is None else self.pair.public()}
             await inbox.reply(identity, Message(type=MsgType.STATUS, sender=BROKER, meta=status), node)
         else:
@@ -280,19 +280,23 @@ class Broker:
             await inbox.reply(identity, Message(type=MsgType.SNAPSHOT, sender=BROKER, meta=meta), node)
 
     async def _serve(self, inbox: Inbox, pub: Publisher) -> None:
-        """Handle the queued messages, then gather for ``GATHER`` of an interval: heartbeats spread over
-        the interval came one per wake-up of the event loop, whose cost was most of the broker's CPU."""
-        gather_s = GATHER * self.topology.timeouts.heartbeat_interval_s
+        """Handle the queued messages, then gather for ``GATHER`` of an interval (a wake-up per heartbeat was
+        most of the broker's CPU); no gathering while behind (a queue never empty): the others' turn only."""
+        ivl = self.topology.timeouts.heartbeat_interval_s
         while True:
-            if await inbox.readable(self.topology.timeouts.heartbeat_interval_s):
-                await self._drain(inbox, pub)
-                await asyncio.sleep(gather_s)
+            if await inbox.readable(ivl):
+                await asyncio.sleep(GATHER * ivl if await self._drain(inbox, pub, ivl / 16) else 0)
 
-    async def _drain(self, inbox: Inbox, pub: Publisher) -> None:
-        """Every message queued, in order: one task at a time, none takes a message out of turn elsewhere."""
+    async def _drain(self, inbox: Inbox, pub: Publisher, budget_s: float) -> bool:
+        """The messages queued, in order, for up to ``budget_s`` of this PC's time (whether none is left): one
+        task at a time, and bounded, so a broker that falls behind still ticks (an endless queue held it)."""
         async with self._reading:
+            end = time.monotonic() + budget_s
             while (got := inbox.recv_queued()) is not None:
                 await self._handle(inbox, pub, *got)
+                if time.monotonic() >= end:
+                    return False
+        return True
 
     async def _watch_heartbeats(self, pub: Publisher) -> None:
         """Each heartbeat interval: mark silent nodes lost and move clusters along (``Book.check``, over every
@@ -326,7 +330,7 @@ class Broker:
             wake = next_flush if deadline is None else min(next_flush, max(deadline, self.clock() + step))
             await asyncio.sleep(max(0.0, wake - self.clock()))
             if (deadline := self.silences.next_deadline()) is not None and deadline <= self.clock() + 1e-6:
-                await self._drain(inbox, pub)  # a beat queued while the loop was held (a GC pass): not silent
+                await self._drain(inbox, pub, step)  # a beat queued while the loop was held (GC): not silent
             now = self.clock() + 1e-6  # a clock of coarser grain wakes a hair early
             silent = self.silences.due(now)
             for name in silent:
@@ -391,10 +395,6 @@ class Broker:
             ctx.term()
             log.info("broker stopped")
 
+
 class _Stopped(Exception):
     """``stop`` was called."""
-
-def _public(m: Member, now: float) -> dict[str, Any]:
-    return {"state": m.state, "phase": m.said.phase, "generation": m.said.generation,
-            "age_s": round(now - m.last_seen, 3),
-            "stats": m.stats}

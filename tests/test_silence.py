@@ -284,3 +284,34 @@ def test_a_beat_queued_while_the_broker_was_held_is_read_before_it_publishes_sil
     silent, c0_heard = run_virtual(scenario())
     assert silent == ["c1s0"], silent
     assert INTERVAL_S < c0_heard <= (1 + 1.4) * INTERVAL_S, c0_heard  # read by the deadline it would have missed
+
+
+def test_a_broker_whose_queue_never_empties_still_gets_to_its_other_work() -> None:
+    """Beats arrive faster than the broker handles them: a drain stops after its budget and says the queue was
+    not emptied (``_serve`` then only yields), so the silence task, which drains before its deadlines, still
+    ticks and publishes.  Unbounded, one drain held the reading lock for as long as the queue grew."""
+    from ravq.net.protocol import Heartbeat
+    from ravq.net.wire import MsgType
+
+    class _Endless(_HeldInbox):
+        handed = 0
+
+        def recv_queued(self) -> tuple[bytes, Message] | None:
+            if self.handed >= 100_000:  # "endless": seconds of beats to the broker, far over the budget
+                return None
+            self.handed += 1
+            meta = Heartbeat(incarnation="1", phase="starting").meta()
+            return b"c0s0", Message(type=MsgType.HEARTBEAT, sender="c0s0", meta=meta)
+
+    async def scenario() -> tuple[bool, bool, int]:
+        topology = _topology()
+        broker = Broker(topology, plan_for(topology, None), Metrics("broker"), socket_options_for(
+            topology, "broker", None, Metrics("broker")), clock=asyncio.get_running_loop().time, new_run=True)
+        endless, empty = _Endless([]), _HeldInbox([])
+        behind = await broker._drain(endless, endless, 0.01)  # type: ignore[arg-type]
+        caught_up = await broker._drain(empty, empty, 0.01)  # type: ignore[arg-type]
+        return behind, caught_up, endless.handed
+
+    behind, caught_up, handed = asyncio.run(scenario())
+    assert not behind and 2 <= handed < 100_000, (behind, handed)
+    assert caught_up
