@@ -35,6 +35,7 @@ from ravq.net.options import SocketOptions, endpoint
 from ravq.net.pubsub import Publisher, Subscriber
 from ravq.net.transport import Inbox, Outlink
 from ravq.net.wire import DecodeLimits, Message, MsgType
+from ravq.tuning import BROKER_FILES_PER_NODE, SPARE_FILES, allow_open_files
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,9 @@ class ActiveSide:
 def run_broker(topology: Topology, plan: Plan, metrics: Metrics, opts: SocketOptions, *,
                new_run: bool = False, backup: bool = False) -> None:
     """Entry point: run until SIGTERM/SIGINT; ``backup``: as ``broker.backup`` (``topology`` as
-    ``as_backup`` made it)."""
+    ``as_backup`` made it).  First the open files it may hold: two connections for every node."""
+    nodes = len(topology.nodes)
+    allow_open_files(BROKER_FILES_PER_NODE * nodes + SPARE_FILES, f"a broker of {nodes} nodes")
     if topology.broker.backup is None:
         broker = Broker(topology, plan, metrics, opts, new_run=new_run)
         metrics.broker_active.labels(PRIMARY).set(1)

@@ -17,6 +17,7 @@ import gc
 import logging
 import math
 import os
+import resource
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -60,6 +61,30 @@ def tune_process(env: Mapping[str, str] | None = None) -> bool:
         log.info("malloc: the thresholds set in the environment are kept")
     _tuned = ok
     return ok
+
+
+BROKER_FILES_PER_NODE = 2
+"""Connections a broker holds per node of the topology: the node's DEALER and its SUB."""
+SPARE_FILES = 256
+"""Files a process holds besides its peers' connections (ZeroMQ's own, logs, metrics, ``ravq status``)."""
+
+
+def allow_open_files(needed: int, what: str) -> int:
+    """Raise this process's soft limit on open files to ``needed`` where the hard limit allows; the soft limit
+    after.  A broker holds a connection per node and socket, and past its limit ZeroMQ's listener fails every
+    accept without a word: in a container capped at 20,000, members of a 10,000-member swarm past the first
+    ~8,000 could not reach the broker, whose loop fell behind while the rest were published silent.  A hard
+    limit under ``needed`` is logged (``what`` says for what) with the remedy."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    target = needed if hard == unlimited else min(needed, hard)
+    if soft != unlimited and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if hard != unlimited and hard < needed:
+        log.warning("open files: %s needs %d, and this process may have only %d (the hard limit): raise it "
+                    "(LimitNOFILE= in its systemd unit, or ulimit -Hn as root)", what, needed, hard)
+    return soft
 
 
 _SETTINGS = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "mmap_threshold"),

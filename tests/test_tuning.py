@@ -42,3 +42,33 @@ def test_a_threshold_the_user_set_is_kept(env: dict[str, str], mmapped: str) -> 
     out = subprocess.run([sys.executable, "-c", _MMAPPED], env={**clean, **env}, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.strip() == mmapped
+
+
+_FILES = """
+import logging, resource, sys
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from ravq.tuning import allow_open_files
+soft, hard = {soft}, {hard}
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print(allow_open_files({needed}, "a broker of 3000 nodes"), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+@pytest.mark.parametrize(("soft", "hard", "needed", "after", "warned"), [
+    (512, 4096, 2048, 2048, False),  # raised to what is needed
+    (512, 1024, 2048, 1024, True),  # only up to the hard limit, and said
+    (4096, 4096, 2048, 4096, False),  # never lowered
+])
+def test_a_broker_raises_its_open_files_to_what_its_nodes_need(soft: int, hard: int, needed: int, after: int,
+                                                               warned: bool) -> None:
+    """Past its open-file limit a broker's ZeroMQ listener fails every accept without a word (a container
+    capped at 20,000 stopped a 10,000-member swarm at ~8,000): the broker raises its soft limit to two
+    connections a node, and says so when the hard limit is lower, with the remedy."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:
+        pytest.skip("this machine's hard limit on open files is lower than the case's")
+    code = _FILES.format(soft=soft, hard=hard, needed=needed)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == [str(after), str(after)], done.stdout
+    assert ("needs 2048" in done.stderr and "LimitNOFILE" in done.stderr) == warned, done.stderr
