@@ -72,9 +72,8 @@ SPARE_FILES = 256
 def allow_open_files(needed: int, what: str) -> int:
     """Raise this process's soft limit on open files to ``needed`` where the hard limit allows; the soft limit
     after.  A broker holds a connection per node and socket, and past its limit ZeroMQ's listener fails every
-    accept without a word: in a container capped at 20,000, members of a 10,000-member swarm past the first
-    ~8,000 could not reach the broker, whose loop fell behind while the rest were published silent.  A hard
-    limit under ``needed`` is logged (``what`` says for what) with the remedy."""
+    accept without a word: started from a shell with the common 1,024, a broker would refuse nodes past about
+    500.  A hard limit under ``needed`` is logged (``what`` says for what) with the remedy."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     unlimited = resource.RLIM_INFINITY
     target = needed if hard == unlimited else min(needed, hard)

@@ -61,9 +61,9 @@ print(allow_open_files({needed}, "a broker of 3000 nodes"), resource.getrlimit(r
 ])
 def test_a_broker_raises_its_open_files_to_what_its_nodes_need(soft: int, hard: int, needed: int, after: int,
                                                                warned: bool) -> None:
-    """Past its open-file limit a broker's ZeroMQ listener fails every accept without a word (a container
-    capped at 20,000 stopped a 10,000-member swarm at ~8,000): the broker raises its soft limit to two
-    connections a node, and says so when the hard limit is lower, with the remedy."""
+    """Past its open-file limit a broker's ZeroMQ listener fails every accept without a word (from a shell
+    with the common 1,024, nodes past about 500): the broker raises its soft limit to two connections a node,
+    and says so when the hard limit is lower, with the remedy."""
     import resource
 
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:
